@@ -1,0 +1,76 @@
+"""The `moebench` command line. Each subcommand lives beside the code it drives and registers here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import MoebenchError
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="decode a prompt and report tokens, text, timings and dispatch counts")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--fused", choices=("on", "off"), default=None, help="override MOEBENCH_FUSED_MOE")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(a: argparse.Namespace) -> int:
+    from .decode import Sampling, generate
+    from .kernels import set_fused_moe
+    from .loader import load
+
+    if a.fused is not None:
+        set_fused_moe(a.fused == "on")
+    model, tok = load(a.model, verbose=not a.json)
+    if tok is None:
+        raise MoebenchError(f"{model.load_info.source}: no tokenizer.json, so a text prompt cannot be encoded")
+    ids = tok.encode(a.prompt)
+    sampling = Sampling(a.temperature, a.top_p, a.seed)
+    result = generate(model, ids, a.max_tokens, sampling, stop_ids=model.args.eos_token_id)
+    text = tok.decode(result.token_ids)
+    dispatch = {str(i): b.dispatch.as_dict() for i, b in model.moe_blocks().items()}
+    if a.json:
+        print(json.dumps({
+            "model": str(model.load_info.source), "prompt": a.prompt, "prompt_ids": result.prompt_ids,
+            "token_ids": result.token_ids, "text": text,
+            "timings": {"prompt_seconds": result.prompt_seconds, "decode_seconds": result.decode_seconds,
+                        "prompt_tps": result.prompt_tps, "decode_tps": result.decode_tps},
+            "dispatch": dispatch,
+        }, indent=2))
+    else:
+        print(a.prompt + text)
+        print(f"\n[prompt {len(ids)} tokens, {result.prompt_tps:.1f} tok/s | decode {len(result.token_ids)} tokens, "
+              f"{result.decode_tps:.1f} tok/s]", file=sys.stderr)
+        fused = sum(sum(d["fused"].values()) for d in dispatch.values())
+        fallback = sum(d["fallback"] for d in dispatch.values())
+        reasons = sorted({r for d in dispatch.values() for r in d["reasons"]})
+        print(f"[MoE dispatch: {fused} fused, {fallback} fallback; reasons: {reasons}]", file=sys.stderr)
+    return 0
+
+
+COMMANDS = [_add_generate]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moebench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in COMMANDS:
+        add(sub)
+    a = parser.parse_args(argv)
+    try:
+        return a.run(a)
+    except MoebenchError as e:
+        print(f"moebench: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Prefill and decode loops with a KV cache, and greedy / temperature + top-p sampling."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .cache import make_cache
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 means greedy; top_p < 1 keeps the smallest set of tokens with that much mass."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+def sample(logits: mx.array, sampling: Sampling, key: mx.array | None = None) -> mx.array:
+    """logits [B, V] -> token ids [B]."""
+    if sampling.temperature <= 0:
+        return mx.argmax(logits, axis=-1)
+    logits = logits.astype(mx.float32) / sampling.temperature
+    if sampling.top_p < 1.0:
+        probs = mx.softmax(logits, axis=-1)
+        order = mx.argsort(-probs, axis=-1)
+        sorted_probs = mx.take_along_axis(probs, order, axis=-1)
+        keep_sorted = (mx.cumsum(sorted_probs, axis=-1) - sorted_probs) < sampling.top_p
+        keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
+        logits = mx.where(keep, logits, -mx.inf)
+    return mx.random.categorical(logits, key=key)
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    prompt_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return len(self.prompt_ids) / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens after the first, per second of decoding (the first comes out of prefill)."""
+        n = len(self.token_ids) - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds else 0.0
+
+
+def generate_tokens(
+    model, prompt_ids: list[int], max_tokens: int, sampling: Sampling = Sampling(),
+    stop_ids: tuple[int, ...] = (),
+) -> Iterator[tuple[int, mx.array]]:
+    """Yield (token id, next-token logits [V]) one step at a time; evaluation is pipelined one step ahead."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    cache = make_cache(len(model.layers))
+    key = mx.random.key(sampling.seed) if sampling.seed is not None else None
+
+    def step(tokens: mx.array, key: mx.array | None) -> tuple[mx.array, mx.array]:
+        logits = model(tokens[None], cache)[0, -1]
+        sub = None
+        if key is not None:
+            key, sub = mx.random.split(key)
+        return sample(logits[None], sampling, sub)[0], logits, key
+
+    token, logits, key = step(mx.array(prompt_ids, dtype=mx.uint32), key)
+    mx.async_eval(token, logits)
+    for n in range(max_tokens):
+        if n + 1 < max_tokens:
+            nxt = step(token.reshape(1).astype(mx.uint32), key)
+            mx.async_eval(nxt[0], nxt[1])
+        tid = token.item()
+        yield tid, logits
+        if tid in stop_ids or n + 1 >= max_tokens:
+            return
+        token, logits, key = nxt
+
+
+def generate(model, prompt_ids: list[int], max_tokens: int, sampling: Sampling = Sampling(),
+             stop_ids: tuple[int, ...] = ()) -> GenerationResult:
+    """Run prefill and decode; time both (the first token marks the end of prefill)."""
+    result = GenerationResult(list(prompt_ids))
+    start = time.perf_counter()
+    first = None
+    for tid, _ in generate_tokens(model, prompt_ids, max_tokens, sampling, stop_ids):
+        result.token_ids.append(tid)
+        if first is None:
+            first = time.perf_counter()
+            result.prompt_seconds = first - start
+    if first is not None:
+        result.decode_seconds = time.perf_counter() - first
+    return result

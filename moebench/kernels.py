@@ -1,0 +1,178 @@
+"""The one place that decides fused or fallback for a MoE layer, and always says why.
+
+The switch: environment variable MOEBENCH_FUSED_MOE (default on; 0/false/off/no turn it off),
+`set_fused_moe()` and the `fused_moe()` context manager, read at every forward call so a widget
+can flip it between tokens. Each MoE block owns a DispatchCounter of fused runs, fallbacks and
+decline reasons.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from . import fused_kernel
+from .switch import SwitchGLU, weighted_sum
+
+ENV_SWITCH = "MOEBENCH_FUSED_MOE"
+ENV_MAX_DFF = "MOEBENCH_FUSED_MOE_MAX_DFF"
+DEFAULT_MAX_DFF = {"metal": 4096, "cuda": 8192}
+GATE_UP_BITS = (4, 8)
+DOWN_BITS = (4, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+OFF_WORDS = ("0", "false", "off", "no")
+
+
+def _env_switch() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in OFF_WORDS
+
+
+_enabled = _env_switch()
+
+
+def fused_moe_enabled() -> bool:
+    return _enabled
+
+
+def set_fused_moe(enabled: bool) -> None:
+    """Turn the fused decode-MoE path on or off for every model, from the next forward call on."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+@contextmanager
+def fused_moe(enabled: bool) -> Iterator[None]:
+    """Run a block of code with the fused path switched on or off, then restore the previous state."""
+    before = fused_moe_enabled()
+    set_fused_moe(enabled)
+    try:
+        yield
+    finally:
+        set_fused_moe(before)
+
+
+def available_backend() -> str:
+    """'metal' or 'cuda' when the default device is a GPU with that back-end, else 'reference' (CPU)."""
+    if mx.default_device() == mx.gpu:
+        if mx.metal.is_available():
+            return "metal"
+        if mx.cuda.is_available():
+            return "cuda"
+    return "reference"
+
+
+def max_dff(backend: str) -> int | None:
+    """Expert width above which the GPU kernel loses to gather_qmm; the reference has no cap."""
+    if backend not in DEFAULT_MAX_DFF:
+        return None
+    raw = os.environ.get(ENV_MAX_DFF, "")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    return value if value > 0 else DEFAULT_MAX_DFF[backend]
+
+
+def support_reason(experts: SwitchGLU, backend: str) -> str | None:
+    """Why the fused kernel cannot run these experts on `backend`, or None when it can."""
+    parts = [p.quantized_parts() for p in (experts.gate_proj, experts.up_proj, experts.down_proj)]
+    if any(p is None for p in parts):
+        return "float experts (the kernel needs quantized weights)"
+    gate, up, down = parts
+    modes = {p.mode for p in parts}
+    if modes != {"affine"}:
+        return f"quantization mode {sorted(modes)} (the kernel needs affine)"
+    if any(p.biases is None for p in parts):
+        return "affine without biases"
+    if gate.bits != up.bits:
+        return f"gate bits {gate.bits} != up bits {up.bits}"
+    if gate.bits not in GATE_UP_BITS:
+        return f"gate/up bits {gate.bits} not in {GATE_UP_BITS}"
+    if down.bits not in DOWN_BITS:
+        return f"down bits {down.bits} not in {DOWN_BITS}"
+    sizes = {p.group_size for p in parts}
+    if len(sizes) != 1:
+        return f"group sizes differ {sorted(sizes)}"
+    if gate.group_size not in GROUP_SIZES:
+        return f"group size {gate.group_size} not in {GROUP_SIZES}"
+    dff = gate.out_features
+    if down.bits == 6 and dff % 16:
+        return f"6-bit down needs Dff % 16 == 0 (Dff {dff})"
+    cap = max_dff(backend)
+    if cap is not None and dff > cap:
+        return f"Dff {dff} above the {backend} cap {cap} ({ENV_MAX_DFF})"
+    return None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which path one MoE call took: backend 'metal' / 'cuda' / 'reference', or 'fallback' and why."""
+
+    path: str
+    reason: str | None = None
+
+    @property
+    def fused(self) -> bool:
+        return self.path != "fallback"
+
+
+@dataclass
+class DispatchCounter:
+    """Fused runs, fallbacks and decline reasons of one MoE layer."""
+
+    fused: Counter = field(default_factory=Counter)
+    fallback: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    _support: dict = field(default_factory=dict, repr=False)
+
+    def decide(self, experts: SwitchGLU, n_tokens: int) -> Decision:
+        if n_tokens != 1:
+            decision = Decision("fallback", f"{n_tokens} tokens (the kernel runs single-token decode)")
+        elif not fused_moe_enabled():
+            decision = Decision("fallback", f"switched off ({ENV_SWITCH} / set_fused_moe)")
+        else:
+            backend = available_backend()
+            if backend not in self._support:
+                self._support[backend] = support_reason(experts, backend)
+            reason = self._support[backend]
+            decision = Decision("fallback", reason) if reason else Decision(backend)
+        if decision.fused:
+            self.fused[decision.path] += 1
+        else:
+            self.fallback += 1
+            self.reasons[decision.reason] += 1
+        return decision
+
+    def reset(self) -> None:
+        self.fused.clear()
+        self.fallback = 0
+        self.reasons.clear()
+
+    def as_dict(self) -> dict:
+        return {"fused": dict(self.fused), "fallback": self.fallback, "reasons": dict(self.reasons)}
+
+
+def routed_experts(
+    experts: SwitchGLU, x: mx.array, indices: mx.array, scores: mx.array, counter: DispatchCounter
+) -> tuple[mx.array, mx.array, Decision]:
+    """The routed part of a MoE block: (weighted sum [N, D], per-expert outputs [N, K, D], decision).
+
+    Fused: per-expert outputs in float32, weighted and summed over K in float32, one final cast.
+    Fallback: SwitchGLU (gather_qmm) in the activation dtype and the weighted sum in that dtype.
+    """
+    decision = counter.decide(experts, x.shape[0])
+    if decision.fused:
+        y = fused_kernel.expert_outputs(
+            decision.path, x[0], indices[0],
+            experts.gate_proj.quantized_parts(), experts.up_proj.quantized_parts(),
+            experts.down_proj.quantized_parts(),
+        )
+        out = fused_kernel.combine(y, scores[0]).astype(x.dtype)
+        return out[None], y[None], decision
+    y = experts(x, indices)
+    return weighted_sum(y, scores), y, decision

@@ -1,0 +1,214 @@
+"""Qwen2-MoE (Qwen1.5-MoE-A2.7B and relatives), top to bottom.
+
+Decoder layer (pre-norm): h = x + Attn(RMSNorm(x)); out = h + Block(RMSNorm(h)), where Block is the
+sparse MoE block (router softmax over all experts in float32, top-k, routed SwiGLU experts, plus a
+sigmoid-gated shared expert) or, per decoder_sparse_step / mlp_only_layers, a dense SwiGLU MLP.
+
+Internals are recorded only when a recorder is attached (`model.recorder`), under the names of
+moebench.hooks; with none attached the forward pass does no extra work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import hooks
+from ..cache import KVCache
+from ..config import ModelArgs
+from ..errors import CheckpointError
+from ..kernels import DispatchCounter, routed_experts
+from ..layers import Embedding, Linear, load_linear
+from ..routing import Intervention, route
+from ..switch import SwitchGLU, load_switch_glu
+
+Recorder = Callable[[str, object], None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: mx.array, eps: float):
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Multi-head (or grouped-query) attention with q/k/v bias and rotate-half RoPE."""
+
+    def __init__(self, args: ModelArgs, q_proj: Linear, k_proj: Linear, v_proj: Linear, o_proj: Linear):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.rope_theta = args.rope_theta
+        self.scale = args.head_dim**-0.5
+
+    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        b, length, _ = x.shape
+        q = self.q_proj(x).reshape(b, length, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+        k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        mask = "causal" if length > 1 else None
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU: down(silu(gate(x)) * up(x)); also the shared expert."""
+
+    def __init__(self, gate_proj: Linear, up_proj: Linear, down_proj: Linear):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def __call__(self, x: mx.array, layer: int = -1, record: Recorder | None = None) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router top-k over the routed experts plus a sigmoid-gated shared expert."""
+
+    def __init__(self, args: ModelArgs, gate: Linear, experts: SwitchGLU, shared_expert: MLP | None,
+                 shared_expert_gate: Linear | None):
+        super().__init__()
+        self.gate, self.experts = gate, experts
+        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+        self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
+        self.dispatch = DispatchCounter()
+        self.intervention: Intervention | None = None
+
+    def __call__(self, x: mx.array, layer: int = -1, record: Recorder | None = None) -> mx.array:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.gate(x)
+        probs, inds, scores = route(logits, self.top_k, self.norm_topk_prob, self.intervention)
+        routed, expert_out, decision = routed_experts(self.experts, x, inds, scores, self.dispatch)
+        out = routed
+        shared = gate = None
+        if self.shared_expert is not None and (self.intervention is None or self.intervention.shared_expert):
+            shared = self.shared_expert(x)
+            gate = mx.sigmoid(self.shared_expert_gate(x))
+            if self.intervention is not None and self.intervention.shared_gate_scale != 1.0:
+                gate = gate * self.intervention.shared_gate_scale
+            out = out + gate * shared
+        if record is not None:
+            name = hooks.moe_name(layer)
+            record(name(hooks.ROUTER_LOGITS), logits)
+            record(name(hooks.ROUTER_PROBS), probs)
+            record(name(hooks.TOPK_IDS), inds)
+            record(name(hooks.TOPK_SCORES), scores)
+            record(name(hooks.EXPERT_OUT), expert_out)
+            record(name(hooks.ROUTED_OUT), routed)
+            record(name(hooks.SHARED_OUT), shared)
+            record(name(hooks.SHARED_GATE), gate)
+            record(name(hooks.BLOCK_OUT), out)
+            record(name(hooks.PATH), decision)
+        return out.reshape(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: Attention, block: SparseMoeBlock | MLP, input_norm: RMSNorm, post_norm: RMSNorm):
+        super().__init__()
+        self.self_attn, self.mlp = attn, block
+        self.input_layernorm, self.post_attention_layernorm = input_norm, post_norm
+
+    def __call__(self, x: mx.array, cache: KVCache | None, layer: int, record: Recorder | None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        out = h + self.mlp(self.post_attention_layernorm(h), layer, record)
+        if record is not None:
+            record(hooks.resid_name(layer, hooks.RESID_PRE), x)
+            record(hooks.resid_name(layer, hooks.RESID_MID), h)
+            record(hooks.resid_name(layer, hooks.RESID_POST), out)
+        return out
+
+
+class Qwen2MoeModel(nn.Module):
+    """tokens [B, L] -> logits [B, L, vocab]; pass a cache (moebench.cache.make_cache) to decode."""
+
+    def __init__(self, args: ModelArgs, embed: Embedding, layers: list[DecoderLayer], norm: RMSNorm,
+                 lm_head: Linear | None):
+        super().__init__()
+        self.args = args
+        self.embed_tokens, self.layers, self.norm = embed, layers, norm
+        if lm_head is not None:
+            self.lm_head = lm_head
+        self.recorder: Recorder | None = None
+
+    def moe_blocks(self) -> dict[int, SparseMoeBlock]:
+        return {i: layer.mlp for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoeBlock)}
+
+    def hidden(self, tokens: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+        """Final-normed hidden states [B, L, D]."""
+        record = self.recorder
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache[i] if cache is not None else None, i, record)
+        return self.norm(x)
+
+    def unembed(self, h: mx.array) -> mx.array:
+        return self.lm_head(h) if "lm_head" in self else self.embed_tokens.as_linear(h)
+
+    def __call__(self, tokens: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+        return self.unembed(self.hidden(tokens, cache))
+
+
+def build(args: ModelArgs, store, dtype: mx.Dtype) -> Qwen2MoeModel:
+    """Build the model from a checkpoint's tensors, checking every shape against the config."""
+    q = args.quantization
+    hidden, heads, kv, hd = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
+
+    def linear(name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
+        return load_linear(store, name, out_f, in_f, dtype, q, bias)
+
+    def norm(name: str) -> RMSNorm:
+        w = store.take(name)
+        if tuple(w.shape) != (hidden,):
+            raise CheckpointError(f"{store.where(name)}: {name} has shape {tuple(w.shape)}, expected ({hidden},)")
+        return RMSNorm(w.astype(dtype), args.rms_norm_eps)
+
+    def mlp(prefix: str, width: int) -> MLP:
+        return MLP(linear(f"{prefix}.gate_proj", width, hidden), linear(f"{prefix}.up_proj", width, hidden),
+                   linear(f"{prefix}.down_proj", hidden, width))
+
+    embed = Embedding(linear("model.embed_tokens", args.vocab_size, hidden))
+    layers = []
+    for i in range(args.num_hidden_layers):
+        p = f"model.layers.{i}"
+        attn = Attention(
+            args,
+            linear(f"{p}.self_attn.q_proj", heads * hd, hidden, bias=args.qkv_bias),
+            linear(f"{p}.self_attn.k_proj", kv * hd, hidden, bias=args.qkv_bias),
+            linear(f"{p}.self_attn.v_proj", kv * hd, hidden, bias=args.qkv_bias),
+            linear(f"{p}.self_attn.o_proj", hidden, heads * hd),
+        )
+        if args.is_moe_layer(i):
+            shared = shared_gate = None
+            if args.shared_expert_intermediate_size:
+                shared = mlp(f"{p}.mlp.shared_expert", args.shared_expert_intermediate_size)
+                shared_gate = linear(f"{p}.mlp.shared_expert_gate", 1, hidden)
+            block = SparseMoeBlock(
+                args,
+                linear(f"{p}.mlp.gate", args.num_experts, hidden),
+                load_switch_glu(store, f"{p}.mlp", args.num_experts, hidden, args.moe_intermediate_size, dtype, q),
+                shared,
+                shared_gate,
+            )
+        else:
+            block = mlp(f"{p}.mlp", args.intermediate_size)
+        layers.append(DecoderLayer(attn, block, norm(f"{p}.input_layernorm.weight"),
+                                  norm(f"{p}.post_attention_layernorm.weight")))
+        mx.eval(layers[-1].parameters())  # materialise layer by layer: bounded peak memory
+    final_norm = norm("model.norm.weight")
+    lm_head = None
+    if not args.tie_word_embeddings or "lm_head.weight" in store:
+        lm_head = linear("lm_head", args.vocab_size, hidden)
+    model = Qwen2MoeModel(args, embed, layers, final_norm, lm_head)
+    mx.eval(model.parameters())
+    return model

@@ -1,0 +1,201 @@
+"""Writing checkpoint folders: random Qwen2-MoE weights in the HF float layout, MLX quantization in
+the stacked or per-expert layout, and sharded safetensors with an index. Used by tests, by
+`moebench make-random` and by training.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .config import ModelArgs
+
+# Matrices that stay float even in a quantized checkpoint (norms and biases are 1-D and never quantized).
+EXPERT_RE = re.compile(r"^(?P<root>.+\.mlp)\.experts\.(?P<i>\d+)\.(?P<proj>\w+_proj)\.weight$")
+
+
+def tensor_shapes(args: ModelArgs) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a Qwen2-MoE checkpoint in the HF float layout (per-expert), with its shape."""
+    d, hd = args.hidden_size, args.head_dim
+    yield "model.embed_tokens.weight", (args.vocab_size, d)
+    for i in range(args.num_hidden_layers):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (d,)
+        yield f"{p}.post_attention_layernorm.weight", (d,)
+        for name, heads in (("q_proj", args.num_attention_heads), ("k_proj", args.num_key_value_heads),
+                            ("v_proj", args.num_key_value_heads)):
+            yield f"{p}.self_attn.{name}.weight", (heads * hd, d)
+            if args.qkv_bias:
+                yield f"{p}.self_attn.{name}.bias", (heads * hd,)
+        yield f"{p}.self_attn.o_proj.weight", (d, args.num_attention_heads * hd)
+        if args.is_moe_layer(i):
+            f = args.moe_intermediate_size
+            yield f"{p}.mlp.gate.weight", (args.num_experts, d)
+            for e in range(args.num_experts):
+                yield f"{p}.mlp.experts.{e}.gate_proj.weight", (f, d)
+                yield f"{p}.mlp.experts.{e}.up_proj.weight", (f, d)
+                yield f"{p}.mlp.experts.{e}.down_proj.weight", (d, f)
+            if args.shared_expert_intermediate_size:
+                s = args.shared_expert_intermediate_size
+                yield f"{p}.mlp.shared_expert.gate_proj.weight", (s, d)
+                yield f"{p}.mlp.shared_expert.up_proj.weight", (s, d)
+                yield f"{p}.mlp.shared_expert.down_proj.weight", (d, s)
+                yield f"{p}.mlp.shared_expert_gate.weight", (1, d)
+        else:
+            f = args.intermediate_size
+            yield f"{p}.mlp.gate_proj.weight", (f, d)
+            yield f"{p}.mlp.up_proj.weight", (f, d)
+            yield f"{p}.mlp.down_proj.weight", (d, f)
+    yield "model.norm.weight", (d,)
+    if not args.tie_word_embeddings:
+        yield "lm_head.weight", (args.vocab_size, d)
+
+
+def random_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator, dtype=mx.float32) -> mx.array:
+    """Small random weights that keep activations in range: norms near 1, matrices ~ N(0, 1/fan_in)."""
+    if name.endswith("norm.weight"):
+        value = 1.0 + 0.1 * rng.standard_normal(shape)
+    elif name.endswith(".bias"):
+        value = 0.02 * rng.standard_normal(shape)
+    else:
+        value = rng.standard_normal(shape) / np.sqrt(shape[-1])
+    return mx.array(value.astype(np.float32)).astype(dtype)
+
+
+def random_tensors(args: ModelArgs, seed: int = 0, dtype=mx.float32) -> Iterator[tuple[str, mx.array]]:
+    rng = np.random.default_rng(seed)
+    for name, shape in tensor_shapes(args):
+        yield name, random_tensor(name, shape, rng, dtype)
+
+
+def quantize_tensors(
+    tensors: Iterator[tuple[str, mx.array]],
+    group_size: int = 64,
+    bits: int | Callable[[str], int] = 4,
+    layout: str = "per-expert",
+    num_experts: int | None = None,
+    skip: Callable[[str], bool] = lambda name: False,
+) -> Iterator[tuple[str, mx.array]]:
+    """MLX affine quantization of every 2-D weight whose input width divides by the group size.
+
+    `bits` may be a function of the tensor name (mixed precision). layout 'stacked' gathers each
+    layer's experts into `mlp.switch_mlp.{proj}` (needs num_experts); 'per-expert' keeps `experts.{i}`.
+    """
+    if layout not in ("stacked", "per-expert"):
+        raise ValueError(f"layout must be 'stacked' or 'per-expert', got {layout!r}")
+    pending: dict[str, list] = {}
+    for name, w in tensors:
+        quantizable = w.ndim == 2 and w.shape[-1] % group_size == 0 and not skip(name)
+        m = EXPERT_RE.match(name)
+        if layout == "stacked" and m:
+            key = f"{m['root']}.switch_mlp.{m['proj']}"
+            pending.setdefault(key, []).append(w)
+            if len(pending[key]) < num_experts:
+                continue
+            w, name = mx.stack(pending.pop(key)), f"{key}.weight"
+        if not quantizable:
+            yield name, w
+            continue
+        b = bits(name) if callable(bits) else bits
+        q, scales, biases = mx.quantize(w, group_size=group_size, bits=b)
+        base = name[: -len(".weight")]
+        yield f"{base}.weight", q
+        yield f"{base}.scales", scales
+        yield f"{base}.biases", biases
+    if pending:
+        raise ValueError(f"incomplete expert stacks: {sorted(pending)}")
+
+
+def save_checkpoint(
+    folder: str | Path, config: dict, tensors: Iterator[tuple[str, mx.array]], shard_bytes: int | None = None
+) -> Path:
+    """Write config.json and the tensors (sharded with model.safetensors.index.json past shard_bytes)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shards: list[dict[str, mx.array]] = [{}]
+    size = 0
+    for name, arr in tensors:
+        mx.eval(arr)
+        if shard_bytes and size and size + arr.nbytes > shard_bytes:
+            _flush(folder, shards, final=False)
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    _flush(folder, shards, final=True)
+    return folder
+
+
+def _flush(folder: Path, shards: list[dict[str, mx.array]], final: bool) -> None:
+    """Save the newest shard; at the end rename to model-0000i-of-0000n and write the index if sharded."""
+    n = len(shards)
+    if not final:
+        mx.save_safetensors(str(folder / f"shard-{n:05d}.tmp.safetensors"), shards[-1])
+        shards[-1] = {name: None for name in shards[-1]}  # keep the names, free the arrays
+        return
+    if n == 1:
+        mx.save_safetensors(str(folder / "model.safetensors"), shards[0])
+        return
+    mx.save_safetensors(str(folder / f"shard-{n:05d}.tmp.safetensors"), shards[-1])
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        final_name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        (folder / f"shard-{i:05d}.tmp.safetensors").rename(folder / final_name)
+        weight_map.update({name: final_name for name in shard})
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n"
+    )
+
+
+def qwen2_moe_config(**overrides) -> dict:
+    """An HF-style qwen2_moe config.json dict (small defaults, every computation field present)."""
+    cfg = {
+        "model_type": "qwen2_moe",
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "vocab_size": 256,
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 256,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "qkv_bias": True,
+        "hidden_act": "silu",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def write_random_checkpoint(
+    folder: str | Path,
+    config: dict,
+    seed: int = 0,
+    bits: int | Callable[[str], int] | None = None,
+    group_size: int = 64,
+    layout: str = "per-expert",
+    shard_bytes: int | None = None,
+    dtype=mx.float32,
+) -> Path:
+    """A random checkpoint: float HF layout when bits is None, else MLX-quantized in `layout`."""
+    args = ModelArgs.from_dict(config)
+    tensors = random_tensors(args, seed, dtype)
+    if bits is not None:
+        tensors = quantize_tensors(tensors, group_size, bits, layout, args.num_experts)
+        config = {**config, "quantization": {"group_size": group_size,
+                                             "bits": bits if isinstance(bits, int) else 4, "mode": "affine"}}
+    return save_checkpoint(folder, config, tensors, shard_bytes)
