@@ -15,6 +15,8 @@ from .errors import ConfigError
 QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUP_SIZES = (32, 64, 128)
+# transformers' Qwen2MoeConfig default, used when config.json gives no rope_theta at all.
+DEFAULT_ROPE_THETA = 10_000.0
 # MLX's fixed (group size, bits) for the bias-free floating point modes.
 FP_MODES = {"mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}
 
@@ -134,7 +136,7 @@ class ModelArgs:
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
             rope_theta = cfg["rope_parameters"].get("rope_theta")
-        rope_theta = number("rope_theta", 1_000_000.0 if rope_theta is None else rope_theta)
+        rope_theta = number("rope_theta", DEFAULT_ROPE_THETA if rope_theta is None else rope_theta)
 
         num_experts = integer("num_experts", need("num_experts"), minimum=0)
         top_k = integer("num_experts_per_tok", need("num_experts_per_tok"))

@@ -1,0 +1,76 @@
+"""Shared test fixtures: tiny checkpoint folders and a byte-level tokenizer.
+
+Every checkpoint here comes from moebench.writer with a tiny config (writer.qwen2_moe_config), so
+the whole suite stays fast on two CPU cores. Session-scoped folders are shared between tests and must
+never be modified: copy one (`copy_checkpoint`) before corrupting it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from moebench.writer import qwen2_moe_config, write_random_checkpoint
+
+TINY_VOCAB = 256  # writer.qwen2_moe_config's vocab_size: one token per byte
+
+
+def write_byte_tokenizer(folder: Path) -> Path:
+    """A byte-level BPE tokenizer.json with no merges: 256 tokens, one per byte, ids in byte-alphabet order.
+
+    Every id the tiny models can emit decodes, and any text encodes, so CLI tests need no download.
+    """
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    path = Path(folder) / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture
+def make_checkpoint(tmp_path: Path) -> Callable[..., Path]:
+    """make_checkpoint(name, config=None, tokenizer=False, **writer_kwargs) -> a fresh folder under tmp_path.
+
+    `config` defaults to writer.qwen2_moe_config(); writer_kwargs go to write_random_checkpoint
+    (seed, bits, group_size, layout, shard_bytes, dtype).
+    """
+
+    def make(name: str = "ckpt", config: dict | None = None, tokenizer: bool = False, **kwargs) -> Path:
+        folder = write_random_checkpoint(tmp_path / name, config or qwen2_moe_config(), **kwargs)
+        if tokenizer:
+            write_byte_tokenizer(folder)
+        return folder
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def float_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Read-only: the default tiny config, float32 HF layout, with a tokenizer.json."""
+    folder = write_random_checkpoint(tmp_path_factory.mktemp("float") / "ckpt", qwen2_moe_config(), seed=1)
+    write_byte_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def quantized_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Read-only: the default tiny config, 4-bit group-64 MLX quantization, per-expert layout, with tokenizer."""
+    folder = write_random_checkpoint(tmp_path_factory.mktemp("q4") / "ckpt", qwen2_moe_config(), seed=2, bits=4)
+    write_byte_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture
+def copy_checkpoint(tmp_path: Path) -> Callable[[Path], Path]:
+    """copy_checkpoint(folder) -> a private copy under tmp_path that a test may corrupt."""
+
+    def copy(folder: Path) -> Path:
+        return Path(shutil.copytree(folder, tmp_path / f"copy-{folder.parent.name}-{folder.name}"))
+
+    return copy
