@@ -1,16 +1,159 @@
 """The fused single-token decode-MoE arithmetic: per-expert SwiGLU outputs for the top-k experts.
 
 Backends: 'reference' (MLX ops on any device, the test oracle), 'metal' and 'cuda' (JIT kernels
-built from kernels/). All share one arithmetic: dequantize in float32 with float32 scales and biases,
-accumulate in float32, SwiGLU in float32, float32 per-expert outputs [K, D]; `combine` weights them
-by the router scores and sums over K in float32.
+built from one shared kernel body per stage in kernels/, behind a thin per-backend prelude). All
+share one arithmetic: dequantize in float32 with float32 scales and biases, accumulate in float32,
+SwiGLU in float32, float32 unweighted per-expert outputs y [K, D]; the combine weights them by the
+router scores and sums over K in float32, then casts once to the activation dtype.
+
+The GPU pair: kernel A (gate and up in one pass over x, SwiGLU) writes act [K, Dff] in float32;
+kernel B (down) writes y [K, D] in float32 and, folded (the default), also does the combine in the
+same launch, so one MoE layer costs two launches.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
 import mlx.core as mx
 
+from .errors import ConfigError, UnsupportedKernelConfig
 from .quant import QuantizedParts
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+ENV_ROWS = "MOEBENCH_FUSED_MOE_ROWS"
+DEFAULT_ROWS = 8
+MAX_ROWS = 32
+LANES = 32
+GPU_BACKENDS = ("metal", "cuda")
+# Per backend: the header part of the prelude (helpers) and the source part (thread indices).
+PRELUDES = {"metal": ("metal_header.h", "metal_indices.inc"), "cuda": ("cuda_header.cuh", "cuda_indices.inc")}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One of the two kernels: its body file and its parameter names (MLX writes the signature)."""
+
+    name: str
+    body: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+GATE_UP = Stage("moebench_moe_gate_up", "moe_gate_up.body",
+                ("x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b"), ("act",))
+DOWN = Stage("moebench_moe_down", "moe_down.body",
+             ("indices", "scores", "down_w", "down_s", "down_b", "act"), ("y", "out"))
+STAGES = (GATE_UP, DOWN)
+
+
+def kernel_source(backend: str, stage: Stage) -> tuple[str, str]:
+    """(header, source) for `stage` on `backend`: the backend's prelude around the shared body."""
+    if backend not in PRELUDES:
+        raise UnsupportedKernelConfig(f"no kernel prelude for backend {backend!r} (have {sorted(PRELUDES)})")
+    header_file, indices_file = PRELUDES[backend]
+    header = (KERNEL_DIR / header_file).read_text()
+    source = (KERNEL_DIR / indices_file).read_text() + (KERNEL_DIR / stage.body).read_text()
+    return header, source
+
+
+_kernels: dict[tuple[str, str], object] = {}
+
+
+def _built(backend: str, stage: Stage):
+    """The MLX kernel object of `stage` on `backend`, built once; MLX compiles once per template."""
+    key = (backend, stage.name)
+    if key not in _kernels:
+        header, source = kernel_source(backend, stage)
+        if backend == "metal" and mx.metal.is_available():
+            factory = mx.fast.metal_kernel
+        elif backend == "cuda" and mx.cuda.is_available():
+            factory = mx.fast.cuda_kernel
+        else:
+            raise UnsupportedKernelConfig(f"the {backend} back-end is not available in this MLX build")
+        _kernels[key] = factory(name=stage.name, input_names=list(stage.inputs), output_names=list(stage.outputs),
+                                source=source, header=header)
+    return _kernels[key]
+
+
+def rows_per_threadgroup() -> int:
+    """Simdgroups (output rows) per threadgroup from MOEBENCH_FUSED_MOE_ROWS (default 8, 1..32)."""
+    raw = os.environ.get(ENV_ROWS, "").strip()
+    if not raw:
+        return DEFAULT_ROWS
+    try:
+        rows = int(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_ROWS}={raw!r}: expected an integer from 1 to {MAX_ROWS}") from None
+    if not 1 <= rows <= MAX_ROWS:
+        raise ConfigError(f"{ENV_ROWS}={rows}: expected an integer from 1 to {MAX_ROWS}")
+    return rows
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def check_inputs(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
+                 down: QuantizedParts) -> None:
+    """Shapes and dtypes the kernels assume, checked in Python: a bad launch would abort the process."""
+    d, dff, n_exp = gate.in_features, gate.out_features, gate.weight.shape[0]
+    if x.ndim != 1 or x.shape[0] != d:
+        raise UnsupportedKernelConfig(f"x has shape {tuple(x.shape)}, the experts expect ({d},) (one token)")
+    if indices.ndim != 1 or scores.shape != indices.shape:
+        raise UnsupportedKernelConfig(
+            f"indices {tuple(indices.shape)} and scores {tuple(scores.shape)} must both be [K]")
+    if not mx.issubdtype(indices.dtype, mx.integer):
+        raise UnsupportedKernelConfig(f"indices must be integers, got {indices.dtype}")
+    for name, p, shape in (("gate", gate, (n_exp, dff, d)), ("up", up, (n_exp, dff, d)),
+                           ("down", down, (n_exp, d, dff))):
+        found = (p.weight.shape[0], p.out_features, p.in_features)
+        if p.weight.ndim != 3 or found != shape:
+            raise UnsupportedKernelConfig(f"{name} experts are {found} [E, out, in], expected {shape}")
+        if p.weight.size >= 2**31:
+            raise UnsupportedKernelConfig(f"{name} experts hold {p.weight.size} packed words (32-bit offsets)")
+
+
+def gpu_routed(
+    backend: str, x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
+    down: QuantizedParts, rows: int | None = None, fold: bool = True,
+) -> tuple[mx.array, mx.array]:
+    """The kernel pair on `backend`: (combined output [D] in x.dtype, unweighted y [K, D] float32).
+
+    `rows` simdgroups per threadgroup (default MOEBENCH_FUSED_MOE_ROWS); `fold` does the combine in
+    kernel B (two launches per layer), otherwise with MLX ops after it.
+    """
+    check_inputs(x, indices, scores, gate, up, down)
+    rows = rows_per_threadgroup() if rows is None else rows
+    if not 1 <= rows <= MAX_ROWS:
+        raise ConfigError(f"rows per threadgroup {rows}: expected 1 to {MAX_ROWS}")
+    k, d, dff, n_exp = indices.shape[0], gate.in_features, gate.out_features, gate.weight.shape[0]
+    indices = indices.astype(mx.uint32)
+    scale_dtype = gate.scales.dtype
+    shape = [("E", n_exp), ("K", k), ("DIN", d), ("DFF", dff), ("GS", gate.group_size)]
+
+    def same(a: mx.array) -> mx.array:
+        return a.astype(scale_dtype)  # a no-op in practice: the loader gives every projection one dtype
+
+    act = _built(backend, GATE_UP)(
+        inputs=[x, indices, gate.weight, gate.scales, same(gate.biases), up.weight, same(up.scales),
+                same(up.biases)],
+        template=[("T", x.dtype), ("ST", scale_dtype), *shape, ("BITS", gate.bits)],
+        grid=(LANES, _round_up(dff, rows), k), threadgroup=(LANES, rows, 1),
+        output_shapes=[(k, dff)], output_dtypes=[mx.float32],
+    )[0]
+    y, out = _built(backend, DOWN)(
+        inputs=[indices, scores, down.weight, same(down.scales), same(down.biases), act],
+        template=[("T", x.dtype), ("ST", scale_dtype), ("S", scores.dtype), *shape, ("BITS", down.bits),
+                  ("FOLD", fold)],
+        grid=(LANES, _round_up(d, rows), 1 if fold else k), threadgroup=(LANES, rows, 1),
+        output_shapes=[(k, d), (d,)], output_dtypes=[mx.float32, x.dtype],
+    )
+    if not fold:
+        out = combine(y, scores).astype(x.dtype)
+    return out, y
 
 
 def _dequantized_rows(p: QuantizedParts, indices: mx.array) -> mx.array:
@@ -32,14 +175,20 @@ def reference_expert_outputs(
     return (_dequantized_rows(down, indices) @ act[..., None]).squeeze(-1)
 
 
-def expert_outputs(
-    backend: str, x: mx.array, indices: mx.array, gate: QuantizedParts, up: QuantizedParts, down: QuantizedParts
-) -> mx.array:
-    if backend == "reference":
-        return reference_expert_outputs(x, indices, gate, up, down)
-    raise NotImplementedError(backend)
-
-
 def combine(expert_out: mx.array, scores: mx.array) -> mx.array:
     """Weighted sum over K of float32 expert outputs [K, D] with scores [K], in float32."""
     return (expert_out * scores.astype(mx.float32)[:, None]).sum(axis=0)
+
+
+def routed(
+    backend: str, x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
+    down: QuantizedParts,
+) -> tuple[mx.array, mx.array]:
+    """One token's routed-expert output on `backend`: (weighted sum [D] in x.dtype, unweighted y [K, D] f32)."""
+    if backend in GPU_BACKENDS:
+        return gpu_routed(backend, x, indices, scores, gate, up, down)
+    if backend != "reference":
+        raise UnsupportedKernelConfig(f"unknown fused backend {backend!r} (metal, cuda or reference)")
+    check_inputs(x, indices, scores, gate, up, down)
+    y = reference_expert_outputs(x, indices, gate, up, down)
+    return combine(y, scores).astype(x.dtype), y

@@ -167,12 +167,11 @@ def routed_experts(
     """
     decision = counter.decide(experts, x.shape[0])
     if decision.fused:
-        y = fused_kernel.expert_outputs(
-            decision.path, x[0], indices[0],
+        out, y = fused_kernel.routed(
+            decision.path, x[0], indices[0], scores[0],
             experts.gate_proj.quantized_parts(), experts.up_proj.quantized_parts(),
             experts.down_proj.quantized_parts(),
         )
-        out = fused_kernel.combine(y, scores[0]).astype(x.dtype)
         return out[None], y[None], decision
     y = experts(x, indices)
     return weighted_sum(y, scores), y, decision

@@ -1,0 +1,86 @@
+// A small C++ stand-in for the Metal language features the fused-MoE kernels use, so that the
+// Metal prelude and the shared bodies compile with g++ in CI (a typo only a Mac would see fails
+// here) and can run on the CPU against the reference. It is not Metal: address-space qualifiers
+// are erased, and a simdgroup is 32 std::threads meeting at a barrier in simd_sum.
+#pragma once
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+using mb_std_thread = std::thread;  // named before `thread` becomes an (erased) address-space qualifier
+
+#define device
+#define constant
+#define thread
+#define threadgroup
+
+using uint = uint32_t;
+struct uint3 { uint x, y, z; };
+struct uint4 { uint x, y, z, w; };
+
+// bfloat16 storage with the conversions MLX's Metal bfloat16_t offers (round to nearest even).
+struct bfloat16_t {
+  uint16_t bits;
+  bfloat16_t() = default;
+  bfloat16_t(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    bits = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  operator float() const {
+    uint32_t u = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+
+template <typename To, typename From>
+To as_type(From v) {
+  static_assert(sizeof(To) == sizeof(From), "as_type needs equal sizes");
+  To out;
+  std::memcpy(&out, &v, sizeof(To));
+  return out;
+}
+
+// One simdgroup: the 32 lanes meet at the barrier to exchange their values.
+struct MbSimdgroup {
+  std::barrier<> meet{32};
+  float values[32];
+};
+inline thread_local MbSimdgroup* mb_shim_group = nullptr;
+inline thread_local uint mb_shim_lane = 0;
+
+namespace metal {
+inline float exp(float v) { return std::exp(v); }
+inline float simd_sum(float v) {
+  MbSimdgroup& g = *mb_shim_group;
+  g.values[mb_shim_lane] = v;
+  g.meet.arrive_and_wait();
+  float sum = 0.0f;
+  for (int i = 0; i < 32; ++i) sum += g.values[i];
+  g.meet.arrive_and_wait();  // nobody overwrites values before every lane has read them
+  return sum;
+}
+}  // namespace metal
+
+// Run `kernel(thread_position_in_grid)` over a (32, rows, slots) grid: 32 lane threads walk the
+// simdgroups in the same order, so every simd_sum meets all 32 lanes of the same row.
+template <typename Kernel>
+void mb_shim_launch(uint rows, uint slots, Kernel kernel) {
+  MbSimdgroup group;
+  std::vector<mb_std_thread> lanes;
+  for (uint lane = 0; lane < 32; ++lane) {
+    lanes.emplace_back([&group, &kernel, lane, rows, slots] {
+      mb_shim_group = &group;
+      mb_shim_lane = lane;
+      for (uint z = 0; z < slots; ++z)
+        for (uint y = 0; y < rows; ++y) kernel(uint3{lane, y, z});
+    });
+  }
+  for (auto& t : lanes) t.join();
+}
