@@ -105,7 +105,7 @@ def load_linear(
         raise CheckpointError(
             f"{store.where(name + '.scales')}: {name} is quantized but config.json has no quantization for it"
         )
-    parts = make_parts(name, weight, scales, biases, spec, scale_dtype=dtype)
+    parts = make_parts(f"{store.where(name + '.weight')}: {name}", weight, scales, biases, spec, scale_dtype=dtype)
     if weight.ndim != 2 or (parts.out_features, parts.in_features) != (out_features, in_features):
         raise CheckpointError(
             f"{store.where(name + '.weight')}: {name} holds a {parts.bits}-bit matrix of "

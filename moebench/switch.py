@@ -168,7 +168,8 @@ def load_switch_linear(
     spec = quantization.for_module(prefix) if quantization else None
     if spec is None:
         raise CheckpointError(f"{store.folder}: {prefix} is quantized but config.json has no quantization block")
-    parts = make_parts(prefix, weight, scales, biases, spec, scale_dtype=dtype)
+    parts = make_parts(f"{store.where(prefix + '.weight')}: {prefix}", weight, scales, biases, spec,
+                       scale_dtype=dtype)
     if (parts.out_features, parts.in_features) != (out_features, in_features):
         raise CheckpointError(
             f"{store.where(prefix + '.weight')}: {prefix} holds {parts.bits}-bit experts of "

@@ -7,8 +7,11 @@ never be modified: copy one (`copy_checkpoint`) before corrupting it.
 
 from __future__ import annotations
 
+import json
 import shutil
+import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,27 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from moebench.writer import qwen2_moe_config, write_random_checkpoint
 
 TINY_VOCAB = 256  # writer.qwen2_moe_config's vocab_size: one token per byte
+
+
+@dataclass
+class RawSafetensors:
+    """A safetensors file as its parsed header and raw data bytes: corrupt one part, write it back."""
+
+    header: dict
+    data: bytes
+
+    @classmethod
+    def read(cls, path: Path) -> RawSafetensors:
+        blob = Path(path).read_bytes()
+        (n,) = struct.unpack("<Q", blob[:8])
+        return cls(json.loads(blob[8 : 8 + n]), blob[8 + n :])
+
+    def header_bytes(self) -> bytes:
+        return json.dumps(self.header).encode()
+
+    def write(self, path: Path, header_bytes: bytes | None = None) -> None:
+        raw = self.header_bytes() if header_bytes is None else header_bytes
+        Path(path).write_bytes(struct.pack("<Q", len(raw)) + raw + self.data)
 
 
 def write_byte_tokenizer(folder: Path) -> Path:
@@ -31,6 +55,12 @@ def write_byte_tokenizer(folder: Path) -> Path:
     path = Path(folder) / "tokenizer.json"
     tok.save(str(path))
     return path
+
+
+@pytest.fixture
+def raw_safetensors() -> type[RawSafetensors]:
+    """The RawSafetensors class, for tests that rewrite headers byte by byte."""
+    return RawSafetensors
 
 
 @pytest.fixture
