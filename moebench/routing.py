@@ -7,9 +7,16 @@ for the rest of a decode and are cleared by setting the block's intervention bac
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+from .errors import MoebenchError
+
+
+class InterventionError(MoebenchError, ValueError):
+    """An intervention that cannot apply to the layer it was set on (bad expert id, top_k, ...)."""
 
 
 @dataclass(frozen=True)
@@ -19,7 +26,8 @@ class Intervention:
     force_experts: use exactly these expert ids (scores = their router probabilities, renormalised
         when the family renormalises).
     ablate: experts that may not be selected. With `renormalize_ablation`, the softmax is taken over
-        the remaining experts only; without it, the kept experts keep their original probabilities.
+        the remaining experts only (and the recorded router_probs are those renormalised ones);
+        without it, the kept experts keep their original probabilities.
     top_k: select this many experts instead of the config's num_experts_per_tok.
     shared_expert: False switches the shared expert off.
     shared_gate_scale: multiplies the shared expert's sigmoid gate.
@@ -32,17 +40,33 @@ class Intervention:
     shared_expert: bool = True
     shared_gate_scale: float = 1.0
 
+    def __post_init__(self) -> None:
+        # Lists are accepted and stored as tuples, so interventions compare and hash by value.
+        if self.force_experts is not None:
+            object.__setattr__(self, "force_experts", tuple(self.force_experts))
+        object.__setattr__(self, "ablate", tuple(self.ablate))
+
     def validate(self, num_experts: int) -> None:
+        """Raise InterventionError when this intervention cannot apply to a layer of `num_experts`."""
         ids = list(self.force_experts or ()) + list(self.ablate)
-        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < num_experts]
+        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_experts]
         if bad:
-            raise ValueError(f"intervention names expert {bad[0]!r}, valid ids are 0..{num_experts - 1}")
-        if self.force_experts is not None and not self.force_experts:
-            raise ValueError("force_experts must name at least one expert")
+            raise InterventionError(f"intervention names expert {bad[0]!r}, valid ids are 0..{num_experts - 1}")
+        if self.force_experts is not None:
+            if not self.force_experts:
+                raise InterventionError("force_experts must name at least one expert")
+            if len(set(self.force_experts)) != len(self.force_experts):
+                raise InterventionError(f"force_experts {self.force_experts} names an expert twice")
+            if set(self.force_experts) & set(self.ablate):
+                raise InterventionError(f"force_experts {self.force_experts} includes ablated {self.ablate}")
+            if self.top_k is not None:
+                raise InterventionError("set force_experts or top_k, not both (forcing fixes the count)")
+        selectable = num_experts - len(set(self.ablate))
         k = self.top_k
-        if k is not None and not 1 <= k <= num_experts - len(set(self.ablate)):
-            raise ValueError(f"top_k {k} must be between 1 and the {num_experts - len(set(self.ablate))} "
-                             "selectable experts")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= selectable):
+            raise InterventionError(f"top_k {k!r} must be between 1 and the {selectable} selectable experts")
+        if not math.isfinite(self.shared_gate_scale):
+            raise InterventionError(f"shared_gate_scale must be finite, got {self.shared_gate_scale}")
 
 
 def route(
@@ -63,7 +87,8 @@ def route(
         inds = mx.broadcast_to(ids, (probs.shape[0], ids.size))
     else:
         k = intervention.top_k if intervention is not None and intervention.top_k else top_k
-        inds = mx.argpartition(-select_from, kth=k - 1, axis=-1)[..., :k].astype(mx.uint32)
+        # Selection is discrete: stop_gradient so autodiff (training) flows through the scores only.
+        inds = mx.stop_gradient(mx.argpartition(-select_from, kth=k - 1, axis=-1)[..., :k].astype(mx.uint32))
     scores = mx.take_along_axis(probs, inds, axis=-1)
     if norm_topk_prob:
         scores = scores / scores.sum(axis=-1, keepdims=True)
