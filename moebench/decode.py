@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .cache import make_cache
+from .errors import MoebenchError
+
+
+class PromptError(MoebenchError, ValueError):
+    """A prompt the model cannot take: empty, or token ids outside its vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -59,11 +64,16 @@ def generate_tokens(
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield (token id, next-token logits [V]) one step at a time; evaluation is pipelined one step ahead."""
     if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token")
+        raise PromptError("the prompt is empty: give at least one token")
+    # MLX does not bounds-check the embedding lookup: an id past the table reads garbage silently
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    bad = [t for t in prompt_ids if not 0 <= t < (vocab or float("inf"))]
+    if bad:
+        raise PromptError(f"prompt token id {bad[0]} is outside the model's vocabulary of {vocab}")
     cache = make_cache(len(model.layers))
     key = mx.random.key(sampling.seed) if sampling.seed is not None else None
 
-    def step(tokens: mx.array, key: mx.array | None) -> tuple[mx.array, mx.array]:
+    def step(tokens: mx.array, key: mx.array | None) -> tuple[mx.array, mx.array, mx.array | None]:
         logits = model(tokens[None], cache)[0, -1]
         sub = None
         if key is not None:

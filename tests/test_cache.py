@@ -1,0 +1,70 @@
+"""The KV cache: growth, contents, and cached decoding equal to one full forward pass."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import moebench
+from moebench.cache import GROW_STEP, KVCache, make_cache
+
+
+def test_update_returns_everything_seen_so_far():
+    cache = KVCache()
+    assert cache.state == () and cache.offset == 0
+    chunks = [mx.random.normal((2, 3, n, 4), key=mx.random.key(n)) for n in (5, 1, GROW_STEP, 1)]
+    for i, chunk in enumerate(chunks):
+        keys, values = cache.update_and_fetch(chunk, chunk * 2)
+        seen = mx.concatenate(chunks[: i + 1], axis=2)
+        assert np.array_equal(np.array(keys), np.array(seen))
+        assert np.array_equal(np.array(values), np.array(seen * 2))
+    assert cache.offset == 5 + 1 + GROW_STEP + 1
+    assert cache.keys.shape[2] >= cache.offset
+
+
+def test_single_token_steps_rarely_reallocate():
+    cache = KVCache()
+    cache.update_and_fetch(mx.zeros((1, 2, 7, 4)), mx.zeros((1, 2, 7, 4)))
+    capacities = set()
+    for _ in range(2 * GROW_STEP):
+        cache.update_and_fetch(mx.ones((1, 2, 1, 4)), mx.ones((1, 2, 1, 4)))
+        capacities.add(cache.keys.shape[2])
+    assert len(capacities) <= 3  # at most one reallocation per GROW_STEP tokens
+
+
+def test_values_may_have_their_own_head_dim():
+    cache = KVCache()
+    keys, values = cache.update_and_fetch(mx.zeros((1, 2, 3, 8)), mx.ones((1, 2, 3, 16)))
+    assert keys.shape == (1, 2, 3, 8) and values.shape == (1, 2, 3, 16)
+
+
+@pytest.fixture(scope="module")
+def model(quantized_checkpoint):
+    with moebench.fused_moe(False):
+        yield moebench.load(quantized_checkpoint)[0]
+
+
+TOKENS = [3, 141, 59, 26, 5, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28]
+
+
+@pytest.mark.parametrize("chunks", [(18,), (1,) * 18, (10, 1, 1, 6), (4, 7, 7)])
+def test_cached_chunks_equal_one_forward_pass(model, chunks):
+    full = np.array(model(mx.array([TOKENS])))[0]
+    cache = make_cache(len(model.layers))
+    pieces, start = [], 0
+    for n in chunks:
+        pieces.append(np.array(model(mx.array([TOKENS[start : start + n]]), cache))[0])
+        start += n
+    assert cache[0].offset == len(TOKENS)
+    assert np.abs(np.concatenate(pieces) - full).max() < 1e-4
+
+
+def test_batched_decode_with_cache(model):
+    batch = mx.array([TOKENS[:8], TOKENS[8:16]])
+    cache = make_cache(len(model.layers))
+    model(batch, cache)
+    step = np.array(model(mx.array([[7], [9]]), cache))[:, -1]
+    for row, (prompt, nxt) in enumerate(((TOKENS[:8], 7), (TOKENS[8:16], 9))):
+        alone = np.array(model(mx.array([prompt + [nxt]])))[0, -1]
+        assert np.abs(step[row] - alone).max() < 1e-4
