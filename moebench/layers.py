@@ -86,6 +86,8 @@ def load_linear(
     if b is not None and tuple(b.shape) != (out_features,):
         raise CheckpointError(f"{store.where(name + '.bias')}: {name}.bias has shape {tuple(b.shape)}, "
                               f"expected ({out_features},)")
+    if b is not None and not mx.issubdtype(b.dtype, mx.floating):
+        raise CheckpointError(f"{store.where(name + '.bias')}: {name}.bias is {b.dtype}, expected floating point")
     if b is not None:
         b = b.astype(dtype)
     if scales is None:

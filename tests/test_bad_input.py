@@ -231,3 +231,13 @@ def test_shard_index_pointing_to_a_missing_file(make_checkpoint):
     index["weight_map"]["model.norm.weight"] = "model-00009-of-00009.safetensors"
     (folder / INDEX_FILE).write_text(json.dumps(index))
     assert_load_error(folder, CheckpointError, str(folder / "model-00009-of-00009.safetensors"), "missing")
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.post_attention_layernorm.weight", "model.norm.weight",
+                                  "model.layers.0.self_attn.q_proj.bias"])
+def test_integer_norm_or_bias(per_expert, raw_safetensors, name):
+    path = per_expert / "model.safetensors"
+    raw = raw_safetensors.read(path)
+    raw.header[name]["dtype"] = "I32"  # same bytes, integer values
+    raw.write(path)
+    assert_load_error(per_expert, CheckpointError, str(path), name, "int32", "floating point")

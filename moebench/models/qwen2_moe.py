@@ -171,6 +171,8 @@ def build(args: ModelArgs, store, dtype: mx.Dtype) -> Qwen2MoeModel:
         w = store.take(name)
         if tuple(w.shape) != (hidden,):
             raise CheckpointError(f"{store.where(name)}: {name} has shape {tuple(w.shape)}, expected ({hidden},)")
+        if not mx.issubdtype(w.dtype, mx.floating):
+            raise CheckpointError(f"{store.where(name)}: {name} is {w.dtype}, expected floating point")
         return RMSNorm(w.astype(dtype), args.rms_norm_eps)
 
     def mlp(prefix: str, width: int) -> MLP:
