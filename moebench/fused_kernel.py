@@ -116,6 +116,50 @@ def check_inputs(x: mx.array, indices: mx.array, scores: mx.array, gate: Quantiz
             raise UnsupportedKernelConfig(f"{name} experts hold {p.weight.size} packed words (32-bit offsets)")
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything about one layer's kernel pair that depends only on shapes, dtypes and geometry."""
+
+    gate_up_template: list
+    gate_up_grid: tuple[int, int, int]
+    down_template: list
+    down_grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    act_shape: list
+    down_shapes: list
+    down_dtypes: list
+
+
+_plans: dict[tuple, LaunchPlan] = {}
+
+
+def _plan(x, indices, scores, gate, up, down, rows: int, fold: bool) -> LaunchPlan:
+    """The launch plan, validated once per distinct shape/dtype/geometry key (decode repeats one key)."""
+    if gate.biases is None or up.biases is None or down.biases is None:
+        raise UnsupportedKernelConfig("the fused kernels need affine quantization with biases")
+    key = (x.shape, x.dtype, indices.shape, indices.dtype, scores.shape, scores.dtype, rows, fold,
+           *((p.weight.shape, p.scales.shape, p.scales.dtype, p.biases.dtype, p.bits, p.group_size)
+             for p in (gate, up, down)))
+    plan = _plans.get(key)
+    if plan is None:
+        check_inputs(x, indices, scores, gate, up, down)
+        if not 1 <= rows <= MAX_ROWS:
+            raise ConfigError(f"rows per threadgroup {rows}: expected 1 to {MAX_ROWS}")
+        k, d, dff, n_exp = indices.shape[0], gate.in_features, gate.out_features, gate.weight.shape[0]
+        shape = [("E", n_exp), ("K", k), ("DIN", d), ("DFF", dff), ("GS", gate.group_size)]
+        plan = LaunchPlan(
+            gate_up_template=[("T", x.dtype), ("ST", gate.scales.dtype), *shape, ("BITS", gate.bits)],
+            gate_up_grid=(LANES, _round_up(dff, rows), k),
+            down_template=[("T", x.dtype), ("ST", gate.scales.dtype), ("S", scores.dtype), *shape,
+                           ("BITS", down.bits), ("FOLD", fold)],
+            down_grid=(LANES, _round_up(d, rows), 1 if fold else k),
+            threadgroup=(LANES, rows, 1),
+            act_shape=[(k, dff)], down_shapes=[(k, d), (d,)], down_dtypes=[mx.float32, x.dtype],
+        )
+        _plans[key] = plan
+    return plan
+
+
 def gpu_routed(
     backend: str, x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
     down: QuantizedParts, rows: int | None = None, fold: bool = True,
@@ -123,33 +167,22 @@ def gpu_routed(
     """The kernel pair on `backend`: (combined output [D] in x.dtype, unweighted y [K, D] float32).
 
     `rows` simdgroups per threadgroup (default MOEBENCH_FUSED_MOE_ROWS); `fold` does the combine in
-    kernel B (two launches per layer), otherwise with MLX ops after it.
+    kernel B (two launches per layer), otherwise with MLX ops after it. Kept lean: at decode the
+    Python cost of building a layer's graph is of the same order as the GPU work.
     """
-    check_inputs(x, indices, scores, gate, up, down)
-    rows = rows_per_threadgroup() if rows is None else rows
-    if not 1 <= rows <= MAX_ROWS:
-        raise ConfigError(f"rows per threadgroup {rows}: expected 1 to {MAX_ROWS}")
-    k, d, dff, n_exp = indices.shape[0], gate.in_features, gate.out_features, gate.weight.shape[0]
+    plan = _plan(x, indices, scores, gate, up, down, rows_per_threadgroup() if rows is None else rows, fold)
     indices = indices.astype(mx.uint32)
-    scale_dtype = gate.scales.dtype
-    shape = [("E", n_exp), ("K", k), ("DIN", d), ("DFF", dff), ("GS", gate.group_size)]
-
-    def same(a: mx.array) -> mx.array:
-        return a.astype(scale_dtype)  # a no-op in practice: the loader gives every projection one dtype
-
+    st = gate.scales.dtype  # scales and biases of every projection in one dtype (a no-op cast in practice)
     act = _built(backend, GATE_UP)(
-        inputs=[x, indices, gate.weight, gate.scales, same(gate.biases), up.weight, same(up.scales),
-                same(up.biases)],
-        template=[("T", x.dtype), ("ST", scale_dtype), *shape, ("BITS", gate.bits)],
-        grid=(LANES, _round_up(dff, rows), k), threadgroup=(LANES, rows, 1),
-        output_shapes=[(k, dff)], output_dtypes=[mx.float32],
+        inputs=[x, indices, gate.weight, gate.scales, gate.biases.astype(st), up.weight, up.scales.astype(st),
+                up.biases.astype(st)],
+        template=plan.gate_up_template, grid=plan.gate_up_grid, threadgroup=plan.threadgroup,
+        output_shapes=plan.act_shape, output_dtypes=[mx.float32],
     )[0]
     y, out = _built(backend, DOWN)(
-        inputs=[indices, scores, down.weight, same(down.scales), same(down.biases), act],
-        template=[("T", x.dtype), ("ST", scale_dtype), ("S", scores.dtype), *shape, ("BITS", down.bits),
-                  ("FOLD", fold)],
-        grid=(LANES, _round_up(d, rows), 1 if fold else k), threadgroup=(LANES, rows, 1),
-        output_shapes=[(k, d), (d,)], output_dtypes=[mx.float32, x.dtype],
+        inputs=[indices, scores, down.weight, down.scales.astype(st), down.biases.astype(st), act],
+        template=plan.down_template, grid=plan.down_grid, threadgroup=plan.threadgroup,
+        output_shapes=plan.down_shapes, output_dtypes=plan.down_dtypes,
     )
     if not fold:
         out = combine(y, scores).astype(x.dtype)

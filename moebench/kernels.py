@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from . import fused_kernel
+from .quant import QuantizedParts
 from .switch import SwitchGLU, weighted_sum
 
 ENV_SWITCH = "MOEBENCH_FUSED_MOE"
@@ -129,6 +130,7 @@ class DispatchCounter:
     fallback: int = 0
     reasons: Counter = field(default_factory=Counter)
     _support: dict = field(default_factory=dict, repr=False)
+    _parts: tuple = field(default=(), repr=False)
 
     def decide(self, experts: SwitchGLU, n_tokens: int) -> Decision:
         if n_tokens != 1:
@@ -147,6 +149,16 @@ class DispatchCounter:
             self.fallback += 1
             self.reasons[decision.reason] += 1
         return decision
+
+    def quantized_parts(self, experts: SwitchGLU) -> tuple[QuantizedParts, QuantizedParts, QuantizedParts]:
+        """gate/up/down parts, rebuilt only when a weight, scale or bias array was replaced (they are
+        asked for at every decode step of every layer, where rebuilding them costs more than a launch)."""
+        projs = (experts.gate_proj, experts.up_proj, experts.down_proj)
+        held = self._parts
+        if not held or any(m.weight is not p.weight or m.scales is not p.scales or m.get("biases") is not p.biases
+                           for m, p in zip(projs, held, strict=True)):
+            self._parts = held = tuple(m.quantized_parts() for m in projs)
+        return held
 
     def reset(self) -> None:
         self.fused.clear()
@@ -167,11 +179,7 @@ def routed_experts(
     """
     decision = counter.decide(experts, x.shape[0])
     if decision.fused:
-        out, y = fused_kernel.routed(
-            decision.path, x[0], indices[0], scores[0],
-            experts.gate_proj.quantized_parts(), experts.up_proj.quantized_parts(),
-            experts.down_proj.quantized_parts(),
-        )
+        out, y = fused_kernel.routed(decision.path, x[0], indices[0], scores[0], *counter.quantized_parts(experts))
         return out[None], y[None], decision
     y = experts(x, indices)
     return weighted_sum(y, scores), y, decision
