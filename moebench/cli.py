@@ -7,6 +7,7 @@ import json
 import sys
 
 from .errors import MoebenchError
+from .microbench import add_command as _add_microbench
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +57,7 @@ def _run_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = [_add_generate]
+COMMANDS = [_add_generate, _add_microbench]
 
 
 def main(argv: list[str] | None = None) -> int:

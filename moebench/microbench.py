@@ -232,6 +232,13 @@ def _run_command(a: argparse.Namespace) -> int:
     except ValueError:
         raise ConfigError(f"--rows {a.rows!r}: expected comma-separated integers") from None
     report = run(shape, a.tokens, a.repeats, rows, a.unfolded, a.compiled)
-    report["command"] = "moebench " + " ".join(sys.argv[1:])
+    report["command"] = " ".join(sys.argv)
     print(json.dumps(report, indent=2) if a.json else format_table(report))
     return 0
+
+
+if __name__ == "__main__":  # `python -m moebench.microbench ...`: the same options without the other subcommands
+    parser = argparse.ArgumentParser(prog="python -m moebench.microbench")
+    add_command(parser.add_subparsers(dest="command", required=True))
+    parsed = parser.parse_args(["microbench", *sys.argv[1:]])
+    sys.exit(parsed.run(parsed))
