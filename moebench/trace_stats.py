@@ -1,8 +1,10 @@
-"""Routing statistics over a recorded prompt or decode (a Trace from moebench.record).
+"""Routing statistics over a recorded prompt or decode (a Trace from moebench.record), computed
+with moebench.stats (entropies in bits).
 
     load(trace)          expert load per layer: counts and fractions of top-k selections
     summary(trace)       per layer: mean router entropy, load entropy, load coefficient of variation
     coactivation(trace, layer)   how often two experts are selected for the same token [E, E]
+    usage_divergence(a, b)       per layer, Jensen-Shannon divergence between two traces' expert usage
     expert_logit_lens(model, trace)  each expert's output through the final norm and unembedding
 
 `phase` selects 'prefill', 'decode' or (None) every record. Records whose top-k changed under an
@@ -15,24 +17,11 @@ import mlx.core as mx
 import numpy as np
 import pandas as pd
 
+from . import stats
 from .errors import MoebenchError
 from .record import LayerRecord, Trace
 
 PHASES = (None, "prefill", "decode")
-
-
-def entropy(p: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Shannon entropy in nats of distributions along `axis` (0 log 0 = 0)."""
-    p = np.asarray(p, dtype=np.float64)
-    logs = np.log(np.where(p > 0, p, 1.0))
-    return -(p * logs).sum(axis=axis)
-
-
-def coefficient_of_variation(counts: np.ndarray) -> float:
-    """Population std over mean of the per-expert counts: 0 for a perfectly even load."""
-    counts = np.asarray(counts, dtype=np.float64)
-    mean = counts.mean()
-    return float(counts.std() / mean) if mean else float("nan")
 
 
 def _records(trace: Trace, phase: str | None) -> dict[int, list[LayerRecord]]:
@@ -52,28 +41,31 @@ def _num_experts(records: list[LayerRecord]) -> int:
     return len(records[0].router_probs)
 
 
+def _counts(recs: list[LayerRecord]) -> np.ndarray:
+    return stats.expert_counts(np.concatenate([r.topk_ids for r in recs]), _num_experts(recs))
+
+
 def load(trace: Trace, phase: str | None = None) -> pd.DataFrame:
     """Long format (layer, expert, count, fraction): fraction of all top-k selections in that layer."""
     rows = []
     for layer, recs in sorted(_records(trace, phase).items()):
-        counts = np.bincount(np.concatenate([r.topk_ids for r in recs]), minlength=_num_experts(recs))
+        counts = _counts(recs)
         rows += [{"layer": layer, "expert": e, "count": int(c), "fraction": c / counts.sum()}
                  for e, c in enumerate(counts)]
     return pd.DataFrame(rows, columns=["layer", "expert", "count", "fraction"])
 
 
 def summary(trace: Trace, phase: str | None = None) -> pd.DataFrame:
-    """Per layer: tokens, mean router entropy (nats, over all experts), entropy of the load
-    distribution, its maximum log(E), and the load's coefficient of variation."""
-    loads = load(trace, phase)
+    """Per layer: tokens, mean router entropy (bits, over all experts), entropy of the load
+    distribution, its maximum log2(E), and the load's coefficient of variation."""
     rows = []
     for layer, recs in sorted(_records(trace, phase).items()):
-        counts = loads[loads["layer"] == layer]["count"].to_numpy()
+        counts = _counts(recs)
         rows.append({
             "layer": layer, "tokens": len(recs),
-            "router_entropy": float(entropy(np.stack([r.router_probs for r in recs])).mean()),
-            "load_entropy": float(entropy(counts / counts.sum())), "max_entropy": float(np.log(len(counts))),
-            "load_cv": coefficient_of_variation(counts),
+            "router_entropy": stats.router_entropy(np.stack([r.router_probs for r in recs])),
+            "load_entropy": stats.entropy(counts), "max_entropy": float(np.log2(len(counts))),
+            "load_cv": stats.load_cv(counts),
         })
     return pd.DataFrame(rows)
 
@@ -83,13 +75,18 @@ def coactivation(trace: Trace, layer: int, phase: str | None = None) -> np.ndarr
     recs = _records(trace, phase).get(layer)
     if recs is None:
         raise MoebenchError(f"layer {layer} was not recorded")
-    n = _num_experts(recs)
-    matrix = np.zeros((n, n), dtype=np.int64)
+    by_k: dict[int, list[np.ndarray]] = {}  # an intervention may change k mid-decode
     for r in recs:
-        chosen = np.zeros(n, dtype=np.int64)
-        chosen[r.topk_ids] = 1
-        matrix += np.outer(chosen, chosen)
-    return matrix
+        by_k.setdefault(len(r.topk_ids), []).append(r.topk_ids)
+    return sum(stats.coactivation(np.stack(ids), _num_experts(recs)) for ids in by_k.values())
+
+
+def usage_divergence(a: Trace, b: Trace, phase: str | None = None) -> pd.DataFrame:
+    """Per layer recorded in both traces: Jensen-Shannon divergence (bits, 0..1) of their expert loads."""
+    recs_a, recs_b = _records(a, phase), _records(b, phase)
+    rows = [{"layer": layer, "js_divergence": stats.js_divergence(_counts(recs_a[layer]), _counts(recs_b[layer]))}
+            for layer in sorted(set(recs_a) & set(recs_b))]
+    return pd.DataFrame(rows, columns=["layer", "js_divergence"])
 
 
 def expert_logit_lens(model, trace: Trace, tokenizer=None, top: int = 5, phase: str | None = None,

@@ -12,7 +12,7 @@ import moebench
 from moebench.errors import MoebenchError
 from moebench.interventions import intervene
 from moebench.record import Stepper
-from moebench.trace_stats import coactivation, coefficient_of_variation, entropy, expert_logit_lens, load, summary
+from moebench.trace_stats import coactivation, expert_logit_lens, load, summary, usage_divergence
 
 PROMPT = [30, 31, 32, 200, 201, 202, 9]
 
@@ -28,13 +28,6 @@ def forced(tiny):
     model, tok = tiny
     with intervene(model, {1: moebench.Intervention(force_experts=(2, 5))}):
         return Stepper(model, tok, PROMPT, record=True).run(6)
-
-
-def test_entropy_and_cv_helpers():
-    assert entropy(np.full(8, 1 / 8)) == pytest.approx(math.log(8))
-    assert entropy(np.array([1.0, 0.0])) == 0
-    assert coefficient_of_variation(np.array([3, 3, 3])) == 0
-    assert coefficient_of_variation(np.array([4, 4, 0, 0, 0, 0, 0, 0])) == pytest.approx(math.sqrt(3))
 
 
 def test_load_counts_every_selection(forced):
@@ -53,16 +46,25 @@ def test_load_counts_every_selection(forced):
 def test_summary_and_coactivation_of_a_forced_layer(forced):
     table = summary(forced).set_index("layer")
     n = len(forced.steps[0].layers[1].router_probs)
-    assert table.loc[1, "load_entropy"] == pytest.approx(math.log(2))
+    assert table.loc[1, "load_entropy"] == pytest.approx(1.0)  # bits: two experts, equally loaded
     assert table.loc[1, "load_cv"] == pytest.approx(math.sqrt(n / 2 - 1))  # two of n experts, equally loaded
-    assert table.loc[1, "max_entropy"] == pytest.approx(math.log(n))
-    assert ((table["router_entropy"] > 0) & (table["router_entropy"] <= math.log(n))).all()
+    assert table.loc[1, "max_entropy"] == pytest.approx(math.log2(n))
+    assert ((table["router_entropy"] > 0) & (table["router_entropy"] <= math.log2(n))).all()
     assert (table["tokens"] == len(forced.steps)).all()
     matrix = coactivation(forced, 1)
     assert matrix[2, 5] == matrix[5, 2] == matrix[2, 2] == len(forced.steps) and matrix.sum() == 4 * len(forced.steps)
     free = coactivation(forced, 0)
     assert np.array_equal(free, free.T)
     assert np.diag(free).tolist() == load(forced).query("layer == 0")["count"].tolist()
+
+
+def test_usage_divergence_between_traces(tiny, forced):
+    model, _ = tiny
+    plain = Stepper(model, None, PROMPT, record=True).run(6)
+    prompt_only = usage_divergence(forced, plain, phase="prefill").set_index("layer")["js_divergence"]
+    assert prompt_only[0] == 0  # on the prompt, layer 0 is upstream of the intervention: identical routing
+    assert 0 < prompt_only[1] <= 1
+    assert usage_divergence(forced, forced)["js_divergence"].tolist() == [0.0, 0.0]
 
 
 def test_expert_logit_lens_projects_the_mean_expert_output(tiny, forced):
