@@ -14,6 +14,10 @@ widgets and exported files key on these strings.
     layers.{l}.moe.shared_gate   sigmoid gate of the shared expert          [L, 1]
     layers.{l}.moe.block_out     routed_out + shared_gate * shared_out      [L, D]
     layers.{l}.moe.path          which path ran (kernels.Decision)
+
+The model hands these to `model.recorder(name, value)` while it builds the graph (L = tokens in
+the call; resid_* keep the batch axis, [1, L, D]). moebench.record.LayerRecord carries one token's
+values under the same names, with topk_ids, topk_scores and expert_out reordered by score.
 """
 
 from __future__ import annotations
