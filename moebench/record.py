@@ -27,7 +27,7 @@ import numpy as np
 
 from . import hooks
 from .cache import make_cache
-from .decode import Sampling, sample
+from .decode import GenerationResult, Sampling, sample
 from .errors import MoebenchError
 from .kernels import Decision, fused_moe, fused_moe_enabled
 from .routing import Intervention
@@ -159,11 +159,13 @@ class Trace:
     def text(self) -> str:
         return "".join(s.token_text or "" for s in self.generated)
 
+    def result(self) -> GenerationResult:
+        """The trace as decode.generate reports a decode, with the same tok/s definitions."""
+        return GenerationResult(self.prompt_ids, self.token_ids, self.prompt_seconds, self.decode_seconds)
+
     @property
     def decode_tps(self) -> float:
-        """Tokens after the first per wall-clock second, as GenerationResult.decode_tps."""
-        n = len(self.generated) - 1
-        return n / self.decode_seconds if n > 0 and self.decode_seconds else 0.0
+        return self.result().decode_tps
 
 
 @dataclass
