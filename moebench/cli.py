@@ -6,7 +6,10 @@ import argparse
 import json
 import sys
 
+from .bench import register as _add_bench
 from .errors import MoebenchError
+from .presets import register as _add_make_random
+from .selfcheck import register as _add_selfcheck
 from .microbench import add_command as _add_microbench
 
 
@@ -57,7 +60,7 @@ def _run_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = [_add_generate, _add_microbench]
+COMMANDS = [_add_generate, _add_microbench, _add_bench, _add_make_random, _add_selfcheck]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,18 +56,34 @@ def tensor_shapes(args: ModelArgs) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield "lm_head.weight", (args.vocab_size, d)
 
 
+def _scaled(name: str, shape: tuple[int, ...], z):
+    """Standard normals z (numpy or MLX) -> weights that keep activations in range: norms near 1,
+    biases small, matrices ~ N(0, 1/fan_in)."""
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * z
+    if name.endswith(".bias"):
+        return 0.02 * z
+    return z / np.sqrt(shape[-1])
+
+
 def random_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator, dtype=mx.float32) -> mx.array:
     """Small random weights that keep activations in range: norms near 1, matrices ~ N(0, 1/fan_in)."""
-    if name.endswith("norm.weight"):
-        value = 1.0 + 0.1 * rng.standard_normal(shape)
-    elif name.endswith(".bias"):
-        value = 0.02 * rng.standard_normal(shape)
-    else:
-        value = rng.standard_normal(shape) / np.sqrt(shape[-1])
-    return mx.array(value.astype(np.float32)).astype(dtype)
+    return mx.array(_scaled(name, shape, rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
 
 
-def random_tensors(args: ModelArgs, seed: int = 0, dtype=mx.float32) -> Iterator[tuple[str, mx.array]]:
+def random_tensors(
+    args: ModelArgs, seed: int = 0, dtype=mx.float32, generator: str = "numpy"
+) -> Iterator[tuple[str, mx.array]]:
+    """One random tensor at a time. generator 'mlx' draws on MLX's default device (a real-size model
+    in seconds on a GPU, where numpy takes minutes); its values differ from 'numpy''s for the same seed."""
+    if generator == "mlx":
+        key = mx.random.key(seed)
+        for name, shape in tensor_shapes(args):
+            key, sub = mx.random.split(key)
+            yield name, _scaled(name, shape, mx.random.normal(shape, key=sub)).astype(dtype)
+        return
+    if generator != "numpy":
+        raise ValueError(f"generator must be 'numpy' or 'mlx', got {generator!r}")
     rng = np.random.default_rng(seed)
     for name, shape in tensor_shapes(args):
         yield name, random_tensor(name, shape, rng, dtype)

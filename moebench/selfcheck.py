@@ -1,0 +1,290 @@
+"""moebench selfcheck: one command that checks the fused decode-MoE kernel on the machine it runs on.
+
+Reports the platform; runs the fused kernel on this machine's backend (metal, cuda, or the CPU
+'reference', named as such) against the CPU-reference arithmetic and a float64 truth at
+Qwen1.5-MoE-A2.7B's expert shapes and the model's own, for every supported bits / group-size
+combination; checks bitwise determinism; decodes the model greedily with the kernel on and off
+(bench's timing code) to check dispatch, greedy parity and speed. Exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from . import fused_kernel
+from .bench import compare_traces, moebench_arms, platform_info, prompt_token_ids, reference_arm, run_arms, summary
+from .kernels import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES, available_backend, support_reason
+from .loader import default_model_path, load
+from .quant import QuantizedParts
+from .switch import SwitchGLU, SwitchLinear, weighted_sum
+
+SCHEMA = "moebench.selfcheck/1"
+FUSED_NRMS = 5e-4  # fused vs float truth (and vs the CPU reference): the parity class of the fused kernel
+FUSED_NMAX = 2e-2
+FALLBACK_NRMS = 5e-2  # gather_qmm vs truth is ~1e-2; beyond this MLX's own path is broken
+CLEAR_DIVERGENCE = 1.0  # nats: a greedy flip with a larger reference margin is no near-tie
+DETERMINISM_RUNS = 3
+A27B_SHAPE = ("Qwen1.5-MoE-A2.7B experts", 2048, 1408, 4)  # name, D, Dff, K
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    width: int
+    top_k: int
+
+    @property
+    def experts(self) -> int:
+        """Only the K selected experts are read: one more than K keeps the gather honest and the check fast."""
+        return self.top_k + 1
+
+
+def nrms(value: np.ndarray, truth: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((value - truth) ** 2)) / max(np.sqrt(np.mean(truth**2)), 1e-30))
+
+
+def nmax(value: np.ndarray, truth: np.ndarray) -> float:
+    return float(np.max(np.abs(value - truth)) / max(np.max(np.abs(truth)), 1e-30))
+
+
+def same_bits(a: mx.array, b: mx.array) -> bool:
+    """Bitwise equality (NaN payloads and signed zeros included)."""
+    as_uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.itemsize]
+    return a.dtype == b.dtype and a.shape == b.shape and bool(mx.array_equal(a.view(as_uint), b.view(as_uint)))
+
+
+def _f64(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+def truth_outputs(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
+                  down: QuantizedParts) -> tuple[np.ndarray, np.ndarray]:
+    """(weighted sum [D], unweighted y [K, D]) in float64 from float32-dequantized weights (scales and
+    biases upcast before dequantizing), computed in numpy: independent of both MLX paths' arithmetic."""
+    def dense(p: QuantizedParts, e: int) -> np.ndarray:
+        return _f64(mx.dequantize(p.weight[e], p.scales[e].astype(mx.float32), p.biases[e].astype(mx.float32),
+                                  group_size=p.group_size, bits=p.bits))
+
+    xv = _f64(x)
+    ys = []
+    for e in np.array(indices).tolist():
+        g, u = dense(gate, e) @ xv, dense(up, e) @ xv
+        ys.append(dense(down, e) @ (g / (1.0 + np.exp(-g)) * u))
+    y = np.stack(ys)
+    return (y * _f64(scores)[:, None]).sum(axis=0), y
+
+
+def _quantized(w: mx.array, bits: int, group_size: int) -> QuantizedParts:
+    q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    return QuantizedParts(q, s, b, group_size, bits, "affine")
+
+
+def parity_case(backend: str, label: str, x: mx.array, indices: mx.array, scores: mx.array,
+                gate: QuantizedParts, up: QuantizedParts, down: QuantizedParts) -> dict:
+    """One bits/group-size case: fused on `backend` vs truth, vs the CPU reference and determinism;
+    gather_qmm beside it."""
+    row = {"case": label, "backend": backend, "bits": f"{gate.bits}/{up.bits}/{down.bits}", "group_size":
+           gate.group_size, "dtype": str(x.dtype).replace("mlx.core.", "")}
+    experts = SwitchGLU(*(SwitchLinear(p.weight, p) for p in (gate, up, down)))
+    reason = support_reason(experts, backend)
+    if reason:
+        return {**row, "status": "declined", "reason": reason, "passed": True}
+    truth_out, truth_y = truth_outputs(x, indices, scores, gate, up, down)
+    truth_rounded = _f64(mx.array(truth_out.astype(np.float32)).astype(x.dtype))
+    try:
+        runs = [fused_kernel.routed(backend, x, indices, scores, gate, up, down) for _ in range(DETERMINISM_RUNS)]
+        mx.eval(runs)
+    except Exception as e:  # a kernel that cannot run here is a failed check, reported with its reason
+        return {**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False}
+    out, y = _f64(runs[0][0]), _f64(runs[0][1])
+    row["deterministic"] = all(same_bits(o, runs[0][0]) and same_bits(yy, runs[0][1]) for o, yy in runs[1:])
+    row["fused_nrms"], row["fused_nmax"] = nrms(out, truth_rounded), nmax(out, truth_rounded)
+    row["fused_y_nrms"] = nrms(y, truth_y)
+    if backend == "reference":
+        row["vs_reference_nrms"] = None  # the fused path IS the reference here: nothing separate to compare
+    else:
+        with mx.stream(mx.cpu):
+            ref_out, ref_y = fused_kernel.routed("reference", x, indices, scores, gate, up, down)
+            mx.eval(ref_out, ref_y)
+        row["vs_reference_nrms"] = max(nrms(out, _f64(ref_out)), nrms(y, _f64(ref_y)))
+    fallback = weighted_sum(experts(x[None], indices[None]), scores[None])[0]
+    row["fallback_nrms"] = nrms(_f64(fallback), truth_rounded)
+    checks = [row["fused_nrms"] < FUSED_NRMS, row["fused_nmax"] < FUSED_NMAX, row["fused_y_nrms"] < FUSED_NRMS,
+              row["deterministic"], row["fallback_nrms"] < FALLBACK_NRMS]
+    if row["vs_reference_nrms"] is not None:
+        checks.append(row["vs_reference_nrms"] < FUSED_NRMS)
+    return {**row, "status": "ran", "passed": all(checks)}
+
+
+def kernel_parity(backend: str, shapes: list[Shape], dtype: mx.Dtype, seed: int = 0) -> list[dict]:
+    """Every supported bits / group-size combination at each shape, random weights quantized per case."""
+    rows = []
+    for shape in shapes:
+        keys = mx.random.split(mx.random.key(seed), 5)
+        e, d, f, k = shape.experts, shape.hidden, shape.width, shape.top_k
+        floats = {"gate": mx.random.normal((e, f, d), key=keys[0]) / d**0.5,
+                  "up": mx.random.normal((e, f, d), key=keys[1]) / d**0.5,
+                  "down": mx.random.normal((e, d, f), key=keys[2]) / f**0.5}
+        floats = {n: w.astype(dtype) for n, w in floats.items()}
+        x = mx.random.normal((d,), key=keys[3]).astype(dtype)
+        probs = mx.softmax(mx.random.normal((e,), key=keys[4]), precise=True)
+        indices = mx.array(np.random.default_rng(seed).permutation(e)[:k], dtype=mx.uint32)
+        scores = probs[indices]
+        for gs in GROUP_SIZES:
+            gate_up = {bits: (_quantized(floats["gate"], bits, gs), _quantized(floats["up"], bits, gs))
+                       for bits in GATE_UP_BITS}
+            for down_bits in DOWN_BITS:
+                down = _quantized(floats["down"], down_bits, gs)
+                for gate, up in gate_up.values():
+                    rows.append(parity_case(backend, f"{shape.name} D{d} Dff{f} K{k}", x, indices, scores,
+                                            gate, up, down))
+    return rows
+
+
+def model_weights_parity(backend: str, model, seed: int = 0) -> list[dict]:
+    """The fused kernel on the model's own quantized experts (first MoE layer) with a random token."""
+    blocks = model.moe_blocks()
+    if not blocks:
+        return []
+    layer, block = next(iter(blocks.items()))
+    parts = [p.quantized_parts() for p in (block.experts.gate_proj, block.experts.up_proj, block.experts.down_proj)]
+    if any(p is None or p.biases is None for p in parts):
+        return [{"case": f"model layer {layer} experts", "status": "declined", "passed": True,
+                 "reason": support_reason(block.experts, backend)}]
+    key_x, key_s = mx.random.split(mx.random.key(seed), 2)
+    d, e, k = model.args.hidden_size, model.args.num_experts, model.args.num_experts_per_tok
+    dtype = parts[0].scales.dtype
+    x = mx.random.normal((d,), key=key_x).astype(dtype)
+    probs = mx.softmax(mx.random.normal((e,), key=key_s), precise=True)
+    indices = mx.array(np.random.default_rng(seed).permutation(e)[:k], dtype=mx.uint32)
+    return [parity_case(backend, f"model layer {layer} experts", x, indices, probs[indices], *parts)]
+
+
+def decode_checks(model, prompt_tokens: int, gen_tokens: int, repeats: int, progress: bool) -> dict:
+    """Greedy decode with the kernel off and on (bench's interleaved timing): dispatch, parity, speed."""
+    results = run_arms(moebench_arms(model, "both"), prompt_token_ids(model.args.vocab_size, prompt_tokens),
+                       gen_tokens, repeats, progress)
+    off = reference_arm(results)
+    on = next(r for r in results if r is not off)
+    backend = on.arm.experts
+    d = on.runs[-1].dispatch
+    steps = gen_tokens - 1
+    expected_fallback = d["moe_layers"] if prompt_tokens > 1 else 0  # prefill (more than one token) falls back
+    dispatch_ok = d["fused"].get(backend, 0) == d["moe_layers"] * steps and d["fallback"] == expected_fallback
+    greedy = compare_traces(off.trace, on.trace)
+    if greedy["identical"]:
+        parity_class, greedy_ok = "byte-identical", True
+    elif greedy["margin"] is not None and greedy["margin"] <= CLEAR_DIVERGENCE:
+        parity_class, greedy_ok = f"near-tie divergence at token {greedy['first_divergence']}", True
+    else:
+        parity_class, greedy_ok = f"diverged at token {greedy['first_divergence']}", False
+    speed_off, speed_on = summary([r.decode_tps for r in off.runs]), summary([r.decode_tps for r in on.runs])
+    deterministic = all(r.tokens == x.trace.tokens for x in results for r in x.runs)
+    return {
+        "backend": backend, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeats": repeats,
+        "dispatch": {**d, "expected_fused": d["moe_layers"] * steps, "expected_fallback": expected_fallback,
+                     "passed": dispatch_ok},
+        "greedy": {**greedy, "parity_class": parity_class, "passed": greedy_ok, "off_tokens": off.trace.tokens,
+                   "on_tokens": on.trace.tokens},
+        "deterministic": deterministic,
+        "speed": {"off_tps": speed_off, "on_tps": speed_on, "gain": speed_on["median"] / speed_off["median"] - 1},
+    }
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2e}"
+
+
+def report_text(record: dict) -> str:
+    p, lines = record["platform"], []
+    info = ", ".join(f"{k} {v}" for k, v in p["device_info"].items())
+    lines.append(f"platform: MLX {p['mlx']}, device {p['device']} ({info}), fused backend '{p['backend']}'")
+    if p["backend"] == "reference":
+        lines.append("  no Metal or CUDA GPU here: the fused path ran as the CPU reference; no GPU kernel was tested")
+    lines.append(f"\nkernel parity (bounds: fused vs truth nRMS < {FUSED_NRMS:g}, nMax < {FUSED_NMAX:g}; "
+                 f"gather_qmm vs truth < {FALLBACK_NRMS:g})")
+    lines.append("| case | bits g/u/d | group | fused nRMS | fused nMax | vs reference | gather_qmm nRMS | "
+                 "deterministic | result |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for r in record["parity"]:
+        if r["status"] != "ran":
+            lines.append(f"| {r['case']} | {r.get('bits', '-')} | {r.get('group_size', '-')} | - | - | - | - | - | "
+                         f"{r['status']}: {r['reason']} |")
+            continue
+        lines.append(f"| {r['case']} | {r['bits']} | {r['group_size']} | {_fmt(r['fused_nrms'])} | "
+                     f"{_fmt(r['fused_nmax'])} | {_fmt(r['vs_reference_nrms'])} | {_fmt(r['fallback_nrms'])} | "
+                     f"{'yes' if r['deterministic'] else 'NO'} | {'pass' if r['passed'] else 'FAIL'} |")
+    dec = record["decode"]
+    d, g, s = dec["dispatch"], dec["greedy"], dec["speed"]
+    lines.append(f"\ndispatch: {d['fused'].get(dec['backend'], 0)} fused / {d['expected_fused']} expected "
+                 f"({d['moe_layers']} MoE layers x {dec['gen_tokens'] - 1} decode steps), {d['fallback']} fallback "
+                 f"(expected {d['expected_fallback']}: prefill); {'pass' if d['passed'] else 'FAIL'}")
+    margin = "" if g["margin"] is None else f", reference margin {g['margin']:.3g} nats"
+    lines.append(f"greedy on vs off ({dec['gen_tokens']} tokens): {g['parity_class']}{margin}; "
+                 f"{'pass' if g['passed'] else 'FAIL'}; decode deterministic: {dec['deterministic']}")
+    model = record["model"]
+    lines.append(f"\n| model | bits | decode tok/s off -> on (median, min-max over {dec['repeats']}) | gain | "
+                 "parity class |")
+    lines.append("|---|---|---|---|---|")
+    off, on = s["off_tps"], s["on_tps"]
+    lines.append(f"| {model['name']} | {model['bits']} | {off['median']:.1f} ({off['min']:.1f}-{off['max']:.1f}) -> "
+                 f"{on['median']:.1f} ({on['min']:.1f}-{on['max']:.1f}) [{dec['backend']}] | {100 * s['gain']:+.1f}% | "
+                 f"{g['parity_class']} |")
+    lines.append(f"\n{'PASS' if record['passed'] else 'FAIL: ' + '; '.join(record['failures'])} "
+                 f"({record['seconds']:.1f} s)")
+    return "\n".join(lines)
+
+
+def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen_tokens: int = 32,
+              repeats: int = 5, progress: bool = True) -> dict:
+    """Run every check and return the record; record['passed'] is False when any check failed."""
+    start = time.perf_counter()
+    path = Path(model_path) if model_path else default_model_path()
+    model, _ = load(path)
+    backend = available_backend()
+    dtype = model.norm.weight.dtype
+    a = model.args
+    shapes = [Shape(*A27B_SHAPE), Shape(f"model {path.name}", a.hidden_size, a.moe_intermediate_size,
+                                        a.num_experts_per_tok)]
+    parity = kernel_parity(backend, shapes, dtype) + model_weights_parity(backend, model)
+    decode = decode_checks(model, prompt_tokens, gen_tokens, repeats, progress)
+    failures = [f"parity {r['case']} bits {r.get('bits')} g{r.get('group_size')}" for r in parity if not r["passed"]]
+    if not decode["dispatch"]["passed"]:
+        failures.append("dispatch: the kernel did not run on every decode step")
+    if not decode["greedy"]["passed"]:
+        failures.append(f"greedy: {decode['greedy']['parity_class']} at a clear margin")
+    if not decode["deterministic"]:
+        failures.append("decode: repeated greedy runs gave different tokens")
+    bits = model.load_info.bits.get("mlp.switch_mlp.gate_proj", "?")
+    return {"schema": SCHEMA, "platform": platform_info(), "model": {"path": str(path), "name": path.name,
+            "bits": bits}, "parity": parity, "decode": decode, "failures": failures, "passed": not failures,
+            "seconds": time.perf_counter() - start}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("selfcheck", help="check the fused kernel on this machine: parity, determinism, dispatch, "
+                                         "greedy on vs off, speed; exits 1 on a failed check")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--gen-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=_run)
+
+
+def _run(a: argparse.Namespace) -> int:
+    record = selfcheck(a.model, a.prompt_tokens, a.gen_tokens, a.repeats, progress=not a.no_progress)
+    print(report_text(record))
+    if a.json:
+        Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
+    return 0 if record["passed"] else 1
+
