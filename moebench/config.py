@@ -112,6 +112,11 @@ class ModelArgs:
                 raise ConfigError(f"{source}: field {key!r} must be a positive number, got {value!r}")
             return float(value)
 
+        def optional(key: str, default: Any) -> Any:
+            """A field that may be absent or null (then `default`); any value given is validated."""
+            value = cfg.get(key)
+            return default if value is None else value
+
         def flag(key: str, value: Any) -> bool:
             if not isinstance(value, bool):
                 raise ConfigError(f"{source}: field {key!r} must be true or false, got {value!r}")
@@ -119,7 +124,7 @@ class ModelArgs:
 
         hidden = integer("hidden_size", need("hidden_size"))
         heads = integer("num_attention_heads", need("num_attention_heads"))
-        kv_heads = integer("num_key_value_heads", cfg.get("num_key_value_heads") or heads)
+        kv_heads = integer("num_key_value_heads", optional("num_key_value_heads", heads))
         if heads % kv_heads:
             raise ConfigError(
                 f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
@@ -134,11 +139,23 @@ class ModelArgs:
             raise ConfigError(f"{source}: field 'head_dim' must be even for rotary embeddings, got {head_dim}")
 
         rope_theta = cfg.get("rope_theta")
-        if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
-            rope_theta = cfg["rope_parameters"].get("rope_theta")
+        for key in ("rope_parameters", "rope_scaling"):  # transformers 5 / 4 names of the RoPE settings
+            rope = cfg.get(key)
+            if not isinstance(rope, dict):
+                continue
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type != "default":
+                raise ConfigError(f"{source}: field {key!r}: rope_type {rope_type!r} is not supported (only 'default')")
+            if rope_theta is None:
+                rope_theta = rope.get("rope_theta")
+        act = optional("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; Qwen2-MoE experts use 'silu'")
         rope_theta = number("rope_theta", DEFAULT_ROPE_THETA if rope_theta is None else rope_theta)
 
-        num_experts = integer("num_experts", need("num_experts"), minimum=0)
+        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts
+        experts_key = "num_experts" if "num_experts" in cfg or "num_local_experts" not in cfg else "num_local_experts"
+        num_experts = integer(experts_key, need(experts_key), minimum=0)
         top_k = integer("num_experts_per_tok", need("num_experts_per_tok"))
         if num_experts and top_k > num_experts:
             raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})")
@@ -164,16 +181,16 @@ class ModelArgs:
             num_experts_per_tok=top_k,
             moe_intermediate_size=integer("moe_intermediate_size", need("moe_intermediate_size")),
             shared_expert_intermediate_size=integer(
-                "shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size") or 0, minimum=0
+                "shared_expert_intermediate_size", optional("shared_expert_intermediate_size", 0), minimum=0
             ),
             norm_topk_prob=flag("norm_topk_prob", cfg.get("norm_topk_prob", False)),
-            decoder_sparse_step=integer("decoder_sparse_step", cfg.get("decoder_sparse_step") or 1),
+            decoder_sparse_step=integer("decoder_sparse_step", optional("decoder_sparse_step", 1)),
             mlp_only_layers=tuple(mlp_only),
             rope_theta=rope_theta,
             rms_norm_eps=number("rms_norm_eps", need("rms_norm_eps")),
             tie_word_embeddings=flag("tie_word_embeddings", cfg.get("tie_word_embeddings", False)),
             vocab_size=integer("vocab_size", need("vocab_size")),
-            qkv_bias=flag("qkv_bias", cfg.get("qkv_bias", True)),
+            qkv_bias=flag("qkv_bias", cfg.get("qkv_bias", cfg.get("attention_bias", True))),
             quantization=_parse_quantization(cfg.get("quantization"), source),
             eos_token_id=eos_ids,
         )

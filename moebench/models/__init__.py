@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from . import qwen2_moe
+from . import qwen2_moe, qwen3_moe
 
-FAMILIES = {"qwen2_moe": qwen2_moe.build}
+FAMILIES = {"qwen2_moe": qwen2_moe.build, "qwen3_moe": qwen3_moe.build}

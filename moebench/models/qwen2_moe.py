@@ -46,11 +46,17 @@ class Attention(nn.Module):
         self.rope_theta = args.rope_theta
         self.scale = args.head_dim**-0.5
 
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k, v as [B, L, heads, head_dim] (families that normalise q and k override this)."""
+        b, length, _ = x.shape
+        q = self.q_proj(x).reshape(b, length, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim)
+        return q, k, v
+
     def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
         b, length, _ = x.shape
-        q = self.q_proj(x).reshape(b, length, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in self.project(x))
         offset = cache.offset if cache is not None else 0
         q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
         k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
@@ -159,58 +165,77 @@ class Qwen2MoeModel(nn.Module):
         return self.unembed(self.hidden(tokens, cache))
 
 
-def build(args: ModelArgs, store, dtype: mx.Dtype) -> Qwen2MoeModel:
-    """Build the model from a checkpoint's tensors, checking every shape against the config."""
-    q = args.quantization
-    hidden, heads, kv, hd = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
+class Builder:
+    """Builds a decoder from a checkpoint's tensors, checking every shape against the config.
 
-    def linear(name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
-        return load_linear(store, name, out_f, in_f, dtype, q, bias)
+    A family that differs (attention, MoE block) subclasses this and overrides that one method.
+    """
 
-    def norm(name: str) -> RMSNorm:
-        w = store.take(name)
-        if tuple(w.shape) != (hidden,):
-            raise CheckpointError(f"{store.where(name)}: {name} has shape {tuple(w.shape)}, expected ({hidden},)")
+    def __init__(self, args: ModelArgs, store, dtype: mx.Dtype):
+        self.args, self.store, self.dtype = args, store, dtype
+
+    def linear(self, name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
+        return load_linear(self.store, name, out_f, in_f, self.dtype, self.args.quantization, bias)
+
+    def norm(self, name: str, size: int | None = None) -> RMSNorm:
+        size = size or self.args.hidden_size
+        w = self.store.take(name)
+        where = self.store.where(name)
+        if tuple(w.shape) != (size,):
+            raise CheckpointError(f"{where}: {name} has shape {tuple(w.shape)}, expected ({size},)")
         if not mx.issubdtype(w.dtype, mx.floating):
-            raise CheckpointError(f"{store.where(name)}: {name} is {w.dtype}, expected floating point")
-        return RMSNorm(w.astype(dtype), args.rms_norm_eps)
+            raise CheckpointError(f"{where}: {name} is {w.dtype}, expected floating point")
+        return RMSNorm(w.astype(self.dtype), self.args.rms_norm_eps)
 
-    def mlp(prefix: str, width: int) -> MLP:
-        return MLP(linear(f"{prefix}.gate_proj", width, hidden), linear(f"{prefix}.up_proj", width, hidden),
-                   linear(f"{prefix}.down_proj", hidden, width))
+    def mlp(self, prefix: str, width: int) -> MLP:
+        d = self.args.hidden_size
+        return MLP(self.linear(f"{prefix}.gate_proj", width, d), self.linear(f"{prefix}.up_proj", width, d),
+                   self.linear(f"{prefix}.down_proj", d, width))
 
-    embed = Embedding(linear("model.embed_tokens", args.vocab_size, hidden))
-    layers = []
-    for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}"
-        attn = Attention(
-            args,
-            linear(f"{p}.self_attn.q_proj", heads * hd, hidden, bias=args.qkv_bias),
-            linear(f"{p}.self_attn.k_proj", kv * hd, hidden, bias=args.qkv_bias),
-            linear(f"{p}.self_attn.v_proj", kv * hd, hidden, bias=args.qkv_bias),
-            linear(f"{p}.self_attn.o_proj", hidden, heads * hd),
+    def attention_projections(self, prefix: str, bias: bool) -> tuple[Linear, Linear, Linear, Linear]:
+        a = self.args
+        d, hd = a.hidden_size, a.head_dim
+        return (
+            self.linear(f"{prefix}.q_proj", a.num_attention_heads * hd, d, bias=bias),
+            self.linear(f"{prefix}.k_proj", a.num_key_value_heads * hd, d, bias=bias),
+            self.linear(f"{prefix}.v_proj", a.num_key_value_heads * hd, d, bias=bias),
+            self.linear(f"{prefix}.o_proj", d, a.num_attention_heads * hd),
         )
-        if args.is_moe_layer(i):
-            shared = shared_gate = None
-            if args.shared_expert_intermediate_size:
-                shared = mlp(f"{p}.mlp.shared_expert", args.shared_expert_intermediate_size)
-                shared_gate = linear(f"{p}.mlp.shared_expert_gate", 1, hidden)
-            block = SparseMoeBlock(
-                args,
-                linear(f"{p}.mlp.gate", args.num_experts, hidden),
-                load_switch_glu(store, f"{p}.mlp", args.num_experts, hidden, args.moe_intermediate_size, dtype, q),
-                shared,
-                shared_gate,
-            )
-        else:
-            block = mlp(f"{p}.mlp", args.intermediate_size)
-        layers.append(DecoderLayer(attn, block, norm(f"{p}.input_layernorm.weight"),
-                                  norm(f"{p}.post_attention_layernorm.weight")))
-        mx.eval(layers[-1].parameters())  # materialise layer by layer: bounded peak memory
-    final_norm = norm("model.norm.weight")
-    lm_head = None
-    if not args.tie_word_embeddings or "lm_head.weight" in store:
-        lm_head = linear("lm_head", args.vocab_size, hidden)
-    model = Qwen2MoeModel(args, embed, layers, final_norm, lm_head)
-    mx.eval(model.parameters())
-    return model
+
+    def attention(self, prefix: str) -> Attention:
+        return Attention(self.args, *self.attention_projections(prefix, self.args.qkv_bias))
+
+    def moe_block(self, prefix: str) -> SparseMoeBlock:
+        a = self.args
+        shared = shared_gate = None
+        if a.shared_expert_intermediate_size:
+            shared = self.mlp(f"{prefix}.shared_expert", a.shared_expert_intermediate_size)
+            shared_gate = self.linear(f"{prefix}.shared_expert_gate", 1, a.hidden_size)
+        experts = load_switch_glu(self.store, prefix, a.num_experts, a.hidden_size, a.moe_intermediate_size,
+                                  self.dtype, a.quantization)
+        return SparseMoeBlock(a, self.linear(f"{prefix}.gate", a.num_experts, a.hidden_size), experts, shared,
+                              shared_gate)
+
+    def model(self) -> Qwen2MoeModel:
+        a = self.args
+        embed = Embedding(self.linear("model.embed_tokens", a.vocab_size, a.hidden_size))
+        layers = []
+        for i in range(a.num_hidden_layers):
+            p = f"model.layers.{i}"
+            attn = self.attention(f"{p}.self_attn")
+            block = self.moe_block(f"{p}.mlp") if a.is_moe_layer(i) else self.mlp(f"{p}.mlp", a.intermediate_size)
+            layers.append(DecoderLayer(attn, block, self.norm(f"{p}.input_layernorm.weight"),
+                                       self.norm(f"{p}.post_attention_layernorm.weight")))
+            mx.eval(layers[-1].parameters())  # materialise layer by layer: bounded peak memory
+        final_norm = self.norm("model.norm.weight")
+        lm_head = None
+        if not a.tie_word_embeddings or "lm_head.weight" in self.store:
+            lm_head = self.linear("lm_head", a.vocab_size, a.hidden_size)
+        model = Qwen2MoeModel(a, embed, layers, final_norm, lm_head)
+        mx.eval(model.parameters())
+        return model
+
+
+def build(args: ModelArgs, store, dtype: mx.Dtype) -> Qwen2MoeModel:
+    """Build a Qwen2-MoE model from a checkpoint's tensors."""
+    return Builder(args, store, dtype).model()

@@ -1,0 +1,42 @@
+"""Qwen3-MoE (Qwen3-30B-A3B and relatives): what differs from Qwen2-MoE, and nothing else.
+
+- attention: no q/k/v bias (unless attention_bias), an RMSNorm over each head of q and of k before
+  RoPE, and an explicit head_dim;
+- MoE block: no shared expert; the top-k probabilities are renormalised when norm_topk_prob
+  (true for Qwen3-30B-A3B). Routing, experts, the fused kernel and recording are the shared ones.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..config import ModelArgs
+from ..errors import ConfigError
+from .qwen2_moe import Attention, Builder, Linear, Qwen2MoeModel, RMSNorm
+
+
+class Qwen3Attention(Attention):
+    """Attention with per-head RMSNorm on q and k."""
+
+    def __init__(self, args: ModelArgs, projections: tuple[Linear, Linear, Linear, Linear], q_norm: RMSNorm,
+                 k_norm: RMSNorm):
+        super().__init__(args, *projections)
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        q, k, v = super().project(x)
+        return self.q_norm(q), self.k_norm(k), v
+
+
+class Qwen3Builder(Builder):
+    def attention(self, prefix: str) -> Qwen3Attention:
+        hd = self.args.head_dim
+        return Qwen3Attention(self.args, self.attention_projections(prefix, self.args.qkv_bias),
+                              self.norm(f"{prefix}.q_norm.weight", hd), self.norm(f"{prefix}.k_norm.weight", hd))
+
+
+def build(args: ModelArgs, store, dtype: mx.Dtype) -> Qwen2MoeModel:
+    """Build a Qwen3-MoE model from a checkpoint's tensors."""
+    if args.shared_expert_intermediate_size:
+        raise ConfigError("qwen3_moe config sets shared_expert_intermediate_size, but Qwen3-MoE has no shared expert")
+    return Qwen3Builder(args, store, dtype).model()
