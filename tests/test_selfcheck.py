@@ -1,0 +1,80 @@
+"""moebench selfcheck: honest platform report, parity table, dispatch and greedy checks, exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from moebench import fused_kernel, selfcheck
+from moebench.cli import main
+
+ARGS = ["--prompt-tokens", "3", "--gen-tokens", "4", "--repeats", "1", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def small_reference_shape(monkeypatch):
+    """The A2.7B expert shapes cost ~20 s of CPU per run: unit tests check behaviour at a small shape."""
+    monkeypatch.setattr(selfcheck, "A27B_SHAPE", ("small experts", 128, 128, 2))
+
+
+def test_selfcheck_passes_and_reports_the_reference_backend_honestly(quantized_checkpoint, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["selfcheck", str(quantized_checkpoint), "--json", str(out), *ARGS]) == 0
+    text = capsys.readouterr().out
+    assert "fused backend 'reference'" in text and "no GPU kernel was tested" in text
+    assert "parity class" in text and text.rstrip().splitlines()[-1].startswith("PASS")
+    record = json.loads(out.read_text())
+    assert record["schema"] == "moebench.selfcheck/1" and record["passed"] and record["failures"] == []
+    assert record["platform"]["backend"] == "reference" and record["platform"]["mlx"] == mx.__version__
+    ran = [r for r in record["parity"] if r["status"] == "ran"]
+    combos = {(r["case"], r["bits"], r["group_size"]) for r in ran}
+    # every supported bits / group-size combination at both shapes, plus the model's own experts
+    assert len(combos) == 2 * 3 * 2 * 3 + 1
+    for r in ran:
+        assert r["fused_nrms"] < selfcheck.FUSED_NRMS and r["deterministic"] and r["vs_reference_nrms"] is None
+    dec = record["decode"]
+    assert dec["dispatch"]["passed"] and dec["dispatch"]["fused"] == {"reference": 2 * 3}
+    assert dec["greedy"]["parity_class"] == "byte-identical" or dec["greedy"]["margin"] <= selfcheck.CLEAR_DIVERGENCE
+    assert set(dec["speed"]["off_tps"]) >= {"median", "min", "max"}
+
+
+def test_selfcheck_exits_nonzero_when_the_kernel_is_wrong(quantized_checkpoint, tmp_path, monkeypatch, capsys):
+    real = fused_kernel.routed
+
+    def off_by_one_percent(*args, **kwargs):
+        out, y = real(*args, **kwargs)
+        return out * 1.01, y * 1.01
+
+    monkeypatch.setattr(fused_kernel, "routed", off_by_one_percent)
+    out = tmp_path / "s.json"
+    assert main(["selfcheck", str(quantized_checkpoint), "--json", str(out), *ARGS]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert not record["passed"] and any(f.startswith("parity") for f in record["failures"])
+    assert all(not r["passed"] for r in record["parity"] if r["status"] == "ran")
+    assert record["parity"][0]["fused_nrms"] == pytest.approx(1e-2, rel=0.05)
+
+
+def test_selfcheck_fails_when_the_kernel_never_dispatches(make_checkpoint, capsys):
+    folder = make_checkpoint("float")  # float experts: the fused kernel declines every layer
+    assert main(["selfcheck", str(folder), *ARGS]) == 1
+    text = capsys.readouterr().out
+    assert "declined: float experts" in text and "FAIL" in text and "dispatch" in text.splitlines()[-1]
+
+
+def test_selfcheck_names_a_missing_model(tmp_path, capsys):
+    assert main(["selfcheck", str(tmp_path / "nowhere"), *ARGS]) == 2
+    assert "nowhere" in capsys.readouterr().err
+
+
+def test_parity_metrics_and_bitwise_equality():
+    truth = np.array([1.0, -2.0, 3.0])
+    assert selfcheck.nrms(truth * 1.01, truth) == pytest.approx(0.01)
+    assert selfcheck.nmax(truth + np.array([0, 0.3, 0]), truth) == pytest.approx(0.1)
+    a = mx.array([0.0, 1.5], dtype=mx.bfloat16)
+    assert selfcheck.same_bits(a, mx.array([0.0, 1.5], dtype=mx.bfloat16))
+    assert not selfcheck.same_bits(a, mx.array([-0.0, 1.5], dtype=mx.bfloat16))  # equal values, other bits
+    assert not selfcheck.same_bits(a, a.astype(mx.float32))
