@@ -8,9 +8,10 @@ import sys
 
 from .bench import register as _add_bench
 from .errors import MoebenchError
+from .microbench import add_command as _add_microbench
 from .presets import register as _add_make_random
 from .selfcheck import register as _add_selfcheck
-from .microbench import add_command as _add_microbench
+from .train import add_eval_command, add_train_command
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +61,8 @@ def _run_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = [_add_generate, _add_microbench, _add_bench, _add_make_random, _add_selfcheck]
+COMMANDS = [_add_generate, _add_microbench, add_train_command, add_eval_command, _add_bench, _add_make_random,
+            _add_selfcheck]
 
 
 def main(argv: list[str] | None = None) -> int:
