@@ -160,7 +160,7 @@ class ModelArgs:
         if num_experts and top_k > num_experts:
             raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})")
         layers = integer("num_hidden_layers", need("num_hidden_layers"))
-        mlp_only = cfg.get("mlp_only_layers") or []
+        mlp_only = optional("mlp_only_layers", [])
         if not isinstance(mlp_only, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only
         ):
@@ -183,14 +183,14 @@ class ModelArgs:
             shared_expert_intermediate_size=integer(
                 "shared_expert_intermediate_size", optional("shared_expert_intermediate_size", 0), minimum=0
             ),
-            norm_topk_prob=flag("norm_topk_prob", cfg.get("norm_topk_prob", False)),
+            norm_topk_prob=flag("norm_topk_prob", optional("norm_topk_prob", False)),
             decoder_sparse_step=integer("decoder_sparse_step", optional("decoder_sparse_step", 1)),
             mlp_only_layers=tuple(mlp_only),
             rope_theta=rope_theta,
             rms_norm_eps=number("rms_norm_eps", need("rms_norm_eps")),
-            tie_word_embeddings=flag("tie_word_embeddings", cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=flag("tie_word_embeddings", optional("tie_word_embeddings", False)),
             vocab_size=integer("vocab_size", need("vocab_size")),
-            qkv_bias=flag("qkv_bias", cfg.get("qkv_bias", cfg.get("attention_bias", True))),
+            qkv_bias=flag("qkv_bias", optional("qkv_bias", optional("attention_bias", True))),
             quantization=_parse_quantization(cfg.get("quantization"), source),
             eos_token_id=eos_ids,
         )

@@ -56,6 +56,16 @@ def test_explicit_head_dim_and_defaults_for_optional_fields():
     assert (args.decoder_sparse_step, args.mlp_only_layers) == (1, ())
 
 
+def test_null_optional_fields_take_their_defaults():
+    nulls = dict.fromkeys(("num_key_value_heads", "shared_expert_intermediate_size", "norm_topk_prob",
+                           "decoder_sparse_step", "mlp_only_layers", "tie_word_embeddings", "qkv_bias", "hidden_act",
+                           "rope_scaling", "head_dim"))
+    args = ModelArgs.from_dict(qwen2_moe_config(**nulls))
+    assert (args.num_key_value_heads, args.shared_expert_intermediate_size, args.decoder_sparse_step) == (4, 0, 1)
+    assert (args.norm_topk_prob, args.tie_word_embeddings, args.qkv_bias, args.mlp_only_layers) == (False, False,
+                                                                                                    True, ())
+
+
 def test_unknown_keys_are_ignored():
     args = ModelArgs.from_dict(qwen2_moe_config(some_future_field={"x": 1}, layer_types=["full_attention"] * 2))
     assert args == ModelArgs.from_dict(qwen2_moe_config())
@@ -90,6 +100,12 @@ def test_missing_required_field_is_named(key):
         (dict(quantization={"group_size": 64, "bits": 4, "mode": "mxfp4"}), "mxfp4"),
         (dict(quantization={"group_size": 64, "bits": "4"}), "bits"),
         (dict(quantization=[64, 4]), "quantization"),
+        (dict(decoder_sparse_step=0), "decoder_sparse_step"),
+        (dict(num_key_value_heads=0), "num_key_value_heads"),
+        (dict(mlp_only_layers=""), "mlp_only_layers"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope_parameters.*'yarn'"),
+        (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling.*'linear'"),
     ],
 )
 def test_invalid_values_are_named(overrides, field):

@@ -98,7 +98,6 @@ def test_greedy_decode_with_cache_matches_hf_generate(hf_pair):
     import torch
 
     hf, ours, _ = hf_pair
-    moebench.set_fused_moe(True)
     ids = _prompt(1, ours.args.vocab_size)
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=GREEDY_STEPS, min_new_tokens=GREEDY_STEPS,
