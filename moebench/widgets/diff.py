@@ -1,0 +1,105 @@
+"""Diff view: fused kernel vs gather_qmm fallback vs a float64 truth, per layer and per expert, plus
+routing agreement between whole decodes with the switch on and off.
+
+Reads the results of moebench.compare: `show_step(compare_step(...))` for the errors under identical
+routing, `show_decode(compare_decode(...))` for what the two paths did to routing and tokens.
+"""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as widgets
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+PAIR_NAMES = {
+    "fused~truth": "fused kernel vs float64 truth",
+    "fallback~truth": "fallback (gather_qmm) vs float64 truth",
+    "fused~fallback": "fused vs fallback",
+}
+PAIR_COLORS = {"fused~truth": "#2ca02c", "fallback~truth": "#ff7f0e", "fused~fallback": "#7f7f7f"}
+FLOOR = 1e-12  # errors of exactly 0 cannot sit on a log axis
+
+
+class DiffView:
+    """Three panels: routed-output error per layer, per-expert partial error, routing agreement per layer."""
+
+    def __init__(self):
+        fig = make_subplots(rows=1, cols=3, column_widths=[0.3, 0.45, 0.25], horizontal_spacing=0.07,
+                            subplot_titles=("MoE output error per layer<br>(same routing on every path)",
+                                            "error of each chosen expert's weighted output",
+                                            "routing agreement, switch on vs off<br>(1 = same experts)"))
+        for pair in PAIR_NAMES:
+            fig.add_bar(x=[], y=[], name=PAIR_NAMES[pair], marker_color=PAIR_COLORS[pair], legendgroup=pair,
+                        row=1, col=1)
+        for pair in ("fused~truth", "fallback~truth"):
+            fig.add_bar(x=[], y=[], name=PAIR_NAMES[pair], marker_color=PAIR_COLORS[pair], legendgroup=pair,
+                        showlegend=False, row=1, col=2)
+        fig.add_bar(x=[], y=[], name="mean Jaccard of top-k sets", marker_color="#1f77b4", showlegend=False,
+                    row=1, col=3)
+        fig.update_yaxes(type="log", title_text="normalized RMS error", exponentformat="e", row=1, col=1)
+        fig.update_yaxes(type="log", exponentformat="e", row=1, col=2)
+        fig.update_yaxes(range=[0, 1.05], row=1, col=3)
+        fig.update_xaxes(title_text="MoE layer", type="category", row=1, col=1)
+        fig.update_xaxes(title_text="layer / rank / expert", type="category", row=1, col=2)
+        fig.update_xaxes(title_text="MoE layer", type="category", row=1, col=3)
+        fig.update_layout(barmode="group", height=420, width=1100, margin={"l": 70, "r": 20, "t": 90, "b": 80},
+                          legend={"orientation": "h", "y": -0.3})
+        self.figure = go.FigureWidget(fig)
+        self.summary = widgets.HTML()
+        self.widget = widgets.VBox([self.figure, self.summary])
+        self.widget.add_class("moebench-diff-view")
+        self._step_text = self._decode_text = ""
+
+    def show_step(self, frame) -> None:
+        """A compare_step frame: one row per (layer, part, pair)."""
+        routed = frame[frame["part"] == "routed"]
+        experts = frame[frame["part"] == "expert"]
+        with self.figure.batch_update():
+            for trace, pair in zip(self.figure.data[:3], PAIR_NAMES, strict=True):
+                rows = routed[routed["pair"] == pair]
+                trace.x = [str(v) for v in rows["layer"]]
+                trace.y = np.maximum(rows["nrms"].to_numpy(float), FLOOR)
+            for trace, pair in zip(self.figure.data[3:5], ("fused~truth", "fallback~truth"), strict=True):
+                rows = experts[experts["pair"] == pair]
+                trace.x = [f"L{layer} #{slot + 1} e{e}" for layer, slot, e in
+                           zip(rows["layer"], rows["slot"], rows["expert"], strict=True)]
+                trace.y = np.maximum(rows["nrms"].to_numpy(float), FLOOR)
+        medians = {pair: float(routed[routed["pair"] == pair]["nrms"].median()) for pair in PAIR_NAMES}
+        fused, fallback = medians["fused~truth"], medians["fallback~truth"]
+        closer = ("the fused kernel is closer to the truth" if fused < fallback else
+                  "the fallback is closer to the truth" if fallback < fused else "both paths are equally close")
+        backend, dtype = frame["backend"].iloc[0], frame["dtype"].iloc[0].replace("mlx.core.", "")
+        self._step_text = (f"<b>errors under identical routing</b> ({dtype} activations, fused backend "
+                           f"'{html.escape(backend)}'): median over layers, fused {fused:.2e} vs fallback "
+                           f"{fallback:.2e}: {closer}.")
+        self._render()
+
+    def show_decode(self, comparison) -> None:
+        """A compare_decode result: per-layer mean Jaccard, the first divergent token, KL per token."""
+        per_layer = comparison.jaccard.groupby("layer")["jaccard"].mean()
+        with self.figure.batch_update():
+            trace = self.figure.data[5]
+            trace.x = [str(v) for v in per_layer.index]
+            trace.y = per_layer.to_numpy(float)
+        n = len(comparison.kl)
+        if comparison.identical:
+            tokens = f"all {n} greedy tokens identical with the switch on and off"
+        else:
+            on, off = comparison.margins["on"], comparison.margins["off"]
+            tokens = (f"tokens first differ at generated token {comparison.first_divergence} of {n} (top-1 margin "
+                      f"there: {on['prob']:.3f} probability with fused, {off['prob']:.3f} without)")
+        self._decode_text = (f"<b>whole decode</b> ({comparison.dtype.replace('mlx.core.', '')}): {tokens}; "
+                             f"largest per-token KL {float(np.max(comparison.kl)):.2e} nats; mean routing "
+                             f"agreement {float(per_layer.mean()):.3f}.")
+        self._render()
+
+    def _render(self) -> None:
+        self.summary.value = "<br>".join(t for t in (self._step_text, self._decode_text) if t)
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)

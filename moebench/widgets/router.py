@@ -1,0 +1,94 @@
+"""Router view: for one token, the router's probability for every (MoE layer, expert), top-k marked.
+
+The shared expert is not routed: every token goes through it, scaled by its own sigmoid gate, so its
+gate is drawn in a separate column rather than mixed into the expert probabilities.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .text import shown
+
+NO_SHARED = "this model has<br>no shared expert"
+SHARED_OFF = "shared expert<br>switched off by<br>an intervention"
+
+
+def shared_note(record) -> str | None:
+    """Why a step has no shared-expert gate to show, or None when every MoE layer has one."""
+    missing = [i for i, layer in record.layers.items() if layer.shared_gate is None]
+    if not missing:
+        return None
+    off = [i for i in missing if i in record.interventions and not record.interventions[i].shared_expert]
+    return SHARED_OFF if off else NO_SHARED
+
+
+class RouterView:
+    """`view.show(record)` draws one step; `view.marked` holds the top-k expert ids drawn per layer."""
+
+    def __init__(self, height_per_layer: int = 30):
+        self.height_per_layer = height_per_layer
+        self.marked: dict[int, list[int]] = {}
+        fig = make_subplots(rows=1, cols=2, column_widths=[0.84, 0.16], shared_yaxes=True, horizontal_spacing=0.02,
+                            subplot_titles=("router probability of each expert<br>(red boxes: the top-k it "
+                                            "picked, #1 = highest)", "shared expert<br>gate (0..1)"))
+        fig.add_trace(go.Heatmap(z=[[0.0]], colorscale="Blues", zmin=0,
+                                 colorbar={"title": {"text": "router<br>prob"}, "x": 1.0, "xanchor": "left",
+                                           "len": 0.9},
+                                 hovertemplate="layer %{y}<br>expert %{x}<br>probability %{z:.3f}<extra></extra>"),
+                      row=1, col=1)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="markers+text", name="top-k",
+                                 marker={"symbol": "square-open", "size": 22, "color": "#d62728", "line": {"width": 3}},
+                                 textfont={"size": 11, "color": "#b71c1c"}, textposition="middle center",
+                                 hoverinfo="skip", showlegend=False), row=1, col=1)
+        fig.add_trace(go.Heatmap(z=[[0.0]], colorscale="Greens", zmin=0, zmax=1, showscale=False,
+                                 texttemplate="%{z:.2f}",
+                                 hovertemplate="layer %{y}<br>shared gate %{z:.3f}<extra></extra>"), row=1, col=2)
+        fig.update_xaxes(title_text="expert id", dtick=1, row=1, col=1)
+        fig.update_xaxes(showticklabels=False, row=1, col=2)
+        fig.update_yaxes(title_text="MoE layer", autorange="reversed", type="category", row=1, col=1)
+        fig.update_layout(margin={"l": 70, "r": 90, "t": 110, "b": 50}, width=900)
+        self.figure = go.FigureWidget(fig)
+
+    def show(self, record) -> None:
+        layers = sorted(record.layers)
+        if not layers:
+            with self.figure.batch_update():
+                for trace in self.figure.data:
+                    trace.x, trace.y = [], []
+                self.figure.layout.title = f"position {record.position}: internals were not recorded for this token"
+            self.marked = {}
+            return
+        probs = np.stack([record.layers[layer].router_probs for layer in layers])
+        labels = [f"L{layer}" for layer in layers]
+        xs, ys, ranks = [], [], []
+        self.marked = {}
+        for layer, label in zip(layers, labels, strict=True):
+            ids = [int(i) for i in record.layers[layer].topk_ids]
+            self.marked[layer] = ids
+            xs += ids
+            ys += [label] * len(ids)
+            ranks += [f"#{r + 1}" for r in range(len(ids))]
+        gates = [record.layers[layer].shared_gate for layer in layers]
+        note = shared_note(record)
+        k = {len(ids) for ids in self.marked.values()}
+        with self.figure.batch_update():
+            heat, boxes, shared = self.figure.data
+            heat.z, heat.x, heat.y = probs, list(range(probs.shape[1])), labels
+            boxes.x, boxes.y, boxes.text = xs, ys, ranks
+            shared.z = [[None if g is None else float(g)] for g in gates]
+            shared.y, shared.x = labels, ["gate"]
+            self.figure.layout.annotations = self.figure.layout.annotations[:2]
+            if note is not None:
+                self.figure.add_annotation(text=note, xref="x2 domain", yref="y2 domain", x=0.5, y=0.5,
+                                           showarrow=False, font={"size": 11})
+            self.figure.layout.title = (f"routing of token {shown(record.input_text)} (position {record.position}): "
+                                        f"{'/'.join(map(str, sorted(k)))} experts picked per MoE layer")
+            self.figure.layout.height = 200 + self.height_per_layer * len(layers)
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.figure)

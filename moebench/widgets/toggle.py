@@ -1,0 +1,82 @@
+"""The fused-kernel toggle: flips moebench's runtime switch between tokens and says which path ran.
+
+The button only sets the switch; what it displays comes from the latest step record, so the label
+reports what the model actually did (a backend name, or 'fallback' with the decline reason).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import ipywidgets as widgets
+
+from ..kernels import fused_moe_enabled, set_fused_moe
+
+
+def describe_paths(record) -> str:
+    """'fused reference kernel on 4 of 4 MoE layers' or 'fallback (gather_qmm) on 4 of 4 MoE layers: <reason>'."""
+    paths = Counter((layer.path.path, layer.path.reason) for layer in record.layers.values())
+    total = sum(paths.values())
+    if not total:
+        return "not recorded (internals were off for this token)"
+    parts = []
+    for (path, reason), n in paths.most_common():
+        name = "fallback (gather_qmm)" if path == "fallback" else f"fused {path} kernel"
+        parts.append(f"{name} on {n} of {total} MoE layers" + (f": {reason}" if reason else ""))
+    return "; ".join(parts)
+
+
+class FusedToggle:
+    """A toggle button bound to moebench.set_fused_moe, and a label with the path of the last step."""
+
+    def __init__(self, on_change: Callable[[bool], None] | None = None):
+        self._callbacks: list[Callable[[bool], None]] = [on_change] if on_change is not None else []
+        self.button = widgets.ToggleButton(
+            value=fused_moe_enabled(), description="", tooltip="switch the fused decode-MoE kernel on or off",
+            layout=widgets.Layout(width="220px"),
+        )
+        self.button.add_class("moebench-fused-toggle")
+        self.label = widgets.HTML("<i>no token decoded yet</i>")
+        self.label.add_class("moebench-backend-label")
+        self._describe_button()
+        self.button.observe(self._flip, names="value")
+        self.widget = widgets.HBox([self.button, self.label])
+
+    @property
+    def enabled(self) -> bool:
+        return self.button.value
+
+    def on_change(self, callback: Callable[[bool], None]) -> None:
+        """Call `callback(enabled)` after every flip (the switch is already set)."""
+        self._callbacks.append(callback)
+
+    def set(self, enabled: bool) -> None:
+        """Same as clicking: the switch changes before the next token."""
+        self.button.value = bool(enabled)
+
+    def show(self, record) -> None:
+        """Report the path a decoded step took (known only when its internals were recorded)."""
+        switch = "on" if record.fused_switch else "off"
+        if record.layers:
+            self.label.value = (f"switch {switch}; last token (position {record.position}) ran: "
+                                f"<b>{describe_paths(record)}</b>")
+        else:
+            self.label.value = (f"switch {switch}; last token (position {record.position}): path not recorded "
+                                "(turn on recording to see which kernel ran)")
+
+    def _describe_button(self) -> None:
+        on = self.button.value
+        self.button.description = "fused kernel: ON (click for off)" if on else "fused kernel: OFF (click for on)"
+        self.button.button_style = "success" if on else "warning"
+
+    def _flip(self, change) -> None:
+        set_fused_moe(change["new"])
+        self._describe_button()
+        for callback in self._callbacks:
+            callback(change["new"])
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)

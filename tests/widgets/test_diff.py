@@ -1,0 +1,28 @@
+from moebench.compare import compare_decode, compare_step
+from moebench.widgets.diff import DiffView
+
+
+def test_step_errors_per_layer_and_per_expert(tiny, trace):
+    model, _ = tiny
+    frame = compare_step(model, trace.generated[1])
+    view = DiffView()
+    view.show_step(frame)
+    layers = [str(i) for i in sorted(model.moe_blocks())]
+    assert all(list(bar.x) == layers for bar in view.figure.data[:3])
+    k = model.args.num_experts_per_tok
+    assert len(view.figure.data[3].x) == len(view.figure.data[4].x) == k * len(layers)
+    assert view.figure.data[3].x[0].startswith("L0 #1 e")
+    assert "errors under identical routing" in view.summary.value and "closer" in view.summary.value
+
+
+def test_decode_agreement_and_identical_tokens(tiny):
+    model, tokenizer = tiny
+    comparison = compare_decode(model, "hello", 4, tokenizer)
+    view = DiffView()
+    view.show_decode(comparison)
+    assert list(view.figure.data[5].x) == [str(i) for i in sorted(model.moe_blocks())]
+    assert all(0 <= y <= 1 for y in view.figure.data[5].y)
+    if comparison.identical:
+        assert "all 4 greedy tokens identical" in view.summary.value
+    else:
+        assert "tokens first differ" in view.summary.value
