@@ -134,26 +134,35 @@ def timed_run(arm: Arm, prompt_ids: list[int], gen_tokens: int, keep_logits: boo
 
 
 def run_arms(arms: list[Arm], prompt_ids: list[int], gen_tokens: int, repeats: int,
-             progress: bool = True) -> list[ArmResult]:
-    """Warm up each arm with its trace pass, then `repeats` timed rounds, arms interleaved, order rotating."""
+             progress: bool = True) -> tuple[list[ArmResult], list[dict]]:
+    """Warm up each arm with its trace pass, then `repeats` timed rounds, arms interleaved, order rotating.
+
+    Returns (results, failures): an arm whose warm-up raises (say, a GPU kernel that does not build on this
+    machine) is left out of the rounds and reported as {'arm', 'reason'}, so the other arms still run."""
     if gen_tokens < 2:
         raise MoebenchError(f"--gen-tokens {gen_tokens}: need at least 2 (decode speed counts tokens after the first)")
     if repeats < 1:
         raise MoebenchError(f"--repeats {repeats}: need at least 1")
     bar = tqdm(total=len(arms) * (repeats + 1), unit="run", desc="bench", disable=not progress, file=sys.stderr)
-    results = []
+    results, failures = [], []
     for arm in arms:
         bar.set_postfix_str(f"warm-up {arm.name}")
-        results.append(ArmResult(arm, timed_run(arm, prompt_ids, gen_tokens, keep_logits=True)))
+        try:
+            results.append(ArmResult(arm, timed_run(arm, prompt_ids, gen_tokens, keep_logits=True)))
+        except Exception as e:  # reported with its reason; the remaining arms still run
+            failures.append({"arm": arm.name, "reason": f"warm-up failed: {type(e).__name__}: {e}"})
+            print(f"arm {arm.name} failed: {type(e).__name__}: {e}", file=sys.stderr)
         bar.update()
+    bar.total = len(arms) + repeats * len(results)
+    bar.refresh()
     for r in range(repeats):
-        for i in range(len(arms)):
-            result = results[(i + r) % len(arms)]
+        for i in range(len(results)):
+            result = results[(i + r) % len(results)]
             bar.set_postfix_str(f"repeat {r + 1} {result.arm.name}")
             result.runs.append(timed_run(result.arm, prompt_ids, gen_tokens))
             bar.update()
     bar.close()
-    return results
+    return results, failures
 
 
 def compare_traces(reference: Run, other: Run) -> dict:
@@ -364,7 +373,10 @@ def _run(a: argparse.Namespace) -> int:
         if reason:
             skipped.append({"arm": "mlx-lm", "reason": reason})
             print(f"skipping mlx-lm: {reason}", file=sys.stderr)
-    results = run_arms(arms, prompt_ids, a.gen_tokens, a.repeats, progress=not a.no_progress)
+    results, failures = run_arms(arms, prompt_ids, a.gen_tokens, a.repeats, progress=not a.no_progress)
+    skipped += failures
+    if not results:
+        raise MoebenchError("every arm failed: " + "; ".join(f"{f['arm']}: {f['reason']}" for f in failures))
     arguments = {k: v for k, v in vars(a).items() if k != "run"}
     record = bench_record(results, model, prompt_ids, a.gen_tokens, a.repeats, skipped, arguments)
     print(format_table(record))

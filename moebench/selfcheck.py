@@ -170,8 +170,10 @@ def model_weights_parity(backend: str, model, seed: int = 0) -> list[dict]:
 
 def decode_checks(model, prompt_tokens: int, gen_tokens: int, repeats: int, progress: bool) -> dict:
     """Greedy decode with the kernel off and on (bench's interleaved timing): dispatch, parity, speed."""
-    results = run_arms(moebench_arms(model, "both"), prompt_token_ids(model.args.vocab_size, prompt_tokens),
-                       gen_tokens, repeats, progress)
+    results, failures = run_arms(moebench_arms(model, "both"),
+                                 prompt_token_ids(model.args.vocab_size, prompt_tokens), gen_tokens, repeats, progress)
+    if failures:
+        return {"error": "; ".join(f"{f['arm']}: {f['reason']}" for f in failures)}
     off = reference_arm(results)
     on = next(r for r in results if r is not off)
     backend = on.arm.experts
@@ -199,6 +201,19 @@ def decode_checks(model, prompt_tokens: int, gen_tokens: int, repeats: int, prog
     }
 
 
+def decode_failures(decode: dict) -> list[str]:
+    if "error" in decode:
+        return [f"decode: {decode['error']}"]
+    failures = []
+    if not decode["dispatch"]["passed"]:
+        failures.append("dispatch: the kernel did not run on every decode step")
+    if not decode["greedy"]["passed"]:
+        failures.append(f"greedy: {decode['greedy']['parity_class']} at a clear margin")
+    if not decode["deterministic"]:
+        failures.append("decode: repeated greedy runs gave different tokens")
+    return failures
+
+
 def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.2e}"
 
@@ -223,6 +238,9 @@ def report_text(record: dict) -> str:
                      f"{_fmt(r['fused_nmax'])} | {_fmt(r['vs_reference_nrms'])} | {_fmt(r['fallback_nrms'])} | "
                      f"{'yes' if r['deterministic'] else 'NO'} | {'pass' if r['passed'] else 'FAIL'} |")
     dec = record["decode"]
+    if "error" in dec:
+        lines.append(f"\ndecode: FAIL: {dec['error']}")
+        return "\n".join([*lines, _verdict(record)])
     d, g, s = dec["dispatch"], dec["greedy"], dec["speed"]
     lines.append(f"\ndispatch: {d['fused'].get(dec['backend'], 0)} fused / {d['expected_fused']} expected "
                  f"({d['moe_layers']} MoE layers x {dec['gen_tokens'] - 1} decode steps), {d['fallback']} fallback "
@@ -238,9 +256,11 @@ def report_text(record: dict) -> str:
     lines.append(f"| {model['name']} | {model['bits']} | {off['median']:.1f} ({off['min']:.1f}-{off['max']:.1f}) -> "
                  f"{on['median']:.1f} ({on['min']:.1f}-{on['max']:.1f}) [{dec['backend']}] | {100 * s['gain']:+.1f}% | "
                  f"{g['parity_class']} |")
-    lines.append(f"\n{'PASS' if record['passed'] else 'FAIL: ' + '; '.join(record['failures'])} "
-                 f"({record['seconds']:.1f} s)")
-    return "\n".join(lines)
+    return "\n".join([*lines, _verdict(record)])
+
+
+def _verdict(record: dict) -> str:
+    return f"\n{'PASS' if record['passed'] else 'FAIL: ' + '; '.join(record['failures'])} ({record['seconds']:.1f} s)"
 
 
 def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen_tokens: int = 32,
@@ -257,12 +277,7 @@ def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen
     parity = kernel_parity(backend, shapes, dtype) + model_weights_parity(backend, model)
     decode = decode_checks(model, prompt_tokens, gen_tokens, repeats, progress)
     failures = [f"parity {r['case']} bits {r.get('bits')} g{r.get('group_size')}" for r in parity if not r["passed"]]
-    if not decode["dispatch"]["passed"]:
-        failures.append("dispatch: the kernel did not run on every decode step")
-    if not decode["greedy"]["passed"]:
-        failures.append(f"greedy: {decode['greedy']['parity_class']} at a clear margin")
-    if not decode["deterministic"]:
-        failures.append("decode: repeated greedy runs gave different tokens")
+    failures += decode_failures(decode)
     bits = model.load_info.bits.get("mlp.switch_mlp.gate_proj", "?")
     return {"schema": SCHEMA, "platform": platform_info(), "model": {"path": str(path), "name": path.name,
             "bits": bits}, "parity": parity, "decode": decode, "failures": failures, "passed": not failures,

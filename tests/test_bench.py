@@ -30,12 +30,26 @@ def spy_arm(name: str, calls: list, tokens: list[int]) -> Arm:
 def test_every_arm_gets_the_same_prompt_and_repeats_interleave_with_rotating_order():
     calls = []
     arms = [spy_arm(n, calls, [1, 2, 3, 4]) for n in ("a", "b", "c")]
-    results = run_arms(arms, [5, 6, 7], gen_tokens=4, repeats=3, progress=False)
+    results, failures = run_arms(arms, [5, 6, 7], gen_tokens=4, repeats=3, progress=False)
+    assert failures == []
     assert [c[0] for c in calls] == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert {(tuple(ids), n) for _, ids, n in calls} == {((5, 6, 7), 4)}
     for r in results:
         assert len(r.runs) == 3 and r.trace.logits is not None and all(run.logits is None for run in r.runs)
         assert r.trace.tokens == [1, 2, 3, 4] and all(run.tokens == [1, 2, 3, 4] for run in r.runs)
+
+
+def test_an_arm_that_fails_is_reported_and_the_others_still_run():
+    calls = []
+
+    def broken(ids, n):
+        raise RuntimeError("no CUDA back-end")
+        yield
+
+    arms = [spy_arm("a", calls, [1, 2]), Arm("gpu", "test", "test", "cuda", "bfloat16", broken)]
+    results, failures = run_arms(arms, [3], gen_tokens=2, repeats=2, progress=False)
+    assert [r.arm.name for r in results] == ["a"] and len(results[0].runs) == 2
+    assert failures == [{"arm": "gpu", "reason": "warm-up failed: RuntimeError: no CUDA back-end"}]
 
 
 def test_run_timing_fields():
@@ -94,7 +108,7 @@ def test_bench_uses_generate_step_without_a_tokenizer(tmp_path):
     assert main(["make-random", str(folder), "--preset", "tiny", "--dtype", "float32"]) == 0
     arms, reason = mlx_lm_arms(folder)
     assert reason is None and [a.loop for a in arms] == ["generate_step", "moebench"]
-    results = run_arms(arms, [1, 2], gen_tokens=3, repeats=1, progress=False)
+    results, _ = run_arms(arms, [1, 2], gen_tokens=3, repeats=1, progress=False)
     assert results[0].trace.tokens == results[1].trace.tokens and len(results[0].trace.tokens) == 3
 
 

@@ -65,6 +65,17 @@ def test_selfcheck_fails_when_the_kernel_never_dispatches(make_checkpoint, capsy
     assert "declined: float experts" in text and "FAIL" in text and "dispatch" in text.splitlines()[-1]
 
 
+def test_selfcheck_fails_when_the_fused_decode_cannot_run(quantized_checkpoint, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel did not build")
+
+    monkeypatch.setattr(fused_kernel, "routed", broken)
+    assert main(["selfcheck", str(quantized_checkpoint), *ARGS]) == 1
+    text = capsys.readouterr().out
+    assert "error: RuntimeError: kernel did not build" in text
+    assert "decode: FAIL: moebench fused (reference): warm-up failed: RuntimeError: kernel did not build" in text
+
+
 def test_selfcheck_names_a_missing_model(tmp_path, capsys):
     assert main(["selfcheck", str(tmp_path / "nowhere"), *ARGS]) == 2
     assert "nowhere" in capsys.readouterr().err
