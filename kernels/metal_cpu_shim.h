@@ -21,6 +21,7 @@ using mb_std_thread = std::thread;  // named before `thread` becomes an (erased)
 using uint = uint32_t;
 struct uint3 { uint x, y, z; };
 struct uint4 { uint x, y, z, w; };
+struct float4 { float x, y, z, w; };
 
 // bfloat16 storage with the conversions MLX's Metal bfloat16_t offers (round to nearest even).
 struct bfloat16_t {

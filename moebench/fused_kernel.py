@@ -148,7 +148,7 @@ def _plan(x, indices, scores, gate, up, down, rows: int, fold: bool) -> LaunchPl
         k, d, dff, n_exp = indices.shape[0], gate.in_features, gate.out_features, gate.weight.shape[0]
         shape = [("E", n_exp), ("K", k), ("DIN", d), ("DFF", dff), ("GS", gate.group_size)]
         plan = LaunchPlan(
-            gate_up_template=[("T", x.dtype), ("ST", gate.scales.dtype), *shape, ("BITS", gate.bits)],
+            gate_up_template=[("ST", gate.scales.dtype), *shape, ("BITS", gate.bits)],
             gate_up_grid=(LANES, _round_up(dff, rows), k),
             down_template=[("T", x.dtype), ("ST", gate.scales.dtype), ("S", scores.dtype), *shape,
                            ("BITS", down.bits), ("FOLD", fold)],
@@ -174,7 +174,7 @@ def gpu_routed(
     indices = indices.astype(mx.uint32)
     st = gate.scales.dtype  # scales and biases of every projection in one dtype (a no-op cast in practice)
     act = _built(backend, GATE_UP)(
-        inputs=[x, indices, gate.weight, gate.scales, gate.biases.astype(st), up.weight, up.scales.astype(st),
+        inputs=[x.astype(mx.float32), indices, gate.weight, gate.scales, gate.biases.astype(st), up.weight, up.scales.astype(st),
                 up.biases.astype(st)],
         template=plan.gate_up_template, grid=plan.gate_up_grid, threadgroup=plan.threadgroup,
         output_shapes=plan.act_shape, output_dtypes=[mx.float32],

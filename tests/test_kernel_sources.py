@@ -23,15 +23,13 @@ from moebench.quant import QuantizedParts
 
 GATE_UP_BITS, DOWN_BITS, GROUPS = (4, 8), (4, 6, 8), (32, 64, 128)
 E, K, DIN, DFF = 4, 3, 256, 128  # DFF divides by every group size and by 16 (6-bit)
-FLOAT_TYPES = {"x": "T", "gate_s": "ST", "gate_b": "ST", "up_s": "ST", "up_b": "ST", "down_s": "ST",
+FLOAT_TYPES = {"x": "float", "gate_s": "ST", "gate_b": "ST", "up_s": "ST", "up_b": "ST", "down_s": "ST",
                "down_b": "ST", "scores": "S", "act": "float", "y": "float", "out": "T"}
 
 
 def _template_params(stage: Stage) -> list[tuple[str, str]]:
     """(kind, name) in the order fused_kernel passes them (MLX emits `template <...>` in that order)."""
-    params = [("typename", "T"), ("typename", "ST")]
-    if stage is DOWN:
-        params.append(("typename", "S"))
+    params = [("typename", "ST")] if stage is GATE_UP else [("typename", "T"), ("typename", "ST"), ("typename", "S")]
     params += [("int", n) for n in ("E", "K", "DIN", "DFF", "GS", "BITS")]
     if stage is DOWN:
         params.append(("bool", "FOLD"))
@@ -68,7 +66,7 @@ def _metal_kernels(flavor: str, ctype: dict[str, str], instances: dict[Stage, li
 def _all_instances(t: str) -> dict[Stage, list[list[str]]]:
     shape = [str(E), str(K), str(DIN), str(DFF)]
     return {
-        GATE_UP: [[t, t, *shape, str(g), str(b)] for b, g in product(GATE_UP_BITS, GROUPS)],
+        GATE_UP: [[t, *shape, str(g), str(b)] for b, g in product(GATE_UP_BITS, GROUPS)],
         DOWN: [[t, t, "float", *shape, str(g), str(b), fold] for b, g, fold in
                product(DOWN_BITS, GROUPS, ("true", "false"))],
     }
@@ -84,7 +82,7 @@ def _run_entries() -> str:
             f'extern "C" void run_gate_up_{tag}(const float* x, const uint32_t* idx, const uint32_t* gw, '
             f"const float* gs, const float* gb, const uint32_t* uw, const float* us, const float* ub, float* act, "
             f"uint rows) {{\n  mb_shim_launch(rows, {K}, [&](uint3 t) {{ "
-            f"{GATE_UP.name}_f32<float, float, {shape}, {gb}>(x, idx, gw, gs, gb, uw, us, ub, act, t); }});\n}}")
+            f"{GATE_UP.name}_f32<float, {shape}, {gb}>(x, idx, gw, gs, gb, uw, us, ub, act, t); }});\n}}")
         for fold in ("true", "false"):
             out.append(
                 f'extern "C" void run_down_{tag}_{fold}(const uint32_t* idx, const float* sc, const uint32_t* dw, '
@@ -188,7 +186,7 @@ def _cuda_unit() -> str:
         params = [f"const {ctype.get(FLOAT_TYPES.get(i, ''), FLOAT_TYPES.get(i, 'uint32_t'))}* {i}"
                   for i in stage.inputs]
         params += [f"{ctype.get(FLOAT_TYPES[o], FLOAT_TYPES[o])}* {o}" for o in stage.outputs]
-        consts = "".join(f"  using {t} = {c};\n" for t, c in ctype.items() if stage is DOWN or t != "S")
+        consts = "".join(f"  using {t} = {c};\n" for t, c in ctype.items() if stage is DOWN or t == "ST")
         consts += "".join(f"  constexpr int {k} = {v};\n" for k, v in
                           (("E", 60), ("K", 4), ("DIN", 2048), ("DFF", 1408), ("GS", group), ("BITS", bits)))
         consts += f"  constexpr bool FOLD = {fold};\n" if fold else ""
