@@ -174,8 +174,8 @@ def gpu_routed(
     indices = indices.astype(mx.uint32)
     st = gate.scales.dtype  # scales and biases of every projection in one dtype (a no-op cast in practice)
     act = _built(backend, GATE_UP)(
-        inputs=[x.astype(mx.float32), indices, gate.weight, gate.scales, gate.biases.astype(st), up.weight, up.scales.astype(st),
-                up.biases.astype(st)],
+        inputs=[x.astype(mx.float32), indices, gate.weight, gate.scales, gate.biases.astype(st), up.weight,
+                up.scales.astype(st), up.biases.astype(st)],
         template=plan.gate_up_template, grid=plan.gate_up_grid, threadgroup=plan.threadgroup,
         output_shapes=plan.act_shape, output_dtypes=[mx.float32],
     )[0]
