@@ -89,6 +89,8 @@ def checkpoint_files(folder: Path) -> list[Path]:
             files = sorted({str(v) for v in weight_map.values()})
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index}: unreadable shard index: {e}") from e
+        if not files:
+            raise CheckpointError(f"{index}: the weight_map lists no shard files")
         missing = [f for f in files if not (folder / f).exists()]
         if missing:
             raise CheckpointError(f"{index}: shard {folder / missing[0]} is missing")

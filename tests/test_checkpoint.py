@@ -94,7 +94,7 @@ def test_shard_index_pointing_to_a_missing_file(make_checkpoint):
         checkpoint_files(folder)
 
 
-@pytest.mark.parametrize("text", ["{", "[]", '{"metadata": {}}', '{"weight_map": [1]}'])
+@pytest.mark.parametrize("text", ["{", "[]", '{"metadata": {}}', '{"weight_map": [1]}', '{"weight_map": {}}'])
 def test_unreadable_shard_index(make_checkpoint, text):
     folder = make_checkpoint(shard_bytes=200_000)
     (folder / INDEX_FILE).write_text(text)
