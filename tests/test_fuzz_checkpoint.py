@@ -50,7 +50,7 @@ def _overwrite(path: Path, data: st.DataObject, lo: int, hi: int) -> None:
     start = data.draw(st.integers(lo, hi - 1), label="offset")
     new = data.draw(st.binary(min_size=1, max_size=8), label="bytes")
     blob[start : start + len(new)] = new
-    path.write_bytes(bytes(blob[: max(len(blob), 0)]))
+    path.write_bytes(bytes(blob))
 
 
 def _new_shape(data: st.DataObject, shape: list[int]) -> list:
