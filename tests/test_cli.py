@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,7 +81,8 @@ def test_console_script_reports_a_corrupt_checkpoint_without_crashing(quantized_
     weights.write_bytes(weights.read_bytes()[:1000])
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     argv = ["generate", str(folder), "--prompt", "hi", "--max-tokens", "2", "--json"]
-    proc = subprocess.run([sys.executable, "-m", "moebench.cli", *argv],
+    console_script = Path(sys.executable).parent / "moebench"  # installed by `pip install -e .`
+    proc = subprocess.run([str(console_script), *argv],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"moebench: error: {weights}") and "Traceback" not in proc.stderr
