@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from hf_reference import save_hf_checkpoint
 
 import moebench
 from moebench.cache import make_cache
@@ -35,25 +36,10 @@ def _prompt(seed: int, vocab: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, PROMPT_LEN).tolist()
 
 
-def save_hf_checkpoint(folder: Path, overrides: dict, seed: int = 0) -> Path:
-    """Build Qwen2MoeForCausalLM with random weights of useful size (std 1/sqrt(fan_in)) and save_pretrained."""
-    import torch
+def save_qwen2_moe(folder: Path, overrides: dict, seed: int = 0) -> Path:
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    cfg = qwen2_moe_config(**overrides)
-    cfg = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}
-    torch.manual_seed(seed)
-    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**cfg)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif p.ndim == 1:  # q/k/v biases (zeros at init: make them matter)
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-    model.save_pretrained(folder)
-    return folder
+    return save_hf_checkpoint(folder, Qwen2MoeConfig, Qwen2MoeForCausalLM, qwen2_moe_config(**overrides), seed)
 
 
 @pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
@@ -61,7 +47,7 @@ def hf_pair(request, tmp_path_factory):
     """(HF model, moebench model, config overrides) on one checkpoint saved by transformers."""
     from transformers import Qwen2MoeForCausalLM
 
-    folder = save_hf_checkpoint(tmp_path_factory.mktemp("hf") / request.param, HF_CONFIGS[request.param])
+    folder = save_qwen2_moe(tmp_path_factory.mktemp("hf") / request.param, HF_CONFIGS[request.param])
     hf = Qwen2MoeForCausalLM.from_pretrained(folder, dtype="float32").eval()
     ours, _ = moebench.load(folder)
     return hf, ours, request.param
@@ -124,7 +110,7 @@ def test_missing_rope_theta_uses_the_hf_default(tmp_path):
     import torch
     from transformers import Qwen2MoeForCausalLM
 
-    folder = save_hf_checkpoint(tmp_path / "hf", {})
+    folder = save_qwen2_moe(tmp_path / "hf", {})
     cfg = json.loads((folder / "config.json").read_text())
     cfg.pop("rope_theta", None)
     cfg.pop("rope_parameters", None)
