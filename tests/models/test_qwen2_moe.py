@@ -134,22 +134,16 @@ def fused_off():
         yield
 
 
-@pytest.mark.parametrize("bits,group_size", MLX_LM_QUANT)
-def test_quantized_logits_match_mlx_lm(make_checkpoint, fused_off, bits, group_size):
+def assert_matches_mlx_lm(folder: Path) -> None:
+    """Prompt logits, then 8 cached single-token steps, against mlx-lm's qwen2_moe on the same folder."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
-    folder = make_checkpoint(f"q{bits}g{group_size}", seed=bits + group_size, bits=bits, group_size=group_size)
     reference, _ = load_model(folder)
     ours, _ = moebench.load(folder)
-    assert set(ours.load_info.bits.values()) == {f"{bits}-bit g{group_size}"}
     ids = _prompt(3, ours.args.vocab_size)
+    assert np.abs(np.array(ours(mx.array([ids]))) - np.array(reference(mx.array([ids])))).max() <= TOLERANCE
 
-    expected = np.array(reference(mx.array([ids])))
-    got = np.array(ours(mx.array([ids])))
-    assert np.abs(got - expected).max() <= TOLERANCE
-
-    # decode path: prefill then single tokens through both caches (the fused switch is off)
     ref_cache, our_cache = make_prompt_cache(reference), make_cache(len(ours.layers))
     ref_step = reference(mx.array([ids]), cache=ref_cache)[0, -1]
     our_step = ours(mx.array([ids]), our_cache)[0, -1]
@@ -158,5 +152,19 @@ def test_quantized_logits_match_mlx_lm(make_checkpoint, fused_off, bits, group_s
         tok = int(mx.argmax(ref_step))
         ref_step = reference(mx.array([[tok]]), cache=ref_cache)[0, -1]
         our_step = ours(mx.array([[tok]]), our_cache)[0, -1]
-    assert all(d["fused"] == {} and d["fallback"] > 0 for d in
+    assert all(d["fused"] == {} and d["fallback"] > 0 for d in  # the fused switch is off: gather_qmm throughout
                (b.dispatch.as_dict() for b in ours.moe_blocks().values()))
+
+
+@pytest.mark.parametrize("bits,group_size", MLX_LM_QUANT)
+def test_quantized_logits_match_mlx_lm(make_checkpoint, fused_off, bits, group_size):
+    folder = make_checkpoint(f"q{bits}g{group_size}", seed=bits + group_size, bits=bits, group_size=group_size)
+    assert set(moebench.load(folder)[0].load_info.bits.values()) == {f"{bits}-bit g{group_size}"}
+    assert_matches_mlx_lm(folder)
+
+
+def test_mixed_precision_matches_mlx_lm(make_checkpoint, fused_off):
+    """8-bit routed down_proj under a 4-bit config: both loaders read each tensor's width from its shape."""
+    folder = make_checkpoint("mixed", seed=9, bits=lambda name: 8 if ".experts." in name and "down_proj" in name else 4)
+    assert moebench.load(folder)[0].load_info.bits["mlp.switch_mlp.down_proj"] == "8-bit g64"
+    assert_matches_mlx_lm(folder)
