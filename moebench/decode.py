@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .cache import make_cache
+from .compiled import CompiledForward, compile_blocker
 from .errors import MoebenchError
 
 
@@ -60,9 +61,13 @@ class GenerationResult:
 
 def generate_tokens(
     model, prompt_ids: list[int], max_tokens: int, sampling: Sampling = Sampling(),
-    stop_ids: tuple[int, ...] = (),
+    stop_ids: tuple[int, ...] = (), compiled: bool = False,
 ) -> Iterator[tuple[int, mx.array]]:
-    """Yield (token id, next-token logits [V]) one step at a time; evaluation is pipelined one step ahead."""
+    """Yield (token id, next-token logits [V]) one step at a time; evaluation is pipelined one step ahead.
+
+    `compiled` decodes through one mx.compile'd step over a static cache (moebench.compiled) unless a
+    recorder or an intervention is attached, which run eagerly.
+    """
     if not prompt_ids:
         raise PromptError("the prompt is empty: give at least one token")
     # MLX does not bounds-check the embedding lookup: an id past the table reads garbage silently
@@ -70,11 +75,17 @@ def generate_tokens(
     bad = [t for t in prompt_ids if not 0 <= t < (vocab or float("inf"))]
     if bad:
         raise PromptError(f"prompt token id {bad[0]} is outside the model's vocabulary of {vocab}")
-    cache = make_cache(len(model.layers))
     key = mx.random.key(sampling.seed) if sampling.seed is not None else None
+    if compiled and compile_blocker(model) is None:
+        forward = CompiledForward(model, len(prompt_ids) + max_tokens)
+    else:
+        cache = make_cache(len(model.layers))
+
+        def forward(tokens: mx.array) -> mx.array:
+            return model(tokens[None], cache)[0, -1]
 
     def step(tokens: mx.array, key: mx.array | None) -> tuple[mx.array, mx.array, mx.array | None]:
-        logits = model(tokens[None], cache)[0, -1]
+        logits = forward(tokens)
         sub = None
         if key is not None:
             key, sub = mx.random.split(key)
@@ -94,12 +105,12 @@ def generate_tokens(
 
 
 def generate(model, prompt_ids: list[int], max_tokens: int, sampling: Sampling = Sampling(),
-             stop_ids: tuple[int, ...] = ()) -> GenerationResult:
+             stop_ids: tuple[int, ...] = (), compiled: bool = False) -> GenerationResult:
     """Run prefill and decode; time both (the first token marks the end of prefill)."""
     result = GenerationResult(list(prompt_ids))
     start = time.perf_counter()
     first = None
-    for tid, _ in generate_tokens(model, prompt_ids, max_tokens, sampling, stop_ids):
+    for tid, _ in generate_tokens(model, prompt_ids, max_tokens, sampling, stop_ids, compiled):
         result.token_ids.append(tid)
         if first is None:
             first = time.perf_counter()

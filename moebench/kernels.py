@@ -129,6 +129,7 @@ class DispatchCounter:
     fused: Counter = field(default_factory=Counter)
     fallback: int = 0
     reasons: Counter = field(default_factory=Counter)
+    last: Decision | None = None
     _support: dict = field(default_factory=dict, repr=False)
     _parts: tuple = field(default=(), repr=False)
 
@@ -143,12 +144,17 @@ class DispatchCounter:
                 self._support[backend] = support_reason(experts, backend)
             reason = self._support[backend]
             decision = Decision("fallback", reason) if reason else Decision(backend)
+        self.count(decision)
+        return decision
+
+    def count(self, decision: Decision) -> None:
+        """Add one call that took `decision` (a compiled decode step replays its traced decisions here)."""
+        self.last = decision
         if decision.fused:
             self.fused[decision.path] += 1
         else:
             self.fallback += 1
             self.reasons[decision.reason] += 1
-        return decision
 
     def quantized_parts(self, experts: SwitchGLU) -> tuple[QuantizedParts, QuantizedParts, QuantizedParts]:
         """gate/up/down parts, rebuilt only when a weight, scale or bias array was replaced (they are

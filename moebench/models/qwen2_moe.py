@@ -62,7 +62,7 @@ class Attention(nn.Module):
         k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        mask = "causal" if length > 1 else None
+        mask = cache.attention_mask(length) if cache is not None else ("causal" if length > 1 else None)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 

@@ -1,0 +1,98 @@
+"""A compiled single-token decode step: the whole forward traced once by mx.compile over a
+fixed-capacity KV cache, so each token replays one graph instead of rebuilding it in Python and
+MLX can fuse the elementwise work between kernels.
+
+What Python does during tracing happens once, so two things are handled here explicitly:
+- the fused-kernel switch is read at trace time: one compiled graph is kept per switch state;
+- dispatch counters count at trace time: every later call replays the traced decisions into them.
+Recording and interventions change the forward in Python, so this path declines them (with the
+reason) and the eager path runs instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from .cache import StaticKVCache
+from .kernels import Decision, fused_moe_enabled
+
+CAPACITY_STEP = 256
+
+
+def compile_blocker(model) -> str | None:
+    """Why this model's decode step cannot be compiled right now, or None."""
+    if getattr(model, "recorder", None) is not None:
+        return "a recorder is attached (recording runs eagerly)"
+    if any(b.intervention is not None for b in model.moe_blocks().values()):
+        return "an intervention is set (interventions run eagerly)"
+    return None
+
+
+class CompiledSteps:
+    """The compiled decode steps of one model, one per fused-switch state, with their traced decisions."""
+
+    def __init__(self, model):
+        self.model = model
+        self.steps: dict[bool, Callable] = {}
+        self.decisions: dict[bool, dict[int, Decision]] = {}
+
+    @classmethod
+    def of(cls, model) -> CompiledSteps:
+        """The model's own instance, so repeated generations reuse the traced graphs."""
+        steps = model.__dict__.get("_compiled_steps")
+        if steps is None:
+            steps = cls(model)
+            object.__setattr__(model, "_compiled_steps", steps)
+        return steps
+
+    def __call__(self, token: mx.array, offset: mx.array, kv: list[mx.array]) -> tuple[mx.array, list[mx.array]]:
+        enabled = fused_moe_enabled()
+        if enabled not in self.steps:
+            self.steps[enabled] = mx.compile(self._forward)
+        blocks = self.model.moe_blocks()
+        probe = next(iter(blocks.values()), None)
+        before = probe.dispatch.last if probe is not None else None
+        logits, *kv = self.steps[enabled](token, offset, *kv)
+        if probe is not None and probe.dispatch.last is not before:  # this call traced: counters already moved
+            self.decisions[enabled] = {i: b.dispatch.last for i, b in blocks.items()}
+        else:
+            for i, b in blocks.items():
+                b.dispatch.count(self.decisions[enabled][i])
+        return logits, kv
+
+    def _forward(self, token: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
+        caches = [StaticKVCache(kv[i], kv[i + 1], offset) for i in range(0, len(kv), 2)]
+        logits = self.model(token.reshape(1, 1), caches)[0, -1]
+        return (logits, *[a for c in caches for a in (c.keys, c.values)])
+
+
+class CompiledForward:
+    """Next-token logits for one sequence: prefill eagerly into a static cache, then compiled single steps."""
+
+    def __init__(self, model, capacity: int):
+        self.model = model
+        self.capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+        a, dtype = model.args, model.norm.weight.dtype
+        self.caches = [StaticKVCache.empty(1, a.num_key_value_heads, self.capacity, a.head_dim, dtype)
+                       for _ in model.layers]
+        self.position = 0
+        self.steps = CompiledSteps.of(model)
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        n = tokens.size
+        if self.position + n > self.capacity:
+            raise ValueError(f"sequence of {self.position + n} tokens exceeds the compiled cache of {self.capacity}")
+        offset = mx.array(self.position, dtype=mx.int32)
+        if n > 1:
+            for c in self.caches:
+                c.offset = offset
+            logits = self.model(tokens.reshape(1, n), self.caches)[0, -1]
+        else:
+            kv = [a for c in self.caches for a in (c.keys, c.values)]
+            logits, kv = self.steps(tokens, offset, kv)
+            for i, c in enumerate(self.caches):
+                c.keys, c.values = kv[2 * i], kv[2 * i + 1]
+        self.position += n
+        return logits
