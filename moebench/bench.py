@@ -335,7 +335,7 @@ def format_table(record: dict) -> str:
         if not a["deterministic"]:
             greedy += "; NOT deterministic"
         rows.append([a["name"], a["experts"], a["dtype"], pm(a["prompt_tps"], 1), pm(a["ttft_ms"], 1),
-                     pm(a["decode_tps"], 2), f"{ratio:.2f}x", f"{a['peak_memory_gb']:.2f}",
+                     pm(a["decode_tps"], 2), f"{ratio:.2f}x", f"{a['peak_memory_gb']:.3f}",
                      _dispatch_text(a["dispatch"]), greedy])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]

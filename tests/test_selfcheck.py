@@ -17,7 +17,7 @@ ARGS = ["--prompt-tokens", "3", "--gen-tokens", "4", "--repeats", "1", "--no-pro
 @pytest.fixture(autouse=True)
 def small_reference_shape(monkeypatch):
     """The A2.7B expert shapes cost ~20 s of CPU per run: unit tests check behaviour at a small shape."""
-    monkeypatch.setattr(selfcheck, "A27B_SHAPE", ("small experts", 128, 128, 2))
+    monkeypatch.setattr(selfcheck, "A27B_SHAPE", ("small experts", 128, 256, 2))
 
 
 def test_selfcheck_passes_and_reports_the_reference_backend_honestly(quantized_checkpoint, tmp_path, capsys):
@@ -39,6 +39,13 @@ def test_selfcheck_passes_and_reports_the_reference_backend_honestly(quantized_c
     assert dec["dispatch"]["passed"] and dec["dispatch"]["fused"] == {"reference": 2 * 3}
     assert dec["greedy"]["parity_class"] == "byte-identical" or dec["greedy"]["margin"] <= selfcheck.CLEAR_DIVERGENCE
     assert set(dec["speed"]["off_tps"]) >= {"median", "min", "max"}
+
+
+def test_the_model_shape_is_checked_once_when_it_is_the_reference_shape(quantized_checkpoint, monkeypatch):
+    monkeypatch.setattr(selfcheck, "A27B_SHAPE", ("same as the model", 128, 128, 2))  # the tiny model's D, Dff, K
+    record = selfcheck.selfcheck(quantized_checkpoint, prompt_tokens=2, gen_tokens=2, repeats=1, progress=False)
+    assert {r["case"] for r in record["parity"]} == {"same as the model D128 Dff128 K2", "model layer 0 experts"}
+    assert len(record["parity"]) == 18 + 1 and record["passed"]
 
 
 def test_selfcheck_exits_nonzero_when_the_kernel_is_wrong(quantized_checkpoint, tmp_path, monkeypatch, capsys):

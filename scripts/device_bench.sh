@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The H200 runs of issues 7 and 9, unattended. Runs ON the device machine, from the project root, after
+# scripts/install-on-device.sh has installed MLX with CUDA (and mlx-lm, when its wheel was carried:
+# `../shared/device/prepare-mlx-cuda.sh mlx-lm==0.32.2` here first). See docs/benchmarks/README.md.
+#
+#   bash scripts/device_bench.sh [make] [bench] [selfcheck]      (no argument: all three, ~6-8 minutes)
+#
+# make       random Qwen1.5-MoE-A2.7B weights (4-bit, group 64, bf16 scales, per-expert layout, 5 GB shards)
+#            on local disk; reused when a previous call on this machine already wrote them
+# bench      moebench bench: 64-token prompt, 128 generated tokens, $REPEATS repeats, fused on and off,
+#            mlx-lm generate_step and mlx-lm's model under moebench's loop, all on the same weights
+# selfcheck  moebench selfcheck on that checkpoint, and on the shipped model when data/ has it
+#
+# Everything lands in $OUT (logs, tables, JSON records, timing.txt); each stage has a time limit so a
+# hung stage cannot eat the call, and the script exits non-zero when any stage failed.
+set -uo pipefail
+OUT=${OUT:-$PWD/device-out}
+CKPT=${MOEBENCH_DEVICE_CKPT:-/root/moebench-qwen1.5-moe-a2.7b-4bit-g64-bf16}
+REPEATS=${REPEATS:-5}
+PRESET=${PRESET:-qwen1.5-moe-a2.7b}  # a smaller preset (and DTYPE=float32) for a dry run on a CPU
+DTYPE=${DTYPE:-bfloat16}
+stages=${*:-make bench selfcheck}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+log() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$OUT/timing.txt"; }
+failed=()
+
+run_stage() {  # run_stage NAME LIMIT_S LOGFILE COMMAND...
+  local name=$1 limit=$2 logfile=$3
+  shift 3
+  log "start $name (limit ${limit}s)"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$logfile"
+  local rc=${PIPESTATUS[0]}
+  log "end $name: exit $rc"
+  [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
+}
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "stages: $stages; preset: $PRESET $DTYPE; checkpoint: $CKPT; repeats: $REPEATS"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  python3 - <<'EOF'
+import platform
+from importlib.metadata import PackageNotFoundError, version
+import mlx.core as mx
+print("python", platform.python_version(), platform.platform())
+print("mlx", mx.__version__, "cuda", mx.cuda.is_available(), "default device", mx.default_device())
+print("device_info", mx.device_info())
+for pkg in ("mlx-cuda-13", "mlx-lm", "transformers", "numpy", "moebench"):
+    try:
+        print(pkg, version(pkg))
+    except PackageNotFoundError:
+        print(pkg, "not installed")
+EOF
+} 2>&1 | tee "$OUT/platform.txt"
+python3 -c 'import moebench.cli' || { echo "moebench does not import here; see above" >&2; exit 1; }
+
+if [[ " $stages " == *" make "* ]] || [ ! -f "$CKPT/model.safetensors.index.json" ]; then
+  if [ -f "$CKPT/model.safetensors.index.json" ]; then
+    log "reusing $CKPT"
+  else
+    rm -rf "$CKPT"
+    run_stage make-random 300 make-random.log \
+      python3 -m moebench.cli make-random "$CKPT" --preset "$PRESET" --bits 4 --group-size 64 --dtype "$DTYPE"
+    du -sh "$CKPT" | tee -a "$OUT/make-random.log"
+  fi
+fi
+
+if [[ " $stages " == *" bench "* ]]; then
+  run_stage bench 360 bench-a27b.txt \
+    python3 -m moebench.cli bench "$CKPT" --prompt-tokens 64 --gen-tokens 128 --repeats "$REPEATS" --fused both \
+    --compare mlx-lm --json "$OUT/bench-a27b.json"
+fi
+
+if [[ " $stages " == *" selfcheck "* ]]; then
+  run_stage selfcheck-a27b 240 selfcheck-a27b.txt \
+    python3 -m moebench.cli selfcheck "$CKPT" --json "$OUT/selfcheck-a27b.json"
+  if [ -f data/tiny-qwen2-moe/config.json ]; then
+    run_stage selfcheck-shipped 120 selfcheck-shipped.txt \
+      python3 -m moebench.cli selfcheck data/tiny-qwen2-moe --json "$OUT/selfcheck-shipped.json"
+  fi
+fi
+
+if [ ${#failed[@]} -gt 0 ]; then
+  log "FAILED: ${failed[*]}"
+  exit 1
+fi
+log "all stages done"
