@@ -166,3 +166,19 @@ def test_full_block_uses_silu_gating():
     expected = (nn.silu(g) * u) @ stacks["down_proj"][e].T
     got = glu(x, mx.array([[e, e]], dtype=mx.uint32))
     assert np.abs(np.array(got[:, 0]) - np.array(expected)).max() < 1e-5
+
+
+@pytest.mark.parametrize("n,expect_sorted", [(1, False), (31, False), (32, True), (40, True)])
+def test_tokens_are_sorted_by_expert_from_64_indices(monkeypatch, n, expect_sorted):
+    stacks = random_experts()
+    glu = SwitchGLU(*(SwitchLinear(stacks[p]) for p in switch.PROJECTIONS))
+    seen = []
+    original = SwitchLinear.__call__
+
+    def spy(self, x, indices, sorted_indices=False):
+        seen.append(sorted_indices)
+        return original(self, x, indices, sorted_indices)
+
+    monkeypatch.setattr(SwitchLinear, "__call__", spy)
+    glu(mx.random.normal((n, D), key=mx.random.key(0)), routing(n))  # K = 2 indices per token
+    assert seen == [expect_sorted] * 3
