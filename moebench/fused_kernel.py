@@ -100,11 +100,12 @@ def check_inputs(x: mx.array, indices: mx.array, scores: mx.array, gate: Quantiz
                  down: QuantizedParts) -> None:
     """Shapes and dtypes the kernels assume, checked in Python: a bad launch would abort the process."""
     d, dff, n_exp = gate.in_features, gate.out_features, gate.weight.shape[0]
-    if x.ndim != 1 or x.shape[0] != d:
+    if x.shape not in ((d,), (1, d)):
         raise UnsupportedKernelConfig(f"x has shape {tuple(x.shape)}, the experts expect ({d},) (one token)")
-    if indices.ndim != 1 or scores.shape != indices.shape:
+    if indices.ndim != x.ndim or indices.shape[:-1] != x.shape[:-1] or scores.shape != indices.shape:
         raise UnsupportedKernelConfig(
-            f"indices {tuple(indices.shape)} and scores {tuple(scores.shape)} must both be [K]")
+            f"indices {tuple(indices.shape)} and scores {tuple(scores.shape)} must both be [K] for x [D] "
+            f"or [1, K] for x [1, D]; x is {tuple(x.shape)}")
     if not mx.issubdtype(indices.dtype, mx.integer):
         raise UnsupportedKernelConfig(f"indices must be integers, got {indices.dtype}")
     for name, p, shape in (("gate", gate, (n_exp, dff, d)), ("up", up, (n_exp, dff, d)),
@@ -145,7 +146,8 @@ def _plan(x, indices, scores, gate, up, down, rows: int, fold: bool) -> LaunchPl
         check_inputs(x, indices, scores, gate, up, down)
         if not 1 <= rows <= MAX_ROWS:
             raise ConfigError(f"rows per threadgroup {rows}: expected 1 to {MAX_ROWS}")
-        k, d, dff, n_exp = indices.shape[0], gate.in_features, gate.out_features, gate.weight.shape[0]
+        k, d, dff, n_exp = indices.shape[-1], gate.in_features, gate.out_features, gate.weight.shape[0]
+        lead = tuple(x.shape[:-1])  # () or (1,): outputs keep the caller's layout, no reshapes
         shape = [("E", n_exp), ("K", k), ("DIN", d), ("DFF", dff), ("GS", gate.group_size)]
         plan = LaunchPlan(
             gate_up_template=[("ST", gate.scales.dtype), *shape, ("BITS", gate.bits)],
@@ -154,7 +156,7 @@ def _plan(x, indices, scores, gate, up, down, rows: int, fold: bool) -> LaunchPl
                            ("BITS", down.bits), ("FOLD", fold)],
             down_grid=(LANES, _round_up(d, rows), 1 if fold else k),
             threadgroup=(LANES, rows, 1),
-            act_shape=[(k, dff)], down_shapes=[(k, d), (d,)], down_dtypes=[mx.float32, x.dtype],
+            act_shape=[(k, dff)], down_shapes=[(*lead, k, d), x.shape], down_dtypes=[mx.float32, x.dtype],
         )
         _plans[key] = plan
     return plan
@@ -185,7 +187,7 @@ def gpu_routed(
         output_shapes=plan.down_shapes, output_dtypes=plan.down_dtypes,
     )
     if not fold:
-        out = combine(y, scores).astype(x.dtype)
+        out = combine(y.reshape(-1, y.shape[-1]), scores.reshape(-1)).astype(x.dtype).reshape(x.shape)
     return out, y
 
 
@@ -217,11 +219,17 @@ def routed(
     backend: str, x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
     down: QuantizedParts,
 ) -> tuple[mx.array, mx.array]:
-    """One token's routed-expert output on `backend`: (weighted sum [D] in x.dtype, unweighted y [K, D] f32)."""
+    """One token's routed-expert output on `backend`: (weighted sum [D] in x.dtype, unweighted y [K, D] f32).
+
+    x [D] with indices and scores [K], or x [1, D] with [1, K] (a decode step as the MoE block holds
+    it): the outputs follow, [1, D] and [1, K, D], without reshape ops on the GPU path.
+    """
     if backend in GPU_BACKENDS:
         return gpu_routed(backend, x, indices, scores, gate, up, down)
     if backend != "reference":
         raise UnsupportedKernelConfig(f"unknown fused backend {backend!r} (metal, cuda or reference)")
     check_inputs(x, indices, scores, gate, up, down)
-    y = reference_expert_outputs(x, indices, gate, up, down)
-    return combine(y, scores).astype(x.dtype), y
+    lead = tuple(x.shape[:-1])
+    y = reference_expert_outputs(x.reshape(-1), indices.reshape(-1), gate, up, down)
+    out = combine(y, scores.reshape(-1)).astype(x.dtype)
+    return out.reshape(x.shape), y.reshape(*lead, *y.shape)

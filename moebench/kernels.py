@@ -185,7 +185,7 @@ def routed_experts(
     """
     decision = counter.decide(experts, x.shape[0])
     if decision.fused:
-        out, y = fused_kernel.routed(decision.path, x[0], indices[0], scores[0], *counter.quantized_parts(experts))
-        return out[None], y[None], decision
+        out, y = fused_kernel.routed(decision.path, x, indices, scores, *counter.quantized_parts(experts))
+        return out, y, decision
     y = experts(x, indices)
     return weighted_sum(y, scores), y, decision

@@ -110,9 +110,8 @@ class Arm:
         for layer, experts in enumerate(stack):
             if self.unfolded:
                 parts = counters[layer].quantized_parts(experts)
-                out, _ = gpu_routed(available_backend(), x[0], ids[layer][0], scores[layer][0], *parts,
-                                    rows=self.rows, fold=False)
-                x = out[None]
+                x, _ = gpu_routed(available_backend(), x, ids[layer], scores[layer], *parts, rows=self.rows,
+                                  fold=False)
             else:
                 x, _, _ = routed_experts(experts, x, ids[layer], scores[layer], counters[layer])
         return x
