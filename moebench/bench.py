@@ -27,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm.auto import tqdm
 
-from .decode import generate_tokens
+from .decode import GenerationResult, generate_tokens
 from .errors import MoebenchError
 from .kernels import available_backend, fused_moe
 from .loader import default_model_path, load
@@ -52,26 +52,14 @@ class Arm:
 
 
 @dataclass
-class Run:
-    """One timed decode."""
+class Run(GenerationResult):
+    """One timed decode: GenerationResult's timings (prompt_seconds is the time to the first token) plus
+    memory, dispatch counts and, in the untimed trace pass, every step's logits."""
 
-    tokens: list[int]
-    prompt_tokens: int
-    ttft: float  # seconds to the first token (prefill plus the first sample)
-    decode_seconds: float  # from the first token to the last
-    peak_bytes: int  # MLX's peak over the run, every resident array included
-    start_bytes: int  # MLX's active memory when the run began (weights of every loaded model)
+    peak_bytes: int = 0  # MLX's peak over the run, every resident array included
+    start_bytes: int = 0  # MLX's active memory when the run began (weights of every loaded model)
     dispatch: dict | None = None
     logits: list[np.ndarray] | None = None
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.ttft if self.ttft > 0 else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        n = len(self.tokens) - 1
-        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
 
 
 @dataclass
@@ -79,6 +67,11 @@ class ArmResult:
     arm: Arm
     trace: Run  # the untimed warm-up pass, with logits
     runs: list[Run] = field(default_factory=list)
+
+    @property
+    def deterministic(self) -> bool:
+        """Every timed repeat decoded the warm-up pass's tokens."""
+        return all(r.token_ids == self.trace.token_ids for r in self.runs)
 
 
 def summary(values: list[float]) -> dict:
@@ -129,7 +122,7 @@ def timed_run(arm: Arm, prompt_ids: list[int], gen_tokens: int, keep_logits: boo
     end = time.perf_counter()
     mx.synchronize()
     first = end if first is None else first
-    return Run(tokens, len(prompt_ids), first - start, end - first, mx.get_peak_memory(), start_bytes,
+    return Run(list(prompt_ids), tokens, first - start, end - first, mx.get_peak_memory(), start_bytes,
                moebench_dispatch(arm.model) if arm.model is not None else None, logits)
 
 
@@ -168,37 +161,39 @@ def run_arms(arms: list[Arm], prompt_ids: list[int], gen_tokens: int, repeats: i
 def compare_traces(reference: Run, other: Run) -> dict:
     """Whether `other`'s greedy tokens equal `reference`'s; else the first divergence and the margin there:
     reference logit of its own token minus reference logit of the other's token (a near-tie when small)."""
-    n = min(len(reference.tokens), len(other.tokens))
+    n = min(len(reference.token_ids), len(other.token_ids))
     for i in range(n):
-        a, b = reference.tokens[i], other.tokens[i]
+        a, b = reference.token_ids[i], other.token_ids[i]
         if a != b:
             ref = reference.logits[i]
             own = other.logits[i] if other.logits is not None else None
             return {"identical": False, "first_divergence": i, "reference_token": a, "token": b,
                     "margin": float(ref[a] - ref[b]),
                     "own_margin": float(own[b] - own[a]) if own is not None else None}
-    if len(reference.tokens) != len(other.tokens):
+    if len(reference.token_ids) != len(other.token_ids):
         return {"identical": False, "first_divergence": n, "reference_token": None, "token": None,
                 "margin": None, "own_margin": None}
     return {"identical": True, "first_divergence": None, "margin": None}
 
 
-def moebench_arms(model, fused: str) -> list[Arm]:
-    """The moebench arms: fallback (gather_qmm) and/or fused (the machine's backend: metal, cuda, reference)."""
+def moebench_arms(model, fused: str, compiled: str = "off") -> list[Arm]:
+    """The moebench arms: fallback (gather_qmm) and/or fused (the machine's backend: metal, cuda, reference),
+    each eager and/or through the compiled decode step (`fused` and `compiled` are 'on', 'off' or 'both')."""
     dtype = float_dtype(model)
     backend = available_backend()
 
-    def stream(on: bool) -> TokenStream:
+    def stream(on: bool, compile_step: bool) -> TokenStream:
         def run(ids: list[int], n: int) -> Iterator[tuple[int, mx.array]]:
             with fused_moe(on):
-                yield from generate_tokens(model, ids, n)
+                yield from generate_tokens(model, ids, n, compiled=compile_step)
         return run
 
     arms = []
-    if fused in ("off", "both"):
-        arms.append(Arm("moebench fallback", "moebench", "moebench", "gather_qmm", dtype, stream(False), model))
-    if fused in ("on", "both"):
-        arms.append(Arm(f"moebench fused ({backend})", "moebench", "moebench", backend, dtype, stream(True), model))
+    for compile_step in [c for c in (False, True) if compiled == "both" or compiled == ("on" if c else "off")]:
+        loop, suffix = ("moebench compiled", " compiled") if compile_step else ("moebench", "")
+        for on in [f for f in (False, True) if fused == "both" or fused == ("on" if f else "off")]:
+            name, experts = (f"moebench fused ({backend})", backend) if on else ("moebench fallback", "gather_qmm")
+            arms.append(Arm(name + suffix, "moebench", loop, experts, dtype, stream(on, compile_step), model))
     return arms
 
 
@@ -278,13 +273,13 @@ def arm_record(result: ArmResult, reference: ArmResult) -> dict:
         "name": result.arm.name, "engine": result.arm.engine, "loop": result.arm.loop,
         "experts": result.arm.experts, "dtype": result.arm.dtype, "note": result.arm.note,
         "prompt_tps": summary([r.prompt_tps for r in runs]),
-        "ttft_ms": summary([1e3 * r.ttft for r in runs]),
+        "ttft_ms": summary([1e3 * r.prompt_seconds for r in runs]),
         "decode_tps": summary([r.decode_tps for r in runs]),
         "peak_memory_gb": max(r.peak_bytes for r in runs) / 1e9,
         "working_memory_gb": max(r.peak_bytes - r.start_bytes for r in runs) / 1e9,
         "dispatch": last.dispatch,
-        "tokens": result.trace.tokens,
-        "deterministic": all(r.tokens == result.trace.tokens for r in runs),
+        "tokens": result.trace.token_ids,
+        "deterministic": result.deterministic,
         "greedy_vs_reference": compare_traces(reference.trace, result.trace),
     }
 
@@ -355,6 +350,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fused", choices=("on", "off", "both"), default="both")
+    p.add_argument("--compiled", choices=("on", "off", "both"), default="off",
+                   help="moebench arms through the mx.compile'd decode step (on), eager (off) or both")
     p.add_argument("--compare", choices=("mlx-lm",), default=None, help="also run mlx-lm on the same checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt's token ids")
     p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
@@ -366,7 +363,7 @@ def _run(a: argparse.Namespace) -> int:
     path = Path(a.model) if a.model else default_model_path()
     model, _ = load(path, verbose=True)
     prompt_ids = prompt_token_ids(model.args.vocab_size, a.prompt_tokens, a.seed)
-    arms, skipped = moebench_arms(model, a.fused), []
+    arms, skipped = moebench_arms(model, a.fused, a.compiled), []
     if a.compare == "mlx-lm":
         extra, reason = mlx_lm_arms(path)
         arms += extra

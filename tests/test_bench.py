@@ -36,7 +36,7 @@ def test_every_arm_gets_the_same_prompt_and_repeats_interleave_with_rotating_ord
     assert {(tuple(ids), n) for _, ids, n in calls} == {((5, 6, 7), 4)}
     for r in results:
         assert len(r.runs) == 3 and r.trace.logits is not None and all(run.logits is None for run in r.runs)
-        assert r.trace.tokens == [1, 2, 3, 4] and all(run.tokens == [1, 2, 3, 4] for run in r.runs)
+        assert r.trace.token_ids == [1, 2, 3, 4] and r.deterministic
 
 
 def test_an_arm_that_fails_is_reported_and_the_others_still_run():
@@ -53,7 +53,7 @@ def test_an_arm_that_fails_is_reported_and_the_others_still_run():
 
 
 def test_run_timing_fields():
-    run = Run(tokens=[1, 2, 3, 4, 5], prompt_tokens=8, ttft=0.5, decode_seconds=2.0, peak_bytes=10, start_bytes=4)
+    run = Run(list(range(8)), [1, 2, 3, 4, 5], prompt_seconds=0.5, decode_seconds=2.0, peak_bytes=10, start_bytes=4)
     assert run.prompt_tps == 16.0 and run.decode_tps == 2.0  # tokens after the first, over the time after it
     s = summary([1.0, 2.0, 6.0])
     assert s["mean"] == 3.0 and s["median"] == 2.0 and (s["min"], s["max"]) == (1.0, 6.0)
@@ -62,10 +62,10 @@ def test_run_timing_fields():
 
 def test_compare_traces_reports_first_divergence_and_reference_margin():
     logits = [np.array([0.0, 5.0, 4.9]), np.array([2.0, 1.0, 0.5]), np.array([0.0, 3.0, 2.5])]
-    ref = Run([1, 0, 1], 1, 0.1, 0.1, 0, 0, logits=logits)
-    same = Run([1, 0, 1], 1, 0.1, 0.1, 0, 0, logits=logits)
+    ref = Run([7], [1, 0, 1], logits=logits)
+    same = Run([7], [1, 0, 1], logits=logits)
     assert compare_traces(ref, same) == {"identical": True, "first_divergence": None, "margin": None}
-    other = Run([1, 0, 2], 1, 0.1, 0.1, 0, 0, logits=[*logits[:2], np.array([0.0, 2.9, 3.0])])
+    other = Run([7], [1, 0, 2], logits=[*logits[:2], np.array([0.0, 2.9, 3.0])])
     diff = compare_traces(ref, other)
     assert diff["first_divergence"] == 2 and (diff["reference_token"], diff["token"]) == (1, 2)
     assert diff["margin"] == pytest.approx(0.5) and diff["own_margin"] == pytest.approx(0.1)
@@ -109,7 +109,7 @@ def test_bench_uses_generate_step_without_a_tokenizer(tmp_path):
     arms, reason = mlx_lm_arms(folder)
     assert reason is None and [a.loop for a in arms] == ["generate_step", "moebench"]
     results, _ = run_arms(arms, [1, 2], gen_tokens=3, repeats=1, progress=False)
-    assert results[0].trace.tokens == results[1].trace.tokens and len(results[0].trace.tokens) == 3
+    assert results[0].trace.token_ids == results[1].trace.token_ids and len(results[0].trace.token_ids) == 3
 
 
 def test_mlx_lm_skipped_with_a_reason(quantized_checkpoint, tmp_path, monkeypatch, capsys):
@@ -135,3 +135,15 @@ def test_platform_info_names_versions():
     info = bench.platform_info()
     assert info["mlx"] == mx.__version__ and info["backend"] in ("reference", "metal", "cuda")
     assert "device_name" in info["device_info"] or "error" in info["device_info"]
+
+
+def test_bench_compiled_arms_decode_the_eager_tokens(quantized_checkpoint, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(quantized_checkpoint), "--prompt-tokens", "3", "--gen-tokens", "4", "--repeats", "1",
+                 "--compiled", "both", "--json", str(out), "--no-progress"]) == 0
+    arms = {a["name"]: a for a in json.loads(out.read_text())["arms"]}
+    assert list(arms) == ["moebench fallback", "moebench fused (reference)", "moebench fallback compiled",
+                          "moebench fused (reference) compiled"]
+    assert arms["moebench fused (reference) compiled"]["loop"] == "moebench compiled"
+    assert arms["moebench fused (reference) compiled"]["dispatch"]["fused"] == {"reference": 2 * 3}
+    assert arms["moebench fallback compiled"]["tokens"] == arms["moebench fallback"]["tokens"]
