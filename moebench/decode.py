@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -13,8 +14,8 @@ from .compiled import CompiledForward, compile_blocker
 from .errors import MoebenchError
 
 
-class PromptError(MoebenchError, ValueError):
-    """A prompt the model cannot take: empty, or token ids outside its vocabulary."""
+class DecodeError(MoebenchError, ValueError):
+    """A prompt or sampling setting decoding cannot use: no tokens, ids outside the vocabulary, top_p 0, ..."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,14 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise DecodeError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise DecodeError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise DecodeError(f"seed must be an integer or None, got {self.seed!r}")
 
 
 def sample(logits: mx.array, sampling: Sampling, key: mx.array | None = None) -> mx.array:
@@ -69,12 +78,12 @@ def generate_tokens(
     recorder or an intervention is attached, which run eagerly.
     """
     if not prompt_ids:
-        raise PromptError("the prompt is empty: give at least one token")
+        raise DecodeError("the prompt is empty: give at least one token")
     # MLX does not bounds-check the embedding lookup: an id past the table reads garbage silently
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     bad = [t for t in prompt_ids if not 0 <= t < (vocab or float("inf"))]
     if bad:
-        raise PromptError(f"prompt token id {bad[0]} is outside the model's vocabulary of {vocab}")
+        raise DecodeError(f"prompt token id {bad[0]} is outside the model's vocabulary of {vocab}")
     key = mx.random.key(sampling.seed) if sampling.seed is not None else None
     if compiled and compile_blocker(model) is None:
         forward = CompiledForward(model, len(prompt_ids) + max_tokens)

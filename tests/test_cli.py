@@ -69,6 +69,11 @@ def test_text_mode(float_checkpoint, capsys):
     assert "decode 3 tokens" in captured.err and "MoE dispatch" in captured.err
 
 
+def test_bad_sampling_option_is_a_clean_error(float_checkpoint, capsys):
+    assert main(["generate", str(float_checkpoint), "--prompt", "x", "--top-p", "0", "--temperature", "1"]) == 2
+    assert "moebench: error: top_p must be in (0, 1], got 0.0" in capsys.readouterr().err
+
+
 def test_missing_tokenizer_is_a_clean_error(make_checkpoint, capsys):
     folder = make_checkpoint()
     assert main(["generate", str(folder), "--prompt", "x", "--json"]) == 2

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import moebench
-from moebench.decode import GenerationResult, PromptError, Sampling, generate, generate_tokens, sample
+from moebench.decode import DecodeError, GenerationResult, Sampling, generate, generate_tokens, sample
 
 PROMPT = [12, 200, 7, 7, 31, 90]
 
@@ -70,9 +70,9 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 
 def test_bad_prompts_are_named(model):
-    with pytest.raises(PromptError, match="empty"):
+    with pytest.raises(DecodeError, match="empty"):
         generate(model, [], 4)
-    with pytest.raises(PromptError, match="token id 256 .* vocabulary of 256"):
+    with pytest.raises(DecodeError, match="token id 256 .* vocabulary of 256"):
         generate(model, [1, 256], 4)
     with pytest.raises(moebench.MoebenchError, match="token id -1"):
         list(generate_tokens(model, [-1], 4))
@@ -87,3 +87,12 @@ def test_timings_and_rates():
 def test_generate_measures_time(model):
     r = generate(model, PROMPT, 5)
     assert r.prompt_seconds > 0 and r.decode_seconds > 0 and r.decode_tps > 0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(seed=1.5), "seed"),
+])
+def test_bad_sampling_settings_are_named(kwargs, message):
+    with pytest.raises(DecodeError, match=message):
+        Sampling(**kwargs)
