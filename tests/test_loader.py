@@ -12,8 +12,9 @@ from mlx.utils import tree_flatten
 
 import moebench
 from moebench.checkpoint import Tokenizer
+from moebench.config import ModelArgs
 from moebench.loader import ENV_MODEL, default_model_path
-from moebench.writer import EXPERT_RE, qwen2_moe_config
+from moebench.writer import EXPERT_RE, qwen2_moe_config, random_tensors, save_checkpoint
 
 TOKENS = mx.array([[5, 17, 200, 3, 99, 42, 7, 1]])
 
@@ -132,3 +133,22 @@ def test_default_model_comes_from_the_environment(float_checkpoint, monkeypatch)
     assert default_model_path() == float_checkpoint
     model, _ = moebench.load()
     assert model.load_info.source == float_checkpoint
+
+
+def test_bias_free_mode_checkpoint_matches_its_dequantized_float_twin(tmp_path):
+    """An mxfp4 checkpoint (uint8 scales, no biases) computes what its dequantized weights compute."""
+    cfg = qwen2_moe_config()
+    quantized, dense = {}, {}
+    for name, w in random_tensors(ModelArgs.from_dict(cfg), seed=6):
+        if w.ndim == 2 and w.shape[-1] % 32 == 0:
+            q, scales = mx.quantize(w, group_size=32, bits=4, mode="mxfp4")
+            quantized.update({name: q, name.replace(".weight", ".scales"): scales})
+            dense[name] = mx.dequantize(q, scales, None, group_size=32, bits=4, mode="mxfp4").astype(mx.float32)
+        else:
+            quantized[name] = dense[name] = w
+    mode = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    q_folder = save_checkpoint(tmp_path / "mxfp4", {**cfg, "quantization": mode}, iter(quantized.items()))
+    f_folder = save_checkpoint(tmp_path / "float", cfg, iter(dense.items()))
+    model, _ = moebench.load(q_folder)
+    assert set(model.load_info.bits.values()) == {"4-bit g32 mxfp4"}
+    assert np.abs(np.array(model(TOKENS)) - logits(f_folder)).max() < 1e-4

@@ -182,3 +182,18 @@ def test_tokens_are_sorted_by_expert_from_64_indices(monkeypatch, n, expect_sort
     monkeypatch.setattr(SwitchLinear, "__call__", spy)
     glu(mx.random.normal((n, D), key=mx.random.key(0)), routing(n))  # K = 2 indices per token
     assert seen == [expect_sorted] * 3
+
+
+@pytest.mark.parametrize("mode,gs,bits", [("mxfp4", 32, 4), ("mxfp8", 32, 8), ("nvfp4", 16, 4)])
+def test_bias_free_modes_load_per_expert_and_match_dense(tmp_path, mode, gs, bits):
+    stacks = random_experts()
+    quantized = {p: mx.quantize(w, group_size=gs, bits=bits, mode=mode) for p, w in stacks.items()}
+    tensors = {f"{ROOT}.experts.{e}.{p}.{s}": v[e] for p, q in quantized.items() for e in range(E)
+               for s, v in zip(("weight", "scales"), q, strict=True)}
+    glu = load(write(tmp_path, tensors), Quantization(QuantSpec(gs, bits, mode)))
+    parts = glu.up_proj.quantized_parts()
+    assert (parts.mode, parts.bits, parts.group_size, parts.biases) == (mode, bits, gs, None)
+    x, inds = mx.random.normal((5, D), key=mx.random.key(4)), routing(5)
+    dense = {p: np.array(mx.dequantize(*q, group_size=gs, bits=bits, mode=mode).astype(mx.float32))
+             for p, q in quantized.items()}
+    assert np.abs(np.array(glu(x, inds)) - dense_reference(dense, np.array(x), np.array(inds))).max() < 1e-4
