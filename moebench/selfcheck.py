@@ -97,31 +97,35 @@ def parity_case(backend: str, label: str, x: mx.array, indices: mx.array, scores
     reason = support_reason(experts, backend)
     if reason:
         return {**row, "status": "declined", "reason": reason, "passed": True}
-    truth_out, truth_y = truth_outputs(x, indices, scores, gate, up, down)
-    truth_rounded = _f64(mx.array(truth_out.astype(np.float32)).astype(x.dtype))
     try:
-        runs = [fused_kernel.routed(backend, x, indices, scores, gate, up, down) for _ in range(DETERMINISM_RUNS)]
-        mx.eval(runs)
+        row.update(_measure(backend, experts, x, indices, scores))
     except Exception as e:  # a kernel that cannot run here is a failed check, reported with its reason
         return {**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False}
-    out, y = _f64(runs[0][0]), _f64(runs[0][1])
-    row["deterministic"] = all(same_bits(o, runs[0][0]) and same_bits(yy, runs[0][1]) for o, yy in runs[1:])
-    row["fused_nrms"], row["fused_nmax"] = nrms(out, truth_rounded), nmax(out, truth_rounded)
-    row["fused_y_nrms"] = nrms(y, truth_y)
-    if backend == "reference":
-        row["vs_reference_nrms"] = None  # the fused path IS the reference here: nothing separate to compare
-    else:
-        with mx.stream(mx.cpu):
-            ref_out, ref_y = fused_kernel.routed("reference", x, indices, scores, gate, up, down)
-            mx.eval(ref_out, ref_y)
-        row["vs_reference_nrms"] = max(nrms(out, _f64(ref_out)), nrms(y, _f64(ref_y)))
-    fallback = weighted_sum(experts(x[None], indices[None]), scores[None])[0]
-    row["fallback_nrms"] = nrms(_f64(fallback), truth_rounded)
     checks = [row["fused_nrms"] < FUSED_NRMS, row["fused_nmax"] < FUSED_NMAX, row["fused_y_nrms"] < FUSED_NRMS,
               row["deterministic"], row["fallback_nrms"] < FALLBACK_NRMS]
     if row["vs_reference_nrms"] is not None:
         checks.append(row["vs_reference_nrms"] < FUSED_NRMS)
     return {**row, "status": "ran", "passed": all(checks)}
+
+
+def _measure(backend: str, experts: SwitchGLU, x: mx.array, indices: mx.array, scores: mx.array) -> dict:
+    parts = [p.quantized_parts() for p in (experts.gate_proj, experts.up_proj, experts.down_proj)]
+    truth_out, truth_y = truth_outputs(x, indices, scores, *parts)
+    truth_rounded = _f64(mx.array(truth_out.astype(np.float32)).astype(x.dtype))
+    runs = [fused_kernel.routed(backend, x, indices, scores, *parts) for _ in range(DETERMINISM_RUNS)]
+    mx.eval(runs)
+    out, y = _f64(runs[0][0]), _f64(runs[0][1])
+    row = {"deterministic": all(same_bits(o, runs[0][0]) and same_bits(yy, runs[0][1]) for o, yy in runs[1:]),
+           "fused_nrms": nrms(out, truth_rounded), "fused_nmax": nmax(out, truth_rounded),
+           "fused_y_nrms": nrms(y, truth_y), "vs_reference_nrms": None}
+    if backend != "reference":  # on a CPU the fused path IS the reference: nothing separate to compare
+        with mx.stream(mx.cpu):
+            ref_out, ref_y = fused_kernel.routed("reference", x, indices, scores, *parts)
+            mx.eval(ref_out, ref_y)
+        row["vs_reference_nrms"] = max(nrms(out, _f64(ref_out)), nrms(y, _f64(ref_y)))
+    fallback = weighted_sum(experts(x[None], indices[None]), scores[None])[0]
+    row["fallback_nrms"] = nrms(_f64(fallback), truth_rounded)
+    return row
 
 
 def kernel_parity(backend: str, shapes: list[Shape], dtype: mx.Dtype, seed: int = 0) -> list[dict]:

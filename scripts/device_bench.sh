@@ -7,8 +7,9 @@
 #
 # make       random Qwen1.5-MoE-A2.7B weights (4-bit, group 64, bf16 scales, per-expert layout, 5 GB shards)
 #            on local disk; reused when a previous call on this machine already wrote them
-# bench      moebench bench: 64-token prompt, 128 generated tokens, $REPEATS repeats, fused on and off,
-#            mlx-lm generate_step and mlx-lm's model under moebench's loop, all on the same weights
+# bench      moebench bench: 64-token prompt, 128 generated tokens, $REPEATS repeats; moebench fused on and off,
+#            each eager and through the compiled decode step; mlx-lm generate_step and mlx-lm's model under
+#            moebench's loop; all on the same weights, interleaved
 # selfcheck  moebench selfcheck on that checkpoint, and on the shipped model when data/ has it
 #
 # Everything lands in $OUT (logs, tables, JSON records, timing.txt); each stage has a time limit so a
@@ -69,7 +70,7 @@ fi
 if [[ " $stages " == *" bench "* ]]; then
   run_stage bench 360 bench-a27b.txt \
     python3 -m moebench.cli bench "$CKPT" --prompt-tokens 64 --gen-tokens 128 --repeats "$REPEATS" --fused both \
-    --compare mlx-lm --json "$OUT/bench-a27b.json"
+    --compiled both --compare mlx-lm --json "$OUT/bench-a27b.json"
 fi
 
 if [[ " $stages " == *" selfcheck "* ]]; then

@@ -96,3 +96,32 @@ def test_parity_metrics_and_bitwise_equality():
     assert selfcheck.same_bits(a, mx.array([0.0, 1.5], dtype=mx.bfloat16))
     assert not selfcheck.same_bits(a, mx.array([-0.0, 1.5], dtype=mx.bfloat16))  # equal values, other bits
     assert not selfcheck.same_bits(a, a.astype(mx.float32))
+
+
+def _case_inputs(d=128, f=256, k=2, bits=4, gs=64):
+    keys = mx.random.split(mx.random.key(1), 4)
+    parts = [selfcheck._quantized(mx.random.normal(shape, key=key) / shape[-1] ** 0.5, bits, gs)
+             for shape, key in (((k + 1, f, d), keys[0]), ((k + 1, f, d), keys[1]), ((k + 1, d, f), keys[2]))]
+    x = mx.random.normal((d,), key=keys[3])
+    return x, mx.array([2, 0], dtype=mx.uint32), mx.array([0.6, 0.3]), parts
+
+
+def test_a_gpu_backend_that_cannot_run_here_is_a_failed_row():
+    x, idx, scores, parts = _case_inputs()
+    row = selfcheck.parity_case("metal", "case", x, idx, scores, *parts)
+    assert row["status"] == "error" and not row["passed"] and "metal" in row["reason"]
+
+
+def test_a_gpu_backend_is_compared_with_the_cpu_reference(monkeypatch):
+    real = fused_kernel.routed
+    seen = []
+
+    def as_if_cuda(backend, *args):
+        seen.append(backend)
+        return real("reference", *args)
+
+    monkeypatch.setattr(fused_kernel, "routed", as_if_cuda)
+    x, idx, scores, parts = _case_inputs()
+    row = selfcheck.parity_case("cuda", "case", x, idx, scores, *parts)
+    assert row["passed"] and row["vs_reference_nrms"] == 0.0
+    assert seen == ["cuda"] * selfcheck.DETERMINISM_RUNS + ["reference"]
