@@ -72,7 +72,7 @@ class ExpertView:
             raw, added = self.figure.data
             raw.x, raw.y = names, [r["output_norm"] for r in self.rows]
             added.x, added.y = names, [r["contribution_norm"] for r in self.rows]
-            added.text = [f"score {r['score']:.3f}" for r in self.rows]
+            added.text = [f"{'gate' if r['expert'] is None else 'score'} {r['score']:.3f}" for r in self.rows]
             self.figure.layout.title = (f"token {shown(self.record.input_text)} (position {self.record.position}), "
                                         f"layer {self.layer.value}: what each chosen expert added")
         self.tokens.value = self._token_table() if self.model is not None else ""

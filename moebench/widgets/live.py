@@ -53,7 +53,7 @@ class LiveDecode:
     def _one(self) -> object:
         record = self.stepper.step()
         self.decoded += 1
-        self.chart.add(record.index, record.seconds, instrumented(record))
+        self.chart.add(record.position, record.seconds, instrumented(record))
         self.toggle.show(record)
         for view in self.views:
             view(record)
@@ -94,13 +94,16 @@ class LiveDecode:
         return asyncio.ensure_future(loop())
 
     def _toggled(self, enabled: bool) -> None:
-        self.chart.mark(self.stepper.trace.steps[-1].index + 1, "fused ON" if enabled else "fused OFF")
+        self.chart.mark(self._next_position(), "fused ON" if enabled else "fused OFF")
         if not self.running and not self.stepper.done:
             self.run(AFTER_TOGGLE_TOKENS)
 
     def _record_changed(self, change) -> None:
         self.stepper.record = change["new"]
-        self.chart.mark(self.stepper.trace.steps[-1].index + 1, "recording ON" if change["new"] else "recording OFF")
+        self.chart.mark(self._next_position(), "recording ON" if change["new"] else "recording OFF")
+
+    def _next_position(self) -> int:
+        return self.stepper.trace.steps[-1].position + 1
 
     def _ipython_display_(self):
         from IPython.display import display

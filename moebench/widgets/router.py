@@ -41,7 +41,7 @@ class RouterView:
                       row=1, col=1)
         fig.add_trace(go.Scatter(x=[], y=[], mode="markers+text", name="top-k",
                                  marker={"symbol": "square-open", "size": 22, "color": "#d62728", "line": {"width": 3}},
-                                 textfont={"size": 11, "color": "#b71c1c"}, textposition="middle center",
+                                 textfont={"size": 11}, textposition="middle center",
                                  hoverinfo="skip", showlegend=False), row=1, col=1)
         fig.add_trace(go.Heatmap(z=[[0.0]], colorscale="Greens", zmin=0, zmax=1, showscale=False,
                                  texttemplate="%{z:.2f}",
@@ -63,14 +63,16 @@ class RouterView:
             return
         probs = np.stack([record.layers[layer].router_probs for layer in layers])
         labels = [f"L{layer}" for layer in layers]
-        xs, ys, ranks = [], [], []
+        xs, ys, ranks, colors = [], [], [], []
         self.marked = {}
-        for layer, label in zip(layers, labels, strict=True):
+        dark = 0.6 * float(probs.max())
+        for row, (layer, label) in enumerate(zip(layers, labels, strict=True)):
             ids = [int(i) for i in record.layers[layer].topk_ids]
             self.marked[layer] = ids
             xs += ids
             ys += [label] * len(ids)
             ranks += [f"#{r + 1}" for r in range(len(ids))]
+            colors += ["white" if probs[row, i] > dark else "#b71c1c" for i in ids]
         gates = [record.layers[layer].shared_gate for layer in layers]
         note = shared_note(record)
         k = {len(ids) for ids in self.marked.values()}
@@ -78,6 +80,7 @@ class RouterView:
             heat, boxes, shared = self.figure.data
             heat.z, heat.x, heat.y = probs, list(range(probs.shape[1])), labels
             boxes.x, boxes.y, boxes.text = xs, ys, ranks
+            boxes.textfont.color = colors
             shared.z = [[None if g is None else float(g)] for g in gates]
             shared.y, shared.x = labels, ["gate"]
             self.figure.layout.annotations = self.figure.layout.annotations[:2]

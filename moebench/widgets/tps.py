@@ -12,14 +12,15 @@ from collections import deque
 
 import plotly.graph_objects as go
 
+TITLE = "decode speed: tokens per second, one point per token (higher is faster)"
 TRACES = {True: "recording internals", False: "not recording (clean speed)"}
 COLORS = {True: "#d62728", False: "#1f77b4"}
 
 
 class TokensPerSecondChart:
-    """`chart.add(step, seconds, instrumented)` per token; `chart.mark(step, text)` for events like a toggle."""
+    """`chart.add(position, seconds, instrumented)` per token; `chart.mark(position, text)` for events (a toggle)."""
 
-    def __init__(self, window: int = 200, redraw_hz: float = 4.0, title: str = "decode speed, one point per token"):
+    def __init__(self, window: int = 200, redraw_hz: float = 4.0, title: str = TITLE):
         if window < 2:
             raise ValueError(f"window must hold at least 2 points, got {window}")
         self.window = window
@@ -34,23 +35,24 @@ class TokensPerSecondChart:
                              line={"color": COLORS[flag]}, marker={"size": 4}) for flag in TRACES],
             layout=go.Layout(
                 title=title, height=320, margin={"l": 60, "r": 20, "t": 50, "b": 40},
-                xaxis={"title": "decode step"}, yaxis={"title": "tokens / second", "rangemode": "tozero"},
+                xaxis={"title": "token position in the sequence"},
+                yaxis={"title": "tokens / second", "rangemode": "tozero"},
                 legend={"orientation": "h", "y": -0.25},
             ),
         )
 
-    def add(self, step: int, seconds: float, instrumented: bool) -> None:
+    def add(self, position: int, seconds: float, instrumented: bool) -> None:
         """One decoded token that took `seconds`; redraws when the throttle allows."""
         if not seconds > 0:
-            raise ValueError(f"step {step}: a token cannot take {seconds} seconds")
-        self._points[bool(instrumented)].append((step, 1.0 / seconds))
+            raise ValueError(f"position {position}: a token cannot take {seconds} seconds")
+        self._points[bool(instrumented)].append((position, 1.0 / seconds))
         self.points_received += 1
         self._dirty = True
         self._maybe_draw()
 
-    def mark(self, step: int, text: str) -> None:
-        """A labelled vertical line at `step` (e.g. 'fused kernel off')."""
-        self._marks.append((step, text))
+    def mark(self, position: int, text: str) -> None:
+        """A labelled vertical line at `position` (e.g. 'fused OFF')."""
+        self._marks.append((position, text))
         self._dirty = True
         self._maybe_draw()
 

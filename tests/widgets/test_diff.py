@@ -12,7 +12,16 @@ def test_step_errors_per_layer_and_per_expert(tiny, trace):
     k = model.args.num_experts_per_tok
     assert len(view.figure.data[3].x) == len(view.figure.data[4].x) == k * len(layers)
     assert view.figure.data[3].x[0].startswith("L0 #1 e")
-    assert "errors under identical routing" in view.summary.value and "closer" in view.summary.value
+    assert "errors under identical routing" in view.summary.value
+    assert "match the truth to float32 rounding" in view.summary.value  # float32 on CPU: both are exact
+
+
+def test_half_precision_names_the_closer_path(tiny, trace):
+    import mlx.core as mx
+
+    view = DiffView()
+    view.show_step(compare_step(tiny[0], trace.generated[1], dtype=mx.bfloat16))
+    assert "bfloat16 activations" in view.summary.value and "closer to the truth" in view.summary.value
 
 
 def test_decode_agreement_and_identical_tokens(tiny):
