@@ -5,8 +5,10 @@
 #
 #   bash scripts/device_bench.sh [make] [bench] [selfcheck]      (no argument: all three, ~6-8 minutes)
 #
+# In the same call as the install: bash scripts/install-on-device.sh && DEADLINE=$((580 - SECONDS)) bash scripts/device_bench.sh
+#
 # make       random Qwen1.5-MoE-A2.7B weights (4-bit, group 64, bf16 scales, per-expert layout, 5 GB shards)
-#            on local disk; reused when a previous call on this machine already wrote them
+#            on local disk; reused when an earlier call on this machine wrote them (always made when missing)
 # bench      moebench bench: 64-token prompt, 128 generated tokens, $REPEATS repeats; moebench fused on and off,
 #            each eager and through the compiled decode step; mlx-lm generate_step and mlx-lm's model under
 #            moebench's loop; all on the same weights, interleaved
@@ -18,6 +20,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 CKPT=${MOEBENCH_DEVICE_CKPT:-/root/moebench-qwen1.5-moe-a2.7b-4bit-g64-bf16}
 REPEATS=${REPEATS:-5}
+DEADLINE=${DEADLINE:-570}  # seconds this script may use in all (one device call allows 600)
 PRESET=${PRESET:-qwen1.5-moe-a2.7b}  # a smaller preset (and DTYPE=float32) for a dry run on a CPU
 DTYPE=${DTYPE:-bfloat16}
 stages=${*:-make bench selfcheck}
@@ -26,9 +29,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$OUT/timing.txt"; }
 failed=()
 
-run_stage() {  # run_stage NAME LIMIT_S LOGFILE COMMAND...
-  local name=$1 limit=$2 logfile=$3
+run_stage() {  # run_stage NAME LIMIT_S LOGFILE COMMAND...: at most LIMIT_S, and never past DEADLINE
+  local name=$1 limit=$2 logfile=$3 left=$((DEADLINE - SECONDS))
   shift 3
+  if [ "$left" -lt 30 ]; then
+    log "skip $name: only ${left}s left before DEADLINE=${DEADLINE}s"
+    failed+=("$name (no time left)")
+    return
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
   log "start $name (limit ${limit}s)"
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$logfile"
   local rc=${PIPESTATUS[0]}
@@ -56,15 +65,14 @@ EOF
 } 2>&1 | tee "$OUT/platform.txt"
 python3 -c 'import moebench.cli' || { echo "moebench does not import here; see above" >&2; exit 1; }
 
-if [[ " $stages " == *" make "* ]] || [ ! -f "$CKPT/model.safetensors.index.json" ]; then
-  if [ -f "$CKPT/model.safetensors.index.json" ]; then
-    log "reusing $CKPT"
-  else
-    rm -rf "$CKPT"
-    run_stage make-random 300 make-random.log \
-      python3 -m moebench.cli make-random "$CKPT" --preset "$PRESET" --bits 4 --group-size 64 --dtype "$DTYPE"
-    du -sh "$CKPT" | tee -a "$OUT/make-random.log"
-  fi
+if [ -f "$CKPT.done" ]; then
+  log "reusing $CKPT (written by an earlier call on this machine)"
+else  # every later stage needs the checkpoint: make it whether or not 'make' was asked for
+  rm -rf "$CKPT"
+  run_stage make-random 300 make-random.log \
+    python3 -m moebench.cli make-random "$CKPT" --preset "$PRESET" --bits 4 --group-size 64 --dtype "$DTYPE"
+  [ -f "$CKPT/config.json" ] && [ ${#failed[@]} -eq 0 ] && touch "$CKPT.done"
+  du -sh "$CKPT" 2>&1 | tee -a "$OUT/make-random.log"
 fi
 
 if [[ " $stages " == *" bench "* ]]; then
