@@ -148,6 +148,8 @@ class ModelArgs:
                 raise ConfigError(f"{source}: field {key!r}: rope_type {rope_type!r} is not supported (only 'default')")
             if rope_theta is None:
                 rope_theta = rope.get("rope_theta")
+        if optional("use_sliding_window", False) is not False:
+            raise ConfigError(f"{source}: field 'use_sliding_window' is set; sliding-window attention is not supported")
         act = optional("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; Qwen2-MoE experts use 'silu'")

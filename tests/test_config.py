@@ -104,6 +104,7 @@ def test_missing_required_field_is_named(key):
         (dict(num_key_value_heads=0), "num_key_value_heads"),
         (dict(mlp_only_layers=""), "mlp_only_layers"),
         (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(use_sliding_window=True, sliding_window=4096), "use_sliding_window"),
         (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope_parameters.*'yarn'"),
         (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling.*'linear'"),
     ],

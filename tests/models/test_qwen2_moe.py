@@ -24,7 +24,7 @@ GREEDY_STEPS = 32
 TOLERANCE = 1e-4
 
 HF_CONFIGS = {
-    "mha-untied": dict(num_attention_heads=4, num_key_value_heads=4),
+    "mha-untied-head-dim": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=64),  # heads*64 != hidden
     "gqa-normtopk": dict(num_attention_heads=4, num_key_value_heads=2, norm_topk_prob=True),
     "sparse-step2-mlp-only": dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3],
                                   num_key_value_heads=1, norm_topk_prob=True),
@@ -58,6 +58,7 @@ def test_hf_checkpoint_layout_is_what_the_loader_expects(hf_pair):
     args = ours.args
     overrides = HF_CONFIGS[name]
     assert args.num_key_value_heads == overrides.get("num_key_value_heads", 2)
+    assert args.head_dim == overrides.get("head_dim", args.hidden_size // args.num_attention_heads)
     assert args.norm_topk_prob == overrides.get("norm_topk_prob", False)
     assert args.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
     assert ("lm_head" in ours) == (not args.tie_word_embeddings)
