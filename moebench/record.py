@@ -172,6 +172,7 @@ class Trace:
 class _Pending:
     """A step whose graph is built (and possibly evaluating) but not yet handed to the caller."""
 
+    inputs: list[int] | None  # None while the fed token is still the lazy choice of the step before
     tokens: mx.array
     position: int
     next_token: mx.array
@@ -180,7 +181,7 @@ class _Pending:
     recorded: dict[str, object] | None
     state: tuple
     key_before: mx.array | None
-    dispatch_added: dict
+    decisions: tuple[Decision, ...]
 
 
 class Stepper:
@@ -218,10 +219,12 @@ class Stepper:
         self.fused, self.max_tokens, self.pipeline = fused, max_tokens, pipeline
         self.stop_ids = tuple(model.args.eos_token_id if stop_ids is None else stop_ids)
         self.trace = Trace(prompt_ids)
+        self._blocks = model.moe_blocks()
         self._cache = make_cache(len(model.layers))
         self._key = mx.random.key(sampling.seed) if sampling.seed is not None else None
         self._pending: _Pending | None = None
         self._last_token: int | None = None
+        self._generated = 0
         self._first_token_at: float | None = None
         self.done = False
 
@@ -230,17 +233,13 @@ class Stepper:
         return fused_moe_enabled() if self.fused is None else self.fused
 
     def _state(self) -> tuple:
-        blocks = self.model.moe_blocks()
-        return self._switch(), self.record, tuple((i, b.intervention) for i, b in blocks.items())
+        return self._switch(), self.record, tuple(b.intervention for b in self._blocks.values())
 
     def _text(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     # -- building, rolling back and finishing steps -----------------------------------------------
-    def _build(self, tokens: mx.array) -> _Pending:
-        blocks = self.model.moe_blocks()
-        before = {i: (b.dispatch.fused.copy(), b.dispatch.fallback, b.dispatch.reasons.copy())
-                  for i, b in blocks.items()}
+    def _build(self, tokens: mx.array, inputs: list[int] | None) -> _Pending:
         key_before, sub = self._key, None
         if self._key is not None:
             self._key, sub = mx.random.split(self._key)
@@ -251,15 +250,14 @@ class Stepper:
         next_token = sample(logits[-1:], self.sampling, sub)[0]
         top = None
         if self.top:
-            probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
-            ids = mx.argpartition(-probs, kth=self.top - 1, axis=-1)[:, : self.top]
-            top = ids, mx.take_along_axis(probs, ids, axis=-1)
-        # What this step added to each block's dispatch counter, so a rollback can take exactly that back
-        # (another stepper on the same model may count in between).
-        added = {i: (b.dispatch.fused - before[i][0], b.dispatch.fallback - before[i][1],
-                     b.dispatch.reasons - before[i][2]) for i, b in blocks.items()}
-        pending = _Pending(tokens, position, next_token, logits, top, recorder.values if recorder else None,
-                           self._state(), key_before, added)
+            ids = mx.argpartition(-logits, kth=self.top - 1, axis=-1)[:, : self.top]
+            picked = mx.take_along_axis(logits, ids, axis=-1).astype(mx.float32)
+            top = ids, mx.exp(picked - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True))
+        # Each block decided once in this forward; a rollback takes exactly those decisions back out
+        # of the counters (another stepper on the same model may have counted since).
+        decisions = tuple(b.dispatch.last for b in self._blocks.values())
+        pending = _Pending(inputs, tokens, position, next_token, logits, top,
+                           recorder.values if recorder else None, self._state(), key_before, decisions)
         mx.async_eval(next_token, logits, *(top or ()), *(recorder.arrays() if recorder else ()))
         return pending
 
@@ -268,30 +266,35 @@ class Stepper:
         for c in self._cache:
             c.offset -= pending.tokens.size
         self._key = pending.key_before
-        for i, b in self.model.moe_blocks().items():
-            fused, fallback, reasons = pending.dispatch_added[i]
-            b.dispatch.fused -= fused
-            b.dispatch.fallback -= fallback
-            b.dispatch.reasons -= reasons
+        for b, decision in zip(self._blocks.values(), pending.decisions, strict=True):
+            counter = b.dispatch
+            tally, key = (counter.fused, decision.path) if decision.fused else (counter.reasons, decision.reason)
+            tally[key] -= 1
+            if not tally[key]:
+                del tally[key]
+            if not decision.fused:
+                counter.fallback -= 1
 
     def _speculate(self, pending: _Pending) -> _Pending | None:
         """Build the step after `pending` from its (still lazy) chosen token."""
-        generated = len(self.trace.generated) + 1
-        if not self.pipeline or (self.max_tokens is not None and generated >= self.max_tokens):
+        if not self.pipeline or (self.max_tokens is not None and self._generated + 1 >= self.max_tokens):
             return None
-        return self._build(pending.next_token.reshape(1).astype(mx.uint32))
+        return self._build(pending.next_token.reshape(1).astype(mx.uint32), None)
 
-    def _finish(self, pending: _Pending, phase: str, seconds: float) -> list[StepRecord]:
+    def _finish(self, pending: _Pending, phase: str) -> list[StepRecord]:
         """Wait for a step and turn what it computed into records, one per input position."""
         token_id = pending.next_token.item()
-        inputs = pending.tokens.tolist()
+        if self._pending is not None:
+            self._pending.inputs = [token_id]
+        inputs = pending.inputs
         start = len(self.trace.steps)
         top_ids = top_probs = None
         if pending.top is not None:
             top_ids, top_probs = np.array(pending.top[0]), np.array(pending.top[1])
         logits = _numpy(pending.logits) if self.keep_logits else None
         layers = _layer_records(pending.recorded) if pending.recorded is not None else [{}] * len(inputs)
-        switch, interventions = pending.state[0], {i: v for i, v in pending.state[2] if v is not None}
+        switch = pending.state[0]
+        interventions = {i: v for i, v in zip(self._blocks, pending.state[2], strict=True) if v is not None}
         records = []
         for j, input_id in enumerate(inputs):
             last = j == len(inputs) - 1
@@ -301,9 +304,9 @@ class Stepper:
                 candidates = [Candidate(int(top_ids[j, o]), self._text(int(top_ids[j, o])), float(top_probs[j, o]))
                               for o in order]
             records.append(StepRecord(
-                index=start + j, phase=phase, position=pending.position + j, input_id=int(input_id),
-                input_text=self._text(int(input_id)), token_id=token_id if last else None,
-                token_text=self._text(token_id) if last else None, candidates=candidates, seconds=seconds,
+                index=start + j, phase=phase, position=pending.position + j, input_id=input_id,
+                input_text=self._text(input_id), token_id=token_id if last else None,
+                token_text=self._text(token_id) if last else None, candidates=candidates, seconds=0.0,
                 fused_switch=switch, interventions=interventions, layers=layers[j],
                 logits=None if logits is None else logits[j],
             ))
@@ -311,6 +314,7 @@ class Stepper:
 
     def _accept(self, records: list[StepRecord]) -> None:
         self.trace.steps.extend(records)
+        self._generated += 1
         now = time.perf_counter()
         if self._first_token_at is None:
             self._first_token_at = now
@@ -318,13 +322,8 @@ class Stepper:
             self.trace.decode_seconds = now - self._first_token_at
         token = records[-1].token_id
         self._last_token = token
-        stopped = token in self.stop_ids
-        full = self.max_tokens is not None and len(self.trace.generated) >= self.max_tokens
-        if stopped or full:
-            self.done = True
-            if self._pending is not None:
-                self._rollback(self._pending)
-                self._pending = None
+        if token in self.stop_ids or (self.max_tokens is not None and self._generated >= self.max_tokens):
+            self.close()
 
     # -- the public stepping API -------------------------------------------------------------------
     @property
@@ -338,9 +337,10 @@ class Stepper:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise MoebenchError(f"max_tokens must be at least 1, got {self.max_tokens}")
         start = time.perf_counter()
-        pending = self._build(mx.array(self.trace.prompt_ids, dtype=mx.uint32))
+        prompt = self.trace.prompt_ids
+        pending = self._build(mx.array(prompt, dtype=mx.uint32), list(prompt))
         self._pending = self._speculate(pending)
-        records = self._finish(pending, "prefill", 0.0)
+        records = self._finish(pending, "prefill")
         seconds = time.perf_counter() - start
         for r in records:
             r.seconds = seconds
@@ -363,9 +363,9 @@ class Stepper:
             self._rollback(pending)
             pending = None
         if pending is None:
-            pending = self._build(mx.array([fed], dtype=mx.uint32))
+            pending = self._build(mx.array([fed], dtype=mx.uint32), [fed])
         self._pending = self._speculate(pending)
-        records = self._finish(pending, "decode", 0.0)
+        records = self._finish(pending, "decode")
         records[0].seconds = time.perf_counter() - start
         self._accept(records)
         return records[0]
@@ -381,7 +381,7 @@ class Stepper:
         """Generate up to n tokens (counting the one prefill chooses) synchronously; returns the trace."""
         if n < 1:
             raise MoebenchError(f"n must be at least 1, got {n}")
-        target = len(self.trace.generated) + n
+        target = self._generated + n
         if self.max_tokens is None or self.max_tokens > target:
             self.max_tokens = target
         if not self.prefilled:

@@ -77,8 +77,13 @@ def test_recorded_parts_reproduce_the_block_output(tiny, fused):
 def test_records_hold_what_the_router_chose_ordered_by_score(tiny):
     model, tok = tiny
     k = model.args.num_experts_per_tok
-    trace = Stepper(model, tok, PROMPT, record=True).run(4)
+    trace = Stepper(model, tok, PROMPT, record=True, keep_logits=True).run(4)
     for s in trace.steps:
+        softmax = np.exp(s.logits.astype(np.float64) - s.logits.max())
+        softmax /= softmax.sum()
+        top = np.argsort(-softmax, kind="stable")[:5]
+        assert [c.token_id for c in s.candidates] == top.tolist()
+        np.testing.assert_allclose([c.prob for c in s.candidates], softmax[top], rtol=1e-5)
         assert sorted(s.layers) == sorted(model.moe_blocks())
         for r in s.layers.values():
             assert r.expert_out.shape == (k, model.args.hidden_size)
