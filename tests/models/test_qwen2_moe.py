@@ -135,8 +135,11 @@ def fused_off():
         yield
 
 
-def assert_matches_mlx_lm(folder: Path) -> None:
-    """Prompt logits, then 8 cached single-token steps, against mlx-lm's qwen2_moe on the same folder."""
+def assert_matches_mlx_lm(folder: Path, fused: bool = False) -> None:
+    """Prompt logits, then 8 cached single-token steps, against mlx-lm's qwen2_moe on the same folder.
+
+    With the fused switch off every MoE call runs gather_qmm; on, the decode steps run the fused path.
+    """
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
@@ -145,6 +148,7 @@ def assert_matches_mlx_lm(folder: Path) -> None:
     ids = _prompt(3, ours.args.vocab_size)
     assert np.abs(np.array(ours(mx.array([ids]))) - np.array(reference(mx.array([ids])))).max() <= TOLERANCE
 
+    moebench.set_fused_moe(fused)
     ref_cache, our_cache = make_prompt_cache(reference), make_cache(len(ours.layers))
     ref_step = reference(mx.array([ids]), cache=ref_cache)[0, -1]
     our_step = ours(mx.array([ids]), our_cache)[0, -1]
@@ -153,8 +157,10 @@ def assert_matches_mlx_lm(folder: Path) -> None:
         tok = int(mx.argmax(ref_step))
         ref_step = reference(mx.array([[tok]]), cache=ref_cache)[0, -1]
         our_step = ours(mx.array([[tok]]), our_cache)[0, -1]
-    assert all(d["fused"] == {} and d["fallback"] > 0 for d in  # the fused switch is off: gather_qmm throughout
-               (b.dispatch.as_dict() for b in ours.moe_blocks().values()))
+    for block in ours.moe_blocks().values():
+        counts = block.dispatch.as_dict()
+        assert sum(counts["fused"].values()) == (8 if fused else 0)
+        assert counts["fallback"] == (2 if fused else 10)  # the two prompts, and every step when off
 
 
 @pytest.mark.parametrize("bits,group_size", MLX_LM_QUANT)
@@ -162,6 +168,10 @@ def test_quantized_logits_match_mlx_lm(make_checkpoint, fused_off, bits, group_s
     folder = make_checkpoint(f"q{bits}g{group_size}", seed=bits + group_size, bits=bits, group_size=group_size)
     assert set(moebench.load(folder)[0].load_info.bits.values()) == {f"{bits}-bit g{group_size}"}
     assert_matches_mlx_lm(folder)
+
+
+def test_fused_decode_path_matches_mlx_lm(quantized_checkpoint, fused_off):
+    assert_matches_mlx_lm(quantized_checkpoint, fused=True)
 
 
 def test_mixed_precision_matches_mlx_lm(make_checkpoint, fused_off):
