@@ -100,8 +100,8 @@ def test_parity_metrics_and_bitwise_equality():
 
 def _case_inputs(d=128, f=256, k=2, bits=4, gs=64):
     keys = mx.random.split(mx.random.key(1), 4)
-    parts = [selfcheck._quantized(mx.random.normal(shape, key=key) / shape[-1] ** 0.5, bits, gs)
-             for shape, key in (((k + 1, f, d), keys[0]), ((k + 1, f, d), keys[1]), ((k + 1, d, f), keys[2]))]
+    parts = [selfcheck.random_parts(key, k + 1, out_f, in_f, bits, gs, mx.float32)
+             for key, out_f, in_f in ((keys[0], f, d), (keys[1], f, d), (keys[2], d, f))]
     x = mx.random.normal((d,), key=keys[3])
     return x, mx.array([2, 0], dtype=mx.uint32), mx.array([0.6, 0.3]), parts
 
@@ -124,4 +124,4 @@ def test_a_gpu_backend_is_compared_with_the_cpu_reference(monkeypatch):
     x, idx, scores, parts = _case_inputs()
     row = selfcheck.parity_case("cuda", "case", x, idx, scores, *parts)
     assert row["passed"] and row["vs_reference_nrms"] == 0.0
-    assert seen == ["cuda"] * selfcheck.DETERMINISM_RUNS + ["reference"]
+    assert seen == ["cuda"] * selfcheck.determinism_runs("cuda") + ["reference"]
