@@ -275,6 +275,9 @@ def arm_record(result: ArmResult, reference: ArmResult) -> dict:
         "prompt_tps": summary([r.prompt_tps for r in runs]),
         "ttft_ms": summary([1e3 * r.prompt_seconds for r in runs]),
         "decode_tps": summary([r.decode_tps for r in runs]),
+        # round by round (the arms of one round ran back to back), so slow drifts of the machine cancel
+        "decode_ratio_vs_reference": summary([r.decode_tps / ref.decode_tps if ref.decode_tps else 0.0
+                                              for r, ref in zip(runs, reference.runs, strict=True)]),
         "peak_memory_gb": max(r.peak_bytes for r in runs) / 1e9,
         "working_memory_gb": max(r.peak_bytes - r.start_bytes for r in runs) / 1e9,
         "dispatch": last.dispatch,
@@ -320,12 +323,12 @@ def format_table(record: dict) -> str:
     """A llama-bench-like markdown table: mean +- sd over the repeats."""
     arms = record["arms"]
     ref = next(a for a in arms if a["name"] == record["reference_arm"])
-    rows = [["arm", "experts", "dtype", "prompt tok/s", "TTFT ms", "decode tok/s", "vs ref", "peak GB",
+    rows = [["arm", "experts", "dtype", "prompt tok/s", "TTFT ms", "decode tok/s", "vs ref (median)", "peak GB",
              "dispatch", f"greedy vs {ref['name']}"]]
     for a in arms:
         def pm(s: dict, digits: int) -> str:
             return f"{s['mean']:.{digits}f} ± {s['sd']:.{digits}f}"
-        ratio = a["decode_tps"]["mean"] / ref["decode_tps"]["mean"] if ref["decode_tps"]["mean"] else 0.0
+        ratio = a["decode_ratio_vs_reference"]["median"]
         greedy = "reference" if a is ref else _greedy_text(a["greedy_vs_reference"])
         if not a["deterministic"]:
             greedy += "; NOT deterministic"

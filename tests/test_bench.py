@@ -94,6 +94,9 @@ def test_bench_cli_on_a_quantized_checkpoint(quantized_checkpoint, tmp_path, cap
         assert len(arm["tokens"]) == 4 and arm["deterministic"] and arm["peak_memory_gb"] > 0
         assert arm["dtype"] == "float32"
     fallback, fused, users, loop = record["arms"]
+    assert fallback["decode_ratio_vs_reference"]["values"] == [1.0]
+    assert fused["decode_ratio_vs_reference"]["values"] == [
+        pytest.approx(fused["decode_tps"]["values"][0] / fallback["decode_tps"]["values"][0])]
     assert fallback["dispatch"]["fused"] == {} and fallback["dispatch"]["fallback"] == moe_layers * 4
     assert any("switched off" in r for r in fallback["dispatch"]["reasons"])
     assert fused["dispatch"]["fused"] == {"reference": moe_layers * 3} and fused["dispatch"]["fallback"] == moe_layers
