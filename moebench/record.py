@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -245,8 +245,10 @@ class Stepper:
             self._key, sub = mx.random.split(self._key)
         recorder = Recorder() if self.record else None
         position = self._cache[0].offset
-        with fused_moe(self._switch()), recording(self.model, recorder):
-            logits = self.model(tokens[None], self._cache)[0]
+        # Context managers only where they change something: this is the per-token hot path.
+        with fused_moe(self.fused) if self.fused is not None else nullcontext():
+            with recording(self.model, recorder) if recorder is not None else nullcontext():
+                logits = self.model(tokens[None], self._cache)[0]
         next_token = sample(logits[-1:], self.sampling, sub)[0]
         top = None
         if self.top:
@@ -290,7 +292,7 @@ class Stepper:
         start = len(self.trace.steps)
         top_ids = top_probs = None
         if pending.top is not None:
-            top_ids, top_probs = np.array(pending.top[0]), np.array(pending.top[1])
+            top_ids, top_probs = pending.top[0].tolist(), pending.top[1].tolist()
         logits = _numpy(pending.logits) if self.keep_logits else None
         layers = _layer_records(pending.recorded) if pending.recorded is not None else [{}] * len(inputs)
         switch = pending.state[0]
@@ -300,9 +302,8 @@ class Stepper:
             last = j == len(inputs) - 1
             candidates = []
             if top_ids is not None:
-                order = np.argsort(-top_probs[j], kind="stable")
-                candidates = [Candidate(int(top_ids[j, o]), self._text(int(top_ids[j, o])), float(top_probs[j, o]))
-                              for o in order]
+                ranked = sorted(zip(top_ids[j], top_probs[j], strict=True), key=lambda c: -c[1])
+                candidates = [Candidate(t, self._text(t), p) for t, p in ranked]
             records.append(StepRecord(
                 index=start + j, phase=phase, position=pending.position + j, input_id=input_id,
                 input_text=self._text(input_id), token_id=token_id if last else None,
