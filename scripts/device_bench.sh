@@ -45,6 +45,11 @@ run_stage() {  # run_stage NAME LIMIT_S LOGFILE COMMAND...: at most LIMIT_S, and
   [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
 }
 
+# install-on-device.sh skips every wheel when MLX is already there: add a carried mlx-lm wheel if it is missing
+if ! python3 -c 'import mlx_lm' 2>/dev/null && ls .whl*/mlx_lm-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile .whl*/mlx_lm-*.whl || echo "mlx-lm wheel did not install"
+fi
+
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "stages: $stages; preset: $PRESET $DTYPE; checkpoint: $CKPT; repeats: $REPEATS"
