@@ -11,7 +11,8 @@ two arms would choose differently, the top-1 margin there, per-token KL between 
 distributions and per-layer routing agreement (Jaccard of the top-k sets).
 
 `dtype` runs either comparison on a copy of the model loaded with that activation dtype (e.g.
-mx.bfloat16 on CPU, where the model otherwise runs float32 and the two paths barely differ).
+mx.bfloat16 on CPU, where the model otherwise runs float32 and the two paths barely differ). Each
+call reloads; to compare many steps, load the copy once with `with_dtype` and pass it instead.
 """
 
 from __future__ import annotations
