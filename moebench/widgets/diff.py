@@ -24,6 +24,12 @@ FLOOR = 1e-12  # errors of exactly 0 cannot sit on a log axis
 ROUNDING = 1e-5  # below this normalized RMS, float32 paths differ only by rounding order
 
 
+def decade_ticks(values: np.ndarray) -> int | None:
+    """One tick per power of ten when the errors span a decade or more (else plotly's own ticks)."""
+    positive = np.maximum(values, FLOOR)
+    return 1 if np.log10(positive.max() / positive.min()) >= 1 else None
+
+
 class DiffView:
     """Three panels: routed-output error per layer, per-expert partial error, routing agreement per layer."""
 
@@ -68,6 +74,8 @@ class DiffView:
                 trace.x = [f"L{layer} #{slot + 1} e{e}" for layer, slot, e in
                            zip(rows["layer"], rows["slot"], rows["expert"], strict=True)]
                 trace.y = np.maximum(rows["nrms"].to_numpy(float), FLOOR)
+        for col, values in ((1, routed["nrms"]), (2, experts["nrms"])):
+            self.figure.update_yaxes(dtick=decade_ticks(values.to_numpy(float)), row=1, col=col)
         medians = {pair: float(routed[routed["pair"] == pair]["nrms"].median()) for pair in PAIR_NAMES}
         fused, fallback = medians["fused~truth"], medians["fallback~truth"]
         if max(fused, fallback) < ROUNDING:

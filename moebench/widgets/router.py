@@ -46,10 +46,14 @@ class RouterView:
         fig.add_trace(go.Heatmap(z=[[0.0]], colorscale="Greens", zmin=0, zmax=1, showscale=False,
                                  texttemplate="%{z:.2f}",
                                  hovertemplate="layer %{y}<br>shared gate %{z:.3f}<extra></extra>"), row=1, col=2)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="ablated (may not be picked)",
+                                 marker={"symbol": "x-thin", "size": 16, "color": "#000", "line": {"width": 2}},
+                                 hoverinfo="skip", showlegend=False), row=1, col=1)
         fig.update_xaxes(title_text="expert id", dtick=1, row=1, col=1)
         fig.update_xaxes(showticklabels=False, row=1, col=2)
         fig.update_yaxes(title_text="MoE layer", autorange="reversed", type="category", row=1, col=1)
-        fig.update_layout(margin={"l": 70, "r": 90, "t": 110, "b": 50}, width=900)
+        fig.update_layout(margin={"l": 70, "r": 90, "t": 110, "b": 70}, width=900,
+                          legend={"orientation": "h", "x": 0, "y": -0.3})
         self.figure = go.FigureWidget(fig)
 
     def show(self, record) -> None:
@@ -77,12 +81,17 @@ class RouterView:
         note = shared_note(record)
         k = {len(ids) for ids in self.marked.values()}
         with self.figure.batch_update():
-            heat, boxes, shared = self.figure.data
+            heat, boxes, shared, ablated = self.figure.data
             heat.z, heat.x, heat.y = probs, list(range(probs.shape[1])), labels
             boxes.x, boxes.y, boxes.text = xs, ys, ranks
             boxes.textfont.color = colors
             shared.z = [[None if g is None else float(g)] for g in gates]
             shared.y, shared.x = labels, ["gate"]
+            banned = {label: record.interventions[layer].ablate if layer in record.interventions else ()
+                      for layer, label in zip(layers, labels, strict=True)}
+            crossed = [(e, label) for label in labels for e in banned[label]]
+            ablated.x, ablated.y = [e for e, _ in crossed], [label for _, label in crossed]
+            ablated.showlegend = bool(crossed)
             self.figure.layout.annotations = self.figure.layout.annotations[:2]
             if note is not None:
                 self.figure.add_annotation(text=note, xref="x2 domain", yref="y2 domain", x=0.5, y=0.5,

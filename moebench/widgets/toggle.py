@@ -33,8 +33,9 @@ class FusedToggle:
     def __init__(self, on_change: Callable[[bool], None] | None = None):
         self._callbacks: list[Callable[[bool], None]] = [on_change] if on_change is not None else []
         self.button = widgets.ToggleButton(
-            value=fused_moe_enabled(), description="", tooltip="switch the fused decode-MoE kernel on or off",
-            layout=widgets.Layout(width="220px"),
+            value=fused_moe_enabled(), description="",
+            tooltip="switch the fused decode-MoE kernel on or off before the next token",
+            layout=widgets.Layout(width="190px", flex="0 0 auto"),
         )
         self.button.add_class("moebench-fused-toggle")
         self.label = widgets.HTML("<i>no token decoded yet</i>")
@@ -67,7 +68,8 @@ class FusedToggle:
 
     def _describe_button(self) -> None:
         on = self.button.value
-        self.button.description = "fused kernel: ON (click for off)" if on else "fused kernel: OFF (click for on)"
+        self.button.description = "fused kernel: ON" if on else "fused kernel: OFF"
+        self.button.icon = "toggle-on" if on else "toggle-off"
         self.button.button_style = "success" if on else "warning"
 
     def _flip(self, change) -> None:

@@ -16,11 +16,23 @@ def test_marks_the_recorded_top_k_of_every_moe_layer(tiny, trace):
     assert sorted(view.marked) == layers
     for layer in layers:
         assert view.marked[layer] == list(record.layers[layer].topk_ids)
-    heat, boxes, shared = view.figure.data
+    heat, boxes, shared, ablated = view.figure.data
     np.testing.assert_array_equal(np.asarray(heat.z), np.stack([record.layers[i].router_probs for i in layers]))
     assert len(boxes.x) == k * len(layers) and list(boxes.text[:k]) == [f"#{r + 1}" for r in range(k)]
     assert [row[0] for row in shared.z] == [record.layers[i].shared_gate for i in layers]
     assert f"{k} experts picked" in view.figure.layout.title.text
+    assert len(ablated.x) == 0 and not ablated.showlegend
+
+
+def test_ablated_experts_are_crossed_out_and_never_boxed(tiny):
+    model, tokenizer = tiny
+    with intervene(model, {1: Intervention(ablate=(0, 3))}):
+        record = Stepper(model, tokenizer, "hello", record=True).run(1).generated[0]
+    view = RouterView()
+    view.show(record)
+    ablated = view.figure.data[3]
+    assert list(ablated.x) == [0, 3] and list(ablated.y) == ["L1", "L1"] and ablated.showlegend
+    assert not {0, 3} & set(view.marked[1])
 
 
 def test_says_plainly_when_there_is_no_shared_expert(tiny_no_shared):
