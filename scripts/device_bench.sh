@@ -95,6 +95,13 @@ if [[ " $stages " == *" selfcheck "* ]]; then
   fi
 fi
 
+echo; echo "== results (full logs, tables and JSON in $OUT) =="
+[ -f "$OUT/bench-a27b.txt" ] && grep -E "^(model |\||skipped)" "$OUT/bench-a27b.txt"
+for f in "$OUT"/selfcheck-*.txt; do
+  [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^(platform|dispatch|greedy|PASS|FAIL|\| [^c|-])" "$f" | grep -v "| pass |$"; }
+done
+cat "$OUT/timing.txt"
+
 if [ ${#failed[@]} -gt 0 ]; then
   log "FAILED: ${failed[*]}"
   exit 1
