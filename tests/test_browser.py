@@ -114,7 +114,7 @@ def browser(tmp_path_factory):
         context.close()
 
 
-def run_all_cells(page, name: str) -> None:
+def run_all_cells(page) -> None:
     page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
                            " && window.jupyterapp.shell.currentWidget.sessionContext"
                            " && window.jupyterapp.shell.currentWidget.sessionContext.session"
@@ -132,11 +132,6 @@ def run_all_cells(page, name: str) -> None:
         }""", timeout=NOTEBOOK_TIMEOUT_S * 1000, polling=500)
 
 
-def widget_outputs(page):
-    return page.locator(".jp-OutputArea-output:has(.jupyter-widgets), .jp-OutputArea-output:has(.widget-output)"
-                        ", .jp-OutputArea-output[data-mime-type='application/vnd.jupyter.widget-view+json']")
-
-
 @pytest.mark.parametrize("notebook", [nb.name for nb in NOTEBOOKS])
 def test_notebook_renders_in_chromium(lab, browser, notebook):
     base, token, _ = lab
@@ -148,7 +143,7 @@ def test_notebook_renders_in_chromium(lab, browser, notebook):
     page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
     try:
         page.goto(f"{base}/lab/tree/{notebook}?token={token}&reset", wait_until="domcontentloaded")
-        run_all_cells(page, notebook)
+        run_all_cells(page)
         failed = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.error']")
         assert failed.count() == 0, f"{notebook}: a cell raised:\n{failed.first.inner_text()[:3000]}"
         page.wait_for_timeout(1500)  # let plotly finish its first layout
