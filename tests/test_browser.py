@@ -114,13 +114,16 @@ def browser(tmp_path_factory):
         context.close()
 
 
+KERNEL_IDLE_JS = """() => {
+    const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+    const kernel = panel && panel.sessionContext && panel.sessionContext.session
+        && panel.sessionContext.session.kernel;
+    return kernel && kernel.status === 'idle';
+}"""
+
+
 def run_all_cells(page) -> None:
-    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext.session"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'",
-                           timeout=60_000)
+    page.wait_for_function(KERNEL_IDLE_JS, timeout=60_000)
     page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
     # Done when every code cell has an execution count and the kernel is idle again.
     page.wait_for_function(
@@ -163,12 +166,43 @@ def test_notebook_renders_in_chromium(lab, browser, notebook):
             assert box and box["height"] > 10, f"{notebook}: widget {i} rendered empty"
             view.screenshot(path=str(ARTIFACTS / f"{stem}-widget{i:02d}.png"))
         assert page.locator(".js-plotly-plot").count() > 0, f"{notebook}: no plotly figure rendered"
+        if page.locator(".moebench-token-strip").count():
+            scrub_while_kernel_busy(page, stem)
         if page.locator(".moebench-fused-toggle").count():
             click_fused_toggle(page, stem)
         page.screenshot(path=str(ARTIFACTS / f"{stem}-page.png"))
         assert not errors, f"{notebook}: JavaScript errors:\n" + "\n".join(errors)
     finally:
         page.close()
+
+
+def scrub_while_kernel_busy(page, stem: str) -> None:
+    """With the kernel stuck in a sleep, clicking a token must still move the slider and the highlight:
+    the stepper's play widget, slider and strip are linked in the browser, not through Python."""
+    stepper = page.locator(".moebench-stepper").first
+    spans = stepper.locator(".moebench-token-strip span[title^='step ']")
+    target = spans.count() - 1
+    assert target > 0, f"{stem}: the token strip shows fewer than two steps"
+    page.evaluate("""() => {
+        const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+        window.moebenchSleep = {started: false, done: false};
+        const future = kernel.requestExecute({code: 'import time; time.sleep(30)'});
+        future.onIOPub = (msg) => {
+            if (msg.header.msg_type === 'execute_input') window.moebenchSleep.started = true;
+        };
+        future.done.then(() => { window.moebenchSleep.done = true; });
+    }""")
+    page.wait_for_function("() => window.moebenchSleep.started", timeout=20_000)
+    spans.nth(target).click()
+    readout = stepper.locator(".widget-readout").first
+    page.wait_for_function("([el, want]) => el.innerText.trim() === want", arg=[readout.element_handle(), str(target)],
+                           timeout=3_000)
+    assert "outline" in (spans.nth(target).get_attribute("style") or "")
+    sleeping = page.evaluate("() => !window.moebenchSleep.done")
+    assert sleeping, f"{stem}: the kernel finished its sleep before the scrub was checked; the check proves nothing"
+    stepper.screenshot(path=str(ARTIFACTS / f"{stem}-scrubbed.png"))
+    page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.interrupt()")
+    page.wait_for_function(KERNEL_IDLE_JS, timeout=30_000)
 
 
 def click_fused_toggle(page, stem: str) -> None:
