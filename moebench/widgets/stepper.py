@@ -119,8 +119,7 @@ class TokenStepper:
         self.widget.add_class("moebench-stepper")
         if on_step is not None:
             self.on_step(on_step)
-        for record in records:
-            self.append(record)
+        self.extend(records)
 
     @property
     def index(self) -> int:
@@ -138,11 +137,18 @@ class TokenStepper:
 
     def append(self, record) -> None:
         """Add a newly decoded step (live decoding) without moving the current position."""
-        self.records.append(record)
-        self.strip.steps = [*self.strip.steps, strip_entry(record)]
-        last = len(self.records) - 1
-        self.play.max = self.slider.max = last
-        if last == 0:
+        self.extend([record])
+
+    def extend(self, records) -> None:
+        """Add steps in one update of the browser-side strip."""
+        records = list(records)
+        if not records:
+            return
+        first = not self.records
+        self.records += records
+        self.strip.steps = [*self.strip.steps, *map(strip_entry, records)]
+        self.play.max = self.slider.max = len(self.records) - 1
+        if first:
             self._notify()
 
     def go(self, index: int) -> None:
