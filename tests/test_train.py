@@ -120,7 +120,9 @@ def test_shipped_files_are_small_per_expert_and_logged():
     records = [json.loads(line) for line in (SHIPPED_MODEL / LOG_FILE).read_text().splitlines()]
     steps = [r for r in records if "ce" in r]
     assert len(steps) == records[0]["settings"]["steps"]
-    assert steps[-1]["ce"] < steps[0]["ce"] - 3
+    assert steps[-1]["ce"] < steps[0]["ce"] - 2
+    # Below the unigram baseline of data/README.md (6.88 nats on code, 6.53 on prose).
+    assert all(ce < 6.3 for ce in records[-1]["final_float_valid_ce"].values())
 
 
 def test_shipped_tokenizer_round_trips_both_domains(shipped):
@@ -150,4 +152,4 @@ def test_shipped_experts_are_all_used_and_differ_between_code_and_prose(shipped)
         assert (stats.expert_counts(both, e) > 0).all(), f"layer {layer} leaves an expert unused"
     js = [stats.js_divergence(stats.expert_counts(usage["code"][i], e), stats.expert_counts(usage["prose"][i], e))
           for i in usage["code"]]
-    assert max(js) > 0.1
+    assert max(js) > 0.2  # measured 0.06 to 0.63 bits per layer
