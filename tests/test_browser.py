@@ -180,6 +180,8 @@ def scrub_while_kernel_busy(page, stem: str) -> None:
     """With the kernel stuck in a sleep, clicking a token must still move the slider and the highlight:
     the stepper's play widget, slider and strip are linked in the browser, not through Python."""
     stepper = page.locator(".moebench-stepper").first
+    router_title = page.locator(".js-plotly-plot .gtitle", has_text="routing of token").first
+    title_before = router_title.text_content()
     spans = stepper.locator(".moebench-token-strip span[title^='step ']")
     target = spans.count() - 1
     assert target > 0, f"{stem}: the token strip shows fewer than two steps"
@@ -202,6 +204,9 @@ def scrub_while_kernel_busy(page, stem: str) -> None:
     assert sleeping, f"{stem}: the kernel finished its sleep before the scrub was checked; the check proves nothing"
     stepper.screenshot(path=str(ARTIFACTS / f"{stem}-scrubbed.png"))
     page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.interrupt()")
+    # Once the kernel is free, the Python views catch up with the step chosen in the browser.
+    page.wait_for_function("([el, text]) => el.textContent !== text", arg=[router_title.element_handle(), title_before],
+                           timeout=30_000)
     page.wait_for_function(KERNEL_IDLE_JS, timeout=30_000)
 
 

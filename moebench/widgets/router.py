@@ -83,6 +83,7 @@ class RouterView:
         with self.figure.batch_update():
             heat, boxes, shared, ablated = self.figure.data
             heat.z, heat.x, heat.y = probs, list(range(probs.shape[1])), labels
+            self.figure.layout.xaxis.range = [-0.5, probs.shape[1] - 0.5]
             boxes.x, boxes.y, boxes.text = xs, ys, ranks
             boxes.textfont.color = colors
             shared.z = [[None if g is None else float(g)] for g in gates]

@@ -21,7 +21,7 @@ STRIP_ESM = """
 function render({ model, el }) {
   el.classList.add("moebench-token-strip");
   const strip = document.createElement("div");
-  strip.style.cssText = "font-family: monospace; line-height: 1.9; margin: 4px 0;";
+  strip.style.cssText = "font-family: monospace; line-height: 1.9; margin: 4px 0; white-space: normal;";
   const detail = document.createElement("div");
   detail.style.cssText = "font-family: sans-serif; font-size: 13px; min-height: 3.2em;";
   el.append(strip, detail);
@@ -33,7 +33,7 @@ function render({ model, el }) {
     for (const text of before) {
       const span = document.createElement("span");
       span.textContent = text;
-      span.style.cssText = "color: #999; padding: 1px 2px;";
+      span.style.cssText = "display: inline-block; color: #999; padding: 1px 2px;";
       strip.append(span);
     }
     steps.forEach((step, i) => {
@@ -41,7 +41,7 @@ function render({ model, el }) {
       span.textContent = step.input;
       span.title = "step " + i + " (click to select)";
       const current = i === index;
-      span.style.cssText = "padding: 1px 2px; margin: 0 1px; border-radius: 3px; cursor: pointer;" +
+      span.style.cssText = "display: inline-block; padding: 0 2px; margin: 1px; border-radius: 3px; cursor: pointer;" +
         (current ? "background: #ffd54f; outline: 2px solid #f57f17;" : "background: #e3f2fd;");
       span.addEventListener("click", () => { model.set("index", i); model.save_changes(); });
       strip.append(span);
