@@ -15,7 +15,7 @@ from .checkpoint import TensorStore, Tokenizer
 from .config import ModelArgs
 from .errors import ConfigError
 from .layers import Linear
-from .models import FAMILIES
+from .models import family
 from .switch import SwitchLinear
 
 SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "data" / "tiny-qwen2-moe"
@@ -74,10 +74,7 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a checkpoint folder")
     args = ModelArgs.from_file(folder / "config.json")
-    build = FAMILIES.get(args.model_type)
-    if build is None:
-        raise ConfigError(f"{folder / 'config.json'}: model_type {args.model_type!r} is not supported "
-                          f"(supported: {sorted(FAMILIES)})")
+    build = family(args.model_type, str(folder / "config.json")).build
     store = TensorStore(folder, progress=progress)
     model = build(args, store, dtype or default_dtype() or _checkpoint_dtype(store))
     store.check_all_used()

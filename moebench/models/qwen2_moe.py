@@ -10,7 +10,7 @@ moebench.hooks; with none attached the forward pass does no extra work.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -239,3 +239,40 @@ class Builder:
 def build(args: ModelArgs, store, dtype: mx.Dtype) -> Qwen2MoeModel:
     """Build a Qwen2-MoE model from a checkpoint's tensors."""
     return Builder(args, store, dtype).model()
+
+
+def tensor_shapes(args: ModelArgs) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a Qwen2-MoE checkpoint in the HF float layout (per-expert), with its shape."""
+    d, hd = args.hidden_size, args.head_dim
+    yield "model.embed_tokens.weight", (args.vocab_size, d)
+    for i in range(args.num_hidden_layers):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (d,)
+        yield f"{p}.post_attention_layernorm.weight", (d,)
+        for name, heads in (("q_proj", args.num_attention_heads), ("k_proj", args.num_key_value_heads),
+                            ("v_proj", args.num_key_value_heads)):
+            yield f"{p}.self_attn.{name}.weight", (heads * hd, d)
+            if args.qkv_bias:
+                yield f"{p}.self_attn.{name}.bias", (heads * hd,)
+        yield f"{p}.self_attn.o_proj.weight", (d, args.num_attention_heads * hd)
+        if args.is_moe_layer(i):
+            f = args.moe_intermediate_size
+            yield f"{p}.mlp.gate.weight", (args.num_experts, d)
+            for e in range(args.num_experts):
+                yield f"{p}.mlp.experts.{e}.gate_proj.weight", (f, d)
+                yield f"{p}.mlp.experts.{e}.up_proj.weight", (f, d)
+                yield f"{p}.mlp.experts.{e}.down_proj.weight", (d, f)
+            if args.shared_expert_intermediate_size:
+                s = args.shared_expert_intermediate_size
+                yield f"{p}.mlp.shared_expert.gate_proj.weight", (s, d)
+                yield f"{p}.mlp.shared_expert.up_proj.weight", (s, d)
+                yield f"{p}.mlp.shared_expert.down_proj.weight", (d, s)
+                yield f"{p}.mlp.shared_expert_gate.weight", (1, d)
+        else:
+            f = args.intermediate_size
+            yield f"{p}.mlp.gate_proj.weight", (f, d)
+            yield f"{p}.mlp.up_proj.weight", (f, d)
+            yield f"{p}.mlp.down_proj.weight", (d, f)
+    yield "model.norm.weight", (d,)
+    if not args.tie_word_embeddings:
+        yield "lm_head.weight", (args.vocab_size, d)

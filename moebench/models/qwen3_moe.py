@@ -8,10 +8,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import mlx.core as mx
 
 from ..config import ModelArgs
 from ..errors import ConfigError
+from . import qwen2_moe
 from .qwen2_moe import Attention, Builder, Linear, Qwen2MoeModel, RMSNorm
 
 
@@ -40,3 +43,13 @@ def build(args: ModelArgs, store, dtype: mx.Dtype) -> Qwen2MoeModel:
     if args.shared_expert_intermediate_size:
         raise ConfigError("qwen3_moe config sets shared_expert_intermediate_size, but Qwen3-MoE has no shared expert")
     return Qwen3Builder(args, store, dtype).model()
+
+
+def tensor_shapes(args: ModelArgs) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Qwen2-MoE's tensors plus the per-head q/k norms (no shared expert, no biases by config)."""
+    for name, shape in qwen2_moe.tensor_shapes(args):
+        yield name, shape
+        if name.endswith("self_attn.o_proj.weight"):
+            prefix = name[: -len("o_proj.weight")]
+            yield f"{prefix}q_norm.weight", (args.head_dim,)
+            yield f"{prefix}k_norm.weight", (args.head_dim,)

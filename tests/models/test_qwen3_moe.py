@@ -12,7 +12,7 @@ from hf_reference import save_hf_checkpoint
 
 import moebench
 from moebench.decode import generate
-from moebench.writer import quantize_tensors, save_checkpoint
+from moebench.writer import quantize_tensors, save_checkpoint, write_random_checkpoint
 
 TOLERANCE = 1e-4
 BASE = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -94,3 +94,16 @@ def test_fused_kernel_dispatches_with_top8(tmp_path):
     with moebench.fused_moe(False):
         fallback = generate(ours, ids, 8)
     assert fused.token_ids == fallback.token_ids
+
+
+def test_writer_layout_is_transformers_layout(tmp_path):
+    """moebench.writer (make-random, tests) writes exactly the tensors transformers saves for Qwen3-MoE."""
+    from safetensors import safe_open
+
+    hf = _hf_folder(tmp_path, {})
+    config = json.loads((hf / "config.json").read_text())
+    ours = write_random_checkpoint(tmp_path / "ours", config)
+    with safe_open(hf / "model.safetensors", "np") as a, safe_open(ours / "model.safetensors", "np") as b:
+        assert {k: a.get_slice(k).get_shape() for k in a.keys()} == {k: b.get_slice(k).get_shape() for k in b.keys()}
+    model, _ = moebench.load(ours)
+    assert type(model.layers[0].self_attn).__name__ == "Qwen3Attention"
