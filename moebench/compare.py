@@ -74,7 +74,7 @@ def dequantize_f64(parts: QuantizedParts, ids: np.ndarray) -> np.ndarray:
 
 def dense_truth(experts: SwitchGLU, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Unweighted SwiGLU outputs [K, D] of experts `ids` on one token x [D], all in float64."""
-    parts = [p.quantized_parts() for p in (experts.gate_proj, experts.up_proj, experts.down_proj)]
+    parts = experts.quantized_parts()
     if any(p is None for p in parts):
         raise UnsupportedKernelConfig("float experts: the fused kernel needs quantized weights")
     gate, up, down = (dequantize_f64(p, ids) for p in parts)

@@ -81,7 +81,7 @@ def max_dff(backend: str) -> int | None:
 
 def support_reason(experts: SwitchGLU, backend: str) -> str | None:
     """Why the fused kernel cannot run these experts on `backend`, or None when it can."""
-    parts = [p.quantized_parts() for p in (experts.gate_proj, experts.up_proj, experts.down_proj)]
+    parts = experts.quantized_parts()
     if any(p is None for p in parts):
         return "float experts (the kernel needs quantized weights)"
     gate, up, down = parts
@@ -163,7 +163,7 @@ class DispatchCounter:
         held = self._parts
         if not held or any(m.weight is not p.weight or m.scales is not p.scales or m.get("biases") is not p.biases
                            for m, p in zip(projs, held, strict=True)):
-            self._parts = held = tuple(m.quantized_parts() for m in projs)
+            self._parts = held = tuple(experts.quantized_parts())
         return held
 
     def reset(self) -> None:

@@ -11,29 +11,16 @@ import mlx.nn as nn
 
 from .config import Quantization
 from .errors import CheckpointError
-from .quant import QuantizedParts, make_parts
+from .quant import QuantizedParts, QuantizedWeight, make_parts
 
 
-class Linear(nn.Module):
+class Linear(QuantizedWeight):
     """y = x W^T (+ b); W float [out, in] or quantized parts."""
 
     def __init__(self, weight: mx.array, bias: mx.array | None = None, parts: QuantizedParts | None = None):
-        super().__init__()
-        self.weight = weight if parts is None else parts.weight
-        if parts is not None:
-            self.scales = parts.scales
-            if parts.biases is not None:
-                self.biases = parts.biases
+        super().__init__(weight, parts)
         if bias is not None:
             self.bias = bias
-        self.quant = None if parts is None else (parts.group_size, parts.bits, parts.mode)
-
-    @property
-    def parts(self) -> QuantizedParts | None:
-        if self.quant is None:
-            return None
-        gs, bits, mode = self.quant
-        return QuantizedParts(self.weight, self.scales, self.get("biases"), gs, bits, mode)
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.quant is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .config import AFFINE_BITS, AFFINE_GROUP_SIZES, QuantSpec
 from .errors import CheckpointError
@@ -102,3 +103,23 @@ def make_parts(
             raise CheckpointError(f"{name}.scales: mode {spec.mode} needs uint8 scales, got {scales.dtype}")
     bits = infer_bits(name, weight, scales, spec)
     return QuantizedParts(weight, scales, biases, spec.group_size, bits, spec.mode)
+
+
+class QuantizedWeight(nn.Module):
+    """A module holding one weight (or expert stack), float or quantized: Linear and SwitchLinear."""
+
+    def __init__(self, weight: mx.array, parts: QuantizedParts | None = None):
+        super().__init__()
+        self.weight = weight if parts is None else parts.weight
+        if parts is not None:
+            self.scales = parts.scales
+            if parts.biases is not None:
+                self.biases = parts.biases
+        self.quant = None if parts is None else (parts.group_size, parts.bits, parts.mode)
+
+    def quantized_parts(self) -> QuantizedParts | None:
+        """The quantized pieces (what the fused kernel reads), or None for a float weight."""
+        if self.quant is None:
+            return None
+        gs, bits, mode = self.quant
+        return QuantizedParts(self.weight, self.scales, self.get("biases"), gs, bits, mode)

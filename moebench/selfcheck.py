@@ -123,7 +123,7 @@ def determinism_runs(backend: str) -> int:
 
 
 def _measure(backend: str, experts: SwitchGLU, x: mx.array, indices: mx.array, scores: mx.array) -> dict:
-    parts = [p.quantized_parts() for p in (experts.gate_proj, experts.up_proj, experts.down_proj)]
+    parts = experts.quantized_parts()
     truth_out, truth_y = truth_outputs(x, indices, scores, *parts)
     truth_rounded = _f64(mx.array(truth_out.astype(np.float32)).astype(x.dtype))
     runs = [fused_kernel.routed(backend, x, indices, scores, *parts) for _ in range(determinism_runs(backend))]
@@ -175,7 +175,7 @@ def model_weights_parity(backend: str, model, seed: int = 0) -> list[dict]:
     if not blocks:
         return []
     layer, block = next(iter(blocks.items()))
-    parts = [p.quantized_parts() for p in (block.experts.gate_proj, block.experts.up_proj, block.experts.down_proj)]
+    parts = block.experts.quantized_parts()
     if any(p is None or p.biases is None for p in parts):
         return [{"case": f"model layer {layer} experts", "status": "declined", "passed": True,
                  "reason": support_reason(block.experts, backend)}]

@@ -14,34 +14,18 @@ import mlx.nn as nn
 
 from .config import Quantization
 from .errors import CheckpointError
-from .quant import QuantizedParts, make_parts
+from .quant import QuantizedParts, QuantizedWeight, make_parts
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 SORT_THRESHOLD = 64  # indices.size at or above which tokens are sorted by expert (prefill)
 
 
-class SwitchLinear(nn.Module):
+class SwitchLinear(QuantizedWeight):
     """E stacked linear maps; each (token, slot) multiplies by the expert its index names."""
-
-    def __init__(self, weight: mx.array, parts: QuantizedParts | None = None):
-        super().__init__()
-        self.weight = weight if parts is None else parts.weight
-        if parts is not None:
-            self.scales = parts.scales
-            if parts.biases is not None:
-                self.biases = parts.biases
-        self.quant = None if parts is None else (parts.group_size, parts.bits, parts.mode)
 
     @property
     def num_experts(self) -> int:
         return self.weight.shape[0]
-
-    def quantized_parts(self) -> QuantizedParts | None:
-        """The quantized pieces (for the fused kernel), or None for float experts."""
-        if self.quant is None:
-            return None
-        gs, bits, mode = self.quant
-        return QuantizedParts(self.weight, self.scales, self.get("biases"), gs, bits, mode)
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         if self.quant is None:
@@ -63,6 +47,10 @@ class SwitchGLU(nn.Module):
     @property
     def num_experts(self) -> int:
         return self.gate_proj.num_experts
+
+    def quantized_parts(self) -> list[QuantizedParts | None]:
+        """gate, up and down quantized parts (None for a float projection)."""
+        return [p.quantized_parts() for p in (self.gate_proj, self.up_proj, self.down_proj)]
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x [N, D], indices [N, K] -> each selected expert's output, unweighted, [N, K, D]."""

@@ -28,7 +28,7 @@ def dequantized(q, s, b, gs=64, bits=4):
 def test_float_linear_with_bias():
     w, b, x = mx.random.normal((6, 4), key=KEY), mx.arange(6, dtype=mx.float32), mx.random.normal((3, 4))
     assert np.allclose(np.array(Linear(w, b)(x)), np.array(x) @ np.array(w).T + np.arange(6), atol=1e-5)
-    assert Linear(w).parts is None
+    assert Linear(w).quantized_parts() is None
 
 
 @pytest.mark.parametrize("bits,gs", [(4, 64), (8, 32), (6, 128), (3, 64)])
@@ -37,7 +37,7 @@ def test_quantized_linear_matches_its_dequantized_matrix(tmp_path, bits, gs):
     q, s, b = mx.quantize(w, group_size=gs, bits=bits)
     store = store_of(tmp_path, {"m.weight": q, "m.scales": s, "m.biases": b})
     lin = load_linear(store, "m", 16, 128, mx.float32, Quantization(QuantSpec(gs, 4)))
-    assert lin.quant == (gs, bits, "affine") and lin.parts.bits == bits
+    assert lin.quant == (gs, bits, "affine") and lin.quantized_parts().bits == bits
     x = mx.random.normal((5, 128), key=mx.random.key(1))
     ref = np.array(x) @ np.array(dequantized(q, s, b, gs, bits)).T
     assert np.abs(np.array(lin(x)) - ref).max() < 1e-4
