@@ -319,8 +319,8 @@ def train_tiny(out_dir: str | Path, settings: TrainSettings = TrainSettings(), f
 
 # --- measurements (moebench eval-tiny) ---------------------------------------------------------------
 
-CODE_PROMPT = "def read_lines(path):\n    "
-PROSE_PROMPT = "KING.\nWhat news, my lord?\n\n"
+CODE_PROMPT = "class Parser:\n    def __init__(self, name):\n        self."
+PROSE_PROMPT = "KING.\nWhat news, my lord?\n\nMESSENGER.\nMy lord, the"
 
 
 def unigram_loss(train_streams: list[np.ndarray], target: np.ndarray, vocab_size: int) -> float:
