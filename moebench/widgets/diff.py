@@ -52,7 +52,7 @@ class DiffView:
         fig.update_xaxes(title_text="MoE layer", type="category", row=1, col=1)
         fig.update_xaxes(title_text="layer / rank / expert", type="category", row=1, col=2)
         fig.update_xaxes(title_text="MoE layer", type="category", row=1, col=3)
-        fig.update_layout(barmode="group", height=420, width=950, margin={"l": 70, "r": 20, "t": 90, "b": 80},
+        fig.update_layout(barmode="group", height=420, width=880, margin={"l": 70, "r": 20, "t": 90, "b": 80},
                           legend={"orientation": "h", "y": -0.3})
         self.figure = go.FigureWidget(fig)
         self.summary = widgets.HTML()

@@ -52,7 +52,7 @@ class RouterView:
         fig.update_xaxes(title_text="expert id", dtick=1, row=1, col=1)
         fig.update_xaxes(showticklabels=False, row=1, col=2)
         fig.update_yaxes(title_text="MoE layer", autorange="reversed", type="category", row=1, col=1)
-        fig.update_layout(margin={"l": 70, "r": 90, "t": 110, "b": 70}, width=900,
+        fig.update_layout(margin={"l": 70, "r": 90, "t": 110, "b": 70}, width=860,
                           legend={"orientation": "h", "x": 0, "y": -0.3})
         self.figure = go.FigureWidget(fig)
 
