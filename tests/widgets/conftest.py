@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 import moebench
+from moebench.corpus import Document
 from moebench.record import Stepper
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import write_tiny_model  # noqa: E402
+from moebench.train import train_tokenizer
+from moebench.writer import qwen2_moe_config, write_random_checkpoint
 
 PROMPT = "def add(a, b):"
+VOCAB = 320
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i)\n",
+    "Shall I compare thee to a summer's day? Thou art more lovely and more temperate.",
+    "The quick brown fox jumps over the lazy dog, and the dog sleeps on.",
+]
+
+
+def write_tiny_model(folder: Path, shared_expert: bool = True) -> Path:
+    """Random 4-bit weights (4 layers, 8 experts, top-2) plus tokenizer.json, in `folder`."""
+    config = qwen2_moe_config(vocab_size=VOCAB, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2)
+    if not shared_expert:
+        config["shared_expert_intermediate_size"] = 0
+    write_random_checkpoint(folder, config, seed=1, bits=4, group_size=64)
+    docs = [Document(f"text{i}", text) for i, text in enumerate(TEXTS)]
+    train_tokenizer(docs, VOCAB).save(str(folder / "tokenizer.json"))
+    return folder
 
 
 @pytest.fixture(scope="session")
