@@ -24,10 +24,10 @@ FLOOR = 1e-12  # errors of exactly 0 cannot sit on a log axis
 ROUNDING = 1e-5  # below this normalized RMS, float32 paths differ only by rounding order
 
 
-def decade_ticks(values: np.ndarray) -> int | None:
-    """One tick per power of ten when the errors span a decade or more (else plotly's own ticks)."""
+def decade_ticks(values: np.ndarray) -> int | str:
+    """One tick per power of ten when the errors span two decades or more, else ticks at 1, 2 and 5."""
     positive = np.maximum(values, FLOOR)
-    return 1 if np.log10(positive.max() / positive.min()) >= 1 else None
+    return 1 if np.log10(positive.max() / positive.min()) >= 2 else "D2"
 
 
 class DiffView:
@@ -36,8 +36,9 @@ class DiffView:
     def __init__(self):
         fig = make_subplots(rows=1, cols=3, column_widths=[0.3, 0.45, 0.25], horizontal_spacing=0.07,
                             subplot_titles=("MoE output error per layer<br>(same routing on every path)",
-                                            "error of each chosen expert's weighted output",
-                                            "routing agreement, switch on vs off<br>(1 = same experts)"))
+                                            "error of each chosen expert's weighted output<br>"
+                                            "(L layer, #rank, e expert id)",
+                                            "routing agreement,<br>fused on vs off (1 = same)"))
         for pair in PAIR_NAMES:
             fig.add_bar(x=[], y=[], name=PAIR_NAMES[pair], marker_color=PAIR_COLORS[pair], legendgroup=pair,
                         row=1, col=1)
@@ -50,10 +51,10 @@ class DiffView:
         fig.update_yaxes(type="log", tickformat=".0e", nticks=6, row=1, col=2)
         fig.update_yaxes(range=[0, 1.05], row=1, col=3)
         fig.update_xaxes(title_text="MoE layer", type="category", row=1, col=1)
-        fig.update_xaxes(title_text="layer / rank / expert", type="category", row=1, col=2)
+        fig.update_xaxes(type="category", tickangle=-90, row=1, col=2)
         fig.update_xaxes(title_text="MoE layer", type="category", row=1, col=3)
-        fig.update_layout(barmode="group", height=420, width=880, margin={"l": 70, "r": 20, "t": 90, "b": 80},
-                          legend={"orientation": "h", "y": -0.3})
+        fig.update_layout(barmode="group", height=460, width=880, margin={"l": 70, "r": 20, "t": 90, "b": 120},
+                          legend={"orientation": "h", "y": -0.4})
         self.figure = go.FigureWidget(fig)
         self.summary = widgets.HTML()
         self.widget = widgets.VBox([self.figure, self.summary])
