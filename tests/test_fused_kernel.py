@@ -62,12 +62,17 @@ def test_reference_matches_dense_truth_on_small_shapes(bits, group):
     assert nrms(y, truth_y) < 5e-4 and nrms(out, truth_out) < 5e-4
 
 
+REAL_EXPERT_SHAPES = {"qwen1.5-moe-a2.7b": (2048, 1408, 4), "qwen3-30b-a3b": (2048, 768, 8)}  # D, Dff, top-k
+
+
+@pytest.mark.parametrize("model", sorted(REAL_EXPERT_SHAPES))
 @pytest.mark.parametrize("bits,group", [((4, 4), 64), ((8, 8), 128), ((4, 4), 32)])
-def test_reference_matches_dense_truth_at_a27b_expert_shapes(bits, group):
-    """Qwen1.5-MoE-A2.7B experts (D 2048, Dff 1408, top-4), with 8 of the 60 experts to stay fast."""
-    parts = make_experts(8, 2048, 1408, bits, group, seed=3)
-    ids, scores = routing(8, 4, seed=4)
-    x = mx.array(np.random.default_rng(5).standard_normal(2048).astype(np.float32))
+def test_reference_matches_dense_truth_at_real_expert_shapes(model, bits, group):
+    """Qwen1.5-MoE-A2.7B (top-4) and Qwen3-30B-A3B (top-8) experts, with 10 experts per stack to stay fast."""
+    d, dff, k = REAL_EXPERT_SHAPES[model]
+    parts = make_experts(10, d, dff, bits, group, seed=3)
+    ids, scores = routing(10, k, seed=4)
+    x = mx.array(np.random.default_rng(5).standard_normal(d).astype(np.float32))
     out, y = fused_kernel.routed("reference", x, mx.array(ids, dtype=mx.uint32), mx.array(scores), *parts)
     truth_y, truth_out = dense_truth(x, ids, scores, parts)
     assert nrms(y, truth_y) < 5e-4 and nrms(out, truth_out) < 5e-4
