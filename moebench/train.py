@@ -47,7 +47,7 @@ LOG_FILE = "train_log.jsonl"
 
 @dataclass(frozen=True)
 class TrainSettings:
-    steps: int = 256
+    steps: int = 640
     batch: int = 8  # sequences per step, half from each domain
     seq_len: int = 128
     peak_lr: float = 3e-3
