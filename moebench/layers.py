@@ -23,15 +23,13 @@ class Linear(QuantizedWeight):
             self.bias = bias
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.quant is None:
-            y = x @ self.weight.T
+        if self.mode is None:
+            y = x @ self["weight"].T
         else:
-            gs, bits, mode = self.quant
-            y = mx.quantized_matmul(
-                x, self.weight, self.scales, self.get("biases"), transpose=True, group_size=gs, bits=bits, mode=mode
-            )
+            y = mx.quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), transpose=True,
+                                    group_size=self.group_size, bits=self.bits, mode=self.mode)
         if "bias" in self:
-            y = y + self.bias
+            y = y + self["bias"]
         return y
 
 

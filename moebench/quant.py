@@ -106,7 +106,11 @@ def make_parts(
 
 
 class QuantizedWeight(nn.Module):
-    """A module holding one weight (or expert stack), float or quantized: Linear and SwitchLinear."""
+    """A module holding one weight (or expert stack), float or quantized: Linear and SwitchLinear.
+
+    group_size / bits / mode are plain attributes (None for a float weight) and calls read arrays as
+    items: both skip nn.Module's attribute fallback, which costs at every call of every decode step.
+    """
 
     def __init__(self, weight: mx.array, parts: QuantizedParts | None = None):
         super().__init__()
@@ -115,11 +119,18 @@ class QuantizedWeight(nn.Module):
             self.scales = parts.scales
             if parts.biases is not None:
                 self.biases = parts.biases
-        self.quant = None if parts is None else (parts.group_size, parts.bits, parts.mode)
+        self.group_size = None if parts is None else parts.group_size
+        self.bits = None if parts is None else parts.bits
+        self.mode = None if parts is None else parts.mode
+
+    @property
+    def quant(self) -> tuple[int, int, str] | None:
+        """(group size, bits, mode), or None for a float weight."""
+        return None if self.mode is None else (self.group_size, self.bits, self.mode)
 
     def quantized_parts(self) -> QuantizedParts | None:
         """The quantized pieces (what the fused kernel reads), or None for a float weight."""
-        if self.quant is None:
+        if self.mode is None:
             return None
-        gs, bits, mode = self.quant
-        return QuantizedParts(self.weight, self.scales, self.get("biases"), gs, bits, mode)
+        return QuantizedParts(self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                              self.mode)

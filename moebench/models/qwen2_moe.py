@@ -22,7 +22,7 @@ from ..errors import CheckpointError
 from ..kernels import DispatchCounter, routed_experts
 from ..layers import Embedding, Linear, load_linear
 from ..routing import Intervention, route
-from ..switch import SwitchGLU, load_switch_glu
+from ..switch import SwitchGLU, load_switch_glu, swiglu
 
 Recorder = Callable[[str, object], None]
 
@@ -75,7 +75,7 @@ class MLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
     def __call__(self, x: mx.array, layer: int = -1, record: Recorder | None = None) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):
