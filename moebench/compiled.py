@@ -64,7 +64,7 @@ class CompiledSteps:
 
     def _forward(self, token: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
         caches = [StaticKVCache(kv[i], kv[i + 1], offset) for i in range(0, len(kv), 2)]
-        logits = self.model(token.reshape(1, 1), caches)[0, -1]
+        logits = self.model.last_logits(token.reshape(1, 1), caches)[0]
         return (logits, *[a for c in caches for a in (c.keys, c.values)])
 
 
@@ -88,7 +88,7 @@ class CompiledForward:
         if n > 1:
             for c in self.caches:
                 c.offset = offset
-            logits = self.model(tokens.reshape(1, n), self.caches)[0, -1]
+            logits = self.model.last_logits(tokens.reshape(1, n), self.caches)[0]
         else:
             kv = [a for c in self.caches for a in (c.keys, c.values)]
             logits, kv = self.steps(tokens, offset, kv)

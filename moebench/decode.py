@@ -89,8 +89,11 @@ def generate_tokens(
         forward = CompiledForward(model, len(prompt_ids) + max_tokens)
     else:
         cache = make_cache(len(model.layers))
+        last_logits = getattr(model, "last_logits", None)  # other models (e.g. mlx-lm's) unembed every position
 
         def forward(tokens: mx.array) -> mx.array:
+            if last_logits is not None:
+                return last_logits(tokens[None], cache)[0]
             return model(tokens[None], cache)[0, -1]
 
     def step(tokens: mx.array, key: mx.array | None) -> tuple[mx.array, mx.array, mx.array | None]:

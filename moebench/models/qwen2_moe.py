@@ -164,6 +164,10 @@ class Qwen2MoeModel(nn.Module):
     def __call__(self, tokens: mx.array, cache: list[KVCache] | None = None) -> mx.array:
         return self.unembed(self.hidden(tokens, cache))
 
+    def last_logits(self, tokens: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+        """Logits [B, vocab] of the last position only: a prefill skips the unembedding of every other one."""
+        return self.unembed(self.hidden(tokens, cache)[:, -1])
+
 
 class Builder:
     """Builds a decoder from a checkpoint's tensors, checking every shape against the config.
