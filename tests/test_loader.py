@@ -152,3 +152,16 @@ def test_bias_free_mode_checkpoint_matches_its_dequantized_float_twin(tmp_path):
     model, _ = moebench.load(q_folder)
     assert set(model.load_info.bits.values()) == {"4-bit g32 mxfp4"}
     assert np.abs(np.array(model(TOKENS)) - logits(f_folder)).max() < 1e-4
+
+
+def test_tied_embeddings_ignore_a_stored_lm_head_like_transformers(make_checkpoint):
+    """With tie_word_embeddings, transformers and mlx-lm unembed with the embedding even when the file also
+    holds an lm_head.weight: so does moebench, and the stray tensor is not an error."""
+    folder = make_checkpoint(config=qwen2_moe_config(tie_word_embeddings=True))
+    tensors = dict(mx.load(str(folder / "model.safetensors")))
+    tensors["lm_head.weight"] = mx.ones_like(tensors["model.embed_tokens.weight"])
+    mx.save_safetensors(str(folder / "model.safetensors"), tensors)
+    model, _ = moebench.load(folder)
+    assert "lm_head" not in model
+    expected = model.hidden(TOKENS) @ model.embed_tokens.table.weight.T
+    assert np.abs(np.array(model(TOKENS)) - np.array(expected)).max() < 1e-5

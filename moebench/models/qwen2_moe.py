@@ -233,8 +233,11 @@ class Builder:
             mx.eval(layers[-1].parameters())  # materialise layer by layer: bounded peak memory
         final_norm = self.norm("model.norm.weight")
         lm_head = None
-        if not a.tie_word_embeddings or "lm_head.weight" in self.store:
+        if not a.tie_word_embeddings:
             lm_head = self.linear("lm_head", a.vocab_size, a.hidden_size)
+        else:  # tied: a stored lm_head is a copy transformers and mlx-lm ignore, and so do we
+            for part in ("weight", "scales", "biases"):
+                self.store.take_optional(f"lm_head.{part}")
         model = Qwen2MoeModel(a, embed, layers, final_norm, lm_head)
         mx.eval(model.parameters())
         return model
