@@ -41,10 +41,9 @@ class CompiledSteps:
     @classmethod
     def of(cls, model) -> CompiledSteps:
         """The model's own instance, so repeated generations reuse the traced graphs."""
-        steps = model.__dict__.get("_compiled_steps")
+        steps = getattr(model, "compiled_steps", None)
         if steps is None:
-            steps = cls(model)
-            object.__setattr__(model, "_compiled_steps", steps)
+            steps = model.compiled_steps = cls(model)  # a plain object: an attribute, not a child module
         return steps
 
     def __call__(self, token: mx.array, offset: mx.array, kv: list[mx.array]) -> tuple[mx.array, list[mx.array]]:

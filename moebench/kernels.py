@@ -122,6 +122,9 @@ class Decision:
         return self.path != "fallback"
 
 
+SWITCHED_OFF = Decision("fallback", f"switched off ({ENV_SWITCH} / set_fused_moe)")
+
+
 @dataclass
 class DispatchCounter:
     """Fused runs, fallbacks and decline reasons of one MoE layer."""
@@ -137,7 +140,7 @@ class DispatchCounter:
         if n_tokens != 1:
             decision = Decision("fallback", f"{n_tokens} tokens (the kernel runs single-token decode)")
         elif not fused_moe_enabled():
-            decision = Decision("fallback", f"switched off ({ENV_SWITCH} / set_fused_moe)")
+            decision = SWITCHED_OFF
         else:
             backend = available_backend()
             if backend not in self._support:

@@ -104,39 +104,36 @@ def save_checkpoint(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    shards: list[dict[str, mx.array]] = [{}]
+    shards: list[list[str]] = []  # the tensor names of each shard written so far
+    pending: dict[str, mx.array] = {}
+
+    def flush() -> None:
+        mx.save_safetensors(str(folder / f"shard-{len(shards) + 1:05d}.tmp.safetensors"), pending)
+        shards.append(list(pending))
+        pending.clear()
+
     size = 0
     for name, arr in tensors:
         mx.eval(arr)
-        if shard_bytes and size and size + arr.nbytes > shard_bytes:
-            _flush(folder, shards, final=False)
-            shards.append({})
+        if shard_bytes and pending and size + arr.nbytes > shard_bytes:
+            flush()
             size = 0
-        shards[-1][name] = arr
+        pending[name] = arr
         size += arr.nbytes
-    _flush(folder, shards, final=True)
-    return folder
-
-
-def _flush(folder: Path, shards: list[dict[str, mx.array]], final: bool) -> None:
-    """Save the newest shard; at the end rename to model-0000i-of-0000n and write the index if sharded."""
+    flush()
     n = len(shards)
-    if not final:
-        mx.save_safetensors(str(folder / f"shard-{n:05d}.tmp.safetensors"), shards[-1])
-        shards[-1] = {name: None for name in shards[-1]}  # keep the names, free the arrays
-        return
     if n == 1:
-        mx.save_safetensors(str(folder / "model.safetensors"), shards[0])
-        return
-    mx.save_safetensors(str(folder / f"shard-{n:05d}.tmp.safetensors"), shards[-1])
+        (folder / "shard-00001.tmp.safetensors").rename(folder / "model.safetensors")
+        return folder
     weight_map = {}
-    for i, shard in enumerate(shards, start=1):
+    for i, names in enumerate(shards, start=1):
         final_name = f"model-{i:05d}-of-{n:05d}.safetensors"
         (folder / f"shard-{i:05d}.tmp.safetensors").rename(folder / final_name)
-        weight_map.update({name: final_name for name in shard})
+        weight_map.update({name: final_name for name in names})
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n"
     )
+    return folder
 
 
 def qwen2_moe_config(**overrides) -> dict:
