@@ -197,19 +197,31 @@ def moebench_arms(model, fused: str, compiled: str = "off") -> list[Arm]:
     return arms
 
 
+def mlx_lm_model(path: Path) -> tuple[object | None, str | None]:
+    """mlx-lm's own model for a checkpoint folder (mlx_lm.utils.load_model), or (None, why it cannot)."""
+    try:
+        from mlx_lm.utils import load_model
+    except ImportError as e:
+        return None, f"mlx-lm is not installed ({e})"
+    try:
+        model, _ = load_model(Path(path))
+    except Exception as e:  # mlx-lm raises many kinds; any of them means it cannot run this folder
+        return None, f"mlx-lm cannot load {path}: {type(e).__name__}: {e}"
+    return model, None
+
+
 def mlx_lm_arms(path: Path) -> tuple[list[Arm], str | None]:
     """mlx-lm on the same folder as its users run it (stream_generate when the folder has a tokenizer mlx-lm
     loads, else generate_step), and its model under moebench's decode loop. ([], reason) where it cannot."""
     try:
         from mlx_lm.generate import generate_step, stream_generate
         from mlx_lm.sample_utils import make_sampler
-        from mlx_lm.utils import load_model, load_tokenizer
+        from mlx_lm.utils import load_tokenizer
     except ImportError as e:
         return [], f"mlx-lm is not installed ({e})"
-    try:
-        model, _ = load_model(Path(path))
-    except Exception as e:  # mlx-lm raises many kinds; any of them means it cannot run this folder
-        return [], f"mlx-lm cannot load {path}: {type(e).__name__}: {e}"
+    model, reason = mlx_lm_model(path)
+    if model is None:
+        return [], reason
     dtype = float_dtype(model)
     greedy = make_sampler(temp=0.0)
     tokenizer, why = None, "generate_step with a greedy sampler (no tokenizer files: stream_generate needs one)"

@@ -10,6 +10,7 @@ from .bench import register as _add_bench
 from .errors import MoebenchError
 from .microbench import add_command as _add_microbench
 from .presets import register as _add_make_random
+from .profile import register as _add_profile
 from .selfcheck import register as _add_selfcheck
 from .train import add_eval_command, add_train_command
 
@@ -62,7 +63,7 @@ def _run_generate(a: argparse.Namespace) -> int:
 
 
 COMMANDS = [_add_generate, _add_microbench, add_train_command, add_eval_command, _add_bench, _add_make_random,
-            _add_selfcheck]
+            _add_selfcheck, _add_profile]
 
 
 def main(argv: list[str] | None = None) -> int:
