@@ -1,7 +1,7 @@
 // A small C++ stand-in for the Metal language features the fused-MoE kernels use, so that the
 // Metal prelude and the shared bodies compile with g++ in CI (a typo only a Mac would see fails
 // here) and can run on the CPU against the reference. It is not Metal: address-space qualifiers
-// are erased, and a simdgroup is 32 std::threads meeting at a barrier in simd_sum.
+// are erased, and a simdgroup is 32 std::threads meeting at a barrier in simd_sum/max/min.
 #pragma once
 
 #include <barrier>
@@ -51,22 +51,28 @@ To as_type(From v) {
 // One simdgroup: the 32 lanes meet at the barrier to exchange their values.
 struct MbSimdgroup {
   std::barrier<> meet{32};
-  float values[32];
+  uint32_t values[32];
 };
 inline thread_local MbSimdgroup* mb_shim_group = nullptr;
 inline thread_local uint mb_shim_lane = 0;
 
+// Every lane gets op folded over the 32 lanes' values in lane order.
+template <typename V, typename Op>
+V mb_shim_reduce(V v, Op op) {
+  MbSimdgroup& g = *mb_shim_group;
+  g.values[mb_shim_lane] = as_type<uint32_t>(v);
+  g.meet.arrive_and_wait();
+  V acc = as_type<V>(g.values[0]);
+  for (int i = 1; i < 32; ++i) acc = op(acc, as_type<V>(g.values[i]));
+  g.meet.arrive_and_wait();  // nobody overwrites values before every lane has read them
+  return acc;
+}
+
 namespace metal {
 inline float exp(float v) { return std::exp(v); }
-inline float simd_sum(float v) {
-  MbSimdgroup& g = *mb_shim_group;
-  g.values[mb_shim_lane] = v;
-  g.meet.arrive_and_wait();
-  float sum = 0.0f;
-  for (int i = 0; i < 32; ++i) sum += g.values[i];
-  g.meet.arrive_and_wait();  // nobody overwrites values before every lane has read them
-  return sum;
-}
+inline float simd_sum(float v) { return mb_shim_reduce(v, [](float a, float b) { return a + b; }); }
+inline float simd_max(float v) { return mb_shim_reduce(v, [](float a, float b) { return std::fmax(a, b); }); }
+inline uint32_t simd_min(uint32_t v) { return mb_shim_reduce(v, [](uint32_t a, uint32_t b) { return a < b ? a : b; }); }
 }  // namespace metal
 
 // Run `kernel(thread_position_in_grid)` over a (32, rows, slots) grid: 32 lane threads walk the

@@ -2,7 +2,11 @@
 // Thread indices are bound in metal_indices.inc, because MLX adds a Metal attribute parameter only
 // when the attribute's name appears in the kernel *source*, not in its header.
 #define MB_DEV device
+#define MB_FN inline
 
-inline float mb_lane_sum(float v) { return metal::simd_sum(v); }
-inline float mb_exp(float v) { return metal::exp(v); }
-inline float mb_nan() { return as_type<float>(0x7fc00000u); }
+MB_FN float mb_lane_sum(float v) { return metal::simd_sum(v); }
+MB_FN float mb_lane_max(float v) { return metal::simd_max(v); }
+MB_FN uint32_t mb_lane_min(uint32_t v) { return metal::simd_min(v); }
+MB_FN float mb_exp(float v) { return metal::exp(v); }
+MB_FN float mb_nan() { return as_type<float>(0x7fc00000u); }
+MB_FN float mb_neg_inf() { return as_type<float>(0xff800000u); }

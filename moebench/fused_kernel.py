@@ -1,14 +1,16 @@
-"""The fused single-token decode-MoE arithmetic: per-expert SwiGLU outputs for the top-k experts.
+"""The fused single-token decode-MoE arithmetic: router top-k, routed experts and the shared expert.
 
 Backends: 'reference' (MLX ops on any device, the test oracle), 'metal' and 'cuda' (JIT kernels
 built from one shared kernel body per stage in kernels/, behind a thin per-backend prelude). All
 share one arithmetic: dequantize in float32 with float32 scales and biases, accumulate in float32,
-SwiGLU in float32, float32 unweighted per-expert outputs y [K, D]; the combine weights them by the
-router scores and sums over K in float32, then casts once to the activation dtype.
+SwiGLU in float32, float32 unweighted outputs per routed expert y [K, D] and of the shared expert
+ys [D]; the combine sum_k score_k * y_k + sigmoid_gate * ys runs in float32 and casts once to the
+activation dtype.
 
-The GPU pair: kernel A (gate and up in one pass over x, SwiGLU) writes act [K, Dff] in float32;
-kernel B (down) writes y [K, D] in float32 and, folded (the default), also does the combine in the
-same launch, so one MoE layer costs two launches.
+The GPU path of one MoE layer is three launches: the router kernel (softmax, top-k and the shared
+expert's sigmoid gate from one row of logits), kernel A (gate and up of every routed slot and of the
+shared expert in one pass over x, SwiGLU) writing act [K * Dff + Dffs] in float32, and kernel B
+(down of every slot and of the shared expert, and the combine) writing y, ys and the output.
 """
 
 from __future__ import annotations
@@ -42,11 +44,15 @@ class Stage:
     outputs: tuple[str, ...]
 
 
+ROUTER = Stage("moebench_moe_router", "moe_router.body", ("logits",), ("probs", "inds", "scores", "sgate"))
 GATE_UP = Stage("moebench_moe_gate_up", "moe_gate_up.body",
-                ("x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b"), ("act",))
+                ("x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
+                 "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b"), ("act",))
 DOWN = Stage("moebench_moe_down", "moe_down.body",
-             ("indices", "scores", "down_w", "down_s", "down_b", "act"), ("y", "out"))
-STAGES = (GATE_UP, DOWN)
+             ("indices", "scores", "down_w", "down_s", "down_b", "act", "sdown_w", "sdown_s", "sdown_b", "sgate"),
+             ("y", "ys", "out"))
+STAGES = (ROUTER, GATE_UP, DOWN)
+COMMON = "moe_common.inc"  # helpers every body uses, after the backend's header part
 
 
 def kernel_source(backend: str, stage: Stage) -> tuple[str, str]:
@@ -54,7 +60,7 @@ def kernel_source(backend: str, stage: Stage) -> tuple[str, str]:
     if backend not in PRELUDES:
         raise UnsupportedKernelConfig(f"no kernel prelude for backend {backend!r} (have {sorted(PRELUDES)})")
     header_file, indices_file = PRELUDES[backend]
-    header = (KERNEL_DIR / header_file).read_text()
+    header = (KERNEL_DIR / header_file).read_text() + (KERNEL_DIR / COMMON).read_text()
     source = (KERNEL_DIR / indices_file).read_text() + (KERNEL_DIR / stage.body).read_text()
     return header, source
 
@@ -96,8 +102,19 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+@dataclass(frozen=True)
+class SharedExpert:
+    """The shared expert as the kernel pair takes it: quantized gate/up [Dffs, D] and down [D, Dffs], and its
+    sigmoid gate for this token as float32 [1] (or [1, 1] with a [1, D] token)."""
+
+    gate: QuantizedParts
+    up: QuantizedParts
+    down: QuantizedParts
+    sigmoid_gate: mx.array
+
+
 def check_inputs(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
-                 down: QuantizedParts) -> None:
+                 down: QuantizedParts, shared: SharedExpert | None = None) -> None:
     """Shapes and dtypes the kernels assume, checked in Python: a bad launch would abort the process."""
     d, dff, n_exp = gate.in_features, gate.out_features, gate.weight.shape[0]
     if x.shape not in ((d,), (1, d)):
@@ -115,6 +132,20 @@ def check_inputs(x: mx.array, indices: mx.array, scores: mx.array, gate: Quantiz
             raise UnsupportedKernelConfig(f"{name} experts are {found} [E, out, in], expected {shape}")
         if p.weight.size >= 2**31:
             raise UnsupportedKernelConfig(f"{name} experts hold {p.weight.size} packed words (32-bit offsets)")
+    if shared is None:
+        return
+    dffs = shared.gate.out_features
+    for name, p, routed_p, shape in (("gate", shared.gate, gate, (dffs, d)), ("up", shared.up, up, (dffs, d)),
+                                     ("down", shared.down, down, (d, dffs))):
+        if p.weight.ndim != 2 or (p.out_features, p.in_features) != shape:
+            raise UnsupportedKernelConfig(f"shared expert {name} is {tuple(p.weight.shape)} packed, expected {shape}")
+        if (p.bits, p.group_size, p.mode) != (routed_p.bits, routed_p.group_size, routed_p.mode):
+            raise UnsupportedKernelConfig(
+                f"shared expert {name} is {p.bits}-bit g{p.group_size} {p.mode}, the routed experts' "
+                f"{routed_p.bits}-bit g{routed_p.group_size} {routed_p.mode}")
+    if shared.sigmoid_gate.shape != (*x.shape[:-1], 1):
+        raise UnsupportedKernelConfig(f"shared expert gate has shape {tuple(shared.sigmoid_gate.shape)}, "
+                                      f"expected {(*x.shape[:-1], 1)}")
 
 
 @dataclass(frozen=True)
@@ -134,29 +165,36 @@ class LaunchPlan:
 _plans: dict[tuple, LaunchPlan] = {}
 
 
-def _plan(x, indices, scores, gate, up, down, rows: int, fold: bool) -> LaunchPlan:
+def _parts_key(p: QuantizedParts) -> tuple:
+    return p.weight.shape, p.scales.shape, p.scales.dtype, p.biases.dtype, p.bits, p.group_size
+
+
+def _plan(x, indices, scores, gate, up, down, shared: SharedExpert | None, rows: int) -> LaunchPlan:
     """The launch plan, validated once per distinct shape/dtype/geometry key (decode repeats one key)."""
-    if gate.biases is None or up.biases is None or down.biases is None:
+    parts = (gate, up, down) + ((shared.gate, shared.up, shared.down) if shared is not None else ())
+    if any(p.biases is None for p in parts):
         raise UnsupportedKernelConfig("the fused kernels need affine quantization with biases")
-    key = (x.shape, x.dtype, indices.shape, indices.dtype, scores.shape, scores.dtype, rows, fold,
-           *((p.weight.shape, p.scales.shape, p.scales.dtype, p.biases.dtype, p.bits, p.group_size)
-             for p in (gate, up, down)))
+    key = (x.shape, x.dtype, indices.shape, indices.dtype, scores.shape, scores.dtype, rows,
+           *(_parts_key(p) for p in parts), shared is not None and shared.sigmoid_gate.shape)
     plan = _plans.get(key)
     if plan is None:
-        check_inputs(x, indices, scores, gate, up, down)
+        check_inputs(x, indices, scores, gate, up, down, shared)
         if not 1 <= rows <= MAX_ROWS:
             raise ConfigError(f"rows per threadgroup {rows}: expected 1 to {MAX_ROWS}")
         k, d, dff, n_exp = indices.shape[-1], gate.in_features, gate.out_features, gate.weight.shape[0]
+        dffs = shared.gate.out_features if shared is not None else 0
         lead = tuple(x.shape[:-1])  # () or (1,): outputs keep the caller's layout, no reshapes
-        shape = [("E", n_exp), ("K", k), ("DIN", d), ("DFF", dff), ("GS", gate.group_size)]
+        shape = [("E", n_exp), ("K", k), ("DIN", d), ("DFF", dff), ("DFFS", dffs), ("GS", gate.group_size)]
         plan = LaunchPlan(
             gate_up_template=[("ST", gate.scales.dtype), *shape, ("BITS", gate.bits)],
-            gate_up_grid=(LANES, _round_up(dff, rows), k),
+            gate_up_grid=(LANES, _round_up(k * dff + dffs, rows), 1),
             down_template=[("T", x.dtype), ("ST", gate.scales.dtype), ("S", scores.dtype), *shape,
-                           ("BITS", down.bits), ("FOLD", fold)],
-            down_grid=(LANES, _round_up(d, rows), 1 if fold else k),
+                           ("BITS", down.bits)],
+            down_grid=(LANES, _round_up(d, rows), 1),
             threadgroup=(LANES, rows, 1),
-            act_shape=[(k, dff)], down_shapes=[(*lead, k, d), x.shape], down_dtypes=[mx.float32, x.dtype],
+            act_shape=[(k * dff + dffs,)],
+            down_shapes=[(*lead, k, d), (*lead, d) if dffs else (1,), x.shape],
+            down_dtypes=[mx.float32, mx.float32, x.dtype],
         )
         _plans[key] = plan
     return plan
@@ -164,39 +202,86 @@ def _plan(x, indices, scores, gate, up, down, rows: int, fold: bool) -> LaunchPl
 
 def gpu_routed(
     backend: str, x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
-    down: QuantizedParts, rows: int | None = None, fold: bool = True,
-) -> tuple[mx.array, mx.array]:
-    """The kernel pair on `backend`: (combined output [D] in x.dtype, unweighted y [K, D] float32).
+    down: QuantizedParts, shared: SharedExpert | None = None, rows: int | None = None,
+) -> tuple[mx.array, mx.array, mx.array | None]:
+    """The kernel pair on `backend`: (output [D] in x.dtype, unweighted y [K, D] f32, shared ys [D] f32 or None).
 
-    `rows` simdgroups per threadgroup (default MOEBENCH_FUSED_MOE_ROWS); `fold` does the combine in
-    kernel B (two launches per layer), otherwise with MLX ops after it. Kept lean: at decode the
-    Python cost of building a layer's graph is of the same order as the GPU work.
+    `rows` simdgroups per threadgroup (default MOEBENCH_FUSED_MOE_ROWS). Kept lean: at decode the
+    Python cost of building a layer's graph is of the same order as the GPU work. Without a shared
+    expert the routed arrays stand in for its (unread) inputs: a kernel's inputs are fixed.
     """
-    plan = _plan(x, indices, scores, gate, up, down, rows_per_threadgroup() if rows is None else rows, fold)
+    plan = _plan(x, indices, scores, gate, up, down, shared, rows_per_threadgroup() if rows is None else rows)
     indices = indices.astype(mx.uint32)
     st = gate.scales.dtype  # scales and biases of every projection in one dtype (a no-op cast in practice)
+    s_gate, s_up, s_down = (shared.gate, shared.up, shared.down) if shared is not None else (gate, up, down)
     act = _built(backend, GATE_UP)(
         inputs=[x.astype(mx.float32), indices, gate.weight, gate.scales, gate.biases.astype(st), up.weight,
-                up.scales.astype(st), up.biases.astype(st)],
+                up.scales.astype(st), up.biases.astype(st), s_gate.weight, s_gate.scales.astype(st),
+                s_gate.biases.astype(st), s_up.weight, s_up.scales.astype(st), s_up.biases.astype(st)],
         template=plan.gate_up_template, grid=plan.gate_up_grid, threadgroup=plan.threadgroup,
         output_shapes=plan.act_shape, output_dtypes=[mx.float32],
     )[0]
-    y, out = _built(backend, DOWN)(
-        inputs=[indices, scores, down.weight, down.scales.astype(st), down.biases.astype(st), act],
+    y, ys, out = _built(backend, DOWN)(
+        inputs=[indices, scores, down.weight, down.scales.astype(st), down.biases.astype(st), act, s_down.weight,
+                s_down.scales.astype(st), s_down.biases.astype(st),
+                shared.sigmoid_gate if shared is not None else scores],
         template=plan.down_template, grid=plan.down_grid, threadgroup=plan.threadgroup,
         output_shapes=plan.down_shapes, output_dtypes=plan.down_dtypes,
     )
-    if not fold:
-        out = combine(y.reshape(-1, y.shape[-1]), scores.reshape(-1)).astype(x.dtype).reshape(x.shape)
-    return out, y
+    return out, y, ys if shared is not None else None
 
 
-def _dequantized_rows(p: QuantizedParts, indices: mx.array) -> mx.array:
-    """The selected experts' matrices [K, out, in] in float32 (scales and biases upcast first)."""
+def gpu_select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
+               gate_row: bool) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The router kernel on `backend`: one token's logits [1, E (+1)] -> (probs [1, E] f32, ids [1, K] uint32,
+    scores [1, K] f32, shared sigmoid gate [1, 1] f32, 0 without `gate_row`). `gate_row`: the last logit is
+    the shared expert gate's."""
+    if logits.shape != (1, num_experts + gate_row) or not 1 <= top_k <= num_experts:
+        raise UnsupportedKernelConfig(f"router logits {tuple(logits.shape)} with top-{top_k}: expected "
+                                      f"(1, {num_experts + gate_row}) and 1 <= top_k <= {num_experts}")
+    return tuple(_built(backend, ROUTER)(
+        inputs=[logits],
+        template=[("LT", logits.dtype), ("E", num_experts), ("K", top_k), ("NORM", norm_topk_prob),
+                  ("SHARED", gate_row)],
+        grid=(LANES, 1, 1), threadgroup=(LANES, 1, 1),
+        output_shapes=[(1, num_experts), (1, top_k), (1, top_k), (1, 1)],
+        output_dtypes=[mx.float32, mx.uint32, mx.float32, mx.float32],
+    ))
+
+
+def reference_select(logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
+                     gate_row: bool) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The router kernel's arithmetic with MLX ops (highest probability first)."""
+    lf = logits.astype(mx.float32)
+    probs = mx.softmax(lf[..., :num_experts], axis=-1, precise=True)
+    inds = mx.argsort(-probs, axis=-1)[..., :top_k].astype(mx.uint32)
+    scores = mx.take_along_axis(probs, inds, axis=-1)
+    if norm_topk_prob:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    sgate = mx.sigmoid(lf[..., num_experts:]) if gate_row else mx.zeros((*lf.shape[:-1], 1), mx.float32)
+    return probs, inds, scores, sgate
+
+
+def select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
+           gate_row: bool) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """One token's router selection on `backend` (see gpu_select)."""
+    if backend in GPU_BACKENDS:
+        return gpu_select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row)
+    return reference_select(logits, num_experts, top_k, norm_topk_prob, gate_row)
+
+
+def _dequantized(p: QuantizedParts, indices: mx.array | None = None) -> mx.array:
+    """The matrices [K, out, in] of the selected experts (or the one matrix) in float32, scales and biases
+    upcast first."""
+    take = (lambda a: a[indices]) if indices is not None else (lambda a: a)
     return mx.dequantize(
-        p.weight[indices], p.scales[indices].astype(mx.float32), p.biases[indices].astype(mx.float32),
+        take(p.weight), take(p.scales).astype(mx.float32), take(p.biases).astype(mx.float32),
         group_size=p.group_size, bits=p.bits,
     ).astype(mx.float32)
+
+
+def _swiglu_f32(g: mx.array, u: mx.array) -> mx.array:
+    return g / (1.0 + mx.exp(-g)) * u
 
 
 def reference_expert_outputs(
@@ -204,10 +289,14 @@ def reference_expert_outputs(
 ) -> mx.array:
     """x [D], indices [K] -> unweighted expert outputs [K, D] in float32, with MLX ops."""
     xf = x.astype(mx.float32)
-    g = _dequantized_rows(gate, indices) @ xf
-    u = _dequantized_rows(up, indices) @ xf
-    act = g / (1.0 + mx.exp(-g)) * u
-    return (_dequantized_rows(down, indices) @ act[..., None]).squeeze(-1)
+    act = _swiglu_f32(_dequantized(gate, indices) @ xf, _dequantized(up, indices) @ xf)
+    return (_dequantized(down, indices) @ act[..., None]).squeeze(-1)
+
+
+def reference_shared_output(x: mx.array, shared: SharedExpert) -> mx.array:
+    """x [D] -> the shared expert's unweighted output [D] in float32, with MLX ops."""
+    xf = x.astype(mx.float32)
+    return _dequantized(shared.down) @ _swiglu_f32(_dequantized(shared.gate) @ xf, _dequantized(shared.up) @ xf)
 
 
 def combine(expert_out: mx.array, scores: mx.array) -> mx.array:
@@ -217,19 +306,26 @@ def combine(expert_out: mx.array, scores: mx.array) -> mx.array:
 
 def routed(
     backend: str, x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
-    down: QuantizedParts,
-) -> tuple[mx.array, mx.array]:
-    """One token's routed-expert output on `backend`: (weighted sum [D] in x.dtype, unweighted y [K, D] f32).
+    down: QuantizedParts, shared: SharedExpert | None = None,
+) -> tuple[mx.array, mx.array, mx.array | None]:
+    """One token's expert output on `backend`: (sum_k score_k y_k (+ gate * ys) [D] in x.dtype, unweighted
+    routed outputs y [K, D] f32, unweighted shared output ys [D] f32 or None without a shared expert).
 
     x [D] with indices and scores [K], or x [1, D] with [1, K] (a decode step as the MoE block holds
-    it): the outputs follow, [1, D] and [1, K, D], without reshape ops on the GPU path.
+    it): the outputs follow, [1, D], [1, K, D] and [1, D], without reshape ops on the GPU path.
     """
     if backend in GPU_BACKENDS:
-        return gpu_routed(backend, x, indices, scores, gate, up, down)
+        return gpu_routed(backend, x, indices, scores, gate, up, down, shared)
     if backend != "reference":
         raise UnsupportedKernelConfig(f"unknown fused backend {backend!r} (metal, cuda or reference)")
-    check_inputs(x, indices, scores, gate, up, down)
+    check_inputs(x, indices, scores, gate, up, down, shared)
     lead = tuple(x.shape[:-1])
-    y = reference_expert_outputs(x.reshape(-1), indices.reshape(-1), gate, up, down)
-    out = combine(y, scores.reshape(-1)).astype(x.dtype)
-    return out.reshape(x.shape), y.reshape(*lead, *y.shape)
+    flat_x = x.reshape(-1)
+    y = reference_expert_outputs(flat_x, indices.reshape(-1), gate, up, down)
+    out = combine(y, scores.reshape(-1))
+    ys = None
+    if shared is not None:
+        ys = reference_shared_output(flat_x, shared)
+        out = out + shared.sigmoid_gate.reshape(-1).astype(mx.float32) * ys
+        ys = ys.reshape(x.shape)
+    return out.astype(x.dtype).reshape(x.shape), y.reshape(*lead, *y.shape), ys

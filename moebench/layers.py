@@ -33,6 +33,21 @@ class Linear(QuantizedWeight):
         return y
 
 
+def stack_rows(first: Linear, second: Linear) -> Linear | None:
+    """One Linear whose outputs are `first`'s then `second`'s (one matmul instead of two), or None when
+    they are stored differently (float vs quantized, bits, group size, dtypes) or have a bias."""
+    if first.quant != second.quant or "bias" in first or "bias" in second:
+        return None
+    names = ("weight",) if first.mode is None else ("weight", "scales", "biases")
+    pairs = [(first.get(n), second.get(n)) for n in names]
+    if any((a is None) != (b is None) or (a is not None and a.dtype != b.dtype) for a, b in pairs):
+        return None
+    stacked = [mx.concatenate([a, b]) if a is not None else None for a, b in pairs]
+    if first.mode is None:
+        return Linear(stacked[0])
+    return Linear(stacked[0], parts=QuantizedParts(*stacked, first.group_size, first.bits, first.mode))
+
+
 class Embedding(nn.Module):
     """Token embedding; can also act as the tied output projection."""
 

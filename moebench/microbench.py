@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 import mlx.core as mx
 
 from .errors import ConfigError
-from .fused_kernel import ENV_ROWS, GPU_BACKENDS, gpu_routed
+from .fused_kernel import ENV_ROWS, GPU_BACKENDS
 from .kernels import DispatchCounter, available_backend, fused_moe, routed_experts
 from .quant import QuantizedParts
 from .switch import SwitchGLU, SwitchLinear
@@ -87,12 +87,11 @@ def random_routing(shape: StackShape, tokens: int) -> tuple[mx.array, mx.array]:
 
 @dataclass
 class Arm:
-    """One way of running the stack: the production dispatch (fused on/off, rows), or the unfolded variant."""
+    """One way of running the stack: the production dispatch (fused on/off, rows, compiled or not)."""
 
     name: str
     fused: bool
     rows: int | None = None
-    unfolded: bool = False
     compiled: bool = False
     _traced: object = None
 
@@ -108,12 +107,7 @@ class Arm:
     def _layers(self, stack: list[SwitchGLU], counters: list[DispatchCounter], x: mx.array, ids: mx.array,
                 scores: mx.array) -> mx.array:
         for layer, experts in enumerate(stack):
-            if self.unfolded:
-                parts = counters[layer].quantized_parts(experts)
-                x, _ = gpu_routed(available_backend(), x, ids[layer], scores[layer], *parts, rows=self.rows,
-                                  fold=False)
-            else:
-                x, _, _ = routed_experts(experts, x, ids[layer], scores[layer], counters[layer])
+            x, _, _ = routed_experts(experts, x, ids[layer], scores[layer], counters[layer])
         return x
 
 
@@ -141,7 +135,7 @@ def _time_arm(arm: Arm, stack, counters, x0, ids, scores) -> tuple[float, float]
 
 
 def run(shape: StackShape, tokens: int = 16, repeats: int = 7, rows: list[int] | None = None,
-        unfolded: bool = False, compiled: bool = False, seed: int = 0) -> dict:
+        compiled: bool = False, seed: int = 0) -> dict:
     """Time the arms interleaved; returns a JSON-ready dict (environment, shape, arms, dispatch counts)."""
     if repeats < 1 or tokens < 1:
         raise ConfigError(f"repeats ({repeats}) and tokens ({tokens}) must be at least 1")
@@ -158,8 +152,6 @@ def run(shape: StackShape, tokens: int = 16, repeats: int = 7, rows: list[int] |
     for r in (rows or [None]) if backend in GPU_BACKENDS else [None]:
         label = f"fused {backend}" + (f" rows={r}" if r is not None else "")
         arms.append(Arm(label, fused=True, rows=r))
-        if unfolded and backend in GPU_BACKENDS:
-            arms.append(Arm(label + " unfolded", fused=True, rows=r, unfolded=True))
     if compiled:
         arms += [Arm("fallback compiled", fused=False, compiled=True),
                  Arm(f"fused {backend} compiled", fused=True, compiled=True)]
@@ -217,7 +209,6 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=16, help="decode steps per sample")
     p.add_argument("--repeats", type=int, default=7, help="interleaved samples per arm")
     p.add_argument("--rows", default=None, help="comma-separated rows per threadgroup to sweep (GPU)")
-    p.add_argument("--unfolded", action="store_true", help="also time the combine outside kernel B (GPU)")
     p.add_argument("--compiled", action="store_true",
                    help="also time both paths replayed through mx.compile (GPU work without the Python graph build)")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of a table")
@@ -230,7 +221,7 @@ def _run_command(a: argparse.Namespace) -> int:
         rows = [int(r) for r in a.rows.split(",")] if a.rows else None
     except ValueError:
         raise ConfigError(f"--rows {a.rows!r}: expected comma-separated integers") from None
-    report = run(shape, a.tokens, a.repeats, rows, a.unfolded, a.compiled)
+    report = run(shape, a.tokens, a.repeats, rows, a.compiled)
     report["command"] = " ".join(sys.argv)
     print(json.dumps(report, indent=2) if a.json else format_table(report))
     return 0

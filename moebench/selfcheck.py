@@ -126,7 +126,7 @@ def _measure(backend: str, experts: SwitchGLU, x: mx.array, indices: mx.array, s
     parts = experts.quantized_parts()
     truth_out, truth_y = truth_outputs(x, indices, scores, *parts)
     truth_rounded = _f64(mx.array(truth_out.astype(np.float32)).astype(x.dtype))
-    runs = [fused_kernel.routed(backend, x, indices, scores, *parts) for _ in range(determinism_runs(backend))]
+    runs = [fused_kernel.routed(backend, x, indices, scores, *parts)[:2] for _ in range(determinism_runs(backend))]
     mx.eval(runs)
     out, y = _f64(runs[0][0]), _f64(runs[0][1])
     row = {"deterministic": all(same_bits(o, runs[0][0]) and same_bits(yy, runs[0][1]) for o, yy in runs[1:]),
@@ -134,7 +134,7 @@ def _measure(backend: str, experts: SwitchGLU, x: mx.array, indices: mx.array, s
            "fused_y_nrms": nrms(y, truth_y), "vs_reference_nrms": None}
     if backend != "reference":  # on a CPU the fused path IS the reference: nothing separate to compare
         with mx.stream(mx.cpu):
-            ref_out, ref_y = fused_kernel.routed("reference", x, indices, scores, *parts)
+            ref_out, ref_y, _ = fused_kernel.routed("reference", x, indices, scores, *parts)
             mx.eval(ref_out, ref_y)
         row["vs_reference_nrms"] = max(nrms(out, _f64(ref_out)), nrms(y, _f64(ref_y)))
     fallback = weighted_sum(experts(x[None], indices[None]), scores[None])[0]

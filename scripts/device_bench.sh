@@ -3,7 +3,7 @@
 # scripts/install-on-device.sh has installed MLX with CUDA (and mlx-lm, when its wheel was carried:
 # `../shared/device/prepare-mlx-cuda.sh mlx-lm==0.32.2` here first). See docs/benchmarks/README.md.
 #
-#   bash scripts/device_bench.sh [make] [bench] [selfcheck]      (no argument: all three, ~6-8 minutes)
+#   bash scripts/device_bench.sh [gputests] [make] [profile] [bench] [selfcheck]   (no argument: make bench selfcheck)
 #
 # In the same call as the install: bash scripts/install-on-device.sh && DEADLINE=$((580 - SECONDS)) bash scripts/device_bench.sh
 #
@@ -13,16 +13,21 @@
 #            each eager and through the compiled decode step; mlx-lm generate_step and mlx-lm's model under
 #            moebench's loop; all on the same weights, interleaved
 # selfcheck  moebench selfcheck on that checkpoint, and on the shipped model when data/ has it
+# gputests   the CUDA-only tests (tests/gpu: kernel parity against the reference and a float64 truth)
+# profile    moebench profile (one decode token: build / eval ms, graph nodes by primitive), fused on and off and
+#            mlx-lm's model; also with the package in .snap/before (an earlier commit, when carried) for a
+#            before/after pair
+# MOEBENCH_DEVICE_CKPT defaults to /root/moebench-$PRESET-4bit-g64-$DTYPE; outputs are named by $PRESET.
 #
 # Everything lands in $OUT (logs, tables, JSON records, timing.txt); each stage has a time limit so a
 # hung stage cannot eat the call, and the script exits non-zero when any stage failed.
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
-CKPT=${MOEBENCH_DEVICE_CKPT:-/root/moebench-qwen1.5-moe-a2.7b-4bit-g64-bf16}
 REPEATS=${REPEATS:-5}
 DEADLINE=${DEADLINE:-570}  # seconds this script may use in all (one device call allows 600)
 PRESET=${PRESET:-qwen1.5-moe-a2.7b}  # a smaller preset (and DTYPE=float32) for a dry run on a CPU
 DTYPE=${DTYPE:-bfloat16}
+CKPT=${MOEBENCH_DEVICE_CKPT:-/root/moebench-$PRESET-4bit-g64-$DTYPE}
 stages=${*:-make bench selfcheck}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -70,6 +75,10 @@ EOF
 } 2>&1 | tee "$OUT/platform.txt"
 python3 -c 'import moebench.cli' || { echo "moebench does not import here; see above" >&2; exit 1; }
 
+if [[ " $stages " == *" gputests "* ]]; then
+  run_stage gputests 240 gputests.txt python3 -m pytest -q -s -o addopts="" -p no:cacheprovider tests/gpu
+fi
+
 if [ -f "$CKPT.done" ]; then
   log "reusing $CKPT (written by an earlier call on this machine)"
 else  # every later stage needs the checkpoint: make it whether or not 'make' was asked for
@@ -80,15 +89,25 @@ else  # every later stage needs the checkpoint: make it whether or not 'make' wa
   du -sh "$CKPT" 2>&1 | tee -a "$OUT/make-random.log"
 fi
 
+if [[ " $stages " == *" profile "* ]]; then
+  for snap in . .snap/before; do  # python -m puts the working directory first: run each from its own root
+    [ -d "$snap/moebench" ] || continue
+    tag=$PRESET$([ "$snap" = . ] || echo -before)
+    run_stage "profile-$tag" 180 "profile-$tag.txt" env -C "$snap" PYTHONPATH= \
+      python3 -m moebench.cli profile "$CKPT" --prompt-tokens 64 --steps 32 --gen-tokens 128 --fused both \
+      --compare mlx-lm --json "$OUT/profile-$tag.json"
+  done
+fi
+
 if [[ " $stages " == *" bench "* ]]; then
-  run_stage bench 360 bench-a27b.txt \
+  run_stage bench 360 "bench-$PRESET.txt" \
     python3 -m moebench.cli bench "$CKPT" --prompt-tokens 64 --gen-tokens 128 --repeats "$REPEATS" --fused both \
-    --compiled both --compare mlx-lm --json "$OUT/bench-a27b.json"
+    --compiled "${COMPILED:-both}" --compare mlx-lm --json "$OUT/bench-$PRESET.json"
 fi
 
 if [[ " $stages " == *" selfcheck "* ]]; then
-  run_stage selfcheck-a27b 240 selfcheck-a27b.txt \
-    python3 -m moebench.cli selfcheck "$CKPT" --json "$OUT/selfcheck-a27b.json"
+  run_stage "selfcheck-$PRESET" 240 "selfcheck-$PRESET.txt" \
+    python3 -m moebench.cli selfcheck "$CKPT" --json "$OUT/selfcheck-$PRESET.json"
   if [ -f data/tiny-qwen2-moe/config.json ]; then
     run_stage selfcheck-shipped 120 selfcheck-shipped.txt \
       python3 -m moebench.cli selfcheck data/tiny-qwen2-moe --json "$OUT/selfcheck-shipped.json"
@@ -96,7 +115,8 @@ if [[ " $stages " == *" selfcheck "* ]]; then
 fi
 
 echo; echo "== results (full logs, tables and JSON in $OUT) =="
-[ -f "$OUT/bench-a27b.txt" ] && grep -E "^(model |\||skipped)" "$OUT/bench-a27b.txt"
+[ -f "$OUT/bench-$PRESET.txt" ] && grep -E "^(model |\||skipped)" "$OUT/bench-$PRESET.txt"
+for f in "$OUT"/profile-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^\| (per token|MoE|build|eval|sync|pipelined|graph|nodes)" "$f"; }; done
 for f in "$OUT"/selfcheck-*.txt; do
   [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^(platform|dispatch|greedy|PASS|FAIL|\| [^c|-])" "$f" | grep -v "| pass |$"; }
 done

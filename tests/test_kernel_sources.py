@@ -1,10 +1,11 @@
 """The kernel sources in kernels/ compile and compute right without a GPU.
 
-CI has no Apple GPU, so the Metal prelude plus the shared bodies are wrapped in the signature MLX's
-metal_kernel would write and compiled as C++ against kernels/metal_cpu_shim.h (every supported
-bits / group size / fold combination, float32 and bfloat16), then run on the CPU against the
-reference. Where nvcc exists, the CUDA prelude plus the same bodies compile the way MLX's
-cuda_kernel wraps them.
+CI has no Apple GPU, so the Metal prelude plus the shared bodies of the three stages (router, kernel A,
+kernel B) are wrapped in the signature MLX's metal_kernel would write and compiled as C++ against
+kernels/metal_cpu_shim.h (every supported bits / group size / shared-expert / router-flag combination,
+float32 and bfloat16), then run on the CPU against the references. The emulated signatures are
+checked against what fused_kernel actually launches. Where nvcc exists, the CUDA prelude plus the
+same bodies compile the way MLX's cuda_kernel wraps them.
 """
 
 from __future__ import annotations
@@ -18,82 +19,149 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench.fused_kernel import DOWN, GATE_UP, KERNEL_DIR, Stage, kernel_source
+from moebench import fused_kernel
+from moebench.fused_kernel import (
+    DOWN,
+    GATE_UP,
+    KERNEL_DIR,
+    ROUTER,
+    SharedExpert,
+    Stage,
+    kernel_source,
+    reference_select,
+    routed,
+)
 from moebench.quant import QuantizedParts
 
 GATE_UP_BITS, DOWN_BITS, GROUPS = (4, 8), (4, 6, 8), (32, 64, 128)
-E, K, DIN, DFF = 4, 3, 256, 128  # DFF divides by every group size and by 16 (6-bit)
-FLOAT_TYPES = {"x": "float", "gate_s": "ST", "gate_b": "ST", "up_s": "ST", "up_b": "ST", "down_s": "ST",
-               "down_b": "ST", "scores": "S", "act": "float", "y": "float", "out": "T"}
+EXPERTS = {"E": 4, "K": 3, "DIN": 256, "DFF": 128}  # DFF divides by every group size and by 16 (6-bit)
+E, K, DIN, DFF = EXPERTS.values()
+DFFS = 640  # shared expert width: a multiple of every group size and of 16, unlike DIN, DFF and K * DFF
+ROUTER_SHAPES = ((4, 2), (60, 4), (128, 8))  # (E, K): logits in `constant`, E % 32 != 0, E % 32 == 0
+
+_SHAPE = [("int", n) for n in ("E", "K", "DIN", "DFF", "DFFS", "GS")]
+# Template parameters in the order fused_kernel passes them (MLX emits `template <...>` in that order).
+TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
+    ROUTER: [("typename", "LT"), ("int", "E"), ("int", "K"), ("bool", "NORM"), ("bool", "SHARED")],
+    GATE_UP: [("typename", "ST"), *_SHAPE, ("int", "BITS")],
+    DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS")],
+}
+# Element type of each kernel parameter: a C type or a template type name; uint32_t when not listed.
+PARAM_TYPES: dict[Stage, dict[str, str]] = {
+    ROUTER: {"logits": "LT", "probs": "float", "scores": "float", "sgate": "float"},
+    GATE_UP: {"x": "float", "act": "float", **{f"{p}_{q}": "ST" for p in ("gate", "up", "sgate", "sup") for q in "sb"}},
+    DOWN: {"scores": "S", "act": "float", "sgate": "float", "y": "float", "ys": "float", "out": "T",
+           **{f"{p}_{q}": "ST" for p in ("down", "sdown") for q in "sb"}},
+}
+FLAVORS = {"f32": {"T": "float", "ST": "float", "S": "float", "LT": "float"},
+           "bf16": {"T": "bfloat16_t", "ST": "bfloat16_t", "S": "float", "LT": "bfloat16_t"}}
+MX_TYPES = {mx.float32: "float", mx.bfloat16: "bfloat16_t", mx.uint32: "uint32_t"}
+NP_TYPES = {"float": np.float32, "uint32_t": np.uint32}
+CUDA_TYPES = {"float": "float", "bfloat16_t": "__nv_bfloat16", "uint32_t": "uint32_t"}
+
+Instance = dict[str, object]  # template parameter name -> C type name, int or bool, in template order
 
 
-def _template_params(stage: Stage) -> list[tuple[str, str]]:
-    """(kind, name) in the order fused_kernel passes them (MLX emits `template <...>` in that order)."""
-    params = [("typename", "ST")] if stage is GATE_UP else [("typename", "T"), ("typename", "ST"), ("typename", "S")]
-    params += [("int", n) for n in ("E", "K", "DIN", "DFF", "GS", "BITS")]
-    if stage is DOWN:
-        params.append(("bool", "FOLD"))
-    return params
+def _instance(stage: Stage, flavor: str = "f32", **values) -> Instance:
+    """One template instance of `stage`: type parameters from the dtype flavor, the rest from `values`."""
+    return {n: FLAVORS[flavor][n] if kind == "typename" else values[n] for kind, n in TEMPLATE_PARAMS[stage]}
 
 
-def _metal_signature(stage: Stage, ctype: dict[str, str], sizes: dict[str, int]) -> str:
-    """Parameters as MLX writes them: inputs under 8 elements live in `constant`, the rest in `device`."""
-    params = []
-    for name in stage.inputs:
-        space = "constant" if sizes[name] < 8 else "device"
-        params.append(f"const {space} {ctype.get(name, 'uint32_t')}* {name}")
-    params += [f"device {ctype[name]}* {name}" for name in stage.outputs]
-    return ",\n    ".join(params + ["uint3 thread_position_in_grid"])
+def _cpp(value) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
-def _metal_kernels(flavor: str, ctype: dict[str, str], instances: dict[Stage, list[list[str]]]) -> str:
-    """A template kernel per stage for this dtype flavor, as MLX would write it, plus its instances."""
-    sizes = {"indices": K, "scores": K}
-    parts = []
-    for stage in (GATE_UP, DOWN):
-        _, source = kernel_source("metal", stage)
-        tparams = ", ".join(f"{kind} {name}" for kind, name in _template_params(stage))
-        parts.append(f"template <{tparams}>\nvoid {stage.name}_{flavor}(\n    "
-                     f"{_metal_signature(stage, ctype, {n: sizes.get(n, 64) for n in stage.inputs})}) {{\n"
-                     f"{source}\n}}")
-        for args in instances[stage]:
-            parts.append(f"template void {stage.name}_{flavor}<{', '.join(args)}>(" +
-                         ", ".join([f"const {ctype.get(n, 'uint32_t')}*" for n in stage.inputs] +
-                                   [f"{ctype[n]}*" for n in stage.outputs] + ["uint3"]) + ");")
-    return "\n\n".join(parts)
+def _args(inst: Instance) -> str:
+    return ", ".join(map(_cpp, inst.values()))
 
 
-def _all_instances(t: str) -> dict[Stage, list[list[str]]]:
-    shape = [str(E), str(K), str(DIN), str(DFF)]
-    return {
-        GATE_UP: [[t, *shape, str(g), str(b)] for b, g in product(GATE_UP_BITS, GROUPS)],
-        DOWN: [[t, t, "float", *shape, str(g), str(b), fold] for b, g, fold in
-               product(DOWN_BITS, GROUPS, ("true", "false"))],
-    }
+def _param_type(stage: Stage, name: str, inst: Instance) -> str:
+    """The C element type of kernel parameter `name` in this instance (template type names resolved)."""
+    t = PARAM_TYPES[stage].get(name, "uint32_t")
+    return str(inst.get(t, t))
 
 
-def _run_entries() -> str:
-    """extern "C" launchers for the float32 instances, one pair per (gate bits, down bits, group size)."""
-    out = []
-    for gb, db, g in _RUN_CASES:
-        tag = f"{gb}_{db}_{g}"
-        shape = f"{E}, {K}, {DIN}, {DFF}, {g}"
-        out.append(
-            f'extern "C" void run_gate_up_{tag}(const float* x, const uint32_t* idx, const uint32_t* gw, '
-            f"const float* gs, const float* gb, const uint32_t* uw, const float* us, const float* ub, float* act, "
-            f"uint rows) {{\n  mb_shim_launch(rows, {K}, [&](uint3 t) {{ "
-            f"{GATE_UP.name}_f32<float, {shape}, {gb}>(x, idx, gw, gs, gb, uw, us, ub, act, t); }});\n}}")
-        for fold in ("true", "false"):
-            out.append(
-                f'extern "C" void run_down_{tag}_{fold}(const uint32_t* idx, const float* sc, const uint32_t* dw, '
-                f"const float* ds, const float* dbias, const float* act, float* y, float* o, uint rows) {{\n"
-                f"  mb_shim_launch(rows, {1 if fold == 'true' else K}, [&](uint3 t) {{ "
-                f"{DOWN.name}_f32<float, float, float, {shape}, {db}, {fold}>(idx, sc, dw, ds, dbias, act, y, o, t); "
-                f"}});\n}}")
-    return "\n\n".join(out)
+def _constant_inputs(stage: Stage, inst: Instance) -> tuple[str, ...]:
+    """The inputs MLX's metal_kernel puts in `constant` (under 8 elements) at this instance's shapes."""
+    if stage is ROUTER:
+        sizes = {"logits": inst["E"] + inst["SHARED"]}
+    else:  # without a shared expert the caller passes scores in place of B's sgate [1]
+        sizes = {"indices": inst["K"], "scores": inst["K"], "sgate": 1 if inst["DFFS"] else inst["K"]}
+    return tuple(n for n in stage.inputs if sizes.get(n, 8) < 8)
 
 
-_RUN_CASES = [(4, 4, 32), (8, 8, 64), (4, 6, 128), (8, 6, 32), (4, 8, 128)]
+def _metal_name(stage: Stage, inst: Instance) -> str:
+    """One template kernel per distinct MLX signature: its element types and its `constant` inputs."""
+    types = [str(inst[n]) for kind, n in TEMPLATE_PARAMS[stage] if kind == "typename"]
+    constant = _constant_inputs(stage, inst)
+    return "_".join([stage.name, *types, *(["constant", *constant] if constant else [])])
+
+
+def _metal_template(stage: Stage, inst: Instance) -> str:
+    """The template kernel as MLX's metal_kernel writes it (the shim erases the address spaces)."""
+    _, source = kernel_source("metal", stage)
+    constant = _constant_inputs(stage, inst)
+    params = [f"const {'constant' if n in constant else 'device'} {_param_type(stage, n, inst)}* {n}"
+              for n in stage.inputs]
+    params += [f"device {_param_type(stage, n, inst)}* {n}" for n in stage.outputs]
+    params.append("uint3 thread_position_in_grid")
+    tparams = ", ".join(f"{kind} {name}" for kind, name in TEMPLATE_PARAMS[stage])
+    return (f"template <{tparams}>\nvoid {_metal_name(stage, inst)}(\n    " + ",\n    ".join(params) +
+            f") {{\n{source}\n}}")
+
+
+def _entry(stage: Stage, inst: Instance) -> str:
+    return "_".join(["run", stage.name, *map(_cpp, inst.values())])
+
+
+def _launcher(stage: Stage, inst: Instance) -> str:
+    """extern "C" entry for ctypes: the stage's buffers in input-then-output order, over `rows` simdgroups."""
+    buffers = [f"static_cast<{'const ' * (n in stage.inputs)}{_param_type(stage, n, inst)}*>(buf[{i}])"
+               for i, n in enumerate(stage.inputs + stage.outputs)]
+    return (f'extern "C" void {_entry(stage, inst)}(void* const* buf, uint rows) {{\n'
+            f"  mb_shim_launch(rows, 1, [&](uint3 t) {{ {_metal_name(stage, inst)}<{_args(inst)}>("
+            f"{', '.join(buffers)}, t); }});\n}}")
+
+
+def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shapes):
+    """(stage, instance) for every supported combination at these shapes."""
+    for flavor in flavors:
+        for bits, group, width in product(GATE_UP_BITS, GROUPS, (0, dffs)):
+            yield GATE_UP, _instance(GATE_UP, flavor, **experts, DFFS=width, GS=group, BITS=bits)
+        for bits, group, width in product(DOWN_BITS, GROUPS, (0, dffs)):
+            yield DOWN, _instance(DOWN, flavor, **experts, DFFS=width, GS=group, BITS=bits)
+        for (n_exp, top_k), norm, shared in product(router_shapes, (True, False), (True, False)):
+            yield ROUTER, _instance(ROUTER, flavor, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
+
+
+_RUN_CASES = [(4, 4, 32), (8, 8, 64), (4, 6, 128), (8, 6, 32), (4, 8, 128)]  # (gate bits, down bits, group)
+_ROUTER_RUN_CASES = [(60, 4, True, True), (60, 8, False, True), (128, 8, True, False), (128, 4, False, False),
+                     (4, 2, True, True)]  # (E, K, NORM, SHARED)
+
+
+def _routed_instances(gate_bits: int, down_bits: int, group: int, dffs: int) -> tuple[Instance, Instance]:
+    return (_instance(GATE_UP, **EXPERTS, DFFS=dffs, GS=group, BITS=gate_bits),
+            _instance(DOWN, **EXPERTS, DFFS=dffs, GS=group, BITS=down_bits))
+
+
+def _run_instances():
+    for case, dffs in product(_RUN_CASES, (0, DFFS)):
+        yield from zip((GATE_UP, DOWN), _routed_instances(*case, dffs), strict=True)
+    for n_exp, top_k, norm, shared in _ROUTER_RUN_CASES:
+        yield ROUTER, _instance(ROUTER, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
+
+
+def _metal_unit() -> str:
+    """Shim, Metal prelude, one template per signature, an explicit instance per combination, launchers."""
+    header, _ = kernel_source("metal", GATE_UP)
+    instances = {(_metal_name(s, i), _args(i)): (s, i) for s, i in [
+        *_compile_instances(FLAVORS, EXPERTS, DFFS, ROUTER_SHAPES), *_run_instances()]}
+    templates = {name: _metal_template(s, i) for (name, _), (s, i) in instances.items()}
+    return "\n\n".join([
+        f'#include "{KERNEL_DIR / "metal_cpu_shim.h"}"', header, *templates.values(),
+        *(f"template decltype({name}<{args}>) {name}<{args}>;" for name, args in instances),
+        *{_entry(s, i): _launcher(s, i) for s, i in _run_instances()}.values(),  # runs share some A instances
+    ])
 
 
 @pytest.fixture(scope="module")
@@ -102,17 +170,8 @@ def shim_library(tmp_path_factory) -> ctypes.CDLL:
     if shutil.which("g++") is None:
         pytest.skip("g++ is not installed")
     folder = tmp_path_factory.mktemp("shim")
-    f32 = {n: "float" for n in FLOAT_TYPES}
-    bf16 = {n: {"T": "bfloat16_t", "ST": "bfloat16_t", "S": "float"}.get(t, t) for n, t in FLOAT_TYPES.items()}
-    header, _ = kernel_source("metal", GATE_UP)
-    unit = "\n\n".join([
-        f'#include "{KERNEL_DIR / "metal_cpu_shim.h"}"', header,
-        _metal_kernels("f32", f32, _all_instances("float")),
-        _metal_kernels("bf16", bf16, _all_instances("bfloat16_t")),
-        _run_entries(),
-    ])
     src, lib = folder / "fused_moe_metal_shim.cpp", folder / "libfusedmoe.so"
-    src.write_text(unit)
+    src.write_text(_metal_unit())
     done = subprocess.run(["g++", "-std=c++20", "-O1", "-Wall", "-Werror", "-Wno-unused-variable",
                            "-Wno-unused-but-set-variable", "-fPIC", "-shared", "-pthread", str(src), "-o", str(lib)],
                           capture_output=True, text=True)
@@ -121,76 +180,190 @@ def shim_library(tmp_path_factory) -> ctypes.CDLL:
 
 
 def test_metal_source_compiles_for_every_supported_combination(shim_library):
-    assert hasattr(shim_library, "run_gate_up_4_4_32")
+    for stage, inst in _run_instances():
+        assert hasattr(shim_library, _entry(stage, inst))
 
 
-def _quantized(rng: np.random.Generator, out_f: int, in_f: int, bits: int, group: int) -> QuantizedParts:
-    w = mx.array(rng.standard_normal((E, out_f, in_f)).astype(np.float32) / np.sqrt(in_f))
+def _template_kind(value) -> str:
+    return "bool" if isinstance(value, bool) else "int" if isinstance(value, int) else "typename"
+
+
+def _quantized(rng: np.random.Generator, shape: tuple[int, ...], bits: int, group: int,
+               dtype: mx.Dtype = mx.float32) -> QuantizedParts:
+    """Random weights [..., out, in] quantized affine (scales and biases in `dtype`)."""
+    w = mx.array(rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1]), dtype=dtype)
     q, s, b = mx.quantize(w, group_size=group, bits=bits)
     return QuantizedParts(q, s, b, group, bits, "affine")
 
 
-def _ptr(a: np.ndarray):
-    return a.ctypes.data_as(ctypes.c_void_p)
+def _experts(
+    rng: np.random.Generator, gate_bits: int, down_bits: int, group: int, dffs: int, dtype: mx.Dtype = mx.float32
+) -> tuple[QuantizedParts, QuantizedParts, QuantizedParts, SharedExpert | None]:
+    """Routed gate, up, down [E, out, in] and, with `dffs`, a shared expert [dffs, DIN] / [DIN, dffs]."""
+    gate, up = (_quantized(rng, (E, DFF, DIN), gate_bits, group, dtype) for _ in range(2))
+    down = _quantized(rng, (E, DIN, DFF), down_bits, group, dtype)
+    shared = None
+    if dffs:
+        shared = SharedExpert(*(_quantized(rng, (dffs, DIN), gate_bits, group, dtype) for _ in range(2)),
+                              _quantized(rng, (DIN, dffs), down_bits, group, dtype), mx.array([0.7], mx.float32))
+    return gate, up, down, shared
 
 
+@pytest.mark.parametrize("dffs", (0, DFFS))
+def test_emulated_signatures_match_what_fused_kernel_launches(monkeypatch, dffs):
+    """Template order, element types and `constant` inputs as the real launches would have MLX write them."""
+    launches = {}
+
+    def built(backend, stage):
+        def launch(*, inputs, template, output_shapes, output_dtypes, **_):
+            launches[stage] = inputs, template, output_dtypes
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes, strict=True)]
+        return launch
+
+    monkeypatch.setattr(fused_kernel, "_built", built)
+    rng = np.random.default_rng(dffs)
+    gate, up, down, shared = _experts(rng, 4, 6, 64, dffs, mx.bfloat16)
+    x = mx.array(rng.standard_normal(DIN).astype(np.float32), dtype=mx.bfloat16)
+    fused_kernel.gpu_routed("metal", x, mx.array([2, 0, 3]), mx.array([0.5, 0.3, 0.2]), gate, up, down, shared)
+    fused_kernel.gpu_select("metal", mx.zeros((1, 4 + bool(dffs)), mx.bfloat16), 4, 2, True, bool(dffs))
+    for stage, (inputs, template, output_dtypes) in launches.items():
+        assert [(_template_kind(v), n) for n, v in template] == TEMPLATE_PARAMS[stage], stage.name
+        inst = {n: MX_TYPES[v] if isinstance(v, mx.Dtype) else v for n, v in template}
+        assert [MX_TYPES[a.dtype] for a in inputs] == [_param_type(stage, n, inst) for n in stage.inputs]
+        assert [MX_TYPES[d] for d in output_dtypes] == [_param_type(stage, n, inst) for n in stage.outputs]
+        small = tuple(n for n, a in zip(stage.inputs, inputs, strict=True) if a.size < 8)
+        assert _constant_inputs(stage, inst) == small, stage.name
+
+
+_SENTINEL = 0xA5A5A5A5  # the bit pattern of every output element before the kernel runs
+
+
+def _output(n: int, ctype: str = "float") -> np.ndarray:
+    """An output buffer of n elements plus one guard element past the end, all set to the sentinel."""
+    return np.full(n + 1, _SENTINEL, np.uint32).view(NP_TYPES[ctype])
+
+
+def _unwritten(buf: np.ndarray) -> np.ndarray:
+    return buf.view(np.uint32) == _SENTINEL
+
+
+def _written(buf: np.ndarray, name: str) -> np.ndarray:
+    """The n elements of an _output buffer, checked all written and the guard past the end untouched."""
+    assert _unwritten(buf[-1:]).all(), f"{name}: a padding row wrote past the end"
+    assert not _unwritten(buf[:-1]).any(), f"{name}: elements {np.flatnonzero(_unwritten(buf[:-1]))[:8]} not written"
+    return buf[:-1]
+
+
+def _launch(lib: ctypes.CDLL, stage: Stage, inst: Instance, rows: int, buffers: dict[str, np.ndarray]) -> None:
+    """Run the shimmed instance over `rows` simdgroups with the named host buffers."""
+    arrays = [buffers[n] for n in stage.inputs + stage.outputs]
+    for name, a in zip(stage.inputs + stage.outputs, arrays, strict=True):
+        assert a.flags.c_contiguous and a.dtype == NP_TYPES[_param_type(stage, name, inst)], name
+    getattr(lib, _entry(stage, inst))((ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays)),
+                                      ctypes.c_uint(rows))
+
+
+def _host(prefix: str, p: QuantizedParts) -> dict[str, np.ndarray]:
+    return {f"{prefix}_{k}": np.ascontiguousarray(np.array(a)) for k, a in (("w", p.weight), ("s", p.scales),
+                                                                           ("b", p.biases))}
+
+
+def _nrms(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((got - want) ** 2)) / np.sqrt(np.mean(want**2)))
+
+
+def _padded(rows: int) -> int:
+    return -(-rows // 5) * 5  # a threadgroup of 5 rows: the padding rows past the end must write nothing
+
+
+@pytest.mark.parametrize("dffs", (0, DFFS))
 @pytest.mark.parametrize("gate_bits,down_bits,group", _RUN_CASES)
-def test_shimmed_metal_kernels_match_the_reference_on_cpu(shim_library, gate_bits, down_bits, group):
-    from moebench.fused_kernel import combine, reference_expert_outputs
-
-    rng = np.random.default_rng(gate_bits * 100 + down_bits * 10 + group)
-    gate, up = (_quantized(rng, DFF, DIN, gate_bits, group) for _ in range(2))
-    down = _quantized(rng, DIN, DFF, down_bits, group)
+def test_shimmed_expert_kernels_match_the_reference_on_cpu(shim_library, gate_bits, down_bits, group, dffs):
+    rng = np.random.default_rng(gate_bits * 100 + down_bits * 10 + group + dffs)
+    gate, up, down, shared = _experts(rng, gate_bits, down_bits, group, dffs)
     x = rng.standard_normal(DIN).astype(np.float32)
     idx = np.array([2, 0, 3], dtype=np.uint32)
     scores = np.array([0.5, 0.3, 0.2], dtype=np.float32)
-    host = {name: np.ascontiguousarray(np.array(a)) for name, a in (
-        ("gw", gate.weight), ("gs", gate.scales), ("gb", gate.biases), ("uw", up.weight), ("us", up.scales),
-        ("ub", up.biases), ("dw", down.weight), ("ds", down.scales), ("db", down.biases))}
-    act = np.full((K, DFF), np.nan, dtype=np.float32)
-    tag = f"{gate_bits}_{down_bits}_{group}"
-    padded = lambda n: -(-n // 5) * 5  # noqa: E731 -- rows past the end must be skipped, not written
-    getattr(shim_library, f"run_gate_up_{tag}")(
-        _ptr(x), _ptr(idx), _ptr(host["gw"]), _ptr(host["gs"]), _ptr(host["gb"]), _ptr(host["uw"]),
-        _ptr(host["us"]), _ptr(host["ub"]), _ptr(act), ctypes.c_uint(padded(DFF)))
-    truth_y = np.array(reference_expert_outputs(mx.array(x), mx.array(idx), gate, up, down))
-    truth_out = np.array(combine(mx.array(truth_y), mx.array(scores)))
-    results = {}
-    for fold in ("true", "false"):
-        y = np.full((K, DIN), np.nan, dtype=np.float32)
-        out = np.full(DIN + 1, -7.0, dtype=np.float32)  # one guard element past the end
-        getattr(shim_library, f"run_down_{tag}_{fold}")(
-            _ptr(idx), _ptr(scores), _ptr(host["dw"]), _ptr(host["ds"]), _ptr(host["db"]), _ptr(act), _ptr(y),
-            _ptr(out), ctypes.c_uint(padded(DIN)))
-        assert out[-1] == -7.0, "a padding row wrote past the end"
-        nrms = np.sqrt(np.mean((y - truth_y) ** 2)) / np.sqrt(np.mean(truth_y**2))
-        assert nrms < 1e-5, f"fold={fold}: shimmed kernel vs reference nRMS {nrms:.2e}"
-        results[fold] = y
-        if fold == "true":
-            out_nrms = np.sqrt(np.mean((out[:-1] - truth_out) ** 2)) / np.sqrt(np.mean(truth_out**2))
-            assert out_nrms < 1e-5, f"folded combine vs reference nRMS {out_nrms:.2e}"
-    assert np.array_equal(results["true"], results["false"]), "fold must not change the per-expert outputs"
+    truth_out, truth_y, truth_ys = routed("reference", mx.array(x), mx.array(idx), mx.array(scores), gate, up, down,
+                                         shared)
+    # as gpu_routed passes them: without a shared expert the routed arrays stand in for its (unread) inputs
+    s_gate, s_up, s_down = (shared.gate, shared.up, shared.down) if shared else (gate, up, down)
+    sgate = np.array(shared.sigmoid_gate) if shared else scores
+    a_inst, b_inst = _routed_instances(gate_bits, down_bits, group, dffs)
+
+    act = _output(K * DFF + dffs)
+    _launch(shim_library, GATE_UP, a_inst, _padded(K * DFF + dffs), {
+        "x": x, "indices": idx, **_host("gate", gate), **_host("up", up), **_host("sgate", s_gate),
+        **_host("sup", s_up), "act": act})
+    outputs = {"y": _output(K * DIN), "ys": _output(DIN), "out": _output(DIN)}
+    _launch(shim_library, DOWN, b_inst, _padded(DIN), {
+        "indices": idx, "scores": scores, **_host("down", down), "act": _written(act, "act"),
+        **_host("sdown", s_down), "sgate": sgate, **outputs})
+
+    checks = {"y": (_written(outputs["y"], "y").reshape(K, DIN), truth_y), "out": (_written(outputs["out"], "out"),
+                                                                                   truth_out)}
+    if dffs:
+        checks["ys"] = _written(outputs["ys"], "ys"), truth_ys
+    else:
+        assert _unwritten(outputs["ys"]).all(), "ys must not be written without a shared expert"
+    for name, (got, want) in checks.items():
+        nrms = _nrms(got, np.array(want))
+        assert nrms < 1e-5, f"{name}: shimmed kernels vs reference nRMS {nrms:.2e}"
+
+
+def _run_router(lib: ctypes.CDLL, logits: np.ndarray, n_exp: int, top_k: int, norm: bool, shared: bool):
+    """(probs, inds, scores, sgate) of the shimmed router kernel on one token's float32 logits."""
+    outputs = {"probs": _output(n_exp), "inds": _output(top_k, "uint32_t"), "scores": _output(top_k),
+               "sgate": _output(1)}
+    _launch(lib, ROUTER, _instance(ROUTER, E=n_exp, K=top_k, NORM=norm, SHARED=shared), 1,
+            {"logits": logits, **outputs})
+    return tuple(_written(outputs[n], n) for n in ROUTER.outputs)
+
+
+@pytest.mark.parametrize("n_exp,top_k,norm,shared", _ROUTER_RUN_CASES)
+def test_shimmed_router_matches_the_reference_on_cpu(shim_library, n_exp, top_k, norm, shared):
+    logits = 2 * np.random.default_rng(n_exp * 10 + top_k).standard_normal(n_exp + shared).astype(np.float32)
+    probs, inds, scores, sgate = _run_router(shim_library, logits, n_exp, top_k, norm, shared)
+    ref_probs, ref_inds, ref_scores, ref_sgate = (np.array(a) for a in reference_select(
+        mx.array(logits), n_exp, top_k, norm, shared))
+    assert np.abs(probs - ref_probs).max() < 1e-6
+    assert set(inds.tolist()) == set(ref_inds.tolist())
+    assert np.all(np.diff(scores) <= 0), f"scores not highest first: {scores}"
+    assert np.abs(scores - ref_scores).max() < 1e-6
+    picked = probs[inds] / (probs[inds].sum() if norm else 1.0)
+    assert np.abs(scores - picked).max() < 1e-6, "scores do not belong to their expert ids"
+    assert abs(sgate[0] - ref_sgate[0]) < 1e-6
+
+
+def test_shimmed_router_breaks_ties_towards_the_lower_expert_id(shim_library):
+    logits = np.random.default_rng(0).uniform(-1.0, 0.0, 61).astype(np.float32)
+    logits[[3, 40]] = 3.0  # a tie across lanes (3 and 8)
+    logits[[37, 5]] = 2.0  # a tie within lane 5
+    _, inds, scores, _ = _run_router(shim_library, logits, 60, 4, True, True)
+    assert inds.tolist() == [3, 40, 5, 37]
+    assert scores[0] == scores[1] and scores[2] == scores[3]
+
+
+def _cuda_constant(kind: str, name: str, value) -> str:
+    """One template argument as MLX's cuda_kernel sets it at the top of the kernel."""
+    if kind == "typename":
+        return f"  using {name} = {CUDA_TYPES[value]};\n"
+    return f"  constexpr {kind} {name} = {_cpp(value)};\n"
 
 
 def _cuda_unit() -> str:
     """The CUDA prelude and bodies wrapped the way MLX's cuda_kernel does (constexpr template constants)."""
     header, _ = kernel_source("cuda", GATE_UP)
-    ctype = {"T": "__nv_bfloat16", "ST": "__nv_bfloat16", "S": "float"}
     parts = ["#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cooperative_groups.h>\n"
              "#include <cuda/std/limits>\n#define inf cuda::std::numeric_limits<float>::infinity()", header,
              "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;"]
-    cases = [(GATE_UP, b, g, None) for b, g in product(GATE_UP_BITS, GROUPS)]
-    cases += [(DOWN, b, g, f) for b, g, f in product(DOWN_BITS, GROUPS, ("true", "false"))]
-    for n, (stage, bits, group, fold) in enumerate(cases):
+    qwen = {"E": 60, "K": 4, "DIN": 2048, "DFF": 1408}
+    for n, (stage, inst) in enumerate(_compile_instances(("bf16",), qwen, 5632, ((60, 4),))):
         _, source = kernel_source("cuda", stage)
-        params = [f"const {ctype.get(FLOAT_TYPES.get(i, ''), FLOAT_TYPES.get(i, 'uint32_t'))}* {i}"
-                  for i in stage.inputs]
-        params += [f"{ctype.get(FLOAT_TYPES[o], FLOAT_TYPES[o])}* {o}" for o in stage.outputs]
-        consts = "".join(f"  using {t} = {c};\n" for t, c in ctype.items() if stage is DOWN or t == "ST")
-        consts += "".join(f"  constexpr int {k} = {v};\n" for k, v in
-                          (("E", 60), ("K", 4), ("DIN", 2048), ("DFF", 1408), ("GS", group), ("BITS", bits)))
-        consts += f"  constexpr bool FOLD = {fold};\n" if fold else ""
-        parts.append(f"__global__ void {stage.name}_{n}({', '.join(params)}) {{\n{consts}\n{source}\n}}")
+        params = [f"const {CUDA_TYPES[_param_type(stage, i, inst)]}* {i}" for i in stage.inputs]
+        params += [f"{CUDA_TYPES[_param_type(stage, o, inst)]}* {o}" for o in stage.outputs]
+        consts = "".join(_cuda_constant(kind, name, inst[name]) for kind, name in TEMPLATE_PARAMS[stage])
+        parts.append(f"__global__ void custom_kernel_{stage.name}_{n}({', '.join(params)}) {{\n{consts}\n{source}\n}}")
     parts.append("}  // namespace mlx::core::cu")
     return "\n\n".join(parts)
 

@@ -15,16 +15,19 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import hooks
+from .. import fused_kernel, hooks
 from ..cache import KVCache
 from ..config import ModelArgs
 from ..errors import CheckpointError
-from ..kernels import DispatchCounter, routed_experts
+from ..kernels import DispatchCounter
 from ..layers import Embedding, Linear, load_linear
 from ..routing import Intervention, route
-from ..switch import SwitchGLU, load_switch_glu, swiglu
+from ..switch import SwitchGLU, load_switch_glu, swiglu, weighted_sum
 
 Recorder = Callable[[str, object], None]
+# What a MoE block records, in the order its paths return them.
+MOE_PARTS = (hooks.ROUTER_LOGITS, hooks.ROUTER_PROBS, hooks.TOPK_IDS, hooks.TOPK_SCORES, hooks.EXPERT_OUT,
+             hooks.ROUTED_OUT, hooks.SHARED_OUT, hooks.SHARED_GATE)
 
 
 class RMSNorm(nn.Module):
@@ -79,44 +82,87 @@ class MLP(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router top-k over the routed experts plus a sigmoid-gated shared expert."""
+    """Router top-k over the routed experts plus a sigmoid-gated shared expert.
+
+    Fallback (prefill, switch off, unsupported experts): router matmul, moebench.routing.route, SwitchGLU
+    (gather_qmm) and the shared expert as an MLP, in the activation dtype, as mlx-lm computes it.
+    Fused (one decode token): the router's and the shared gate's logits in one matmul, then the router
+    kernel and the kernel pair (moebench.fused_kernel) with the shared expert inside them, everything
+    after the matmul in float32. With an intervention set, routing runs through route() instead of the
+    router kernel. Whatever cannot run inside the kernels runs beside them and the decision says why.
+    """
 
     def __init__(self, args: ModelArgs, gate: Linear, experts: SwitchGLU, shared_expert: MLP | None,
                  shared_expert_gate: Linear | None):
         super().__init__()
         self.gate, self.experts = gate, experts
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
-        self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
+        self.num_experts, self.top_k = args.num_experts, args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
         self.dispatch = DispatchCounter()
         self.intervention: Intervention | None = None
 
     def __call__(self, x: mx.array, layer: int = -1, record: Recorder | None = None) -> mx.array:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits = self.gate(x)
-        probs, inds, scores = route(logits, self.top_k, self.norm_topk_prob, self.intervention)
-        routed, expert_out, decision = routed_experts(self.experts, x, inds, scores, self.dispatch)
-        out = routed
-        shared = gate = None
-        if self.shared_expert is not None and (self.intervention is None or self.intervention.shared_expert):
-            shared = self.shared_expert(x)
-            gate = mx.sigmoid(self.shared_expert_gate(x))
-            if self.intervention is not None and self.intervention.shared_gate_scale != 1.0:
-                gate = gate * self.intervention.shared_gate_scale
-            out = out + gate * shared
+        decision = self.dispatch.decide(self.experts, x.shape[0])
+        run = self._fused if decision.fused else self._fallback
+        out, parts = run(x, decision.path, record is not None)
         if record is not None:
             name = hooks.moe_name(layer)
-            record(name(hooks.ROUTER_LOGITS), logits)
-            record(name(hooks.ROUTER_PROBS), probs)
-            record(name(hooks.TOPK_IDS), inds)
-            record(name(hooks.TOPK_SCORES), scores)
-            record(name(hooks.EXPERT_OUT), expert_out)
-            record(name(hooks.ROUTED_OUT), routed)
-            record(name(hooks.SHARED_OUT), shared)
-            record(name(hooks.SHARED_GATE), gate)
+            for hook, value in zip(MOE_PARTS, parts, strict=True):
+                record(name(hook), value)
             record(name(hooks.BLOCK_OUT), out)
             record(name(hooks.PATH), decision)
         return out.reshape(shape)
+
+    def _shared_on(self) -> bool:
+        return self.shared_expert is not None and (self.intervention is None or self.intervention.shared_expert)
+
+    def _shared_gate(self, x: mx.array) -> mx.array:
+        gate = mx.sigmoid(self.shared_expert_gate(x))
+        if self.intervention is not None and self.intervention.shared_gate_scale != 1.0:
+            gate = gate * self.intervention.shared_gate_scale
+        return gate
+
+    def _fallback(self, x: mx.array, path: str, recording: bool) -> tuple[mx.array, tuple]:
+        logits = self.gate(x)
+        probs, inds, scores = route(logits, self.top_k, self.norm_topk_prob, self.intervention)
+        expert_out = self.experts(x, inds)
+        out = routed = weighted_sum(expert_out, scores)
+        shared = gate = None
+        if self._shared_on():
+            shared, gate = self.shared_expert(x), self._shared_gate(x)
+            out = out + gate * shared
+        return out, (logits, probs, inds, scores, expert_out, routed, shared, gate)
+
+    def _fused(self, x: mx.array, backend: str, recording: bool) -> tuple[mx.array, tuple]:
+        shared_mlp = self.shared_expert
+        w = self.dispatch.fused_weights(
+            self.experts, self.gate, shared_mlp and (shared_mlp.gate_proj, shared_mlp.up_proj, shared_mlp.down_proj),
+            self.shared_expert_gate)
+        shared_on = self._shared_on()
+        if self.intervention is None:
+            logits = w.router(x)
+            probs, inds, scores, gate = fused_kernel.select(backend, logits, self.num_experts, self.top_k,
+                                                            self.norm_topk_prob, w.gate_row)
+            if w.gate_row:
+                logits = logits[:, : self.num_experts] if recording else None
+            elif shared_on:
+                gate = self._shared_gate(x).astype(mx.float32)
+        else:
+            logits = self.gate(x)
+            probs, inds, scores = route(logits, self.top_k, self.norm_topk_prob, self.intervention)
+            gate = self._shared_gate(x).astype(mx.float32) if shared_on else None
+        folded = fused_kernel.SharedExpert(*w.shared, gate) if shared_on and w.shared is not None else None
+        out, expert_out, shared = fused_kernel.routed(backend, x, inds, scores, *w.experts, folded)
+        if shared_on and folded is None:  # the shared expert beside the kernels (w.shared_note says why)
+            shared = shared_mlp(x)
+            out = out + gate.astype(out.dtype) * shared
+        if not shared_on:
+            gate = None
+        routed = weighted_sum(expert_out, scores).astype(x.dtype) if recording else None
+        return out, (logits, probs, inds, scores, expert_out, routed, shared, gate)
 
 
 class DecoderLayer(nn.Module):

@@ -1,4 +1,5 @@
-"""The CUDA kernel pair against the CPU reference and a float64 truth, at Qwen1.5-MoE-A2.7B shapes.
+"""The CUDA kernels (router, pair with and without the shared expert) against the CPU reference and a
+float64 truth, at Qwen1.5-MoE-A2.7B shapes.
 
 Runs only where MLX has a CUDA back-end (the H200 of the device tool); skips cleanly elsewhere.
 Numbers are printed as well as asserted (run with -s to see them).
@@ -22,35 +23,46 @@ from moebench.writer import qwen2_moe_config, write_random_checkpoint
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX with a CUDA back-end")]
 
-E, K, D, DFF = 60, 4, 2048, 1408
+E, K, D, DFF, DFFS = 60, 4, 2048, 1408, 5632
 ROWS = (1, 2, 3, 5, 8, 16, 32)
 
 
-def _experts(bits: tuple[int, int], group: int, seed: int) -> tuple[QuantizedParts, ...]:
+def _experts(bits: tuple[int, int], group: int, seed: int, n_exp: int | None = E,
+             dff: int = DFF) -> tuple[QuantizedParts, ...]:
+    """Routed experts [E, out, in], or with n_exp None one shared expert's matrices [out, in]."""
     mx.random.seed(seed)
     out = []
-    for b, (o, i) in zip((bits[0], bits[0], bits[1]), ((DFF, D), (DFF, D), (D, DFF)), strict=True):
-        w = mx.random.normal((E, o, i)) / np.sqrt(i)
+    lead = (n_exp,) if n_exp is not None else ()
+    for b, (o, i) in zip((bits[0], bits[0], bits[1]), ((dff, D), (dff, D), (D, dff)), strict=True):
+        w = mx.random.normal((*lead, o, i)) / np.sqrt(i)
         q, s, bias = mx.quantize(w, group_size=group, bits=b)
         out.append(QuantizedParts(q, s.astype(mx.bfloat16), bias.astype(mx.bfloat16), group, b, "affine"))
     mx.eval(*[p.weight for p in out])
     return tuple(out)
 
 
-def _truth(x: mx.array, ids: list[int], scores: np.ndarray, parts) -> tuple[np.ndarray, np.ndarray]:
-    """float64 dense: dequantized with scales and biases upcast to float32 first, then float64 matmuls."""
-    def dense(p: QuantizedParts) -> np.ndarray:
-        sel = mx.array(ids)
-        w = mx.dequantize(p.weight[sel], p.scales[sel].astype(mx.float32), p.biases[sel].astype(mx.float32),
-                          group_size=p.group_size, bits=p.bits, stream=mx.cpu)
-        return np.array(w.astype(mx.float32), dtype=np.float64)
+def _dense(p: QuantizedParts, ids: list[int] | None = None) -> np.ndarray:
+    """float64 matrices, dequantized with scales and biases upcast to float32 first."""
+    take = (lambda a: a[mx.array(ids)]) if ids is not None else (lambda a: a)
+    w = mx.dequantize(take(p.weight), take(p.scales).astype(mx.float32), take(p.biases).astype(mx.float32),
+                      group_size=p.group_size, bits=p.bits, stream=mx.cpu)
+    return np.array(w.astype(mx.float32), dtype=np.float64)
 
-    g_w, u_w, d_w = (dense(p) for p in parts)
+
+def _swiglu_truth(gate: np.ndarray, up: np.ndarray, down: np.ndarray, xf: np.ndarray) -> np.ndarray:
+    g, u = gate @ xf, up @ xf
+    return down @ (g / (1 + np.exp(-g)) * u)[..., None]
+
+
+def _truth(x: mx.array, ids: list[int], scores: np.ndarray, parts, shared=None,
+           sgate: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """float64 dense routed outputs y [K, D] and block output (with the gated shared expert when given)."""
     xf = np.array(x.astype(mx.float32), dtype=np.float64)
-    g, u = g_w @ xf, u_w @ xf
-    act = g / (1 + np.exp(-g)) * u
-    y = np.einsum("kdf,kf->kd", d_w, act)
-    return y, (y * scores[:, None]).sum(0)
+    y = _swiglu_truth(*(_dense(p, ids) for p in parts), xf)[..., 0]
+    out = (y * scores[:, None]).sum(0)
+    if shared is not None:
+        out = out + sgate * _swiglu_truth(*(_dense(p) for p in shared), xf)[..., 0]
+    return y, out
 
 
 def _nrms(a, b) -> float:
@@ -71,9 +83,9 @@ def test_cuda_kernel_matches_reference_and_truth(bits, group):
     ids = [int(i) for i in rng.choice(E, K, replace=False)]
     scores_np = rng.dirichlet(np.ones(K)).astype(np.float32)
     idx, scores = mx.array(ids, dtype=mx.uint32), mx.array(scores_np)
-    out, y = gpu_routed("cuda", x, idx, scores, *parts)
+    out, y, _ = gpu_routed("cuda", x, idx, scores, *parts)
     with mx.stream(mx.cpu):
-        ref_out, ref_y = fused_kernel.routed("reference", x, idx, scores, *parts)
+        ref_out, ref_y, _ = fused_kernel.routed("reference", x, idx, scores, *parts)
         mx.eval(ref_out, ref_y)
     switch = SwitchGLU(*(SwitchLinear(p.weight, p) for p in parts))
     fb_y = switch(x[None], idx[None])
@@ -91,23 +103,59 @@ def test_cuda_kernel_matches_reference_and_truth(bits, group):
     assert got["cuda out"] <= got["fallback out"]
 
 
-def test_cuda_kernel_is_deterministic_and_independent_of_rows_and_fold():
+@pytest.mark.parametrize("bits", [(4, 4), (8, 8), (4, 6)])
+def test_cuda_kernel_with_the_shared_expert_matches_reference_and_truth(bits):
+    parts = _experts(bits, 64, seed=21)
+    shared_parts = _experts(bits, 64, seed=22, n_exp=None, dff=DFFS)
+    rng = np.random.default_rng(23)
+    x = mx.array(rng.standard_normal(D).astype(np.float32)).astype(mx.bfloat16)
+    ids = [int(i) for i in rng.choice(E, K, replace=False)]
+    scores_np = rng.dirichlet(np.ones(K)).astype(np.float32)
+    idx, scores = mx.array(ids, dtype=mx.uint32), mx.array(scores_np)
+    shared = fused_kernel.SharedExpert(*shared_parts, mx.array([0.3], dtype=mx.float32))
+    out, y, ys = gpu_routed("cuda", x, idx, scores, *parts, shared)
+    with mx.stream(mx.cpu):
+        ref_out, ref_y, ref_ys = fused_kernel.routed("reference", x, idx, scores, *parts, shared)
+        mx.eval(ref_out, ref_y, ref_ys)
+    truth_y, truth_out = _truth(x, ids, scores_np, parts, shared_parts, 0.3)
+    got = {"cuda out": _nrms(out.astype(mx.float32), _bf16(truth_out)), "cuda y": _nrms(y, truth_y),
+           "cuda vs reference ys": _nrms(ys, ref_ys),
+           "reference out": _nrms(ref_out.astype(mx.float32), _bf16(truth_out))}
+    print(f"\nshared expert, bits {bits}: " + ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
+    assert max(got.values()) < 5e-4
+
+
+@pytest.mark.parametrize("n_exp,k,norm,gate_row", [(60, 4, False, True), (128, 8, True, False), (60, 4, False, False)])
+def test_cuda_router_kernel_matches_the_reference(n_exp, k, norm, gate_row):
+    rng = np.random.default_rng(n_exp + k)
+    logits = mx.array(rng.standard_normal((1, n_exp + gate_row)).astype(np.float32)).astype(mx.bfloat16)
+    got = fused_kernel.gpu_select("cuda", logits, n_exp, k, norm, gate_row)
+    with mx.stream(mx.cpu):
+        ref = fused_kernel.reference_select(logits, n_exp, k, norm, gate_row)
+        mx.eval(ref)
+    probs, inds, scores, sgate = (np.array(a) for a in got)
+    r_probs, r_inds, r_scores, r_sgate = (np.array(a) for a in ref)
+    assert np.abs(probs - r_probs).max() < 1e-6
+    assert list(inds[0]) == list(r_inds[0]), f"top-{k} {inds} vs reference {r_inds}"
+    assert np.abs(scores - r_scores).max() < 1e-6 and np.abs(sgate - r_sgate).max() < 1e-6
+
+
+def test_cuda_kernels_are_deterministic_and_independent_of_rows():
     parts = _experts((4, 4), 64, seed=7)
+    shared = fused_kernel.SharedExpert(*_experts((4, 4), 64, seed=8, n_exp=None, dff=DFFS),
+                                       mx.array([0.6], dtype=mx.float32))
     rng = np.random.default_rng(7)
     x = mx.array(rng.standard_normal(D).astype(np.float32)).astype(mx.bfloat16)
     idx = mx.array(rng.choice(E, K, replace=False).astype(np.uint32))
     scores = mx.array(rng.dirichlet(np.ones(K)).astype(np.float32))
-    first_out, first_y = (np.array(a.astype(mx.float32)) for a in gpu_routed("cuda", x, idx, scores, *parts, rows=8))
-    for _ in range(10):
-        out, y = gpu_routed("cuda", x, idx, scores, *parts, rows=8)
-        assert np.array_equal(np.array(y), first_y) and np.array_equal(np.array(out.astype(mx.float32)), first_out)
-    for rows in ROWS:
-        for fold in (True, False):
-            out, y = gpu_routed("cuda", x, idx, scores, *parts, rows=rows, fold=fold)
-            assert np.array_equal(np.array(y), first_y), f"rows {rows} fold {fold}: y differs"
-            if fold:
-                assert np.array_equal(np.array(out.astype(mx.float32)), first_out), f"rows {rows}: out differs"
-    print(f"\nbitwise identical over 10 repeats and rows {ROWS} (fold on and off)")
+
+    def run(rows: int) -> list[np.ndarray]:
+        return [np.array(a.astype(mx.float32)) for a in gpu_routed("cuda", x, idx, scores, *parts, shared, rows=rows)]
+
+    first = run(8)
+    for rows in [8] * 10 + list(ROWS):
+        assert all(np.array_equal(a, b) for a, b in zip(run(rows), first, strict=True)), f"rows {rows} differs"
+    print(f"\nbitwise identical over 10 repeats and rows {ROWS}")
 
 
 def test_decode_on_cuda_runs_the_kernel_every_step(tmp_path):
