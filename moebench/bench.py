@@ -81,14 +81,17 @@ def summary(values: list[float]) -> dict:
 
 
 def moebench_dispatch(model) -> dict:
-    """MoE dispatch counts summed over the layers: fused runs per backend, fallbacks, decline reasons."""
-    fused, reasons, fallback = Counter(), Counter(), 0
+    """MoE dispatch counts summed over the layers: fused runs per backend, fallbacks, decline reasons, and
+    what the fused path ran beside the kernels (notes, layers per note)."""
+    fused, reasons, notes, fallback = Counter(), Counter(), Counter(), 0
     blocks = model.moe_blocks()
     for block in blocks.values():
         fused.update(block.dispatch.fused)
         reasons.update(block.dispatch.reasons)
+        notes.update(block.dispatch.notes)
         fallback += block.dispatch.fallback
-    return {"moe_layers": len(blocks), "fused": dict(fused), "fallback": fallback, "reasons": dict(reasons)}
+    return {"moe_layers": len(blocks), "fused": dict(fused), "fallback": fallback, "reasons": dict(reasons),
+            "notes": dict(notes)}
 
 
 def float_dtype(model) -> str:
@@ -328,7 +331,8 @@ def _dispatch_text(d: dict | None) -> str:
     if d is None:
         return "-"
     fused = ", ".join(f"{n} {b}" for b, n in sorted(d["fused"].items())) or "0 fused"
-    return f"{fused}; {d['fallback']} fallback"
+    notes = "".join(f"; {n} layers: {note}" for note, n in sorted(d.get("notes", {}).items()))
+    return f"{fused}; {d['fallback']} fallback{notes}"
 
 
 def format_table(record: dict) -> str:

@@ -49,8 +49,8 @@ GATE_UP = Stage("moebench_moe_gate_up", "moe_gate_up.body",
                 ("x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
                  "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b"), ("act",))
 DOWN = Stage("moebench_moe_down", "moe_down.body",
-             ("indices", "scores", "down_w", "down_s", "down_b", "act", "sdown_w", "sdown_s", "sdown_b", "sgate"),
-             ("y", "ys", "out"))
+             ("indices", "scores", "down_w", "down_s", "down_b", "act", "sdown_w", "sdown_s", "sdown_b", "sgate",
+              "resid"), ("y", "ys", "out"))
 STAGES = (ROUTER, GATE_UP, DOWN)
 COMMON = "moe_common.inc"  # helpers every body uses, after the backend's header part
 
@@ -114,15 +114,18 @@ class SharedExpert:
 
 
 def check_inputs(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
-                 down: QuantizedParts, shared: SharedExpert | None = None) -> None:
+                 down: QuantizedParts, shared: SharedExpert | None = None, residual: mx.array | None = None) -> None:
     """Shapes and dtypes the kernels assume, checked in Python: a bad launch would abort the process."""
     d, dff, n_exp = gate.in_features, gate.out_features, gate.weight.shape[0]
-    if x.shape not in ((d,), (1, d)):
+    if x.shape[-1:] != (d,) or any(n != 1 for n in x.shape[:-1]):
         raise UnsupportedKernelConfig(f"x has shape {tuple(x.shape)}, the experts expect ({d},) (one token)")
     if indices.ndim != x.ndim or indices.shape[:-1] != x.shape[:-1] or scores.shape != indices.shape:
         raise UnsupportedKernelConfig(
-            f"indices {tuple(indices.shape)} and scores {tuple(scores.shape)} must both be [K] for x [D] "
-            f"or [1, K] for x [1, D]; x is {tuple(x.shape)}")
+            f"indices {tuple(indices.shape)} and scores {tuple(scores.shape)} must both be [K] with x's leading "
+            f"axes (x [D] -> [K], x [1, D] -> [1, K], ...); x is {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise UnsupportedKernelConfig(f"residual {tuple(residual.shape)} {residual.dtype} must match x "
+                                      f"{tuple(x.shape)} {x.dtype}")
     if not mx.issubdtype(indices.dtype, mx.integer):
         raise UnsupportedKernelConfig(f"indices must be integers, got {indices.dtype}")
     for name, p, shape in (("gate", gate, (n_exp, dff, d)), ("up", up, (n_exp, dff, d)),
@@ -169,27 +172,29 @@ def _parts_key(p: QuantizedParts) -> tuple:
     return p.weight.shape, p.scales.shape, p.scales.dtype, p.biases.dtype, p.bits, p.group_size
 
 
-def _plan(x, indices, scores, gate, up, down, shared: SharedExpert | None, rows: int) -> LaunchPlan:
+def _plan(x, indices, scores, gate, up, down, shared: SharedExpert | None, residual: mx.array | None,
+          rows: int) -> LaunchPlan:
     """The launch plan, validated once per distinct shape/dtype/geometry key (decode repeats one key)."""
     parts = (gate, up, down) + ((shared.gate, shared.up, shared.down) if shared is not None else ())
     if any(p.biases is None for p in parts):
         raise UnsupportedKernelConfig("the fused kernels need affine quantization with biases")
     key = (x.shape, x.dtype, indices.shape, indices.dtype, scores.shape, scores.dtype, rows,
-           *(_parts_key(p) for p in parts), shared is not None and shared.sigmoid_gate.shape)
+           *(_parts_key(p) for p in parts), shared is not None and shared.sigmoid_gate.shape,
+           residual is not None and (residual.shape, residual.dtype))
     plan = _plans.get(key)
     if plan is None:
-        check_inputs(x, indices, scores, gate, up, down, shared)
+        check_inputs(x, indices, scores, gate, up, down, shared, residual)
         if not 1 <= rows <= MAX_ROWS:
             raise ConfigError(f"rows per threadgroup {rows}: expected 1 to {MAX_ROWS}")
         k, d, dff, n_exp = indices.shape[-1], gate.in_features, gate.out_features, gate.weight.shape[0]
         dffs = shared.gate.out_features if shared is not None else 0
-        lead = tuple(x.shape[:-1])  # () or (1,): outputs keep the caller's layout, no reshapes
+        lead = tuple(x.shape[:-1])  # (), (1,), (1, 1), ...: outputs keep the caller's layout, no reshapes
         shape = [("E", n_exp), ("K", k), ("DIN", d), ("DFF", dff), ("DFFS", dffs), ("GS", gate.group_size)]
         plan = LaunchPlan(
-            gate_up_template=[("ST", gate.scales.dtype), *shape, ("BITS", gate.bits)],
+            gate_up_template=[("T", x.dtype), ("ST", gate.scales.dtype), *shape, ("BITS", gate.bits)],
             gate_up_grid=(LANES, _round_up(k * dff + dffs, rows), 1),
             down_template=[("T", x.dtype), ("ST", gate.scales.dtype), ("S", scores.dtype), *shape,
-                           ("BITS", down.bits)],
+                           ("BITS", down.bits), ("RESID", residual is not None)],
             down_grid=(LANES, _round_up(d, rows), 1),
             threadgroup=(LANES, rows, 1),
             act_shape=[(k * dff + dffs,)],
@@ -202,20 +207,23 @@ def _plan(x, indices, scores, gate, up, down, shared: SharedExpert | None, rows:
 
 def gpu_routed(
     backend: str, x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
-    down: QuantizedParts, shared: SharedExpert | None = None, rows: int | None = None,
+    down: QuantizedParts, shared: SharedExpert | None = None, residual: mx.array | None = None,
+    rows: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array | None]:
     """The kernel pair on `backend`: (output [D] in x.dtype, unweighted y [K, D] f32, shared ys [D] f32 or None).
 
     `rows` simdgroups per threadgroup (default MOEBENCH_FUSED_MOE_ROWS). Kept lean: at decode the
-    Python cost of building a layer's graph is of the same order as the GPU work. Without a shared
-    expert the routed arrays stand in for its (unread) inputs: a kernel's inputs are fixed.
+    Python cost of building a layer's graph is of the same order as the GPU work. A kernel's inputs
+    are fixed, so without a shared expert the routed arrays stand in for its (unread) inputs, and
+    without a residual x does.
     """
-    plan = _plan(x, indices, scores, gate, up, down, shared, rows_per_threadgroup() if rows is None else rows)
+    plan = _plan(x, indices, scores, gate, up, down, shared, residual,
+                 rows_per_threadgroup() if rows is None else rows)
     indices = indices.astype(mx.uint32)
     st = gate.scales.dtype  # scales and biases of every projection in one dtype (a no-op cast in practice)
     s_gate, s_up, s_down = (shared.gate, shared.up, shared.down) if shared is not None else (gate, up, down)
     act = _built(backend, GATE_UP)(
-        inputs=[x.astype(mx.float32), indices, gate.weight, gate.scales, gate.biases.astype(st), up.weight,
+        inputs=[x, indices, gate.weight, gate.scales, gate.biases.astype(st), up.weight,
                 up.scales.astype(st), up.biases.astype(st), s_gate.weight, s_gate.scales.astype(st),
                 s_gate.biases.astype(st), s_up.weight, s_up.scales.astype(st), s_up.biases.astype(st)],
         template=plan.gate_up_template, grid=plan.gate_up_grid, threadgroup=plan.threadgroup,
@@ -224,7 +232,7 @@ def gpu_routed(
     y, ys, out = _built(backend, DOWN)(
         inputs=[indices, scores, down.weight, down.scales.astype(st), down.biases.astype(st), act, s_down.weight,
                 s_down.scales.astype(st), s_down.biases.astype(st),
-                shared.sigmoid_gate if shared is not None else scores],
+                shared.sigmoid_gate if shared is not None else scores, residual if residual is not None else x],
         template=plan.down_template, grid=plan.down_grid, threadgroup=plan.threadgroup,
         output_shapes=plan.down_shapes, output_dtypes=plan.down_dtypes,
     )
@@ -233,18 +241,19 @@ def gpu_routed(
 
 def gpu_select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
                gate_row: bool) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """The router kernel on `backend`: one token's logits [1, E (+1)] -> (probs [1, E] f32, ids [1, K] uint32,
-    scores [1, K] f32, shared sigmoid gate [1, 1] f32, 0 without `gate_row`). `gate_row`: the last logit is
-    the shared expert gate's."""
-    if logits.shape != (1, num_experts + gate_row) or not 1 <= top_k <= num_experts:
-        raise UnsupportedKernelConfig(f"router logits {tuple(logits.shape)} with top-{top_k}: expected "
-                                      f"(1, {num_experts + gate_row}) and 1 <= top_k <= {num_experts}")
+    """The router kernel on `backend`: one token's logits [..., E (+1)] -> (probs [..., E] f32, ids [..., K]
+    uint32, scores [..., K] f32, shared sigmoid gate [..., 1] f32, 0 without `gate_row`), the leading axes
+    all 1 and kept. `gate_row`: the last logit is the shared expert gate's."""
+    lead = tuple(logits.shape[:-1])
+    if logits.shape[-1:] != (num_experts + gate_row,) or any(n != 1 for n in lead) or not 1 <= top_k <= num_experts:
+        raise UnsupportedKernelConfig(f"router logits {tuple(logits.shape)} with top-{top_k}: expected one token's "
+                                      f"{num_experts + gate_row} logits and 1 <= top_k <= {num_experts}")
     return tuple(_built(backend, ROUTER)(
         inputs=[logits],
         template=[("LT", logits.dtype), ("E", num_experts), ("K", top_k), ("NORM", norm_topk_prob),
                   ("SHARED", gate_row)],
         grid=(LANES, 1, 1), threadgroup=(LANES, 1, 1),
-        output_shapes=[(1, num_experts), (1, top_k), (1, top_k), (1, 1)],
+        output_shapes=[(*lead, num_experts), (*lead, top_k), (*lead, top_k), (*lead, 1)],
         output_dtypes=[mx.float32, mx.uint32, mx.float32, mx.float32],
     ))
 
@@ -306,19 +315,20 @@ def combine(expert_out: mx.array, scores: mx.array) -> mx.array:
 
 def routed(
     backend: str, x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
-    down: QuantizedParts, shared: SharedExpert | None = None,
+    down: QuantizedParts, shared: SharedExpert | None = None, residual: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array | None]:
-    """One token's expert output on `backend`: (sum_k score_k y_k (+ gate * ys) [D] in x.dtype, unweighted
-    routed outputs y [K, D] f32, unweighted shared output ys [D] f32 or None without a shared expert).
+    """One token's expert output on `backend`: ((residual +) sum_k score_k y_k (+ gate * ys) [D] in x.dtype,
+    unweighted routed outputs y [K, D] f32, unweighted shared output ys [D] f32 or None without a shared
+    expert).
 
-    x [D] with indices and scores [K], or x [1, D] with [1, K] (a decode step as the MoE block holds
-    it): the outputs follow, [1, D], [1, K, D] and [1, D], without reshape ops on the GPU path.
+    x [D] with indices and scores [K], or with leading axes of 1 (x [1, 1, D] with [1, 1, K], as a decode
+    step holds it): the outputs keep them, without reshape ops on the GPU path.
     """
     if backend in GPU_BACKENDS:
-        return gpu_routed(backend, x, indices, scores, gate, up, down, shared)
+        return gpu_routed(backend, x, indices, scores, gate, up, down, shared, residual)
     if backend != "reference":
         raise UnsupportedKernelConfig(f"unknown fused backend {backend!r} (metal, cuda or reference)")
-    check_inputs(x, indices, scores, gate, up, down, shared)
+    check_inputs(x, indices, scores, gate, up, down, shared, residual)
     lead = tuple(x.shape[:-1])
     flat_x = x.reshape(-1)
     y = reference_expert_outputs(flat_x, indices.reshape(-1), gate, up, down)
@@ -328,4 +338,6 @@ def routed(
         ys = reference_shared_output(flat_x, shared)
         out = out + shared.sigmoid_gate.reshape(-1).astype(mx.float32) * ys
         ys = ys.reshape(x.shape)
+    if residual is not None:
+        out = residual.reshape(-1).astype(mx.float32) + out
     return out.astype(x.dtype).reshape(x.shape), y.reshape(*lead, *y.shape), ys

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from . import fused_kernel
-from .layers import Linear, stack_rows
+from .layers import Linear
 from .quant import QuantizedParts
 from .switch import PROJECTIONS, SwitchGLU, weighted_sum
 
@@ -126,48 +126,41 @@ class Decision:
 SWITCHED_OFF = Decision("fallback", f"switched off ({ENV_SWITCH} / set_fused_moe)")
 
 
+def _storage(p: QuantizedParts) -> str:
+    return f"{p.bits}-bit g{p.group_size} {p.mode} ({str(p.scales.dtype).removeprefix('mlx.core.')} scales)"
+
+
 def shared_fold_reason(routed: list[QuantizedParts], shared: tuple[Linear, Linear, Linear]) -> str | None:
     """Why the shared expert cannot run inside the kernel pair (it then runs as its own MLP), or None."""
     for name, r, m in zip(PROJECTIONS, routed, shared, strict=True):
         p = m.quantized_parts()
         if p is None:
-            return f"shared expert {name} is float (the kernels need quantized weights)"
-        if (p.bits, p.group_size, p.mode, p.scales.dtype) != (r.bits, r.group_size, r.mode, r.scales.dtype):
-            return (f"shared expert {name} is {p.bits}-bit g{p.group_size} {p.mode} {p.scales.dtype}, the routed "
-                    f"experts' {r.bits}-bit g{r.group_size} {r.mode} {r.scales.dtype}")
+            return f"its {name} is float (the kernels need quantized weights)"
+        if _storage(p) != _storage(r):
+            return f"its {name} is {_storage(p)}, the routed experts' {_storage(r)}"
         if "bias" in m:
-            return f"shared expert {name} has a bias"
+            return f"its {name} has a bias"
     return None
 
 
 @dataclass(frozen=True)
 class FusedWeights:
-    """The arrays the fused path of one MoE block reads.
-
-    router: the router's rows with the shared expert gate's row appended when both are stored alike, so
-    one matmul gives every logit the router kernel needs (`gate_row`); else the router alone.
-    shared: the shared expert's gate/up/down parts when they can run inside the kernel pair, else None,
-    with `shared_note` saying why (None when the family has no shared expert).
-    """
+    """The arrays the kernels of one MoE block read: the routed experts' gate/up/down parts, and the shared
+    expert's when they can run inside the kernel pair (else None, with `shared_note` saying why; None when
+    the family has no shared expert)."""
 
     experts: tuple[QuantizedParts, QuantizedParts, QuantizedParts]
-    router: Linear | None = None
-    gate_row: bool = False
     shared: tuple[QuantizedParts, QuantizedParts, QuantizedParts] | None = None
     shared_note: str | None = None
 
     @classmethod
-    def build(cls, experts: SwitchGLU, router: Linear | None, shared: tuple[Linear, Linear, Linear] | None,
-              shared_gate: Linear | None) -> FusedWeights:
+    def build(cls, experts: SwitchGLU, shared: tuple[Linear, Linear, Linear] | None) -> FusedWeights:
         parts = experts.quantized_parts()
         if any(p is None for p in parts):  # declined by support_reason before the kernels are ever asked for
             return cls(tuple(parts))
         note = shared_fold_reason(parts, shared) if shared is not None else None
         folded = tuple(m.quantized_parts() for m in shared) if shared is not None and note is None else None
-        stacked = stack_rows(router, shared_gate) if router is not None and shared_gate is not None else None
-        if stacked is not None:
-            mx.eval(stacked.parameters())  # built once, read by every later step (and never traced into one)
-        return cls(tuple(parts), stacked or router, stacked is not None, folded, note)
+        return cls(tuple(parts), folded, note)
 
 
 @dataclass
@@ -208,24 +201,30 @@ class DispatchCounter:
         """gate/up/down parts of the routed experts (see fused_weights)."""
         return self.fused_weights(experts).experts
 
-    def fused_weights(self, experts: SwitchGLU, router: Linear | None = None,
-                      shared: tuple[Linear, Linear, Linear] | None = None,
-                      shared_gate: Linear | None = None) -> FusedWeights:
-        """What the fused path reads, rebuilt only when a weight, scale or bias array was replaced (it is
-        asked for at every decode step of every layer, where rebuilding costs more than a launch)."""
-        modules = (experts.gate_proj, experts.up_proj, experts.down_proj, router, shared_gate, *(shared or ()))
-        arrays = tuple(a for m in modules if m is not None for a in (m["weight"], m.get("scales"), m.get("biases")))
+    def fused_weights(self, experts: SwitchGLU, shared: tuple[Linear, Linear, Linear] | None = None) -> FusedWeights:
+        """What the kernels read, rebuilt only when a weight, scale or bias array was replaced (it is asked
+        for at every decode step of every layer, where rebuilding costs more than a launch)."""
+        modules = (experts.gate_proj, experts.up_proj, experts.down_proj, *(shared or ()))
+        arrays = tuple(a for m in modules for a in (m["weight"], m.get("scales"), m.get("biases")))
         held = self._weights
         if held is None or len(arrays) != len(held[0]) or any(a is not b for a, b in zip(arrays, held[0], strict=True)):
-            held = self._weights = (arrays, FusedWeights.build(experts, router, shared, shared_gate))
+            held = self._weights = (arrays, FusedWeights.build(experts, shared))
         return held[1]
+    @property
+    def notes(self) -> list[str]:
+        """What the fused path of this layer runs beside the kernels, and why (known once it has run)."""
+        held = self._weights
+        note = held[1].shared_note if held is not None else None
+        return [f"shared expert beside the kernels: {note}"] if note else []
+
     def reset(self) -> None:
         self.fused.clear()
         self.fallback = 0
         self.reasons.clear()
 
     def as_dict(self) -> dict:
-        return {"fused": dict(self.fused), "fallback": self.fallback, "reasons": dict(self.reasons)}
+        return {"fused": dict(self.fused), "fallback": self.fallback, "reasons": dict(self.reasons),
+                "notes": self.notes}
 
 
 def routed_experts(

@@ -33,19 +33,62 @@ class Linear(QuantizedWeight):
         return y
 
 
-def stack_rows(first: Linear, second: Linear) -> Linear | None:
-    """One Linear whose outputs are `first`'s then `second`'s (one matmul instead of two), or None when
-    they are stored differently (float vs quantized, bits, group size, dtypes) or have a bias."""
-    if first.quant != second.quant or "bias" in first or "bias" in second:
+PARTS = ("weight", "scales", "biases", "bias")
+
+
+def stack_rows(*linears: Linear) -> Linear | None:
+    """One Linear whose outputs are the given Linears' in order (one matmul instead of several), or None when
+    they are stored differently (float vs quantized, bits, group size, dtypes, bias on some only)."""
+    first = linears[0]
+    if any(m.quant != first.quant or set(m) != set(first) for m in linears):
         return None
-    names = ("weight",) if first.mode is None else ("weight", "scales", "biases")
-    pairs = [(first.get(n), second.get(n)) for n in names]
-    if any((a is None) != (b is None) or (a is not None and a.dtype != b.dtype) for a, b in pairs):
+    names = [n for n in PARTS if n in first]
+    if any(m[n].dtype != first[n].dtype for m in linears for n in names):
         return None
-    stacked = [mx.concatenate([a, b]) if a is not None else None for a, b in pairs]
-    if first.mode is None:
-        return Linear(stacked[0])
-    return Linear(stacked[0], parts=QuantizedParts(*stacked, first.group_size, first.bits, first.mode))
+    stacked = {n: mx.concatenate([m[n] for m in linears]) for n in names}
+    parts = None
+    if first.mode is not None:
+        parts = QuantizedParts(stacked["weight"], stacked["scales"], stacked.get("biases"), first.group_size,
+                               first.bits, first.mode)
+    return Linear(stacked["weight"], stacked.get("bias"), parts)
+
+
+class RowStack:
+    """The stacked Linear of several (see stack_rows), kept in step with them: rebuilt, and evaluated, when
+    one of their arrays was replaced (weights loaded or trained). A plain object rather than a child
+    module, so the model's parameters and checkpoint names stay those of the separate Linears."""
+
+    def __init__(self, *linears: Linear):
+        self.linears = linears
+        self._held: tuple[tuple, Linear | None] | None = None
+
+    def _arrays(self) -> tuple:
+        return tuple(m[n] for m in self.linears for n in PARTS if n in m)
+
+    def get(self) -> Linear | None:
+        """The stacked Linear, or None when the Linears cannot be stacked."""
+        arrays, held = self._arrays(), self._held
+        if held is None or len(arrays) != len(held[0]) or any(a is not b for a, b in zip(arrays, held[0], strict=True)):
+            stacked = stack_rows(*self.linears)
+            if stacked is not None:
+                mx.eval(stacked.parameters())  # built once and read by every later call (never traced into one)
+            held = self._held = (arrays, stacked)
+        return held[1]
+
+    def share_storage(self) -> None:
+        """Point each Linear's arrays at its rows of the stacked ones, so both cost the memory of one."""
+        stacked = self.get()
+        if stacked is None:
+            return
+        start = 0
+        for m in self.linears:
+            rows = m["weight"].shape[0]
+            for n in PARTS:
+                if n in m:
+                    m[n] = stacked[n][start:start + rows]
+            start += rows
+        mx.eval([m.parameters() for m in self.linears])
+        self._held = (self._arrays(), stacked)
 
 
 class Embedding(nn.Module):

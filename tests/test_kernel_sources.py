@@ -43,14 +43,14 @@ _SHAPE = [("int", n) for n in ("E", "K", "DIN", "DFF", "DFFS", "GS")]
 # Template parameters in the order fused_kernel passes them (MLX emits `template <...>` in that order).
 TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
     ROUTER: [("typename", "LT"), ("int", "E"), ("int", "K"), ("bool", "NORM"), ("bool", "SHARED")],
-    GATE_UP: [("typename", "ST"), *_SHAPE, ("int", "BITS")],
-    DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS")],
+    GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "BITS")],
+    DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID")],
 }
 # Element type of each kernel parameter: a C type or a template type name; uint32_t when not listed.
 PARAM_TYPES: dict[Stage, dict[str, str]] = {
     ROUTER: {"logits": "LT", "probs": "float", "scores": "float", "sgate": "float"},
-    GATE_UP: {"x": "float", "act": "float", **{f"{p}_{q}": "ST" for p in ("gate", "up", "sgate", "sup") for q in "sb"}},
-    DOWN: {"scores": "S", "act": "float", "sgate": "float", "y": "float", "ys": "float", "out": "T",
+    GATE_UP: {"x": "T", "act": "float", **{f"{p}_{q}": "ST" for p in ("gate", "up", "sgate", "sup") for q in "sb"}},
+    DOWN: {"scores": "S", "act": "float", "sgate": "float", "y": "float", "ys": "float", "out": "T", "resid": "T",
            **{f"{p}_{q}": "ST" for p in ("down", "sdown") for q in "sb"}},
 }
 FLAVORS = {"f32": {"T": "float", "ST": "float", "S": "float", "LT": "float"},
@@ -128,8 +128,8 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
     for flavor in flavors:
         for bits, group, width in product(GATE_UP_BITS, GROUPS, (0, dffs)):
             yield GATE_UP, _instance(GATE_UP, flavor, **experts, DFFS=width, GS=group, BITS=bits)
-        for bits, group, width in product(DOWN_BITS, GROUPS, (0, dffs)):
-            yield DOWN, _instance(DOWN, flavor, **experts, DFFS=width, GS=group, BITS=bits)
+        for bits, group, width, resid in product(DOWN_BITS, GROUPS, (0, dffs), (False, True)):
+            yield DOWN, _instance(DOWN, flavor, **experts, DFFS=width, GS=group, BITS=bits, RESID=resid)
         for (n_exp, top_k), norm, shared in product(router_shapes, (True, False), (True, False)):
             yield ROUTER, _instance(ROUTER, flavor, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
 
@@ -140,8 +140,9 @@ _ROUTER_RUN_CASES = [(60, 4, True, True), (60, 8, False, True), (128, 8, True, F
 
 
 def _routed_instances(gate_bits: int, down_bits: int, group: int, dffs: int) -> tuple[Instance, Instance]:
+    """Kernels A and B; B adds the residual stream in the shared-expert cases (both flags run on the CPU)."""
     return (_instance(GATE_UP, **EXPERTS, DFFS=dffs, GS=group, BITS=gate_bits),
-            _instance(DOWN, **EXPERTS, DFFS=dffs, GS=group, BITS=down_bits))
+            _instance(DOWN, **EXPERTS, DFFS=dffs, GS=group, BITS=down_bits, RESID=dffs > 0))
 
 
 def _run_instances():
@@ -224,7 +225,8 @@ def test_emulated_signatures_match_what_fused_kernel_launches(monkeypatch, dffs)
     rng = np.random.default_rng(dffs)
     gate, up, down, shared = _experts(rng, 4, 6, 64, dffs, mx.bfloat16)
     x = mx.array(rng.standard_normal(DIN).astype(np.float32), dtype=mx.bfloat16)
-    fused_kernel.gpu_routed("metal", x, mx.array([2, 0, 3]), mx.array([0.5, 0.3, 0.2]), gate, up, down, shared)
+    fused_kernel.gpu_routed("metal", x, mx.array([2, 0, 3]), mx.array([0.5, 0.3, 0.2]), gate, up, down, shared,
+                            x if dffs else None)
     fused_kernel.gpu_select("metal", mx.zeros((1, 4 + bool(dffs)), mx.bfloat16), 4, 2, True, bool(dffs))
     for stage, (inputs, template, output_dtypes) in launches.items():
         assert [(_template_kind(v), n) for n, v in template] == TEMPLATE_PARAMS[stage], stage.name
@@ -284,8 +286,9 @@ def test_shimmed_expert_kernels_match_the_reference_on_cpu(shim_library, gate_bi
     x = rng.standard_normal(DIN).astype(np.float32)
     idx = np.array([2, 0, 3], dtype=np.uint32)
     scores = np.array([0.5, 0.3, 0.2], dtype=np.float32)
+    resid = rng.standard_normal(DIN).astype(np.float32) if dffs else None
     truth_out, truth_y, truth_ys = routed("reference", mx.array(x), mx.array(idx), mx.array(scores), gate, up, down,
-                                         shared)
+                                         shared, None if resid is None else mx.array(resid))
     # as gpu_routed passes them: without a shared expert the routed arrays stand in for its (unread) inputs
     s_gate, s_up, s_down = (shared.gate, shared.up, shared.down) if shared else (gate, up, down)
     sgate = np.array(shared.sigmoid_gate) if shared else scores
@@ -298,7 +301,7 @@ def test_shimmed_expert_kernels_match_the_reference_on_cpu(shim_library, gate_bi
     outputs = {"y": _output(K * DIN), "ys": _output(DIN), "out": _output(DIN)}
     _launch(shim_library, DOWN, b_inst, _padded(DIN), {
         "indices": idx, "scores": scores, **_host("down", down), "act": _written(act, "act"),
-        **_host("sdown", s_down), "sgate": sgate, **outputs})
+        **_host("sdown", s_down), "sgate": sgate, "resid": x if resid is None else resid, **outputs})
 
     checks = {"y": (_written(outputs["y"], "y").reshape(K, DIN), truth_y), "out": (_written(outputs["out"], "out"),
                                                                                    truth_out)}

@@ -9,6 +9,7 @@ import pytest
 
 from moebench import kernels
 from moebench.decode import generate, generate_tokens
+from moebench.layers import Linear
 from moebench.loader import load
 from moebench.quant import QuantizedParts
 from moebench.switch import SwitchGLU, SwitchLinear
@@ -179,3 +180,49 @@ def test_greedy_decode_with_the_switch_on_and_off(quantized_model):
     top2 = np.sort(runs[False][step][1])[-2:]
     margin = float(top2[1] - top2[0])
     assert margin < 1e-3, f"tokens diverge at step {step} with top-1 margin {margin:.3e}: not a near-tie"
+
+
+def _block_outputs(block, x: mx.array, residual: mx.array) -> dict[str, np.ndarray]:
+    """The block's output plus the residual, fused and fallback, and the fused path's decision."""
+    out = {}
+    for on in (True, False):
+        with kernels.fused_moe(on):
+            out[on] = np.array(block(x, residual=residual))
+    return out
+
+
+def test_fused_block_with_shared_expert_and_residual_matches_the_fallback(quantized_model):
+    block = quantized_model.moe_blocks()[0]
+    rng = np.random.default_rng(12)
+    x = mx.array(rng.standard_normal((1, 1, 128)).astype(np.float32))
+    residual = mx.array(rng.standard_normal((1, 1, 128)).astype(np.float32))
+    out = _block_outputs(block, x, residual)
+    assert block.dispatch.last.path == "fallback" and block.dispatch.notes == []
+    assert out[True].shape == (1, 1, 128)
+    assert np.allclose(out[True], out[False], rtol=1e-4, atol=1e-4)
+    with kernels.fused_moe(True):
+        without = np.array(block(x))
+    assert np.allclose(without + np.array(residual), out[True], rtol=1e-5, atol=1e-5)
+
+
+def test_shared_expert_stored_unlike_the_routed_ones_runs_beside_the_kernels_and_says_why(quantized_model):
+    block = quantized_model.moe_blocks()[2]
+    down = block.shared_expert.down_proj
+    dense = mx.dequantize(down.weight, down.scales, down.biases, group_size=64, bits=4)
+    q, s, b = mx.quantize(dense, group_size=64, bits=8)
+    eight_bit = Linear(q, parts=QuantizedParts(q, s, b, 64, 8, "affine"))
+    block.shared_expert.down_proj = eight_bit
+    try:
+        x = mx.array(np.random.default_rng(13).standard_normal((1, 1, 128)).astype(np.float32))
+        out = _block_outputs(block, x, mx.zeros_like(x))
+        assert np.allclose(out[True], out[False], rtol=1e-4, atol=1e-4)
+        with kernels.fused_moe(True):
+            block(x)
+        assert block.dispatch.last.path == "reference"
+        assert block.dispatch.notes == ["shared expert beside the kernels: its down_proj is 8-bit g64 affine "
+                                        "(float32 scales), the routed experts' 4-bit g64 affine (float32 scales)"]
+    finally:
+        block.shared_expert.down_proj = down
+    with kernels.fused_moe(True):
+        block(x)
+    assert block.dispatch.notes == []

@@ -119,7 +119,7 @@ def test_dispatch_counters_count_each_token_once_despite_speculation(tiny):
     for b in model.moe_blocks().values():
         assert b.dispatch.as_dict() == {
             "fused": {"reference": 6}, "fallback": 2,
-            "reasons": {f"{len(PROMPT)} tokens (the kernel runs single-token decode)": 2},
+            "reasons": {f"{len(PROMPT)} tokens (the kernel runs single-token decode)": 2}, "notes": [],
         }
 
 

@@ -10,6 +10,7 @@ moebench.hooks; with none attached the forward pass does no extra work.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import mlx.core as mx
@@ -20,7 +21,7 @@ from ..cache import KVCache
 from ..config import ModelArgs
 from ..errors import CheckpointError
 from ..kernels import DispatchCounter
-from ..layers import Embedding, Linear, load_linear
+from ..layers import Embedding, Linear, RowStack, load_linear
 from ..routing import Intervention, route
 from ..switch import SwitchGLU, load_switch_glu, swiglu, weighted_sum
 
@@ -40,26 +41,37 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head (or grouped-query) attention with q/k/v bias and rotate-half RoPE."""
+    """Multi-head (or grouped-query) attention with q/k/v bias and rotate-half RoPE.
+
+    With a KV cache (inference), q, k and v come out of one matmul over their stacked rows
+    (layers.RowStack) and are split after one transpose: at decode every operation is a launch or a graph
+    node, and this saves eight of each per layer. Without one (training, a full forward) the separate
+    projections run, so gradients reach the model's parameters, which stay the separate projections.
+    """
 
     def __init__(self, args: ModelArgs, q_proj: Linear, k_proj: Linear, v_proj: Linear, o_proj: Linear):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.qkv = RowStack(q_proj, k_proj, v_proj)
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         self.rope_theta = args.rope_theta
         self.scale = args.head_dim**-0.5
 
-    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """q, k, v as [B, L, heads, head_dim] (families that normalise q and k override this)."""
+    def project(self, x: mx.array, stack: bool) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k, v as [B, heads, L, head_dim], from the stacked projection when `stack` (families that
+        normalise q and k override this)."""
         b, length, _ = x.shape
-        q = self.q_proj(x).reshape(b, length, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim)
-        return q, k, v
+        h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        stacked = self.qkv.get() if stack else None
+        if stacked is None:  # no cache, or q, k and v stored differently: three matmuls
+            return tuple(p(x).reshape(b, length, n, hd).transpose(0, 2, 1, 3)
+                         for p, n in ((self.q_proj, h), (self.k_proj, kv), (self.v_proj, kv)))
+        heads = stacked(x).reshape(b, length, h + 2 * kv, hd).transpose(0, 2, 1, 3)
+        return heads[:, :h], heads[:, h : h + kv], heads[:, h + kv :]
 
     def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
         b, length, _ = x.shape
-        q, k, v = (t.transpose(0, 2, 1, 3) for t in self.project(x))
+        q, k, v = self.project(x, stack=cache is not None)
         offset = cache.offset if cache is not None else 0
         q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
         k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
@@ -67,7 +79,9 @@ class Attention(nn.Module):
             k, v = cache.update_and_fetch(k, v)
         mask = cache.attention_mask(length) if cache is not None else ("causal" if length > 1 else None)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+        if length > 1:  # [B, heads, L, hd] -> [B, L, heads * hd]; one position needs no transpose
+            out = out.transpose(0, 2, 1, 3)
+        return self.o_proj(out.reshape(b, length, -1))
 
 
 class MLP(nn.Module):
@@ -77,8 +91,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
-    def __call__(self, x: mx.array, layer: int = -1, record: Recorder | None = None) -> mx.array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+    def __call__(self, x: mx.array, layer: int = -1, record: Recorder | None = None,
+                 residual: mx.array | None = None) -> mx.array:
+        y = self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return y if residual is None else residual + y
 
 
 class SparseMoeBlock(nn.Module):
@@ -86,10 +102,12 @@ class SparseMoeBlock(nn.Module):
 
     Fallback (prefill, switch off, unsupported experts): router matmul, moebench.routing.route, SwitchGLU
     (gather_qmm) and the shared expert as an MLP, in the activation dtype, as mlx-lm computes it.
-    Fused (one decode token): the router's and the shared gate's logits in one matmul, then the router
-    kernel and the kernel pair (moebench.fused_kernel) with the shared expert inside them, everything
-    after the matmul in float32. With an intervention set, routing runs through route() instead of the
-    router kernel. Whatever cannot run inside the kernels runs beside them and the decision says why.
+    Fused (one decode token): the router's and the shared gate's logits from one matmul over their stacked
+    rows, then the router kernel and the kernel pair (moebench.fused_kernel) with the shared expert and the
+    residual add inside them, everything after the matmul in float32 and no reshapes. With an intervention
+    set, routing runs through route() instead of the router kernel; while recording, the block output is
+    kept apart from the residual. What cannot run inside the kernels runs beside them, and says why
+    (DispatchCounter.notes).
     """
 
     def __init__(self, args: ModelArgs, gate: Linear, experts: SwitchGLU, shared_expert: MLP | None,
@@ -97,15 +115,20 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate, self.experts = gate, experts
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+        self.router_rows = RowStack(gate, shared_expert_gate) if shared_expert_gate is not None else None
         self.num_experts, self.top_k = args.num_experts, args.num_experts_per_tok
         self.norm_topk_prob = args.norm_topk_prob
         self.dispatch = DispatchCounter()
         self.intervention: Intervention | None = None
 
-    def __call__(self, x: mx.array, layer: int = -1, record: Recorder | None = None) -> mx.array:
+    def __call__(self, x: mx.array, layer: int = -1, record: Recorder | None = None,
+                 residual: mx.array | None = None) -> mx.array:
+        """The block's output for x [..., D], plus `residual` when given."""
         shape = x.shape
+        decision = self.dispatch.decide(self.experts, math.prod(shape[:-1]))
+        if decision.fused and record is None:
+            return self._fused(x, decision.path, False, residual)[0]
         x = x.reshape(-1, shape[-1])
-        decision = self.dispatch.decide(self.experts, x.shape[0])
         run = self._fused if decision.fused else self._fallback
         out, parts = run(x, decision.path, record is not None)
         if record is not None:
@@ -114,7 +137,8 @@ class SparseMoeBlock(nn.Module):
                 record(name(hook), value)
             record(name(hooks.BLOCK_OUT), out)
             record(name(hooks.PATH), decision)
-        return out.reshape(shape)
+        out = out.reshape(shape)
+        return out if residual is None else residual + out
 
     def _shared_on(self) -> bool:
         return self.shared_expert is not None and (self.intervention is None or self.intervention.shared_expert)
@@ -136,18 +160,19 @@ class SparseMoeBlock(nn.Module):
             out = out + gate * shared
         return out, (logits, probs, inds, scores, expert_out, routed, shared, gate)
 
-    def _fused(self, x: mx.array, backend: str, recording: bool) -> tuple[mx.array, tuple]:
+    def _fused(self, x: mx.array, backend: str, recording: bool,
+               residual: mx.array | None = None) -> tuple[mx.array, tuple]:
         shared_mlp = self.shared_expert
         w = self.dispatch.fused_weights(
-            self.experts, self.gate, shared_mlp and (shared_mlp.gate_proj, shared_mlp.up_proj, shared_mlp.down_proj),
-            self.shared_expert_gate)
+            self.experts, shared_mlp and (shared_mlp.gate_proj, shared_mlp.up_proj, shared_mlp.down_proj))
         shared_on = self._shared_on()
         if self.intervention is None:
-            logits = w.router(x)
+            stacked = self.router_rows.get() if self.router_rows is not None else None
+            logits = (stacked or self.gate)(x)
             probs, inds, scores, gate = fused_kernel.select(backend, logits, self.num_experts, self.top_k,
-                                                            self.norm_topk_prob, w.gate_row)
-            if w.gate_row:
-                logits = logits[:, : self.num_experts] if recording else None
+                                                            self.norm_topk_prob, stacked is not None)
+            if stacked is not None:
+                logits = logits[..., : self.num_experts] if recording else None
             elif shared_on:
                 gate = self._shared_gate(x).astype(mx.float32)
         else:
@@ -155,10 +180,14 @@ class SparseMoeBlock(nn.Module):
             probs, inds, scores = route(logits, self.top_k, self.norm_topk_prob, self.intervention)
             gate = self._shared_gate(x).astype(mx.float32) if shared_on else None
         folded = fused_kernel.SharedExpert(*w.shared, gate) if shared_on and w.shared is not None else None
-        out, expert_out, shared = fused_kernel.routed(backend, x, inds, scores, *w.experts, folded)
-        if shared_on and folded is None:  # the shared expert beside the kernels (w.shared_note says why)
+        if shared_on and folded is None:  # the shared expert beside the kernels (dispatch.notes says why)
             shared = shared_mlp(x)
+            out, expert_out, _ = fused_kernel.routed(backend, x, inds, scores, *w.experts)
             out = out + gate.astype(out.dtype) * shared
+            if residual is not None:
+                out = residual + out
+        else:
+            out, expert_out, shared = fused_kernel.routed(backend, x, inds, scores, *w.experts, folded, residual)
         if not shared_on:
             gate = None
         routed = weighted_sum(expert_out, scores).astype(x.dtype) if recording else None
@@ -173,7 +202,7 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: mx.array, cache: KVCache | None, layer: int, record: Recorder | None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), cache)
-        out = h + self.mlp(self.post_attention_layernorm(h), layer, record)
+        out = self.mlp(self.post_attention_layernorm(h), layer, record, residual=h)
         if record is not None:
             record(hooks.resid_name(layer, hooks.RESID_PRE), x)
             record(hooks.resid_name(layer, hooks.RESID_MID), h)
@@ -273,6 +302,7 @@ class Builder:
         for i in range(a.num_hidden_layers):
             p = f"model.layers.{i}"
             attn = self.attention(f"{p}.self_attn")
+            attn.qkv.share_storage()  # q/k/v become views of the stacked rows: no second copy in memory
             block = self.moe_block(f"{p}.mlp") if a.is_moe_layer(i) else self.mlp(f"{p}.mlp", a.intermediate_size)
             layers.append(DecoderLayer(attn, block, self.norm(f"{p}.input_layernorm.weight"),
                                        self.norm(f"{p}.post_attention_layernorm.weight")))

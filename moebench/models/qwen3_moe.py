@@ -26,8 +26,8 @@ class Qwen3Attention(Attention):
         super().__init__(args, *projections)
         self.q_norm, self.k_norm = q_norm, k_norm
 
-    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        q, k, v = super().project(x)
+    def project(self, x: mx.array, stack: bool) -> tuple[mx.array, mx.array, mx.array]:
+        q, k, v = super().project(x, stack)
         return self.q_norm(q), self.k_norm(k), v
 
 
