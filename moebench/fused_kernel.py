@@ -16,6 +16,7 @@ shared expert in one pass over x, SwiGLU) writing act [K * Dff + Dffs] in float3
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,26 +164,26 @@ class LaunchPlan:
     act_shape: list
     down_shapes: list
     down_dtypes: list
+    parts: tuple  # weak references to the QuantizedParts it was planned for (the key holds their ids)
 
 
 _plans: dict[tuple, LaunchPlan] = {}
 
 
-def _parts_key(p: QuantizedParts) -> tuple:
-    return p.weight.shape, p.scales.shape, p.scales.dtype, p.biases.dtype, p.bits, p.group_size
-
-
 def _plan(x, indices, scores, gate, up, down, shared: SharedExpert | None, residual: mx.array | None,
           rows: int) -> LaunchPlan:
-    """The launch plan, validated once per distinct shape/dtype/geometry key (decode repeats one key)."""
+    """The launch plan, validated once per layer and distinct shape/dtype/geometry (decode repeats one key).
+
+    The weights enter the key by identity (a layer's parts are built once and reused at every step), so
+    a hit costs a few comparisons; the plan keeps weak references to them, so a reused id cannot match
+    parts that are gone, and a plan never keeps a model's weights alive."""
     parts = (gate, up, down) + ((shared.gate, shared.up, shared.down) if shared is not None else ())
-    if any(p.biases is None for p in parts):
-        raise UnsupportedKernelConfig("the fused kernels need affine quantization with biases")
-    key = (x.shape, x.dtype, indices.shape, indices.dtype, scores.shape, scores.dtype, rows,
-           *(_parts_key(p) for p in parts), shared is not None and shared.sigmoid_gate.shape,
-           residual is not None and (residual.shape, residual.dtype))
+    key = (x.shape, x.dtype, indices.shape, indices.dtype, scores.shape, scores.dtype, rows, *map(id, parts),
+           shared is not None and shared.sigmoid_gate.shape, residual is not None and (residual.shape, residual.dtype))
     plan = _plans.get(key)
-    if plan is None:
+    if plan is None or not all(ref() is p for ref, p in zip(plan.parts, parts, strict=True)):
+        if any(p.biases is None for p in parts):
+            raise UnsupportedKernelConfig("the fused kernels need affine quantization with biases")
         check_inputs(x, indices, scores, gate, up, down, shared, residual)
         if not 1 <= rows <= MAX_ROWS:
             raise ConfigError(f"rows per threadgroup {rows}: expected 1 to {MAX_ROWS}")
@@ -200,6 +201,7 @@ def _plan(x, indices, scores, gate, up, down, shared: SharedExpert | None, resid
             act_shape=[(k * dff + dffs,)],
             down_shapes=[(*lead, k, d), (*lead, d) if dffs else (1,), x.shape],
             down_dtypes=[mx.float32, mx.float32, x.dtype],
+            parts=tuple(map(weakref.ref, parts)),
         )
         _plans[key] = plan
     return plan

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from . import fused_kernel
-from .layers import Linear
+from .layers import Derived, Linear
 from .quant import QuantizedParts
-from .switch import PROJECTIONS, SwitchGLU, weighted_sum
+from .switch import PROJECTIONS, SwitchGLU, SwitchLinear, weighted_sum
 
 ENV_SWITCH = "MOEBENCH_FUSED_MOE"
 ENV_MAX_DFF = "MOEBENCH_FUSED_MOE_MAX_DFF"
@@ -154,8 +154,10 @@ class FusedWeights:
     shared_note: str | None = None
 
     @classmethod
-    def build(cls, experts: SwitchGLU, shared: tuple[Linear, Linear, Linear] | None) -> FusedWeights:
-        parts = experts.quantized_parts()
+    def build(cls, gate: SwitchLinear, up: SwitchLinear, down: SwitchLinear, *shared: Linear) -> FusedWeights:
+        """From the routed experts' projections and, when the family has one, the shared expert's."""
+        shared = shared or None
+        parts = [p.quantized_parts() for p in (gate, up, down)]
         if any(p is None for p in parts):  # declined by support_reason before the kernels are ever asked for
             return cls(tuple(parts))
         note = shared_fold_reason(parts, shared) if shared is not None else None
@@ -172,7 +174,7 @@ class DispatchCounter:
     reasons: Counter = field(default_factory=Counter)
     last: Decision | None = None
     _support: dict = field(default_factory=dict, repr=False)
-    _weights: tuple | None = field(default=None, repr=False)
+    _weights: Derived = field(default_factory=lambda: Derived(FusedWeights.build), repr=False)
 
     def decide(self, experts: SwitchGLU, n_tokens: int) -> Decision:
         if n_tokens != 1:
@@ -204,17 +206,12 @@ class DispatchCounter:
     def fused_weights(self, experts: SwitchGLU, shared: tuple[Linear, Linear, Linear] | None = None) -> FusedWeights:
         """What the kernels read, rebuilt only when a weight, scale or bias array was replaced (it is asked
         for at every decode step of every layer, where rebuilding costs more than a launch)."""
-        modules = (experts.gate_proj, experts.up_proj, experts.down_proj, *(shared or ()))
-        arrays = tuple(a for m in modules for a in (m["weight"], m.get("scales"), m.get("biases")))
-        held = self._weights
-        if held is None or len(arrays) != len(held[0]) or any(a is not b for a, b in zip(arrays, held[0], strict=True)):
-            held = self._weights = (arrays, FusedWeights.build(experts, shared))
-        return held[1]
+        return self._weights.get(experts.gate_proj, experts.up_proj, experts.down_proj, *(shared or ()))
     @property
     def notes(self) -> list[str]:
         """What the fused path of this layer runs beside the kernels, and why (known once it has run)."""
-        held = self._weights
-        note = held[1].shared_note if held is not None else None
+        weights = self._weights.value
+        note = weights.shared_note if weights is not None else None
         return [f"shared expert beside the kernels: {note}"] if note else []
 
     def reset(self) -> None:

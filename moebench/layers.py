@@ -6,6 +6,9 @@ checkpoint is never quantized at random first, and every shape is checked agains
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -53,27 +56,57 @@ def stack_rows(*linears: Linear) -> Linear | None:
     return Linear(stacked["weight"], stacked.get("bias"), parts)
 
 
+class Derived:
+    """A value computed from some modules' arrays (weight, scales, biases, bias), recomputed only when one
+    of those modules or arrays was replaced (weights loaded, trained, swapped). It is asked for at every
+    decode step of every layer, so the check is a few identity comparisons, not a rebuild."""
+
+    def __init__(self, build: Callable[..., object]):
+        self._build = build
+        self._modules: tuple = ()
+        self._slots: list[tuple[nn.Module, str]] = []
+        self._arrays: list[mx.array] | None = None
+        self._value = None
+
+    def get(self, *modules: nn.Module):
+        """build(*modules), from the last call's result when nothing was replaced since."""
+        if len(modules) != len(self._modules) or not all(map(operator.is_, modules, self._modules)):
+            self._modules, self._arrays = modules, None
+            self._slots = [(m, n) for m in modules for n in PARTS if n in m]
+        arrays = [m[n] for m, n in self._slots]
+        if self._arrays is None or not all(map(operator.is_, arrays, self._arrays)):
+            self._value, self._arrays = self._build(*modules), arrays
+        return self._value
+
+    @property
+    def value(self):
+        """The value of the last get(), or None before the first."""
+        return self._value
+
+    def adopt(self) -> None:
+        """Take the modules' current arrays as the ones the value was built from (they were re-pointed)."""
+        self._arrays = [m[n] for m, n in self._slots]
+
+
+def _evaluated_stack(*linears: Linear) -> Linear | None:
+    stacked = stack_rows(*linears)
+    if stacked is not None:
+        mx.eval(stacked.parameters())  # built once and read by every later call (never traced into one)
+    return stacked
+
+
 class RowStack:
-    """The stacked Linear of several (see stack_rows), kept in step with them: rebuilt, and evaluated, when
-    one of their arrays was replaced (weights loaded or trained). A plain object rather than a child
-    module, so the model's parameters and checkpoint names stay those of the separate Linears."""
+    """The stacked Linear of several (see stack_rows), kept in step with them (Derived). A plain object
+    rather than a child module, so the model's parameters and checkpoint names stay those of the
+    separate Linears."""
 
     def __init__(self, *linears: Linear):
         self.linears = linears
-        self._held: tuple[tuple, Linear | None] | None = None
-
-    def _arrays(self) -> tuple:
-        return tuple(m[n] for m in self.linears for n in PARTS if n in m)
+        self._stacked = Derived(_evaluated_stack)
 
     def get(self) -> Linear | None:
         """The stacked Linear, or None when the Linears cannot be stacked."""
-        arrays, held = self._arrays(), self._held
-        if held is None or len(arrays) != len(held[0]) or any(a is not b for a, b in zip(arrays, held[0], strict=True)):
-            stacked = stack_rows(*self.linears)
-            if stacked is not None:
-                mx.eval(stacked.parameters())  # built once and read by every later call (never traced into one)
-            held = self._held = (arrays, stacked)
-        return held[1]
+        return self._stacked.get(*self.linears)
 
     def share_storage(self) -> None:
         """Point each Linear's arrays at its rows of the stacked ones, so both cost the memory of one."""
@@ -88,7 +121,7 @@ class RowStack:
                     m[n] = stacked[n][start:start + rows]
             start += rows
         mx.eval([m.parameters() for m in self.linears])
-        self._held = (self._arrays(), stacked)
+        self._stacked.adopt()
 
 
 class Embedding(nn.Module):

@@ -3,6 +3,9 @@ against the gather_qmm fallback, its determinism, and the launch settings the GP
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -151,3 +154,15 @@ def test_each_backend_gets_its_prelude_around_the_same_body():
         assert "simd_sum" in metal_header and "__shfl_xor_sync" in cuda_header
     with pytest.raises(UnsupportedKernelConfig, match="no kernel prelude"):
         fused_kernel.kernel_source("rocm", fused_kernel.GATE_UP)
+
+
+def test_launch_plans_are_reused_per_layer_and_never_keep_weights_alive():
+    parts = make_experts(4, 128, 64, seed=12, scale_dtype=mx.bfloat16)
+    x, idx, sc = mx.zeros((1, 1, 128), mx.bfloat16), mx.array([[[0, 1]]], dtype=mx.uint32), mx.array([[[0.5, 0.5]]])
+    plan = fused_kernel._plan(x, idx, sc, *parts, None, None, 8)
+    assert fused_kernel._plan(x, idx, sc, *parts, None, None, 8) is plan
+    assert plan.down_shapes == [(1, 1, 2, 128), (1,), (1, 1, 128)]
+    watch = weakref.ref(parts[0])
+    del parts
+    gc.collect()
+    assert watch() is None, "a launch plan kept a layer's weights alive"
