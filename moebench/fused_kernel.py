@@ -281,14 +281,15 @@ def select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_to
     return reference_select(logits, num_experts, top_k, norm_topk_prob, gate_row)
 
 
-def _dequantized(p: QuantizedParts, indices: mx.array | None = None) -> mx.array:
-    """The matrices [K, out, in] of the selected experts (or the one matrix) in float32, scales and biases
-    upcast first."""
-    take = (lambda a: a[indices]) if indices is not None else (lambda a: a)
-    return mx.dequantize(
-        take(p.weight), take(p.scales).astype(mx.float32), take(p.biases).astype(mx.float32),
-        group_size=p.group_size, bits=p.bits,
-    ).astype(mx.float32)
+def _matmul_f32(p: QuantizedParts, v: mx.array, indices: mx.array | None = None) -> mx.array:
+    """v @ W^T in float32 with W dequantized in float32 (scales and biases upcast first): v [D] -> [out],
+    or with `indices` [K] and v [D] or [K, 1, in] -> [K, 1, out] (the selected experts' matrices)."""
+    scales, biases = p.scales.astype(mx.float32), p.biases.astype(mx.float32)
+    if indices is None:
+        return mx.quantized_matmul(v[None], p.weight, scales, biases, transpose=True, group_size=p.group_size,
+                                   bits=p.bits)[0]
+    return mx.gather_qmm(v.reshape(-1, 1, v.shape[-1]), p.weight, scales, biases, rhs_indices=indices,
+                         transpose=True, group_size=p.group_size, bits=p.bits)
 
 
 def _swiglu_f32(g: mx.array, u: mx.array) -> mx.array:
@@ -300,14 +301,14 @@ def reference_expert_outputs(
 ) -> mx.array:
     """x [D], indices [K] -> unweighted expert outputs [K, D] in float32, with MLX ops."""
     xf = x.astype(mx.float32)
-    act = _swiglu_f32(_dequantized(gate, indices) @ xf, _dequantized(up, indices) @ xf)
-    return (_dequantized(down, indices) @ act[..., None]).squeeze(-1)
+    act = _swiglu_f32(_matmul_f32(gate, xf, indices), _matmul_f32(up, xf, indices))
+    return _matmul_f32(down, act, indices)[:, 0]
 
 
 def reference_shared_output(x: mx.array, shared: SharedExpert) -> mx.array:
     """x [D] -> the shared expert's unweighted output [D] in float32, with MLX ops."""
     xf = x.astype(mx.float32)
-    return _dequantized(shared.down) @ _swiglu_f32(_dequantized(shared.gate) @ xf, _dequantized(shared.up) @ xf)
+    return _matmul_f32(shared.down, _swiglu_f32(_matmul_f32(shared.gate, xf), _matmul_f32(shared.up, xf)))
 
 
 def combine(expert_out: mx.array, scores: mx.array) -> mx.array:
