@@ -3,7 +3,8 @@
 Reports the platform; runs the fused kernel on this machine's backend (metal, cuda, or the CPU
 'reference', named as such) against the CPU-reference arithmetic and a float64 truth at
 Qwen1.5-MoE-A2.7B's expert shapes and the model's own, for every supported bits / group-size
-combination; checks bitwise determinism; decodes the model greedily with the kernel on and off
+combination, and with the shared expert inside the kernel pair; checks the router kernel against the
+CPU reference; checks bitwise determinism; decodes the model greedily with the kernel on and off
 (bench's timing code) to check dispatch, greedy parity and speed. Exits 1 when a check fails.
 """
 
@@ -16,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from . import fused_kernel
 from .bench import compare_traces, moebench_arms, platform_info, prompt_token_ids, reference_arm, run_arms, summary
+from .fused_kernel import SharedExpert
 from .kernels import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES, available_backend, support_reason
 from .loader import default_model_path, load
 from .quant import QuantizedParts
@@ -32,6 +35,8 @@ FALLBACK_NRMS = 5e-2  # gather_qmm vs truth is ~1e-2; beyond this MLX's own path
 CLEAR_DIVERGENCE = 1.0  # nats: a greedy flip with a larger reference margin is no near-tie
 DETERMINISM_RUNS = {"reference": 2}  # per backend, default 5: GPU runs are cheap, the CPU reference is not
 A27B_SHAPE = ("Qwen1.5-MoE-A2.7B experts", 2048, 1408, 4)  # name, D, Dff, K
+A27B_SHARED = 5632  # its shared expert's width
+ROUTER_TOLERANCE = 1e-5  # probabilities, scores and the sigmoid gate, router kernel vs CPU reference
 
 
 @dataclass(frozen=True)
@@ -65,21 +70,29 @@ def _f64(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32)).astype(np.float64)
 
 
-def truth_outputs(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
-                  down: QuantizedParts) -> tuple[np.ndarray, np.ndarray]:
-    """(weighted sum [D], unweighted y [K, D]) in float64 from float32-dequantized weights (scales and
-    biases upcast before dequantizing), computed in numpy: independent of both MLX paths' arithmetic."""
-    def dense(p: QuantizedParts, e: int) -> np.ndarray:
-        return _f64(mx.dequantize(p.weight[e], p.scales[e].astype(mx.float32), p.biases[e].astype(mx.float32),
-                                  group_size=p.group_size, bits=p.bits))
+def _dense(p: QuantizedParts, e: int | None = None) -> np.ndarray:
+    """Expert e's matrix (or the one matrix) in float64, dequantized with scales and biases upcast first."""
+    pick = (lambda a: a[e]) if e is not None else (lambda a: a)
+    return _f64(mx.dequantize(pick(p.weight), pick(p.scales).astype(mx.float32), pick(p.biases).astype(mx.float32),
+                              group_size=p.group_size, bits=p.bits))
 
+
+def _swiglu64(gate: np.ndarray, up: np.ndarray, down: np.ndarray, xv: np.ndarray) -> np.ndarray:
+    g, u = gate @ xv, up @ xv
+    return down @ (g / (1.0 + np.exp(-g)) * u)
+
+
+def truth_outputs(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
+                  down: QuantizedParts, shared: SharedExpert | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(weighted sum [D] (+ the gated shared expert), unweighted y [K, D]) in float64 from float32-dequantized
+    weights, computed in numpy: independent of both MLX paths' arithmetic."""
     xv = _f64(x)
-    ys = []
-    for e in np.array(indices).tolist():
-        g, u = dense(gate, e) @ xv, dense(up, e) @ xv
-        ys.append(dense(down, e) @ (g / (1.0 + np.exp(-g)) * u))
-    y = np.stack(ys)
-    return (y * _f64(scores)[:, None]).sum(axis=0), y
+    y = np.stack([_swiglu64(_dense(gate, e), _dense(up, e), _dense(down, e), xv) for e in np.array(indices).tolist()])
+    out = (y * _f64(scores)[:, None]).sum(axis=0)
+    if shared is not None:
+        out = out + _f64(shared.sigmoid_gate)[0] * _swiglu64(*(_dense(p) for p in (shared.gate, shared.up,
+                                                                                  shared.down)), xv)
+    return out, y
 
 
 def random_parts(key: mx.array, experts: int, out_features: int, in_features: int, bits: int, group_size: int,
@@ -188,6 +201,80 @@ def model_weights_parity(backend: str, model, seed: int = 0) -> list[dict]:
     return [parity_case(backend, f"model layer {layer} experts", x, indices, probs[indices], *parts)]
 
 
+def shared_expert_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> dict:
+    """The kernel pair with the shared expert inside, at Qwen1.5-MoE-A2.7B's shapes (Dffs 5632, 4-bit g64):
+    block output vs truth, vs the CPU reference, determinism; the unfused MLX ops beside it."""
+    name, d, f, k = A27B_SHAPE
+    label = f"{name} + shared expert Dffs {A27B_SHARED}"
+    keys = iter(mx.random.split(mx.random.key(seed + 1), 8))
+    x = mx.random.normal((d,), key=next(keys)).astype(dtype)
+    scores = mx.softmax(mx.random.normal((k,), key=next(keys)), precise=True)
+    indices = mx.arange(k, dtype=mx.uint32)
+    gate, up = (random_parts(next(keys), k + 1, f, d, 4, 64, dtype) for _ in range(2))
+    down = random_parts(next(keys), k + 1, d, f, 4, 64, dtype)
+    s_parts = [random_parts(next(keys), 1, o, i, 4, 64, dtype) for o, i in ((A27B_SHARED, d), (A27B_SHARED, d),
+                                                                          (d, A27B_SHARED))]
+    one = [QuantizedParts(p.weight[0], p.scales[0], p.biases[0], p.group_size, p.bits, p.mode) for p in s_parts]
+    shared = SharedExpert(*one, mx.array([0.4], mx.float32))
+    row = {"case": label, "backend": backend, "bits": "4/4/4", "group_size": 64,
+           "dtype": str(dtype).replace("mlx.core.", "")}
+    try:
+        runs = [fused_kernel.routed(backend, x, indices, scores, gate, up, down, shared)[0]
+                for _ in range(determinism_runs(backend))]
+        mx.eval(runs)
+        truth, _ = truth_outputs(x, indices, scores, gate, up, down, shared)
+        truth_rounded = _f64(mx.array(truth.astype(np.float32)).astype(x.dtype))
+        out = _f64(runs[0])
+        row.update({"deterministic": all(same_bits(o, runs[0]) for o in runs[1:]),
+                    "fused_nrms": nrms(out, truth_rounded), "fused_nmax": nmax(out, truth_rounded),
+                    "vs_reference_nrms": None})
+        if backend != "reference":
+            with mx.stream(mx.cpu):
+                ref = fused_kernel.routed("reference", x, indices, scores, gate, up, down, shared)[0]
+                row["vs_reference_nrms"] = nrms(out, _f64(ref))
+        experts = SwitchGLU(*(SwitchLinear(p.weight, p) for p in (gate, up, down)))
+        s_out = [mx.quantized_matmul(x[None], p.weight, p.scales, p.biases, group_size=64, bits=4) for p in one[:2]]
+        s_y = mx.quantized_matmul(nn.silu(s_out[0]) * s_out[1], one[2].weight, one[2].scales, one[2].biases,
+                                  group_size=64, bits=4)
+        unfused = weighted_sum(experts(x[None], indices[None]), scores[None]) + shared.sigmoid_gate.astype(dtype) * s_y
+        row["fallback_nrms"] = nrms(_f64(unfused[0]), truth_rounded)
+    except Exception as e:  # a kernel that cannot run here is a failed check, reported with its reason
+        return {**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False}
+    checks = [row["fused_nrms"] < FUSED_NRMS, row["fused_nmax"] < FUSED_NMAX, row["deterministic"],
+              row["fallback_nrms"] < FALLBACK_NRMS]
+    if row["vs_reference_nrms"] is not None:
+        checks.append(row["vs_reference_nrms"] < FUSED_NRMS)
+    return {**row, "fused_y_nrms": None, "status": "ran", "passed": all(checks)}
+
+
+ROUTER_CASES = ((60, 4, False, True), (128, 8, True, False))  # (E, K, renormalise, shared gate row)
+
+
+def router_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
+    """The router kernel (softmax, top-k, shared sigmoid gate) on `backend` against the CPU reference."""
+    rows = []
+    for n_exp, top_k, norm, gate_row in ROUTER_CASES:
+        row = {"case": f"router E{n_exp} top-{top_k}" + (" renormalised" if norm else "") +
+               (" + shared gate" if gate_row else ""), "backend": backend}
+        if backend == "reference":
+            rows.append({**row, "status": "not applicable", "passed": True,
+                         "reason": "on a CPU the reference is the router: nothing separate to compare"})
+            continue
+        logits = mx.random.normal((1, n_exp + gate_row), key=mx.random.key(seed + n_exp)).astype(dtype)
+        try:
+            got = [np.array(a) for a in fused_kernel.select(backend, logits, n_exp, top_k, norm, gate_row)]
+            with mx.stream(mx.cpu):
+                want = [np.array(a) for a in fused_kernel.reference_select(logits, n_exp, top_k, norm, gate_row)]
+        except Exception as e:  # noqa: BLE001 -- reported as a failed row
+            rows.append({**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False})
+            continue
+        diff = max(float(np.abs(g - w).max()) for i, (g, w) in enumerate(zip(got, want, strict=True)) if i != 1)
+        same = sorted(got[1].ravel().tolist()) == sorted(want[1].ravel().tolist())
+        rows.append({**row, "status": "ran", "max_abs_diff": diff, "same_experts": same,
+                     "passed": same and diff < ROUTER_TOLERANCE})
+    return rows
+
+
 def decode_checks(model, prompt_tokens: int, gen_tokens: int, repeats: int, progress: bool) -> dict:
     """Greedy decode with the kernel off and on (bench's interleaved timing): dispatch, parity, speed."""
     results, failures = run_arms(moebench_arms(model, "both"),
@@ -257,6 +344,13 @@ def report_text(record: dict) -> str:
         lines.append(f"| {r['case']} | {r['bits']} | {r['group_size']} | {_fmt(r['fused_nrms'])} | "
                      f"{_fmt(r['fused_nmax'])} | {_fmt(r['vs_reference_nrms'])} | {_fmt(r['fallback_nrms'])} | "
                      f"{'yes' if r['deterministic'] else 'NO'} | {'pass' if r['passed'] else 'FAIL'} |")
+    lines.append(f"\nrouter kernel vs the CPU reference (bound: max |difference| < {ROUTER_TOLERANCE:g}, same experts)")
+    for r in record["router"]:
+        if r["status"] != "ran":
+            lines.append(f"- {r['case']}: {r['status']}: {r['reason']}")
+            continue
+        lines.append(f"- {r['case']}: max |difference| {_fmt(r['max_abs_diff'])}, same experts "
+                     f"{'yes' if r['same_experts'] else 'NO'}: {'pass' if r['passed'] else 'FAIL'}")
     dec = record["decode"]
     if "error" in dec:
         lines.append(f"\ndecode: FAIL: {dec['error']}")
@@ -297,13 +391,16 @@ def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen
     if (own.hidden, own.width, own.top_k) != A27B_SHAPE[1:]:  # a real A2.7B model: one set of rows serves both
         shapes.append(own)
     parity = kernel_parity(backend, shapes, dtype) + model_weights_parity(backend, model)
+    parity.append(shared_expert_parity(backend, dtype))
+    router = router_parity(backend, dtype)
     decode = decode_checks(model, prompt_tokens, gen_tokens, repeats, progress)
     failures = [f"parity {r['case']} bits {r.get('bits')} g{r.get('group_size')}" for r in parity if not r["passed"]]
+    failures += [f"parity {r['case']}" for r in router if not r["passed"]]
     failures += decode_failures(decode)
     bits = model.load_info.bits.get("mlp.switch_mlp.gate_proj", "?")
     return {"schema": SCHEMA, "platform": platform_info(), "model": {"path": str(path), "name": path.name,
-            "bits": bits}, "parity": parity, "decode": decode, "failures": failures, "passed": not failures,
-            "seconds": time.perf_counter() - start}
+            "bits": bits}, "parity": parity, "router": router, "decode": decode, "failures": failures,
+            "passed": not failures, "seconds": time.perf_counter() - start}
 
 
 def register(sub: argparse._SubParsersAction) -> None:

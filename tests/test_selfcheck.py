@@ -18,6 +18,7 @@ ARGS = ["--prompt-tokens", "3", "--gen-tokens", "4", "--repeats", "1", "--no-pro
 def small_reference_shape(monkeypatch):
     """The A2.7B expert shapes cost ~20 s of CPU per run: unit tests check behaviour at a small shape."""
     monkeypatch.setattr(selfcheck, "A27B_SHAPE", ("small experts", 128, 256, 2))
+    monkeypatch.setattr(selfcheck, "A27B_SHARED", 192)
 
 
 def test_selfcheck_passes_and_reports_the_reference_backend_honestly(quantized_checkpoint, tmp_path, capsys):
@@ -31,8 +32,10 @@ def test_selfcheck_passes_and_reports_the_reference_backend_honestly(quantized_c
     assert record["platform"]["backend"] == "reference" and record["platform"]["mlx"] == mx.__version__
     ran = [r for r in record["parity"] if r["status"] == "ran"]
     combos = {(r["case"], r["bits"], r["group_size"]) for r in ran}
-    # every supported bits / group-size combination at both shapes, plus the model's own experts
-    assert len(combos) == 2 * 3 * 2 * 3 + 1
+    # every supported bits / group-size combination at both shapes, the model's own experts, the shared expert
+    assert len(combos) == 2 * 3 * 2 * 3 + 1 + 1
+    assert "small experts + shared expert Dffs 192" in {r["case"] for r in ran}
+    assert [r["status"] for r in record["router"]] == ["not applicable"] * len(selfcheck.ROUTER_CASES)
     for r in ran:
         assert r["fused_nrms"] < selfcheck.FUSED_NRMS and r["deterministic"] and r["vs_reference_nrms"] is None
     dec = record["decode"]
@@ -44,8 +47,9 @@ def test_selfcheck_passes_and_reports_the_reference_backend_honestly(quantized_c
 def test_the_model_shape_is_checked_once_when_it_is_the_reference_shape(quantized_checkpoint, monkeypatch):
     monkeypatch.setattr(selfcheck, "A27B_SHAPE", ("same as the model", 128, 128, 2))  # the tiny model's D, Dff, K
     record = selfcheck.selfcheck(quantized_checkpoint, prompt_tokens=2, gen_tokens=2, repeats=1, progress=False)
-    assert {r["case"] for r in record["parity"]} == {"same as the model D128 Dff128 K2", "model layer 0 experts"}
-    assert len(record["parity"]) == 18 + 1 and record["passed"]
+    assert {r["case"] for r in record["parity"]} == {"same as the model D128 Dff128 K2", "model layer 0 experts",
+                                                     "same as the model + shared expert Dffs 192"}
+    assert len(record["parity"]) == 18 + 1 + 1 and record["passed"]
 
 
 def test_selfcheck_exits_nonzero_when_the_kernel_is_wrong(quantized_checkpoint, tmp_path, monkeypatch, capsys):
@@ -125,3 +129,26 @@ def test_a_gpu_backend_is_compared_with_the_cpu_reference(monkeypatch):
     row = selfcheck.parity_case("cuda", "case", x, idx, scores, *parts)
     assert row["passed"] and row["vs_reference_nrms"] == 0.0
     assert seen == ["cuda"] * selfcheck.determinism_runs("cuda") + ["reference"]
+
+
+@pytest.mark.parametrize("error,passes", [(0.0, True), (1e-3, False)])
+def test_a_gpu_router_kernel_is_compared_with_the_cpu_reference(monkeypatch, error, passes):
+    def as_if_cuda(backend, logits, *args):
+        probs, inds, scores, gate = fused_kernel.reference_select(logits, *args)
+        return probs + error, inds, scores, gate
+
+    monkeypatch.setattr(fused_kernel, "select", as_if_cuda)
+    rows = selfcheck.router_parity("cuda", mx.float32)
+    assert len(rows) == len(selfcheck.ROUTER_CASES) and all(r["status"] == "ran" for r in rows)
+    assert all(r["passed"] == passes and r["same_experts"] for r in rows)
+
+
+def test_the_shared_expert_case_fails_when_the_kernel_drops_the_shared_term(monkeypatch):
+    real = fused_kernel.routed
+
+    def without_shared(backend, x, indices, scores, gate, up, down, shared=None, residual=None):
+        return real("reference", x, indices, scores, gate, up, down)
+
+    monkeypatch.setattr(fused_kernel, "routed", without_shared)
+    row = selfcheck.shared_expert_parity("reference", mx.float32)
+    assert row["status"] == "ran" and not row["passed"] and row["fused_nrms"] > selfcheck.FUSED_NRMS
