@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 import pandas as pd
 
+from . import fused_kernel
 from .errors import MoebenchError, UnsupportedKernelConfig
 from .interventions import active_interventions, set_interventions
 from .kernels import DispatchCounter, fused_moe, routed_experts
@@ -60,28 +61,33 @@ def unpack(weight: np.ndarray, bits: int) -> np.ndarray:
     return (stream << np.arange(bits)).sum(axis=-1)
 
 
-def dequantize_f64(parts: QuantizedParts, ids: np.ndarray) -> np.ndarray:
-    """The selected experts' matrices [K, out, in] in float64 from the packed weights; scales and
-    biases are upcast (from whatever float they are stored in) before the affine map."""
+def dequantize_f64(parts: QuantizedParts, ids: np.ndarray | None = None) -> np.ndarray:
+    """The selected experts' matrices [K, out, in] (or, without ids, the one matrix) in float64 from the
+    packed weights; scales and biases are upcast (from whatever float they are stored in) before the
+    affine map."""
     if parts.mode != "affine" or parts.biases is None:
         raise UnsupportedKernelConfig(f"the dense truth handles affine quantization with biases, not {parts.mode}")
-    levels = unpack(np.array(parts.weight[mx.array(ids)]), parts.bits)
-    scales = np.array(parts.scales[mx.array(ids)].astype(mx.float32)).astype(np.float64)
-    biases = np.array(parts.biases[mx.array(ids)].astype(mx.float32)).astype(np.float64)
+    take = (lambda a: a[mx.array(ids)]) if ids is not None else (lambda a: a)
+    levels = unpack(np.array(take(parts.weight)), parts.bits)
+    scales = np.array(take(parts.scales).astype(mx.float32)).astype(np.float64)
+    biases = np.array(take(parts.biases).astype(mx.float32)).astype(np.float64)
     gs = parts.group_size
     return levels * np.repeat(scales, gs, axis=-1) + np.repeat(biases, gs, axis=-1)
 
 
-def dense_truth(experts: SwitchGLU, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Unweighted SwiGLU outputs [K, D] of experts `ids` on one token x [D], all in float64."""
-    parts = experts.quantized_parts()
+def _swiglu_f64(parts: list[QuantizedParts | None], x: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
+    """Unweighted SwiGLU output(s) of gate/up/down `parts` on one token x [D], all in float64."""
     if any(p is None for p in parts):
-        raise UnsupportedKernelConfig("float experts: the fused kernel needs quantized weights")
+        raise UnsupportedKernelConfig("float weights: the fused kernels need quantized weights")
     gate, up, down = (dequantize_f64(p, ids) for p in parts)
     xf = x.astype(np.float64)
     g, u = gate @ xf, up @ xf
-    act = g / (1.0 + np.exp(-g)) * u
-    return np.einsum("kdf,kf->kd", down, act)
+    return (down @ (g / (1.0 + np.exp(-g)) * u)[..., None])[..., 0]
+
+
+def dense_truth(experts: SwitchGLU, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Unweighted SwiGLU outputs [K, D] of experts `ids` on one token x [D], all in float64."""
+    return _swiglu_f64(experts.quantized_parts(), x, ids)
 
 
 def nrms(a: np.ndarray, ref: np.ndarray) -> float:
@@ -99,9 +105,10 @@ def _f64(a: mx.array) -> np.ndarray:
 def compare_step(model, step: StepRecord, layers: list[int] | None = None, dtype: mx.Dtype | None = None
                  ) -> pd.DataFrame:
     """Errors of fused and fallback vs the dense truth and vs each other, for a step recorded with
-    `record=True`. Long format: one row per (layer, part, pair); part 'routed' is the weighted sum
-    the block adds to the residual (after the paths' own final cast), part 'expert' each selected
-    expert's score-weighted partial (slot = rank by score)."""
+    `record=True`. Long format: one row per (layer, part, pair); part 'routed' is the weighted sum of
+    the routed experts (after the paths' own final cast), part 'expert' each selected expert's
+    score-weighted partial (slot = rank by score), part 'shared' the shared expert's unweighted output
+    (score: its recorded gate) where the family has one."""
     if not step.layers:
         raise MoebenchError("this step has no recorded layers: decode with record=True")
     layers = sorted(step.layers) if layers is None else layers
@@ -127,6 +134,7 @@ def compare_step(model, step: StepRecord, layers: list[int] | None = None, dtype
             outputs[name] = (_f64(routed[0]), _f64(per_expert[0]), decision.path)
         s64 = rec.topk_scores.astype(np.float64)
         truth = dense_truth(block.experts, _f64(x[0]), rec.topk_ids)
+        shared = _shared_outputs(block, x, ids, scores, outputs["fused"][2])
         outputs["truth"] = ((s64[:, None] * truth).sum(axis=0), truth, "numpy float64")
         for a, b in PAIRS:
             routed_a, experts_a, _ = outputs[a]
@@ -138,9 +146,33 @@ def compare_step(model, step: StepRecord, layers: list[int] | None = None, dtype
                 pa, pb = s64[slot] * experts_a[slot], s64[slot] * experts_b[slot]
                 rows.append({**base, "part": "expert", "slot": slot, "expert": int(expert), "score": s64[slot],
                              "nrms": nrms(pa, pb), "max_abs": float(np.abs(pa - pb).max())})
+            if shared is not None:
+                sa, sb = shared[a], shared[b]
+                rows.append({**base, "part": "shared", "slot": pd.NA, "expert": pd.NA,
+                             "score": float(np.asarray(rec.shared_gate).reshape(-1)[0]), "nrms": nrms(sa, sb),
+                             "max_abs": float(np.abs(sa - sb).max())})
     frame = pd.DataFrame(rows, columns=["layer", "part", "slot", "expert", "score", "pair", "nrms", "max_abs",
                                         "backend", "dtype"])
     return frame.astype({"slot": "Int64", "expert": "Int64", "score": "Float64"})
+
+
+def _shared_outputs(block, x: mx.array, ids: mx.array, scores: mx.array, backend: str) -> dict | None:
+    """The shared expert's unweighted output [D] three ways: inside the fused kernel pair (or beside it,
+    as the fused path runs it when it cannot fold), as the fallback's MLP, and in float64."""
+    mlp = block.shared_expert
+    if mlp is None:
+        return None
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    fallback = _f64(mlp(x)[0])
+    w = block.dispatch.fused_weights(block.experts, projections)
+    fused = fallback
+    if w.shared is not None:
+        unit_gate = mx.ones((*x.shape[:-1], 1), mx.float32)  # the output is unweighted: the gate does not enter it
+        _, _, ys = fused_kernel.routed(backend, x, ids, scores, *w.experts,
+                                       fused_kernel.SharedExpert(*w.shared, unit_gate))
+        fused = _f64(ys[0])
+    truth = _swiglu_f64([p.quantized_parts() for p in projections], _f64(x[0]))
+    return {"fused": fused, "fallback": fallback, "truth": truth}
 
 
 # -- (b) whole decode, switch on vs off ------------------------------------------------------------

@@ -61,11 +61,15 @@ def test_dense_truth_agrees_with_a_float32_swiglu(model):
 def test_fused_is_closer_to_the_truth_than_the_fallback_in_bfloat16(model, step):
     table = compare_step(model, step, dtype=mx.bfloat16)
     k = model.args.num_experts_per_tok
-    assert len(table) == len(model.moe_blocks()) * (1 + k) * 3
+    assert all(b.shared_expert is not None for b in model.moe_blocks().values())
+    assert len(table) == len(model.moe_blocks()) * (1 + k + 1) * 3
     assert set(table["dtype"]) == {"mlx.core.bfloat16"} and set(table["backend"]) == {"reference"}
-    wide = table.assign(slot=table["slot"].fillna(-1)).pivot(index=["layer", "slot"], columns="pair", values="nrms")
-    assert len(wide) == len(model.moe_blocks()) * (1 + k)  # the routed sum (slot -1) and each expert
+    wide = table.assign(slot=table["slot"].fillna(-1)).pivot(index=["layer", "part", "slot"], columns="pair",
+                                                             values="nrms")
+    assert len(wide) == len(model.moe_blocks()) * (1 + k + 1)  # the routed sum, each expert, the shared expert
     assert (wide["fused~truth"] < wide["fallback~truth"] / 3).all(), wide
+    shared = table[(table["part"] == "shared") & (table["pair"] == "fused~truth")]
+    assert len(shared) == len(model.moe_blocks()) and (shared["nrms"] < 1e-5).all()  # float32 inside the pair
     expert_rows = table[(table["part"] == "expert") & (table["pair"] == "fused~truth")]
     assert (expert_rows["nrms"] < 1e-5).all()  # float32 partials: only float32 rounding
     assert list(expert_rows["expert"][:k]) == list(step.layers[0].topk_ids)

@@ -88,6 +88,12 @@ class DiffView:
         self._step_text = (f"<b>errors under identical routing</b> ({dtype} activations, fused backend "
                            f"'{html.escape(backend)}'): median over layers, fused {fused:.2e} vs fallback "
                            f"{fallback:.2e}: {closer}.")
+        shared = frame[frame["part"] == "shared"]
+        if len(shared):
+            s_fused, s_fallback = (float(shared[shared["pair"] == pair]["nrms"].median())
+                                   for pair in ("fused~truth", "fallback~truth"))
+            self._step_text += (f" Shared expert (unweighted output), median over layers: fused {s_fused:.2e} vs "
+                                f"fallback {s_fallback:.2e}.")
         self._render()
 
     def show_decode(self, comparison) -> None:

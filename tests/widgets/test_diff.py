@@ -14,6 +14,7 @@ def test_step_errors_per_layer_and_per_expert(tiny, trace):
     assert view.figure.data[3].x[0].startswith("L0 #1 e")
     assert "errors under identical routing" in view.summary.value
     assert "match the truth to float32 rounding" in view.summary.value  # float32 on CPU: both are exact
+    assert "Shared expert (unweighted output)" in view.summary.value
 
 
 def test_half_precision_names_the_closer_path(tiny, trace):
