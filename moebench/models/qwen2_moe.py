@@ -129,8 +129,7 @@ class SparseMoeBlock(nn.Module):
         if decision.fused and record is None:
             return self._fused(x, decision.path, False, residual)[0]
         x = x.reshape(-1, shape[-1])
-        run = self._fused if decision.fused else self._fallback
-        out, parts = run(x, decision.path, record is not None)
+        out, parts = self._fused(x, decision.path, record is not None) if decision.fused else self._fallback(x)
         if record is not None:
             name = hooks.moe_name(layer)
             for hook, value in zip(MOE_PARTS, parts, strict=True):
@@ -149,7 +148,7 @@ class SparseMoeBlock(nn.Module):
             gate = gate * self.intervention.shared_gate_scale
         return gate
 
-    def _fallback(self, x: mx.array, path: str, recording: bool) -> tuple[mx.array, tuple]:
+    def _fallback(self, x: mx.array) -> tuple[mx.array, tuple]:
         logits = self.gate(x)
         probs, inds, scores = route(logits, self.top_k, self.norm_topk_prob, self.intervention)
         expert_out = self.experts(x, inds)
