@@ -113,10 +113,12 @@ def support_reason(experts: SwitchGLU, backend: str) -> str | None:
 
 @dataclass(frozen=True)
 class Decision:
-    """Which path one MoE call took: backend 'metal' / 'cuda' / 'reference', or 'fallback' and why."""
+    """Which path one MoE call took: backend 'metal' / 'cuda' / 'reference', or 'fallback' and why; `note`:
+    what a fused call ran beside the kernels, and why (recorded steps carry it)."""
 
     path: str
     reason: str | None = None
+    note: str | None = None
 
     @property
     def fused(self) -> bool:

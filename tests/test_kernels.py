@@ -221,6 +221,11 @@ def test_shared_expert_stored_unlike_the_routed_ones_runs_beside_the_kernels_and
         assert block.dispatch.last.path == "reference"
         assert block.dispatch.notes == ["shared expert beside the kernels: its down_proj is 8-bit g64 affine "
                                         "(float32 scales), the routed experts' 4-bit g64 affine (float32 scales)"]
+        recorded = {}
+        with kernels.fused_moe(True):
+            block(x, layer=2, record=lambda name, value: recorded.__setitem__(name, value))
+        path = recorded["layers.2.moe.path"]
+        assert path.fused and path.note == block.dispatch.notes[0]
     finally:
         block.shared_expert.down_proj = down
     with kernels.fused_moe(True):

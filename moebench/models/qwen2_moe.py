@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -135,7 +136,8 @@ class SparseMoeBlock(nn.Module):
             for hook, value in zip(MOE_PARTS, parts, strict=True):
                 record(name(hook), value)
             record(name(hooks.BLOCK_OUT), out)
-            record(name(hooks.PATH), decision)
+            notes = self.dispatch.notes if decision.fused else []
+            record(name(hooks.PATH), replace(decision, note="; ".join(notes)) if notes else decision)
         out = out.reshape(shape)
         return out if residual is None else residual + out
 

@@ -16,14 +16,14 @@ from ..kernels import fused_moe_enabled, set_fused_moe
 
 def describe_paths(record) -> str:
     """'fused reference kernel on 4 of 4 MoE layers' or 'fallback (gather_qmm) on 4 of 4 MoE layers: <reason>'."""
-    paths = Counter((layer.path.path, layer.path.reason) for layer in record.layers.values())
+    paths = Counter((layer.path.path, layer.path.reason or layer.path.note) for layer in record.layers.values())
     total = sum(paths.values())
     if not total:
         return "not recorded (internals were off for this token)"
     parts = []
-    for (path, reason), n in paths.most_common():
+    for (path, why), n in paths.most_common():
         name = "fallback (gather_qmm)" if path == "fallback" else f"fused {path} kernel"
-        parts.append(f"{name} on {n} of {total} MoE layers" + (f": {reason}" if reason else ""))
+        parts.append(f"{name} on {n} of {total} MoE layers" + (f": {why}" if why else ""))
     return "; ".join(parts)
 
 

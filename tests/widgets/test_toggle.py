@@ -1,4 +1,7 @@
+from types import SimpleNamespace
+
 import moebench
+from moebench.kernels import Decision
 from moebench.record import Stepper
 from moebench.widgets.toggle import FusedToggle, describe_paths
 
@@ -34,3 +37,11 @@ def test_an_unrecorded_step_says_the_path_is_unknown(tiny):
     toggle = FusedToggle()
     toggle.show(Stepper(model, tokenizer, "hello").run(1).generated[0])
     assert "path not recorded" in toggle.label.value
+
+
+def test_a_fused_step_that_ran_part_of_the_block_beside_the_kernels_says_so():
+    note = "shared expert beside the kernels: its down_proj is 8-bit g64 affine (bfloat16 scales), ..."
+    layers = {i: SimpleNamespace(path=Decision("cuda", None, note if i else None)) for i in range(2)}
+    text = describe_paths(SimpleNamespace(layers=layers))
+    assert text == f"fused cuda kernel on 1 of 2 MoE layers: {note}; fused cuda kernel on 1 of 2 MoE layers" or \
+        text == f"fused cuda kernel on 1 of 2 MoE layers; fused cuda kernel on 1 of 2 MoE layers: {note}"
