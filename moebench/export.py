@@ -5,7 +5,7 @@ Frames, keyed by `step` (StepRecord.index) and `layer`:
     candidates  one row per (step, rank): the top next-token candidates and their probabilities
     routing     one row per (step, layer, rank): the selected experts by score, the path that ran
     router      one row per (step, layer, expert): router logit and probability over all experts
-    layers      one row per (step, layer): shared gate, residual and output norms, path and reason
+    layers      one row per (step, layer): shared gate, residual and output norms, path, reason and note
     vectors     one row per (step, layer, name[, rank]): the recorded vectors (hook names), as lists
 Any other frames (comparisons, statistics) can be saved beside them with save_frames.
 """
@@ -47,7 +47,8 @@ def to_frames(trace: Trace, vectors: bool = True) -> dict[str, pd.DataFrame]:
                                        "prob": c.prob})
         for layer, r in s.layers.items():
             key = {"step": s.index, "layer": layer}
-            path = {"path": r.path.path, "fused": r.path.fused, "reason": r.path.reason}
+            path = {"path": r.path.path, "fused": r.path.fused, "reason": r.path.reason,
+                    "note": r.path.note or ""}  # "" (not None): an all-None column reads back from JSON as NaN
             for rank, (e, score) in enumerate(zip(r.topk_ids, r.topk_scores, strict=True)):
                 rows["routing"].append({**key, "rank": rank, "expert": int(e), "score": float(score), **path})
             for e, (logit, prob) in enumerate(zip(r.router_logits, r.router_probs, strict=True)):
