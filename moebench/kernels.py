@@ -209,6 +209,7 @@ class DispatchCounter:
         """What the kernels read, rebuilt only when a weight, scale or bias array was replaced (it is asked
         for at every decode step of every layer, where rebuilding costs more than a launch)."""
         return self._weights.get(experts.gate_proj, experts.up_proj, experts.down_proj, *(shared or ()))
+
     @property
     def notes(self) -> list[str]:
         """What the fused path of this layer runs beside the kernels, and why (known once it has run)."""
