@@ -23,6 +23,11 @@ MB_FN uint32_t mb_lane_min(uint32_t v) {
   return v;
 }
 // Precise expf, not __expf: the fused path must stay within the reference's rounding class.
+// The value of lane (this lane ^ mask).
+MB_FN float mb_lane_xor(float v, uint32_t mask) { return __shfl_xor_sync(0xffffffffu, v, int(mask)); }
 MB_FN float mb_exp(float v) { return expf(v); }
+MB_FN float mb_cos(float v) { return cosf(v); }
+MB_FN float mb_sin(float v) { return sinf(v); }
+MB_FN float mb_rsqrt(float v) { return 1.0f / sqrtf(v); }
 MB_FN float mb_nan() { return __int_as_float(0x7fffffff); }
 MB_FN float mb_neg_inf() { return __uint_as_float(0xff800000u); }

@@ -19,6 +19,7 @@ using mb_std_thread = std::thread;  // named before `thread` becomes an (erased)
 #define threadgroup
 
 using uint = uint32_t;
+using ushort = unsigned short;
 struct uint3 { uint x, y, z; };
 struct uint4 { uint x, y, z, w; };
 struct float4 { float x, y, z, w; };
@@ -70,9 +71,22 @@ V mb_shim_reduce(V v, Op op) {
 
 namespace metal {
 inline float exp(float v) { return std::exp(v); }
+namespace precise {
+inline float cos(float v) { return std::cos(v); }
+inline float sin(float v) { return std::sin(v); }
+inline float sqrt(float v) { return std::sqrt(v); }
+}  // namespace precise
 inline float simd_sum(float v) { return mb_shim_reduce(v, [](float a, float b) { return a + b; }); }
 inline float simd_max(float v) { return mb_shim_reduce(v, [](float a, float b) { return std::fmax(a, b); }); }
 inline uint32_t simd_min(uint32_t v) { return mb_shim_reduce(v, [](uint32_t a, uint32_t b) { return a < b ? a : b; }); }
+inline float simd_shuffle_xor(float v, unsigned short mask) {
+  MbSimdgroup& g = *mb_shim_group;
+  g.values[mb_shim_lane] = as_type<uint32_t>(v);
+  g.meet.arrive_and_wait();
+  const float other = as_type<float>(g.values[mb_shim_lane ^ mask]);
+  g.meet.arrive_and_wait();
+  return other;
+}
 }  // namespace metal
 
 // Run `kernel(thread_position_in_grid)` over a (32, rows, slots) grid: 32 lane threads walk the

@@ -7,6 +7,11 @@
 MB_FN float mb_lane_sum(float v) { return metal::simd_sum(v); }
 MB_FN float mb_lane_max(float v) { return metal::simd_max(v); }
 MB_FN uint32_t mb_lane_min(uint32_t v) { return metal::simd_min(v); }
+// The value of lane (this lane ^ mask).
+MB_FN float mb_lane_xor(float v, uint32_t mask) { return metal::simd_shuffle_xor(v, ushort(mask)); }
 MB_FN float mb_exp(float v) { return metal::exp(v); }
+MB_FN float mb_cos(float v) { return metal::precise::cos(v); }
+MB_FN float mb_sin(float v) { return metal::precise::sin(v); }
+MB_FN float mb_rsqrt(float v) { return 1.0f / metal::precise::sqrt(v); }
 MB_FN float mb_nan() { return as_type<float>(0x7fc00000u); }
 MB_FN float mb_neg_inf() { return as_type<float>(0xff800000u); }

@@ -69,7 +69,7 @@ def kernel_source(backend: str, stage: Stage) -> tuple[str, str]:
 _kernels: dict[tuple[str, str], object] = {}
 
 
-def _built(backend: str, stage: Stage):
+def built_kernel(backend: str, stage: Stage):
     """The MLX kernel object of `stage` on `backend`, built once; MLX compiles once per template."""
     key = (backend, stage.name)
     if key not in _kernels:
@@ -224,14 +224,14 @@ def gpu_routed(
     indices = indices.astype(mx.uint32)
     st = gate.scales.dtype  # scales and biases of every projection in one dtype (a no-op cast in practice)
     s_gate, s_up, s_down = (shared.gate, shared.up, shared.down) if shared is not None else (gate, up, down)
-    act = _built(backend, GATE_UP)(
+    act = built_kernel(backend, GATE_UP)(
         inputs=[x, indices, gate.weight, gate.scales, gate.biases.astype(st), up.weight,
                 up.scales.astype(st), up.biases.astype(st), s_gate.weight, s_gate.scales.astype(st),
                 s_gate.biases.astype(st), s_up.weight, s_up.scales.astype(st), s_up.biases.astype(st)],
         template=plan.gate_up_template, grid=plan.gate_up_grid, threadgroup=plan.threadgroup,
         output_shapes=plan.act_shape, output_dtypes=[mx.float32],
     )[0]
-    y, ys, out = _built(backend, DOWN)(
+    y, ys, out = built_kernel(backend, DOWN)(
         inputs=[indices, scores, down.weight, down.scales.astype(st), down.biases.astype(st), act, s_down.weight,
                 s_down.scales.astype(st), s_down.biases.astype(st),
                 shared.sigmoid_gate if shared is not None else scores, residual if residual is not None else x],
@@ -250,7 +250,7 @@ def gpu_select(backend: str, logits: mx.array, num_experts: int, top_k: int, nor
     if logits.shape[-1:] != (num_experts + gate_row,) or any(n != 1 for n in lead) or not 1 <= top_k <= num_experts:
         raise UnsupportedKernelConfig(f"router logits {tuple(logits.shape)} with top-{top_k}: expected one token's "
                                       f"{num_experts + gate_row} logits and 1 <= top_k <= {num_experts}")
-    return tuple(_built(backend, ROUTER)(
+    return tuple(built_kernel(backend, ROUTER)(
         inputs=[logits],
         template=[("LT", logits.dtype), ("E", num_experts), ("K", top_k), ("NORM", norm_topk_prob),
                   ("SHARED", gate_row)],

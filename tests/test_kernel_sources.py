@@ -1,11 +1,12 @@
 """The kernel sources in kernels/ compile and compute right without a GPU.
 
-CI has no Apple GPU, so the Metal prelude plus the shared bodies of the three stages (router, kernel A,
-kernel B) are wrapped in the signature MLX's metal_kernel would write and compiled as C++ against
-kernels/metal_cpu_shim.h (every supported bits / group size / shared-expert / router-flag combination,
-float32 and bfloat16), then run on the CPU against the references. The emulated signatures are
-checked against what fused_kernel actually launches. Where nvcc exists, the CUDA prelude plus the
-same bodies compile the way MLX's cuda_kernel wraps them.
+CI has no Apple GPU, so the Metal prelude plus the shared bodies of the four stages (router, kernel A,
+kernel B of the MoE and decode attention) are wrapped in the signature MLX's metal_kernel would write
+and compiled as C++ against kernels/metal_cpu_shim.h (every supported bits / group size /
+shared-expert / router-flag combination, attention with and without bias at MHA, GQA and MQA head
+shapes, float32 and bfloat16), then run on the CPU against the references. The emulated signatures
+are checked against what fused_kernel and attention_kernel actually launch. Where nvcc exists, the
+CUDA prelude plus the same bodies compile the way MLX's cuda_kernel wraps them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench import fused_kernel
+from moebench import attention_kernel, fused_kernel
+from moebench.attention_kernel import ATTENTION, Heads, reference_decode_attention, rope_frequencies
 from moebench.fused_kernel import (
     DOWN,
     GATE_UP,
@@ -38,6 +40,10 @@ EXPERTS = {"E": 4, "K": 3, "DIN": 256, "DFF": 128}  # DFF divides by every group
 E, K, DIN, DFF = EXPERTS.values()
 DFFS = 640  # shared expert width: a multiple of every group size and of 16, unlike DIN, DFF and K * DFF
 ROUTER_SHAPES = ((4, 2), (60, 4), (128, 8))  # (E, K): logits in `constant`, E % 32 != 0, E % 32 == 0
+# (H, KV, HD): MHA at Qwen1.5-MoE-A2.7B's shape, GQA with 2 dims a lane, MQA with 8; HD 96 and 32 put a
+# dim's rotate-half partner in lane ^ 16
+ATTENTION_SHAPES = ((16, 16, 128), (8, 2, 64), (4, 1, 256), (6, 2, 96), (2, 1, 32))
+CAP = 40  # cache slots of the attention runs
 
 _SHAPE = [("int", n) for n in ("E", "K", "DIN", "DFF", "DFFS", "GS")]
 # Template parameters in the order fused_kernel passes them (MLX emits `template <...>` in that order).
@@ -45,6 +51,7 @@ TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
     ROUTER: [("typename", "LT"), ("int", "E"), ("int", "K"), ("bool", "NORM"), ("bool", "SHARED")],
     GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "BITS")],
     DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID")],
+    ATTENTION: [("typename", "T"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS")],
 }
 # Element type of each kernel parameter: a C type or a template type name; uint32_t when not listed.
 PARAM_TYPES: dict[Stage, dict[str, str]] = {
@@ -52,12 +59,13 @@ PARAM_TYPES: dict[Stage, dict[str, str]] = {
     GATE_UP: {"x": "T", "act": "float", **{f"{p}_{q}": "ST" for p in ("gate", "up", "sgate", "sup") for q in "sb"}},
     DOWN: {"scores": "S", "act": "float", "sgate": "float", "y": "float", "ys": "float", "out": "T", "resid": "T",
            **{f"{p}_{q}": "ST" for p in ("down", "sdown") for q in "sb"}},
+    ATTENTION: {**dict.fromkeys(ATTENTION.inputs + ATTENTION.outputs, "T"), "inv_freq": "float", "pos": "int"},
 }
 FLAVORS = {"f32": {"T": "float", "ST": "float", "S": "float", "LT": "float"},
            "bf16": {"T": "bfloat16_t", "ST": "bfloat16_t", "S": "float", "LT": "bfloat16_t"}}
-MX_TYPES = {mx.float32: "float", mx.bfloat16: "bfloat16_t", mx.uint32: "uint32_t"}
-NP_TYPES = {"float": np.float32, "uint32_t": np.uint32}
-CUDA_TYPES = {"float": "float", "bfloat16_t": "__nv_bfloat16", "uint32_t": "uint32_t"}
+MX_TYPES = {mx.float32: "float", mx.bfloat16: "bfloat16_t", mx.uint32: "uint32_t", mx.int32: "int"}
+NP_TYPES = {"float": np.float32, "uint32_t": np.uint32, "int": np.int32}
+CUDA_TYPES = {"float": "float", "bfloat16_t": "__nv_bfloat16", "uint32_t": "uint32_t", "int": "int32_t"}
 
 Instance = dict[str, object]  # template parameter name -> C type name, int or bool, in template order
 
@@ -85,6 +93,8 @@ def _constant_inputs(stage: Stage, inst: Instance) -> tuple[str, ...]:
     """The inputs MLX's metal_kernel puts in `constant` (under 8 elements) at this instance's shapes."""
     if stage is ROUTER:
         sizes = {"logits": inst["E"] + inst["SHARED"]}
+    elif stage is ATTENTION:
+        sizes = {"pos": 2}  # [P, CAP]; the other inputs hold at least HD / 2 >= 16 elements
     else:  # without a shared expert the caller passes scores in place of B's sgate [1]
         sizes = {"indices": inst["K"], "scores": inst["K"], "sgate": 1 if inst["DFFS"] else inst["K"]}
     return tuple(n for n in stage.inputs if sizes.get(n, 8) < 8)
@@ -123,7 +133,11 @@ def _launcher(stage: Stage, inst: Instance) -> str:
             f"{', '.join(buffers)}, t); }});\n}}")
 
 
-def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shapes):
+def _attention_instance(shape: tuple[int, int, int], bias: bool, flavor: str = "f32") -> Instance:
+    return _instance(ATTENTION, flavor, **dict(zip(("H", "KV", "HD"), shape, strict=True)), BIAS=bias)
+
+
+def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shapes, attention_shapes):
     """(stage, instance) for every supported combination at these shapes."""
     for flavor in flavors:
         for bits, group, width in product(GATE_UP_BITS, GROUPS, (0, dffs)):
@@ -132,6 +146,8 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
             yield DOWN, _instance(DOWN, flavor, **experts, DFFS=width, GS=group, BITS=bits, RESID=resid)
         for (n_exp, top_k), norm, shared in product(router_shapes, (True, False), (True, False)):
             yield ROUTER, _instance(ROUTER, flavor, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
+        for shape, bias in product(attention_shapes, (False, True)):
+            yield ATTENTION, _attention_instance(shape, bias, flavor)
 
 
 _RUN_CASES = [(4, 4, 32), (8, 8, 64), (4, 6, 128), (8, 6, 32), (4, 8, 128)]  # (gate bits, down bits, group)
@@ -150,13 +166,15 @@ def _run_instances():
         yield from zip((GATE_UP, DOWN), _routed_instances(*case, dffs), strict=True)
     for n_exp, top_k, norm, shared in _ROUTER_RUN_CASES:
         yield ROUTER, _instance(ROUTER, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
+    for shape, bias in product(ATTENTION_SHAPES, (False, True)):
+        yield ATTENTION, _attention_instance(shape, bias)
 
 
 def _metal_unit() -> str:
     """Shim, Metal prelude, one template per signature, an explicit instance per combination, launchers."""
     header, _ = kernel_source("metal", GATE_UP)
     instances = {(_metal_name(s, i), _args(i)): (s, i) for s, i in [
-        *_compile_instances(FLAVORS, EXPERTS, DFFS, ROUTER_SHAPES), *_run_instances()]}
+        *_compile_instances(FLAVORS, EXPERTS, DFFS, ROUTER_SHAPES, ATTENTION_SHAPES), *_run_instances()]}
     templates = {name: _metal_template(s, i) for (name, _), (s, i) in instances.items()}
     return "\n\n".join([
         f'#include "{KERNEL_DIR / "metal_cpu_shim.h"}"', header, *templates.values(),
@@ -221,13 +239,19 @@ def test_emulated_signatures_match_what_fused_kernel_launches(monkeypatch, dffs)
             return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes, strict=True)]
         return launch
 
-    monkeypatch.setattr(fused_kernel, "_built", built)
+    monkeypatch.setattr(fused_kernel, "built_kernel", built)
     rng = np.random.default_rng(dffs)
     gate, up, down, shared = _experts(rng, 4, 6, 64, dffs, mx.bfloat16)
     x = mx.array(rng.standard_normal(DIN).astype(np.float32), dtype=mx.bfloat16)
     fused_kernel.gpu_routed("metal", x, mx.array([2, 0, 3]), mx.array([0.5, 0.3, 0.2]), gate, up, down, shared,
                             x if dffs else None)
     fused_kernel.gpu_select("metal", mx.zeros((1, 4 + bool(dffs)), mx.bfloat16), 4, 2, True, bool(dffs))
+    heads = Heads(8, 2, 64)
+    qkv = mx.array(rng.standard_normal((1, heads.width)).astype(np.float32), dtype=mx.bfloat16)
+    cache = mx.zeros((1, 2, CAP, 64), mx.bfloat16)
+    attention_kernel.gpu_decode_attention("metal", qkv, qkv[0] if dffs else None, rope_frequencies(64, 1e6),
+                                          mx.array([5, CAP], mx.int32), cache, cache, heads)  # bias with dffs
+    assert set(launches) == {ROUTER, GATE_UP, DOWN, ATTENTION}
     for stage, (inputs, template, output_dtypes) in launches.items():
         assert [(_template_kind(v), n) for n, v in template] == TEMPLATE_PARAMS[stage], stage.name
         inst = {n: MX_TYPES[v] if isinstance(v, mx.Dtype) else v for n, v in template}
@@ -347,6 +371,32 @@ def test_shimmed_router_breaks_ties_towards_the_lower_expert_id(shim_library):
     assert scores[0] == scores[1] and scores[2] == scores[3]
 
 
+@pytest.mark.parametrize("pos", (0, 1, 7, 8, 9, CAP - 1))  # around the 8-key block edges, and the last slot
+@pytest.mark.parametrize("bias", (False, True))
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
+def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bias, pos):
+    """Cache slots >= pos hold NaN for the kernel: it must read only the pos earlier tokens plus the new one."""
+    heads = Heads(*shape)
+    rng = np.random.default_rng(sum(shape) * 100 + pos * 2 + bias)
+    qkv, qkv_bias = (rng.standard_normal(heads.width).astype(np.float32) for _ in range(2))
+    inv_freq, slots = rope_frequencies(heads.head_dim, 10000.0), np.array([pos, CAP], np.int32)
+    cache = rng.standard_normal((2, 1, heads.n_kv_heads, CAP, heads.head_dim)).astype(np.float32)
+    truth = reference_decode_attention(mx.array(qkv), mx.array(qkv_bias) if bias else None, inv_freq,
+                                       mx.array(slots), *map(mx.array, cache), heads)
+    unread = cache.copy()
+    unread[..., pos:, :] = np.nan
+    outputs = {n: _output(heads.n_heads * heads.head_dim if n == "out" else heads.n_kv_heads * heads.head_dim)
+               for n in ATTENTION.outputs}
+    _launch(shim_library, ATTENTION, _attention_instance(shape, bias), _padded(heads.n_heads), {
+        "qkv": qkv, "bias": qkv_bias if bias else qkv, "inv_freq": np.array(inv_freq), "pos": slots,
+        "keys": unread[0], "values": unread[1], **outputs})
+    for name, want in zip(ATTENTION.outputs, truth, strict=True):
+        got = _written(outputs[name], name)
+        assert np.isfinite(got).all(), f"{name}: not finite (a cache slot >= pos read?)"
+        nrms = _nrms(got, np.array(want).reshape(-1))
+        assert nrms < 1e-5, f"{name}: shimmed kernel vs reference nRMS {nrms:.2e}"
+
+
 def _cuda_constant(kind: str, name: str, value) -> str:
     """One template argument as MLX's cuda_kernel sets it at the top of the kernel."""
     if kind == "typename":
@@ -361,7 +411,8 @@ def _cuda_unit() -> str:
              "#include <cuda/std/limits>\n#define inf cuda::std::numeric_limits<float>::infinity()", header,
              "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;"]
     qwen = {"E": 60, "K": 4, "DIN": 2048, "DFF": 1408}
-    for n, (stage, inst) in enumerate(_compile_instances(("bf16",), qwen, 5632, ((60, 4),))):
+    attention = ((16, 16, 128), (32, 4, 128), (12, 4, 96))  # Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B, partner lane ^ 16
+    for n, (stage, inst) in enumerate(_compile_instances(("bf16",), qwen, 5632, ((60, 4),), attention)):
         _, source = kernel_source("cuda", stage)
         params = [f"const {CUDA_TYPES[_param_type(stage, i, inst)]}* {i}" for i in stage.inputs]
         params += [f"{CUDA_TYPES[_param_type(stage, o, inst)]}* {o}" for o in stage.outputs]

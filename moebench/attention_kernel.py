@@ -1,0 +1,159 @@
+"""The fused decode-attention step of one layer: q/k/v bias, RoPE and attention over the KV cache for one
+new token in one launch, instead of the five to eight graph nodes the unfused path builds for it.
+
+At decode every graph node costs host time (building it in Python, encoding it), and the GPU waits on
+the host, so a node saved is time saved. Backends: 'metal' and 'cuda' (kernels/attn_decode.body behind
+the per-backend prelude, as for the MoE kernels) and 'reference' (the same arithmetic in MLX ops, the
+test oracle and the CPU path). The kernel reads the cache buffers up to the token's position and hands
+the new key and value back; the caller writes them into the cache (moebench.cache), so the buffers are
+never written by two nodes of one step.
+
+Arithmetic, shared by every backend: the bias add is rounded to the activation dtype T, as an add in T
+is; q and k are rotated (rotate-half, as mx.fast.rope with traditional=False) in float32 and rounded to
+T, as rope's output is; scores and softmax in float32 with the scale head_dim ** -0.5; the output is
+rounded to T once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from . import fused_kernel
+from .errors import UnsupportedKernelConfig
+from .fused_kernel import GPU_BACKENDS, LANES, Stage
+
+ATTENTION = Stage("moebench_attn_decode", "attn_decode.body", ("qkv", "bias", "inv_freq", "pos", "keys", "values"),
+                  ("out", "k_new", "v_new"))
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Query heads, key/value heads and the head width of one attention layer."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    @property
+    def width(self) -> int:
+        """Width of the stacked q/k/v projection: (H + 2 KV) * head_dim."""
+        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
+
+def support_reason(heads: Heads) -> str | None:
+    """Why the kernel cannot run attention of this shape, or None when it can."""
+    if heads.head_dim % LANES:
+        return f"head_dim {heads.head_dim} (the kernel needs a multiple of {LANES})"
+    if heads.n_heads % heads.n_kv_heads:
+        return f"{heads.n_heads} query heads do not divide into {heads.n_kv_heads} key/value heads"
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def rope_frequencies(head_dim: int, base: float) -> mx.array:
+    """float32 [head_dim / 2]: base ** (-2 i / head_dim), the rotation speed of dims i and i + head_dim / 2."""
+    freqs = mx.power(mx.array(base, mx.float32), -mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)
+    mx.eval(freqs)
+    return freqs
+
+
+_checked: set[tuple] = set()
+
+
+def check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
+                 values: mx.array, heads: Heads) -> None:
+    """Shapes and dtypes the kernel assumes, checked in Python (a bad launch would abort the process); a
+    combination seen before is not checked again (decode repeats one)."""
+    key = (qkv.shape, qkv.dtype, bias is not None and (bias.shape, bias.dtype), inv_freq.shape, inv_freq.dtype,
+           slots.shape, slots.dtype, keys.shape, keys.dtype, values.shape, values.dtype, heads)
+    if key in _checked:
+        return
+    reason = support_reason(heads)
+    if reason:
+        raise UnsupportedKernelConfig(reason)
+    kv, hd = heads.n_kv_heads, heads.head_dim
+    if qkv.shape[-1:] != (heads.width,) or any(n != 1 for n in qkv.shape[:-1]):
+        raise UnsupportedKernelConfig(f"qkv has shape {tuple(qkv.shape)}, expected one token's ({heads.width},)")
+    if bias is not None and (bias.shape != (heads.width,) or bias.dtype != qkv.dtype):
+        raise UnsupportedKernelConfig(f"qkv bias {tuple(bias.shape)} {bias.dtype}: expected ({heads.width},) "
+                                      f"{qkv.dtype}")
+    if inv_freq.shape != (hd // 2,) or inv_freq.dtype != mx.float32:
+        raise UnsupportedKernelConfig(f"inv_freq {tuple(inv_freq.shape)} {inv_freq.dtype}: expected "
+                                      f"({hd // 2},) float32")
+    if slots.shape != (2,) or slots.dtype != mx.int32:
+        raise UnsupportedKernelConfig(f"slots {tuple(slots.shape)} {slots.dtype}: expected (2,) int32 [P, CAP]")
+    for name, a in (("keys", keys), ("values", values)):
+        if a.ndim != 4 or a.shape[0] != 1 or a.shape[1] != kv or a.shape[3] != hd or a.dtype != qkv.dtype:
+            raise UnsupportedKernelConfig(f"cached {name} {tuple(a.shape)} {a.dtype}: expected (1, {kv}, CAP, {hd}) "
+                                          f"{qkv.dtype}")
+    if keys.shape != values.shape or keys.size >= 2**31:
+        raise UnsupportedKernelConfig(f"cached keys {tuple(keys.shape)} and values {tuple(values.shape)}: expected "
+                                      "one shape under 2**31 elements")
+    _checked.add(key)
+
+
+def gpu_decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
+                         keys: mx.array, values: mx.array, heads: Heads) -> tuple[mx.array, mx.array, mx.array]:
+    """The kernel on `backend` (see decode_attention)."""
+    kv, hd = heads.n_kv_heads, heads.head_dim
+    lead = tuple(qkv.shape[:-1])
+    return tuple(fused_kernel.built_kernel(backend, ATTENTION)(
+        inputs=[qkv, bias if bias is not None else qkv, inv_freq, slots, keys, values],
+        template=[("T", qkv.dtype), ("H", heads.n_heads), ("KV", kv), ("HD", hd), ("BIAS", bias is not None)],
+        grid=(LANES, heads.n_heads, 1), threadgroup=(LANES, 1, 1),
+        output_shapes=[(*lead, heads.n_heads * hd), (1, kv, 1, hd), (1, kv, 1, hd)],
+        output_dtypes=[qkv.dtype] * 3,
+    ))
+
+
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Rotate-half RoPE of float32 rows [..., hd], rounded to `dtype` and back to float32."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(dtype).astype(mx.float32)
+
+
+def reference_decode_attention(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
+                               keys: mx.array, values: mx.array, heads: Heads) -> tuple[mx.array, mx.array, mx.array]:
+    """The kernel's arithmetic with MLX ops; the position may be a traced array (a compiled step), so the
+    cache is masked past it rather than sliced."""
+    h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
+    dtype, lead = qkv.dtype, tuple(qkv.shape[:-1])
+    x = qkv.reshape(-1)
+    if bias is not None:
+        x = x + bias
+    x = x.astype(mx.float32)
+    theta = slots[0].astype(mx.float32) * inv_freq
+    cos, sin = mx.cos(theta), mx.sin(theta)
+    q = _rotate(x[: h * hd].reshape(kv, h // kv, hd), cos, sin, dtype) * (hd**-0.5)
+    k = _rotate(x[h * hd : (h + kv) * hd].reshape(kv, 1, hd), cos, sin, dtype)
+    v = x[(h + kv) * hd :].reshape(kv, 1, hd)
+    cached_k, cached_v = keys[0].astype(mx.float32), values[0].astype(mx.float32)  # [KV, CAP, HD]
+    past = mx.arange(keys.shape[2], dtype=mx.int32) < slots[0]
+    scores = mx.where(past, q @ cached_k.transpose(0, 2, 1), -mx.inf)  # [KV, group, CAP]
+    scores = mx.concatenate([scores, (q * k).sum(axis=-1, keepdims=True)], axis=-1)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    out = probs[..., :-1] @ cached_v + probs[..., -1:] * v
+    new = (a.reshape(1, kv, 1, hd).astype(dtype) for a in (k, v))
+    return (out.reshape(*lead, h * hd).astype(dtype), *new)
+
+
+def decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
+                     keys: mx.array, values: mx.array, heads: Heads) -> tuple[mx.array, mx.array, mx.array]:
+    """One new token's attention on `backend`: (output [..., H * HD] in qkv's dtype, its rotated key and its
+    value [1, KV, 1, HD] for the cache).
+
+    qkv [..., (H + 2 KV) * HD] is the stacked projection without its bias (leading axes all 1, kept in the
+    output); bias the stacked bias or None; inv_freq from rope_frequencies; slots int32 [P, CAP]: the token's
+    position P and the slots CAP of the cache buffers keys / values [1, KV, CAP, HD], whose first P hold
+    the earlier tokens' rotated keys and values.
+    """
+    check_inputs(qkv, bias, inv_freq, slots, keys, values, heads)
+    if backend in GPU_BACKENDS:
+        return gpu_decode_attention(backend, qkv, bias, inv_freq, slots, keys, values, heads)
+    if backend != "reference":
+        raise UnsupportedKernelConfig(f"unknown fused backend {backend!r} (metal, cuda or reference)")
+    return reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads)
