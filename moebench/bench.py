@@ -82,7 +82,8 @@ def summary(values: list[float]) -> dict:
 
 def moebench_dispatch(model) -> dict:
     """MoE dispatch counts summed over the layers: fused runs per backend, fallbacks, decline reasons, and
-    what the fused path ran beside the kernels (notes, layers per note)."""
+    what the fused path ran beside the kernels (notes, layers per note); under 'attention' the same counts
+    of the decode-attention kernel."""
     fused, reasons, notes, fallback = Counter(), Counter(), Counter(), 0
     blocks = model.moe_blocks()
     for block in blocks.values():
@@ -90,8 +91,12 @@ def moebench_dispatch(model) -> dict:
         reasons.update(block.dispatch.reasons)
         notes.update(block.dispatch.notes)
         fallback += block.dispatch.fallback
+    attention = [layer.self_attn.dispatch for layer in model.layers]
     return {"moe_layers": len(blocks), "fused": dict(fused), "fallback": fallback, "reasons": dict(reasons),
-            "notes": dict(notes)}
+            "notes": dict(notes),
+            "attention": {"layers": len(attention), "fused": dict(sum((c.fused for c in attention), Counter())),
+                          "fallback": sum(c.fallback for c in attention),
+                          "reasons": dict(sum((c.reasons for c in attention), Counter()))}}
 
 
 def float_dtype(model) -> str:
@@ -103,8 +108,8 @@ def float_dtype(model) -> str:
 
 
 def _reset_dispatch(model) -> None:
-    for block in model.moe_blocks().values():
-        block.dispatch.reset()
+    for counter in model.dispatch_counters():
+        counter.reset()
 
 
 def timed_run(arm: Arm, prompt_ids: list[int], gen_tokens: int, keep_logits: bool = False) -> Run:
@@ -332,6 +337,10 @@ def _dispatch_text(d: dict | None) -> str:
         return "-"
     fused = ", ".join(f"{n} {b}" for b, n in sorted(d["fused"].items())) or "0 fused"
     notes = "".join(f"; {n} layers: {note}" for note, n in sorted(d.get("notes", {}).items()))
+    attention = d.get("attention")
+    if attention:
+        notes += "; attention " + (", ".join(f"{n} {b}" for b, n in sorted(attention["fused"].items())) or "0 fused")
+        notes += f", {attention['fallback']} fallback"
     return f"{fused}; {d['fallback']} fallback{notes}"
 
 

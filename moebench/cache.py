@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 GROW_STEP = 256
@@ -15,22 +17,38 @@ class KVCache:
         self.values: mx.array | None = None
         self.offset = 0
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        prev, new = self.offset, keys.shape[2]
-        if self.keys is None or prev + new > self.keys.shape[2]:
-            b, h, _, d = keys.shape
-            grow = ((new + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
-            k_new = mx.zeros((b, h, grow, d), keys.dtype)
-            v_new = mx.zeros((b, h, grow, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = k_new, v_new
-            else:
-                self.keys = mx.concatenate([self.keys[..., :prev, :], k_new], axis=2)
-                self.values = mx.concatenate([self.values[..., :prev, :], v_new], axis=2)
-        self.offset += new
+    def _reserve(self, new: int, batch: int, heads: int, key_dim: int, value_dim: int, dtype: mx.Dtype) -> None:
+        """Grow the buffers (in GROW_STEP slots) so that `new` more positions fit."""
+        prev = self.offset
+        if self.keys is not None and prev + new <= self.keys.shape[2]:
+            return
+        grow = ((new + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
+        k_new = mx.zeros((batch, heads, grow, key_dim), dtype)
+        v_new = mx.zeros((batch, heads, grow, value_dim), dtype)
+        if self.keys is None:
+            self.keys, self.values = k_new, v_new
+        else:
+            self.keys = mx.concatenate([self.keys[..., :prev, :], k_new], axis=2)
+            self.values = mx.concatenate([self.values[..., :prev, :], v_new], axis=2)
+
+    def write(self, keys: mx.array, values: mx.array) -> None:
+        """Store the next positions' keys and values (room reserved by the caller)."""
+        prev = self.offset
+        self.offset += keys.shape[2]
         self.keys[..., prev : self.offset, :] = keys
         self.values[..., prev : self.offset, :] = values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        b, h, new, d = keys.shape
+        self._reserve(new, b, h, d, values.shape[3], keys.dtype)
+        self.write(keys, values)
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def decode_buffers(self, heads: int, head_dim: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
+        """For one new token (the fused decode-attention kernel): the key and value buffers [1, heads, CAP,
+        head_dim] as they are before it is written, and int32 [P, CAP], its position and their slots."""
+        self._reserve(1, 1, heads, head_dim, head_dim, dtype)
+        return self.keys, self.values, slots_array(self.offset, self.keys.shape[2])
 
     def attention_mask(self, length: int) -> str | None:
         return "causal" if length > 1 else None
@@ -40,29 +58,69 @@ class KVCache:
         return () if self.keys is None else (self.keys, self.values)
 
 
+_slots: dict[tuple[int, int], mx.array] = {}
+
+
+def slots_array(position: int, capacity: int) -> mx.array:
+    """int32 [position, capacity], one array per value pair: every layer of a decode step asks for the same."""
+    key = (position, capacity)
+    if key not in _slots:
+        if len(_slots) >= 4 * GROW_STEP:
+            _slots.clear()
+        _slots[key] = mx.array(key, dtype=mx.int32)
+    return _slots[key]
+
+
 def make_cache(num_layers: int) -> list[KVCache]:
     return [KVCache() for _ in range(num_layers)]
 
 
+@dataclass(frozen=True)
+class StepPosition:
+    """Where one traced step writes in static caches, built once per step for every layer: the offset [],
+    the slice_update start [4] and the decode kernel's [P, CAP]."""
+
+    offset: mx.array
+    start: mx.array
+    slots: mx.array
+
+    @classmethod
+    def at(cls, offset: mx.array, capacity: int) -> StepPosition:
+        p = offset.reshape(1)
+        return cls(offset, mx.concatenate([mx.zeros((2,), mx.int32), p, mx.zeros((1,), mx.int32)]),
+                   mx.concatenate([p, mx.array([capacity], mx.int32)]))
+
+
 class StaticKVCache:
     """A fixed-capacity cache whose write position is an array, so a decode step has constant shapes
-    and can be traced once by mx.compile. The caller advances `offset` between steps."""
+    and can be traced once by mx.compile. The caller advances the position between steps."""
 
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
-        self.keys, self.values, self.offset = keys, values, offset
+    def __init__(self, keys: mx.array, values: mx.array, position: StepPosition):
+        self.keys, self.values, self.position = keys, values, position
 
     @classmethod
     def empty(cls, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: mx.Dtype) -> StaticKVCache:
         zeros = mx.zeros((batch, kv_heads, capacity, head_dim), dtype)
-        return cls(zeros, mx.zeros_like(zeros), mx.array(0, dtype=mx.int32))
+        return cls(zeros, mx.zeros_like(zeros), StepPosition.at(mx.array(0, dtype=mx.int32), capacity))
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    @property
+    def offset(self) -> mx.array:
+        return self.position.offset
+
+    def write(self, keys: mx.array, values: mx.array) -> None:
         if keys.shape[2] > self.keys.shape[2]:
             raise ValueError(f"{keys.shape[2]} new positions exceed the cache capacity {self.keys.shape[2]}")
-        start = mx.concatenate([mx.zeros((2,), mx.int32), self.offset.reshape(1), mx.zeros((1,), mx.int32)])
+        start = self.position.start
         self.keys = mx.slice_update(self.keys, keys, start, axes=(0, 1, 2, 3))
         self.values = mx.slice_update(self.values, values, start, axes=(0, 1, 2, 3))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.write(keys, values)
         return self.keys, self.values
+
+    def decode_buffers(self, heads: int, head_dim: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
+        """The buffers before this step's token is written, and int32 [P, CAP] (see KVCache.decode_buffers)."""
+        return self.keys, self.values, self.position.slots
 
     def attention_mask(self, length: int) -> mx.array:
         """Query i (at position offset + i) sees cache slots 0..offset + i; the rest is unwritten."""

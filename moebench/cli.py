@@ -43,22 +43,24 @@ def _run_generate(a: argparse.Namespace) -> int:
     result = generate(model, ids, a.max_tokens, sampling, stop_ids=model.args.eos_token_id)
     text = tok.decode(result.token_ids)
     dispatch = {str(i): b.dispatch.as_dict() for i, b in model.moe_blocks().items()}
+    attention = {str(i): layer.self_attn.dispatch.as_dict() for i, layer in enumerate(model.layers)}
     if a.json:
         print(json.dumps({
             "model": str(model.load_info.source), "prompt": a.prompt, "prompt_ids": result.prompt_ids,
             "token_ids": result.token_ids, "text": text,
             "timings": {"prompt_seconds": result.prompt_seconds, "decode_seconds": result.decode_seconds,
                         "prompt_tps": result.prompt_tps, "decode_tps": result.decode_tps},
-            "dispatch": dispatch,
+            "dispatch": dispatch, "attention_dispatch": attention,
         }, indent=2))
     else:
         print(a.prompt + text)
         print(f"\n[prompt {len(ids)} tokens, {result.prompt_tps:.1f} tok/s | decode {len(result.token_ids)} tokens, "
               f"{result.decode_tps:.1f} tok/s]", file=sys.stderr)
-        fused = sum(sum(d["fused"].values()) for d in dispatch.values())
-        fallback = sum(d["fallback"] for d in dispatch.values())
-        reasons = sorted({r for d in dispatch.values() for r in d["reasons"]})
-        print(f"[MoE dispatch: {fused} fused, {fallback} fallback; reasons: {reasons}]", file=sys.stderr)
+        for what, counts in (("MoE", dispatch), ("attention", attention)):
+            fused = sum(sum(d["fused"].values()) for d in counts.values())
+            fallback = sum(d["fallback"] for d in counts.values())
+            reasons = sorted({r for d in counts.values() for r in d["reasons"]})
+            print(f"[{what} dispatch: {fused} fused, {fallback} fallback; reasons: {reasons}]", file=sys.stderr)
     return 0
 
 

@@ -4,7 +4,8 @@ MLX can fuse the elementwise work between kernels.
 
 What Python does during tracing happens once, so two things are handled here explicitly:
 - the fused-kernel switch is read at trace time: one compiled graph is kept per switch state;
-- dispatch counters count at trace time: every later call replays the traced decisions into them.
+- dispatch counters (attention and MoE) count at trace time: every later call replays the traced
+  decisions into them.
 Recording and interventions change the forward in Python, so this path declines them (with the
 reason) and the eager path runs instead.
 """
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from .cache import StaticKVCache
+from .cache import StaticKVCache, StepPosition
 from .kernels import Decision, fused_moe_enabled
 
 CAPACITY_STEP = 256
@@ -36,7 +37,7 @@ class CompiledSteps:
     def __init__(self, model):
         self.model = model
         self.steps: dict[bool, Callable] = {}
-        self.decisions: dict[bool, dict[int, Decision]] = {}
+        self.decisions: dict[bool, list[Decision]] = {}
 
     @classmethod
     def of(cls, model) -> CompiledSteps:
@@ -50,19 +51,19 @@ class CompiledSteps:
         enabled = fused_moe_enabled()
         if enabled not in self.steps:
             self.steps[enabled] = mx.compile(self._forward)
-        blocks = self.model.moe_blocks()
-        probe = next(iter(blocks.values()), None)
-        before = probe.dispatch.last if probe is not None else None
+        counters = self.model.dispatch_counters()
+        before = counters[0].last
         logits, *kv = self.steps[enabled](token, offset, *kv)
-        if probe is not None and probe.dispatch.last is not before:  # this call traced: counters already moved
-            self.decisions[enabled] = {i: b.dispatch.last for i, b in blocks.items()}
+        if counters[0].last is not before:  # this call traced: the counters already moved
+            self.decisions[enabled] = [c.last for c in counters]
         else:
-            for i, b in blocks.items():
-                b.dispatch.count(self.decisions[enabled][i])
+            for c, decision in zip(counters, self.decisions[enabled], strict=True):
+                c.count(decision)
         return logits, kv
 
     def _forward(self, token: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
-        caches = [StaticKVCache(kv[i], kv[i + 1], offset) for i in range(0, len(kv), 2)]
+        position = StepPosition.at(offset, kv[0].shape[2])  # once for every layer of the step
+        caches = [StaticKVCache(kv[i], kv[i + 1], position) for i in range(0, len(kv), 2)]
         logits = self.model.last_logits(token.reshape(1, 1), caches)[0]
         return (logits, *[a for c in caches for a in (c.keys, c.values)])
 
@@ -85,8 +86,9 @@ class CompiledForward:
             raise ValueError(f"sequence of {self.position + n} tokens exceeds the compiled cache of {self.capacity}")
         offset = mx.array(self.position, dtype=mx.int32)
         if n > 1:
+            position = StepPosition.at(offset, self.capacity)
             for c in self.caches:
-                c.offset = offset
+                c.position = position
             logits = self.model.last_logits(tokens.reshape(1, n), self.caches)[0]
         else:
             kv = [a for c in self.caches for a in (c.keys, c.values)]

@@ -1,16 +1,17 @@
-"""The one place that decides fused or fallback for a MoE layer, and always says why.
+"""The one place that decides fused or fallback for a MoE layer (and for the decode-attention kernel), and
+always says why.
 
 The switch: environment variable MOEBENCH_FUSED_MOE (default on; 0/false/off/no turn it off),
 `set_fused_moe()` and the `fused_moe()` context manager, read at every forward call so a widget
-can flip it between tokens. Each MoE block owns a DispatchCounter of fused runs, fallbacks and
-decline reasons.
+can flip it between tokens; it covers every fused decode kernel (MoE block and attention). Each MoE
+block and each attention layer owns a DispatchCounter of fused runs, fallbacks and decline reasons.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -179,6 +180,12 @@ class DispatchCounter:
     _weights: Derived = field(default_factory=lambda: Derived(FusedWeights.build), repr=False)
 
     def decide(self, experts: SwitchGLU, n_tokens: int) -> Decision:
+        """A MoE block's path for a call over n_tokens (support_reason says what the kernels cannot run)."""
+        return self.decide_for(n_tokens, lambda backend: support_reason(experts, backend))
+
+    def decide_for(self, n_tokens: int, support: Callable[[str], str | None]) -> Decision:
+        """The path of one call, counted: fused on the available backend, unless it has more than one token,
+        the switch is off, or `support(backend)` (asked once per backend) gives a reason."""
         if n_tokens != 1:
             decision = Decision("fallback", f"{n_tokens} tokens (the kernel runs single-token decode)")
         elif not fused_moe_enabled():
@@ -186,7 +193,7 @@ class DispatchCounter:
         else:
             backend = available_backend()
             if backend not in self._support:
-                self._support[backend] = support_reason(experts, backend)
+                self._support[backend] = support(backend)
             reason = self._support[backend]
             decision = Decision("fallback", reason) if reason else Decision(backend)
         self.count(decision)
@@ -200,6 +207,15 @@ class DispatchCounter:
         else:
             self.fallback += 1
             self.reasons[decision.reason] += 1
+
+    def uncount(self, decision: Decision) -> None:
+        """Take one counted call back out (a speculative step that is dropped)."""
+        tally, key = (self.fused, decision.path) if decision.fused else (self.reasons, decision.reason)
+        tally[key] -= 1
+        if not tally[key]:
+            del tally[key]
+        if not decision.fused:
+            self.fallback -= 1
 
     def quantized_parts(self, experts: SwitchGLU) -> tuple[QuantizedParts, QuantizedParts, QuantizedParts]:
         """gate/up/down parts of the routed experts (see fused_weights)."""

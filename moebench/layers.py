@@ -26,14 +26,17 @@ class Linear(QuantizedWeight):
             self.bias = bias
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.mode is None:
-            y = x @ self["weight"].T
-        else:
-            y = mx.quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), transpose=True,
-                                    group_size=self.group_size, bits=self.bits, mode=self.mode)
+        y = self.matmul(x)
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+    def matmul(self, x: mx.array) -> mx.array:
+        """x W^T without the bias (a kernel that adds it itself takes this)."""
+        if self.mode is None:
+            return x @ self["weight"].T
+        return mx.quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), transpose=True,
+                                   group_size=self.group_size, bits=self.bits, mode=self.mode)
 
 
 PARTS = ("weight", "scales", "biases", "bias")

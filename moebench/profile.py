@@ -84,15 +84,20 @@ def greedy_step(model) -> Step:
     return lambda ids: mx.argmax(model(ids[None], cache=cache)[:, -1], axis=-1)
 
 
+def _paths(counters: list) -> dict:
+    decisions = [c.last for c in counters if c.last is not None]
+    return {"path": ", ".join(sorted({d.path for d in decisions})) or None,
+            "reasons": sorted({d.reason for d in decisions if d.reason}), "layers": len(decisions)}
+
+
 def moe_path(model) -> dict | None:
-    """The path the MoE blocks took on the last call (fused backend or 'fallback') and why; None for mlx-lm."""
+    """The paths the MoE blocks and the attention layers took on the last call (fused backend or 'fallback')
+    and why; None for mlx-lm."""
     blocks = getattr(model, "moe_blocks", None)
     if blocks is None:
         return None
-    decisions = [b.dispatch.last for b in blocks().values() if b.dispatch.last is not None]
-    paths = sorted({d.path for d in decisions})
-    reasons = sorted({d.reason for d in decisions if d.reason})
-    return {"path": ", ".join(paths) or None, "reasons": reasons, "moe_layers": len(decisions)}
+    return {**_paths([b.dispatch for b in blocks().values()]),
+            "attention": _paths([layer.self_attn.dispatch for layer in model.layers])}
 
 
 def profile_steps(model, prompt_ids: list[int], steps: int, warmup: int = 3) -> dict:
@@ -205,6 +210,7 @@ def format_table(record: dict) -> str:
 
     rows = [["per token", *(a["name"] for a in arms)],
             ["MoE path", *(path(a["dispatch"]) for a in arms)],
+            ["attention path", *(path(a["dispatch"] and a["dispatch"]["attention"]) for a in arms)],
             ["build ms, median", *(ms(a["build_ms"]) for a in arms)],
             ["eval ms, median", *(ms(a["eval_ms"]) for a in arms)],
             ["sync ms/token (build+eval)", *(ms(a["sync_ms"]) for a in arms)],

@@ -220,6 +220,7 @@ class Stepper:
         self.stop_ids = tuple(model.args.eos_token_id if stop_ids is None else stop_ids)
         self.trace = Trace(prompt_ids)
         self._blocks = model.moe_blocks()
+        self._counters = model.dispatch_counters()
         self._cache = make_cache(len(model.layers))
         self._key = mx.random.key(sampling.seed) if sampling.seed is not None else None
         self._pending: _Pending | None = None
@@ -255,9 +256,9 @@ class Stepper:
             ids = mx.argpartition(-logits, kth=self.top - 1, axis=-1)[:, : self.top]
             picked = mx.take_along_axis(logits, ids, axis=-1).astype(mx.float32)
             top = ids, mx.exp(picked - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True))
-        # Each block decided once in this forward; a rollback takes exactly those decisions back out
-        # of the counters (another stepper on the same model may have counted since).
-        decisions = tuple(b.dispatch.last for b in self._blocks.values())
+        # Each block and attention layer decided once in this forward; a rollback takes exactly those
+        # decisions back out of the counters (another stepper on the same model may have counted since).
+        decisions = tuple(c.last for c in self._counters)
         pending = _Pending(inputs, tokens, position, next_token, logits, top,
                            recorder.values if recorder else None, self._state(), key_before, decisions)
         mx.async_eval(next_token, logits, *(top or ()), *(recorder.arrays() if recorder else ()))
@@ -268,14 +269,8 @@ class Stepper:
         for c in self._cache:
             c.offset -= pending.tokens.size
         self._key = pending.key_before
-        for b, decision in zip(self._blocks.values(), pending.decisions, strict=True):
-            counter = b.dispatch
-            tally, key = (counter.fused, decision.path) if decision.fused else (counter.reasons, decision.reason)
-            tally[key] -= 1
-            if not tally[key]:
-                del tally[key]
-            if not decision.fused:
-                counter.fallback -= 1
+        for counter, decision in zip(self._counters, pending.decisions, strict=True):
+            counter.uncount(decision)
 
     def _speculate(self, pending: _Pending) -> _Pending | None:
         """Build the step after `pending` from its (still lazy) chosen token."""

@@ -3,14 +3,16 @@
 Reports the platform; runs the fused kernel on this machine's backend (metal, cuda, or the CPU
 'reference', named as such) against the CPU-reference arithmetic and a float64 truth at
 Qwen1.5-MoE-A2.7B's expert shapes and the model's own, for every supported bits / group-size
-combination, and with the shared expert inside the kernel pair; checks the router kernel against the
-CPU reference; checks bitwise determinism; decodes the model greedily with the kernel on and off
-(bench's timing code) to check dispatch, greedy parity and speed. Exits 1 when a check fails.
+combination, and with the shared expert inside the kernel pair; checks the router kernel and the
+decode-attention kernel against the CPU reference; checks bitwise determinism; decodes the model
+greedily with the kernels on and off (bench's timing code) to check dispatch (MoE and attention), greedy
+parity and speed. Exits 1 when a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -20,7 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import fused_kernel
+from . import attention_kernel, fused_kernel
+from .attention_kernel import Heads, rope_frequencies
 from .bench import compare_traces, moebench_arms, platform_info, prompt_token_ids, reference_arm, run_arms, summary
 from .fused_kernel import SharedExpert
 from .kernels import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES, available_backend, support_reason
@@ -37,6 +40,9 @@ DETERMINISM_RUNS = {"reference": 2}  # per backend, default 5: GPU runs are chea
 A27B_SHAPE = ("Qwen1.5-MoE-A2.7B experts", 2048, 1408, 4)  # name, D, Dff, K
 A27B_SHARED = 5632  # its shared expert's width
 ROUTER_TOLERANCE = 1e-5  # probabilities, scores and the sigmoid gate, router kernel vs CPU reference
+A27B_HEADS = (16, 16, 128)  # its attention: query heads, key/value heads, head_dim
+ATTENTION_POSITIONS = (0, 8, 200)  # the first token, a block boundary of the kernel, deep in the cache
+ATTENTION_SLOTS = 256
 
 
 @dataclass(frozen=True)
@@ -275,6 +281,43 @@ def router_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
     return rows
 
 
+def attention_parity(backend: str, model, seed: int = 0) -> list[dict]:
+    """The decode-attention kernel on `backend` against the CPU reference, at Qwen1.5-MoE-A2.7B's attention
+    (16 heads of 128, q/k/v bias) and the model's own, at the first position, a block boundary and deep in
+    a cache of 256 slots."""
+    a, dtype = model.args, model.norm.weight.dtype
+    geometries = {Heads(*A27B_HEADS): True, Heads(a.num_attention_heads, a.num_key_value_heads, a.head_dim): a.qkv_bias}
+    rows = []
+    for (heads, bias), position in itertools.product(geometries.items(), ATTENTION_POSITIONS):
+        row = {"case": f"attention {heads.n_heads}x{heads.head_dim} ({heads.n_kv_heads} kv heads)"
+               f"{' + bias' if bias else ''} at position {position}", "backend": backend}
+        if backend == "reference":
+            rows.append({**row, "status": "not applicable", "passed": True,
+                         "reason": "on a CPU the reference is the attention: nothing separate to compare"})
+            continue
+        reason = attention_kernel.support_reason(heads)
+        if reason:
+            rows.append({**row, "status": "declined", "reason": reason, "passed": True})
+            continue
+        keys = mx.random.split(mx.random.key(seed + position + heads.head_dim), 4)
+        cache_shape = (1, heads.n_kv_heads, ATTENTION_SLOTS, heads.head_dim)
+        qkv = mx.random.normal((1, 1, heads.width), key=keys[0]).astype(dtype)
+        b = mx.random.normal((heads.width,), key=keys[1]).astype(dtype) if bias else None
+        k_cache, v_cache = (mx.random.normal(cache_shape, key=k).astype(dtype) for k in keys[2:])
+        args = (qkv, b, rope_frequencies(heads.head_dim, a.rope_theta),
+                mx.array([position, ATTENTION_SLOTS], dtype=mx.int32), k_cache, v_cache, heads)
+        try:
+            got = [_f64(t) for t in attention_kernel.decode_attention(backend, *args)]
+            with mx.stream(mx.cpu):
+                want = [_f64(t) for t in attention_kernel.decode_attention("reference", *args)]
+        except Exception as e:  # noqa: BLE001 -- reported as a failed row
+            rows.append({**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False})
+            continue
+        worst = max(nrms(g, w) for g, w in zip(got, want, strict=True))
+        rows.append({**row, "status": "ran", "vs_reference_nrms": worst, "passed": worst < FUSED_NRMS})
+    return rows
+
+
 def decode_checks(model, prompt_tokens: int, gen_tokens: int, repeats: int, progress: bool) -> dict:
     """Greedy decode with the kernel off and on (bench's interleaved timing): dispatch, parity, speed."""
     results, failures = run_arms(moebench_arms(model, "both"),
@@ -288,6 +331,9 @@ def decode_checks(model, prompt_tokens: int, gen_tokens: int, repeats: int, prog
     steps = gen_tokens - 1
     expected_fallback = d["moe_layers"] if prompt_tokens > 1 else 0  # prefill (more than one token) falls back
     dispatch_ok = d["fused"].get(backend, 0) == d["moe_layers"] * steps and d["fallback"] == expected_fallback
+    attn, layers = d["attention"], d["attention"]["layers"]
+    attention_ok = attn["fused"].get(backend, 0) == layers * steps
+    attention_ok = attention_ok and attn["fallback"] == (layers if prompt_tokens > 1 else 0)
     greedy = compare_traces(off.trace, on.trace)
     if greedy["identical"]:
         parity_class, greedy_ok = "byte-identical", True
@@ -300,7 +346,7 @@ def decode_checks(model, prompt_tokens: int, gen_tokens: int, repeats: int, prog
     return {
         "backend": backend, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeats": repeats,
         "dispatch": {**d, "expected_fused": d["moe_layers"] * steps, "expected_fallback": expected_fallback,
-                     "passed": dispatch_ok},
+                     "passed": dispatch_ok, "attention_passed": attention_ok},
         "greedy": {**greedy, "parity_class": parity_class, "passed": greedy_ok, "off_tokens": off.trace.token_ids,
                    "on_tokens": on.trace.token_ids},
         "deterministic": deterministic,
@@ -314,6 +360,8 @@ def decode_failures(decode: dict) -> list[str]:
     failures = []
     if not decode["dispatch"]["passed"]:
         failures.append("dispatch: the kernel did not run on every decode step")
+    if not decode["dispatch"]["attention_passed"]:
+        failures.append("dispatch: the decode-attention kernel did not run on every decode step")
     if not decode["greedy"]["passed"]:
         failures.append(f"greedy: {decode['greedy']['parity_class']} at a clear margin")
     if not decode["deterministic"]:
@@ -351,6 +399,11 @@ def report_text(record: dict) -> str:
             continue
         lines.append(f"- {r['case']}: max |difference| {_fmt(r['max_abs_diff'])}, same experts "
                      f"{'yes' if r['same_experts'] else 'NO'}: {'pass' if r['passed'] else 'FAIL'}")
+    lines.append(f"\ndecode-attention kernel vs the CPU reference (bound: nRMS < {FUSED_NRMS:g})")
+    for r in record["attention"]:
+        result = (f"nRMS {_fmt(r['vs_reference_nrms'])}: {'pass' if r['passed'] else 'FAIL'}" if r["status"] == "ran"
+                  else f"{r['status']}: {r['reason']}")
+        lines.append(f"- {r['case']}: {result}")
     dec = record["decode"]
     if "error" in dec:
         lines.append(f"\ndecode: FAIL: {dec['error']}")
@@ -359,6 +412,10 @@ def report_text(record: dict) -> str:
     lines.append(f"\ndispatch: {d['fused'].get(dec['backend'], 0)} fused / {d['expected_fused']} expected "
                  f"({d['moe_layers']} MoE layers x {dec['gen_tokens'] - 1} decode steps), {d['fallback']} fallback "
                  f"(expected {d['expected_fallback']}: prefill); {'pass' if d['passed'] else 'FAIL'}")
+    at = d["attention"]
+    lines.append(f"attention dispatch: {at['fused'].get(dec['backend'], 0)} fused ({at['layers']} layers x "
+                 f"{dec['gen_tokens'] - 1} decode steps), {at['fallback']} fallback; "
+                 f"{'pass' if d['attention_passed'] else 'FAIL'}")
     margin = "" if g["margin"] is None else f", reference margin {g['margin']:.3g} nats"
     lines.append(f"greedy on vs off ({dec['gen_tokens']} tokens): {g['parity_class']}{margin}; "
                  f"{'pass' if g['passed'] else 'FAIL'}; decode deterministic: {dec['deterministic']}")
@@ -393,14 +450,15 @@ def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen
     parity = kernel_parity(backend, shapes, dtype) + model_weights_parity(backend, model)
     parity.append(shared_expert_parity(backend, dtype))
     router = router_parity(backend, dtype)
+    attention = attention_parity(backend, model)
     decode = decode_checks(model, prompt_tokens, gen_tokens, repeats, progress)
     failures = [f"parity {r['case']} bits {r.get('bits')} g{r.get('group_size')}" for r in parity if not r["passed"]]
-    failures += [f"parity {r['case']}" for r in router if not r["passed"]]
+    failures += [f"parity {r['case']}" for r in router + attention if not r["passed"]]
     failures += decode_failures(decode)
     bits = model.load_info.bits.get("mlp.switch_mlp.gate_proj", "?")
     return {"schema": SCHEMA, "platform": platform_info(), "model": {"path": str(path), "name": path.name,
-            "bits": bits}, "parity": parity, "router": router, "decode": decode, "failures": failures,
-            "passed": not failures, "seconds": time.perf_counter() - start}
+            "bits": bits}, "parity": parity, "router": router, "attention": attention, "decode": decode,
+            "failures": failures, "passed": not failures, "seconds": time.perf_counter() - start}
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -116,7 +116,7 @@ fi
 
 echo; echo "== results (full logs, tables and JSON in $OUT) =="
 [ -f "$OUT/bench-$PRESET.txt" ] && grep -E "^(model |\||skipped)" "$OUT/bench-$PRESET.txt"
-for f in "$OUT"/profile-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^\| (per token|MoE|build|eval|sync|pipelined|graph|nodes)" "$f"; }; done
+for f in "$OUT"/profile-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^\| (per token|MoE|attention|build|eval|sync|pipelined|graph|nodes)" "$f"; }; done
 for f in "$OUT"/selfcheck-*.txt; do
   [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^(platform|dispatch|greedy|PASS|FAIL|\| [^c|-])" "$f" | grep -v "| pass |$"; }
 done

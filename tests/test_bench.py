@@ -100,6 +100,10 @@ def test_bench_cli_on_a_quantized_checkpoint(quantized_checkpoint, tmp_path, cap
     assert fallback["dispatch"]["fused"] == {} and fallback["dispatch"]["fallback"] == moe_layers * 4
     assert any("switched off" in r for r in fallback["dispatch"]["reasons"])
     assert fused["dispatch"]["fused"] == {"reference": moe_layers * 3} and fused["dispatch"]["fallback"] == moe_layers
+    layers = fused["dispatch"]["attention"]["layers"]  # the decode-attention kernel ran at every decode step
+    assert fused["dispatch"]["attention"]["fused"] == {"reference": layers * 3}
+    off = fallback["dispatch"]["attention"]
+    assert off["fused"] == {} and off["fallback"] == layers * 4
     assert users["loop"] == "stream_generate" and users["dispatch"] is None
     # mlx-lm's model under moebench's loop decodes what mlx-lm's own loop decodes
     assert loop["tokens"] == users["tokens"]
@@ -149,4 +153,5 @@ def test_bench_compiled_arms_decode_the_eager_tokens(quantized_checkpoint, tmp_p
                           "moebench fused (reference) compiled"]
     assert arms["moebench fused (reference) compiled"]["loop"] == "moebench compiled"
     assert arms["moebench fused (reference) compiled"]["dispatch"]["fused"] == {"reference": 2 * 3}
+    assert arms["moebench fused (reference) compiled"]["dispatch"]["attention"]["fused"] == {"reference": 2 * 3}
     assert arms["moebench fallback compiled"]["tokens"] == arms["moebench fallback"]["tokens"]

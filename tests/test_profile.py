@@ -55,7 +55,9 @@ def test_profile_of_the_shipped_model_times_both_paths_and_counts_nodes(shipped)
     fused, fallback = records
     assert fused["name"] == f"moebench fused ({available_backend()})" and fallback["name"] == "moebench fallback"
     assert fused["dispatch"]["path"] == available_backend() and fused["dispatch"]["reasons"] == []
-    assert fallback["dispatch"]["path"] == "fallback" and fallback["dispatch"]["moe_layers"] == 4
+    assert fallback["dispatch"]["path"] == "fallback" and fallback["dispatch"]["layers"] == 4
+    assert fused["dispatch"]["attention"] == {"path": available_backend(), "reasons": [], "layers": 4}
+    assert fallback["dispatch"]["attention"]["path"] == "fallback"
     for r in records:
         assert set(r) == ARM_KEYS
         assert r["build_ms"]["median"] > 0 and r["eval_ms"]["median"] > 0 and len(r["eval_ms"]["values"]) == 2

@@ -8,7 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench import fused_kernel, selfcheck
+import moebench
+from moebench import attention_kernel, fused_kernel, selfcheck
 from moebench.cli import main
 
 ARGS = ["--prompt-tokens", "3", "--gen-tokens", "4", "--repeats", "1", "--no-progress"]
@@ -36,10 +37,12 @@ def test_selfcheck_passes_and_reports_the_reference_backend_honestly(quantized_c
     assert len(combos) == 2 * 3 * 2 * 3 + 1 + 1
     assert "small experts + shared expert Dffs 192" in {r["case"] for r in ran}
     assert [r["status"] for r in record["router"]] == ["not applicable"] * len(selfcheck.ROUTER_CASES)
+    assert {r["status"] for r in record["attention"]} == {"not applicable"} and record["attention"]
     for r in ran:
         assert r["fused_nrms"] < selfcheck.FUSED_NRMS and r["deterministic"] and r["vs_reference_nrms"] is None
     dec = record["decode"]
     assert dec["dispatch"]["passed"] and dec["dispatch"]["fused"] == {"reference": 2 * 3}
+    assert dec["dispatch"]["attention_passed"] and dec["dispatch"]["attention"]["fused"] == {"reference": 2 * 3}
     assert dec["greedy"]["parity_class"] == "byte-identical" or dec["greedy"]["margin"] <= selfcheck.CLEAR_DIVERGENCE
     assert set(dec["speed"]["off_tps"]) >= {"median", "min", "max"}
 
@@ -141,6 +144,18 @@ def test_a_gpu_router_kernel_is_compared_with_the_cpu_reference(monkeypatch, err
     rows = selfcheck.router_parity("cuda", mx.float32)
     assert len(rows) == len(selfcheck.ROUTER_CASES) and all(r["status"] == "ran" for r in rows)
     assert all(r["passed"] == passes and r["same_experts"] for r in rows)
+
+
+@pytest.mark.parametrize("error,passes", [(0.0, True), (1e-2, False)])
+def test_a_gpu_attention_kernel_is_compared_with_the_cpu_reference(quantized_checkpoint, monkeypatch, error, passes):
+    def as_if_cuda(backend, qkv, *args):
+        out, k, v = attention_kernel.reference_decode_attention(qkv, *args)
+        return out * (1 + error), k, v
+
+    monkeypatch.setattr(attention_kernel, "gpu_decode_attention", as_if_cuda)
+    rows = selfcheck.attention_parity("cuda", moebench.load(quantized_checkpoint)[0])
+    assert len(rows) == 2 * len(selfcheck.ATTENTION_POSITIONS) and all(r["status"] == "ran" for r in rows)
+    assert all(r["passed"] == passes for r in rows)
 
 
 def test_the_shared_expert_case_fails_when_the_kernel_drops_the_shared_term(monkeypatch):

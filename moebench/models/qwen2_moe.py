@@ -17,7 +17,8 @@ from dataclasses import replace
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import fused_kernel, hooks
+from .. import attention_kernel, fused_kernel, hooks
+from ..attention_kernel import Heads, rope_frequencies
 from ..cache import KVCache
 from ..config import ModelArgs
 from ..errors import CheckpointError
@@ -45,18 +46,28 @@ class Attention(nn.Module):
     """Multi-head (or grouped-query) attention with q/k/v bias and rotate-half RoPE.
 
     With a KV cache (inference), q, k and v come out of one matmul over their stacked rows
-    (layers.RowStack) and are split after one transpose: at decode every operation is a launch or a graph
-    node, and this saves eight of each per layer. Without one (training, a full forward) the separate
-    projections run, so gradients reach the model's parameters, which stay the separate projections.
+    (layers.RowStack): at decode every operation is a launch or a graph node. For one new token with
+    the fused switch on, the decode-attention kernel (moebench.attention_kernel) then does the bias,
+    RoPE and the attention over the cache in one launch, and the layer writes the new key and value into
+    the cache. Otherwise (prefill, switch off, a shape the kernel declines, with the reason counted in
+    `dispatch`) MLX's rope and scaled_dot_product_attention run. Without a cache (training, a full
+    forward) the separate projections run, so gradients reach the model's parameters, which stay the
+    separate projections.
     """
+
+    # Why the decode kernel cannot run this family's attention, or None; a family that adds a step
+    # between the projection and RoPE says so here.
+    kernel_decline: str | None = None
 
     def __init__(self, args: ModelArgs, q_proj: Linear, k_proj: Linear, v_proj: Linear, o_proj: Linear):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.qkv = RowStack(q_proj, k_proj, v_proj)
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.heads = Heads(self.n_heads, self.n_kv_heads, self.head_dim)
         self.rope_theta = args.rope_theta
         self.scale = args.head_dim**-0.5
+        self.dispatch = DispatchCounter()
 
     def project(self, x: mx.array, stack: bool) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v as [B, heads, L, head_dim], from the stacked projection when `stack` (families that
@@ -72,6 +83,10 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
         b, length, _ = x.shape
+        if cache is not None:
+            decision = self.dispatch.decide_for(b * length, self._kernel_support)
+            if decision.fused:
+                return self._decode_kernel(x, cache, decision.path)
         q, k, v = self.project(x, stack=cache is not None)
         offset = cache.offset if cache is not None else 0
         q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
@@ -83,6 +98,24 @@ class Attention(nn.Module):
         if length > 1:  # [B, heads, L, hd] -> [B, L, heads * hd]; one position needs no transpose
             out = out.transpose(0, 2, 1, 3)
         return self.o_proj(out.reshape(b, length, -1))
+
+    def _kernel_support(self, backend: str) -> str | None:
+        """Why the decode-attention kernel cannot run this layer, or None."""
+        if self.kernel_decline:
+            return self.kernel_decline
+        if self.qkv.get() is None:
+            return "q, k and v are stored differently (no stacked projection for the kernel)"
+        return attention_kernel.support_reason(self.heads)
+
+    def _decode_kernel(self, x: mx.array, cache: KVCache, backend: str) -> mx.array:
+        """One token [1, 1, D] through the decode-attention kernel; its key and value go into the cache."""
+        stacked = self.qkv.get()
+        keys, values, slots = cache.decode_buffers(self.n_kv_heads, self.head_dim, x.dtype)
+        out, k, v = attention_kernel.decode_attention(
+            backend, stacked.matmul(x), stacked.get("bias"), rope_frequencies(self.head_dim, self.rope_theta), slots,
+            keys, values, self.heads)
+        cache.write(k, v)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -130,16 +163,21 @@ class SparseMoeBlock(nn.Module):
         if decision.fused and record is None:
             return self._fused(x, decision.path, False, residual)[0]
         x = x.reshape(-1, shape[-1])
-        out, parts = self._fused(x, decision.path, record is not None) if decision.fused else self._fallback(x)
+        if decision.fused:  # the same launches as unrecorded (residual inside), so recording changes nothing
+            flat_residual = residual.reshape(x.shape) if residual is not None else None
+            out, parts, block = self._fused(x, decision.path, True, flat_residual)
+            out = out.reshape(shape)
+        else:
+            block, parts = self._fallback(x)
+            out = block.reshape(shape) if residual is None else residual + block.reshape(shape)
         if record is not None:
             name = hooks.moe_name(layer)
             for hook, value in zip(MOE_PARTS, parts, strict=True):
                 record(name(hook), value)
-            record(name(hooks.BLOCK_OUT), out)
+            record(name(hooks.BLOCK_OUT), block)
             notes = self.dispatch.notes if decision.fused else []
             record(name(hooks.PATH), replace(decision, note="; ".join(notes)) if notes else decision)
-        out = out.reshape(shape)
-        return out if residual is None else residual + out
+        return out
 
     def _shared_on(self) -> bool:
         return self.shared_expert is not None and (self.intervention is None or self.intervention.shared_expert)
@@ -162,7 +200,9 @@ class SparseMoeBlock(nn.Module):
         return out, (logits, probs, inds, scores, expert_out, routed, shared, gate)
 
     def _fused(self, x: mx.array, backend: str, recording: bool,
-               residual: mx.array | None = None) -> tuple[mx.array, tuple]:
+               residual: mx.array | None = None) -> tuple[mx.array, tuple, mx.array | None]:
+        """(output (+ residual), the recorded parts, the block output without the residual); while not
+        `recording` the parts are mostly None and so is the block output."""
         shared_mlp = self.shared_expert
         w = self.dispatch.fused_weights(
             self.experts, shared_mlp and (shared_mlp.gate_proj, shared_mlp.up_proj, shared_mlp.down_proj))
@@ -181,18 +221,23 @@ class SparseMoeBlock(nn.Module):
             probs, inds, scores = route(logits, self.top_k, self.norm_topk_prob, self.intervention)
             gate = self._shared_gate(x).astype(mx.float32) if shared_on else None
         folded = fused_kernel.SharedExpert(*w.shared, gate) if shared_on and w.shared is not None else None
+        if not shared_on:
+            gate = None
+        routed = block = None
         if shared_on and folded is None:  # the shared expert beside the kernels (dispatch.notes says why)
             shared = shared_mlp(x)
             out, expert_out, _ = fused_kernel.routed(backend, x, inds, scores, *w.experts)
-            out = out + gate.astype(out.dtype) * shared
+            out = block = out + gate.astype(out.dtype) * shared
             if residual is not None:
                 out = residual + out
         else:
             out, expert_out, shared = fused_kernel.routed(backend, x, inds, scores, *w.experts, folded, residual)
-        if not shared_on:
-            gate = None
-        routed = weighted_sum(expert_out, scores).astype(x.dtype) if recording else None
-        return out, (logits, probs, inds, scores, expert_out, routed, shared, gate)
+        if recording:
+            weighted = weighted_sum(expert_out, scores)  # float32, as inside kernel B
+            routed = weighted.astype(x.dtype)
+            if block is None:
+                block = (weighted if shared is None else weighted + gate * shared).astype(x.dtype)
+        return out, (logits, probs, inds, scores, expert_out, routed, shared, gate), block
 
 
 class DecoderLayer(nn.Module):
@@ -225,6 +270,10 @@ class Qwen2MoeModel(nn.Module):
 
     def moe_blocks(self) -> dict[int, SparseMoeBlock]:
         return {i: layer.mlp for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoeBlock)}
+
+    def dispatch_counters(self) -> list[DispatchCounter]:
+        """Every fused-or-fallback decision point: each layer's attention, then each MoE block."""
+        return [layer.self_attn.dispatch for layer in self.layers] + [b.dispatch for b in self.moe_blocks().values()]
 
     def hidden(self, tokens: mx.array, cache: list[KVCache] | None = None) -> mx.array:
         """Final-normed hidden states [B, L, D]."""

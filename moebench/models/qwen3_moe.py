@@ -21,6 +21,8 @@ from .qwen2_moe import Attention, Builder, Linear, Qwen2MoeModel, RMSNorm
 class Qwen3Attention(Attention):
     """Attention with per-head RMSNorm on q and k."""
 
+    kernel_decline = "per-head q/k RMSNorm before RoPE (not in the decode-attention kernel)"
+
     def __init__(self, args: ModelArgs, projections: tuple[Linear, Linear, Linear, Linear], q_norm: RMSNorm,
                  k_norm: RMSNorm):
         super().__init__(args, *projections)

@@ -1,5 +1,5 @@
-"""The CUDA kernels (router, pair with and without the shared expert) against the CPU reference and a
-float64 truth, at Qwen1.5-MoE-A2.7B shapes.
+"""The CUDA kernels (router, pair with and without the shared expert, decode attention) against the CPU
+reference and a float64 truth, at Qwen1.5-MoE-A2.7B shapes.
 
 Runs only where MLX has a CUDA back-end (the H200 of the device tool); skips cleanly elsewhere.
 Numbers are printed as well as asserted (run with -s to see them).
@@ -11,7 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench import fused_kernel
+from moebench import attention_kernel, fused_kernel
+from moebench.attention_kernel import Heads, rope_frequencies
 from moebench.decode import generate
 from moebench.fused_kernel import gpu_routed
 from moebench.kernels import available_backend, fused_moe
@@ -165,11 +166,65 @@ def test_decode_on_cuda_runs_the_kernel_every_step(tmp_path):
     assert available_backend() == "cuda"
     runs = {}
     for on in (True, False):
-        for block in model.moe_blocks().values():
-            block.dispatch.reset()
+        for counter in model.dispatch_counters():
+            counter.reset()
         with fused_moe(on):
             runs[on] = generate(model, [1, 2, 3, 4, 5], 12).token_ids
-        for block in model.moe_blocks().values():
-            assert block.dispatch.fused.get("cuda", 0) == (11 if on else 0)
+        for counter in model.dispatch_counters():  # attention and MoE of every layer
+            assert counter.fused.get("cuda", 0) == (11 if on else 0), counter
     same = runs[True] == runs[False]
     print(f"\ngreedy tokens fused on {runs[True]}\n             fused off {runs[False]} identical={same}")
+
+
+def _attention_truth(qkv: np.ndarray, bias: np.ndarray | None, p: int, keys: np.ndarray, values: np.ndarray,
+                     heads: Heads, base: float) -> np.ndarray:
+    """float64 attention of one token over positions 0..p (the new one rotated here, earlier ones cached)."""
+    h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
+    x = qkv.astype(np.float64) + (bias.astype(np.float64) if bias is not None else 0.0)
+    inv = base ** (-np.arange(0, hd, 2) / hd)
+    c, s = np.cos(p * inv), np.sin(p * inv)
+
+    def rot(a):
+        a1, a2 = a[..., : hd // 2], a[..., hd // 2 :]
+        return np.concatenate([a1 * c - a2 * s, a2 * c + a1 * s], axis=-1)
+
+    q, k, v = rot(x[: h * hd].reshape(h, hd)), rot(x[h * hd : (h + kv) * hd].reshape(kv, hd)), x[(h + kv) * hd :]
+    ks = np.concatenate([keys[0, :, :p].astype(np.float64), k[:, None]], axis=1)  # [KV, p + 1, HD]
+    vs = np.concatenate([values[0, :, :p].astype(np.float64), v.reshape(kv, 1, hd)], axis=1)
+    group = h // kv
+    out = np.empty((h, hd))
+    for i in range(h):
+        sc = ks[i // group] @ q[i] / np.sqrt(hd)
+        w = np.exp(sc - sc.max())
+        out[i] = (w / w.sum()) @ vs[i // group]
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize("heads,bias,p", [(Heads(16, 16, 128), True, 0), (Heads(16, 16, 128), True, 9),
+                                          (Heads(16, 16, 128), True, 191), (Heads(16, 16, 128), False, 255),
+                                          (Heads(32, 4, 128), False, 100), (Heads(8, 8, 64), True, 37),
+                                          (Heads(4, 2, 32), True, 17)])
+def test_cuda_attention_kernel_matches_reference_and_truth(heads, bias, p):
+    cap, base = 256, 1_000_000.0
+    rng = np.random.default_rng(p + heads.head_dim)
+    bf16 = lambda a: mx.array(a.astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
+    qkv = bf16(rng.standard_normal((1, 1, heads.width)))
+    b = bf16(0.5 * rng.standard_normal(heads.width)) if bias else None
+    keys = bf16(rng.standard_normal((1, heads.n_kv_heads, cap, heads.head_dim)))
+    values = bf16(rng.standard_normal((1, heads.n_kv_heads, cap, heads.head_dim)))
+    inv, slots = rope_frequencies(heads.head_dim, base), mx.array([p, cap], dtype=mx.int32)
+    out, k_new, v_new = attention_kernel.decode_attention("cuda", qkv, b, inv, slots, keys, values, heads)
+    with mx.stream(mx.cpu):
+        ref = attention_kernel.decode_attention("reference", qkv, b, inv, slots, keys, values, heads)
+        mx.eval(ref)
+    f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
+    truth = _attention_truth(f32(qkv).reshape(-1), None if b is None else f32(b), p, f32(keys), f32(values), heads,
+                             base)
+    got = {"cuda out vs truth": _nrms(f32(out).reshape(-1), truth),
+           "reference out vs truth": _nrms(f32(ref[0]).reshape(-1), truth),
+           "cuda vs reference out": _nrms(f32(out), f32(ref[0])),
+           "cuda vs reference k_new": _nrms(f32(k_new), f32(ref[1])),
+           "cuda vs reference v_new": _nrms(f32(v_new), f32(ref[2]))}
+    print(f"\nattention {heads} bias {bias} P {p}: " + ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
+    assert max(v for k, v in got.items() if k.startswith("cuda vs")) < 5e-4
+    assert got["cuda out vs truth"] < 1e-2  # bf16 q, k and output roundings, as MLX's own path has
