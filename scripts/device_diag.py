@@ -1,0 +1,96 @@
+"""Device diagnostics of issue 8 (a script, not part of the package): where a decode token's time goes.
+
+    python3 scripts/device_diag.py CKPT micro          decode-attention kernel vs MLX's rope + sdpa path
+    python3 scripts/device_diag.py CKPT decode ARMS    decode tok/s of generate() arms, interleaved, 3 rounds
+
+micro: 200 calls built, then evaluated at once (per-call time with launches amortised), at positions
+64, 128 and 192 of a 256-slot cache, Qwen1.5-MoE-A2.7B attention (16 heads of 128), bf16.
+ARMS (comma-separated): fused, fused-compiled, fused-noattn, fused-noattn-compiled, off, off-compiled,
+mlxlm (mlx-lm's model under moebench's loop); noattn declines the decode-attention kernel only. Run it
+under different MLX_* settings (say MLX_MAX_OPS_PER_BUFFER) in separate processes: MLX reads them once.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+from moebench.attention_kernel import Heads, decode_attention, rope_frequencies
+from moebench.bench import mlx_lm_model
+from moebench.decode import generate
+from moebench.kernels import fused_moe
+from moebench.loader import load
+from moebench.models.qwen2_moe import Attention
+
+CALLS = 200
+
+
+def micro() -> None:
+    heads, cap = Heads(16, 16, 128), 256
+    for p in (64, 128, 192):
+        qkvs = [mx.random.normal((1, 1, heads.width)).astype(mx.bfloat16) for _ in range(CALLS)]
+        bias = mx.random.normal((heads.width,)).astype(mx.bfloat16)
+        keys, values = (mx.random.normal((1, 16, cap, 128)).astype(mx.bfloat16) for _ in range(2))
+        inv, slots = rope_frequencies(128, 1e6), mx.array([p, cap], mx.int32)
+        mx.eval(qkvs, bias, keys, values, inv, slots)
+
+        def kernel(p=p, bias=bias, keys=keys, values=values, inv=inv, slots=slots, qkvs=qkvs):
+            return [decode_attention("cuda", q, bias, inv, slots, keys, values, heads)[0] for q in qkvs]
+
+        def mlx_path(p=p, bias=bias, keys=keys, values=values, qkvs=qkvs):
+            outs = []
+            for q in qkvs:
+                x = (q + bias).reshape(1, 1, 48, 128).transpose(0, 2, 1, 3)
+                rope = [mx.fast.rope(x[:, a:b], 128, traditional=False, base=1e6, scale=1.0, offset=p)
+                        for a, b in ((0, 16), (16, 32))]
+                k = mx.concatenate([keys[:, :, :p], rope[1]], axis=2)
+                v = mx.concatenate([values[:, :, :p], x[:, 32:]], axis=2)
+                outs.append(mx.fast.scaled_dot_product_attention(rope[0], k, v, scale=128**-0.5))
+            return outs
+
+        for name, fn in (("kernel", kernel), ("mlx", mlx_path)):
+            times = []
+            for _ in range(5):
+                outs = fn()
+                mx.synchronize()
+                start = time.perf_counter()
+                mx.eval(outs)
+                times.append(1e6 * (time.perf_counter() - start) / CALLS)
+            print(f"micro P={p} {name}: {statistics.median(times):.1f} us per call (eval of {CALLS} calls)", flush=True)
+
+
+def decode(ckpt: str, arms: list[str]) -> None:
+    model, _ = load(ckpt)
+    other = mlx_lm_model(ckpt)[0] if "mlxlm" in arms else None
+    prompt = list(range(100, 164))
+
+    def run(name: str) -> float:
+        if name == "mlxlm":
+            return generate(other, prompt, 128).decode_tps
+        Attention.kernel_decline = "diag: attention kernel off" if "noattn" in name else None
+        for layer in model.layers:
+            layer.self_attn.dispatch._support.clear()
+        with fused_moe(not name.startswith("off")):
+            return generate(model, prompt, 128, compiled=name.endswith("compiled")).decode_tps
+
+    for a in arms:
+        run(a)  # warm-up (traces a compiled step)
+    results = {a: [] for a in arms}
+    for r in range(3):
+        for a in arms[r % len(arms):] + arms[: r % len(arms)]:
+            results[a].append(run(a))
+    ops = os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default")
+    for a in arms:
+        print(f"decode ops={ops} {a}: median {statistics.median(results[a]):.1f} tok/s "
+              f"{[round(v, 1) for v in results[a]]}", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[2] == "micro":
+        micro()
+    else:
+        decode(sys.argv[1], sys.argv[3].split(","))
