@@ -2,8 +2,10 @@
 fixed-capacity KV cache, so each token replays one graph instead of rebuilding it in Python and
 MLX can fuse the elementwise work between kernels.
 
-What Python does during tracing happens once, so two things are handled here explicitly:
+What Python does during tracing happens once, so three things are handled here explicitly:
 - the fused-kernel switch is read at trace time: one compiled graph is kept per switch state;
+- the weights are captured at trace time: each generation first checks that the model still holds the
+  arrays it was traced with (loaded, trained or edited weights are new arrays), and traces again if not;
 - dispatch counters (attention and MoE) count at trace time: every later call replays the traced
   decisions into them.
 Recording and interventions change the forward in Python, so this path declines them (with the
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from .cache import StaticKVCache, StepPosition
 from .kernels import Decision, fused_moe_enabled
@@ -38,6 +41,16 @@ class CompiledSteps:
         self.model = model
         self.steps: dict[bool, Callable] = {}
         self.decisions: dict[bool, list[Decision]] = {}
+        self.weights: tuple[int, ...] = ()
+
+    def check_weights(self) -> None:
+        """Drop the traced steps when a parameter array was replaced since they were traced (the traced
+        graphs keep the old arrays alive, so an id seen at trace time still names the same array)."""
+        weights = tuple(id(a) for _, a in tree_flatten(self.model.parameters()))
+        if weights != self.weights:
+            self.steps.clear()
+            self.decisions.clear()
+            self.weights = weights
 
     @classmethod
     def of(cls, model) -> CompiledSteps:
@@ -79,6 +92,7 @@ class CompiledForward:
                        for _ in model.layers]
         self.position = 0
         self.steps = CompiledSteps.of(model)
+        self.steps.check_weights()
 
     def __call__(self, tokens: mx.array) -> mx.array:
         n = tokens.size

@@ -13,13 +13,13 @@ from moebench.routing import Intervention
 PROMPT = [3, 14, 15, 92, 65, 35]
 
 
-def _counts(model) -> dict:
-    return {i: b.dispatch.as_dict() for i, b in model.moe_blocks().items()}
+def _counts(model) -> list[dict]:
+    return [c.as_dict() for c in model.dispatch_counters()]  # attention and MoE of every layer
 
 
 def _reset(model) -> None:
-    for b in model.moe_blocks().values():
-        b.dispatch.reset()
+    for c in model.dispatch_counters():
+        c.reset()
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -36,6 +36,15 @@ def test_compiled_decode_matches_eager_tokens_logits_and_counters(quantized_chec
         _reset(model)
         again = generate(model, PROMPT, 12, compiled=True)  # reuses the traced graph: still counts every step
         assert again.token_ids == eager.token_ids and _counts(model) == eager_counts
+
+
+def test_new_weights_are_traced_again(quantized_checkpoint):
+    model, _ = moebench.load(quantized_checkpoint)
+    before = generate(model, PROMPT, 8, compiled=True).token_ids
+    model.norm.weight = mx.linspace(-1.0, 1.0, model.norm.weight.size)  # edited weights: a new array
+    eager = generate(model, PROMPT, 8).token_ids
+    assert eager != before  # the edit changes what the model decodes ...
+    assert generate(model, PROMPT, 8, compiled=True).token_ids == eager  # ... and the compiled step sees it
 
 
 def test_compiled_step_logits_match_eager_cache(quantized_checkpoint):
