@@ -24,12 +24,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--fused", choices=("on", "off"), default=None, help="override MOEBENCH_FUSED_MOE")
+    p.add_argument("--compiled", choices=("on", "off"), default=None,
+                   help="decode through the compiled step (default: on for the fused kernels on CUDA, else off)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(run=_run_generate)
 
 
 def _run_generate(a: argparse.Namespace) -> int:
-    from .decode import Sampling, generate
+    from .decode import Sampling, generate, use_compiled
     from .kernels import set_fused_moe
     from .loader import load
 
@@ -40,7 +42,8 @@ def _run_generate(a: argparse.Namespace) -> int:
         raise MoebenchError(f"{model.load_info.source}: no tokenizer.json, so a text prompt cannot be encoded")
     ids = tok.encode(a.prompt)
     sampling = Sampling(a.temperature, a.top_p, a.seed)
-    result = generate(model, ids, a.max_tokens, sampling, stop_ids=model.args.eos_token_id)
+    compiled = use_compiled(model, None if a.compiled is None else a.compiled == "on")
+    result = generate(model, ids, a.max_tokens, sampling, stop_ids=model.args.eos_token_id, compiled=compiled)
     text = tok.decode(result.token_ids)
     dispatch = {str(i): b.dispatch.as_dict() for i, b in model.moe_blocks().items()}
     attention = {str(i): layer.self_attn.dispatch.as_dict() for i, layer in enumerate(model.layers)}
@@ -50,12 +53,12 @@ def _run_generate(a: argparse.Namespace) -> int:
             "token_ids": result.token_ids, "text": text,
             "timings": {"prompt_seconds": result.prompt_seconds, "decode_seconds": result.decode_seconds,
                         "prompt_tps": result.prompt_tps, "decode_tps": result.decode_tps},
-            "dispatch": dispatch, "attention_dispatch": attention,
+            "decode_loop": "compiled" if compiled else "eager", "dispatch": dispatch, "attention_dispatch": attention,
         }, indent=2))
     else:
         print(a.prompt + text)
         print(f"\n[prompt {len(ids)} tokens, {result.prompt_tps:.1f} tok/s | decode {len(result.token_ids)} tokens, "
-              f"{result.decode_tps:.1f} tok/s]", file=sys.stderr)
+              f"{result.decode_tps:.1f} tok/s, {'compiled' if compiled else 'eager'} decode loop]", file=sys.stderr)
         for what, counts in (("MoE", dispatch), ("attention", attention)):
             fused = sum(sum(d["fused"].values()) for d in counts.values())
             fallback = sum(d["fallback"] for d in counts.values())

@@ -12,6 +12,7 @@ import mlx.core as mx
 from .cache import make_cache
 from .compiled import CompiledForward, compile_blocker
 from .errors import MoebenchError
+from .kernels import available_backend, fused_moe_enabled
 
 
 class DecodeError(MoebenchError, ValueError):
@@ -68,14 +69,23 @@ class GenerationResult:
         return n / self.decode_seconds if n > 0 and self.decode_seconds else 0.0
 
 
+def use_compiled(model, compiled: bool | None) -> bool:
+    """Whether to decode through the compiled step: as asked, or by default (None) where it was measured
+    to win, a moebench model with the fused kernels on CUDA (docs/benchmarks/h200.md, steps 4-5: 1.3-1.4x
+    the eager fused loop); elsewhere (CPU, Metal, the fallback, other engines' models) eager."""
+    if compiled is not None:
+        return compiled
+    return hasattr(model, "dispatch_counters") and available_backend() == "cuda" and fused_moe_enabled()
+
+
 def generate_tokens(
     model, prompt_ids: list[int], max_tokens: int, sampling: Sampling = Sampling(),
-    stop_ids: tuple[int, ...] = (), compiled: bool = False,
+    stop_ids: tuple[int, ...] = (), compiled: bool | None = None,
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield (token id, next-token logits [V]) one step at a time; evaluation is pipelined one step ahead.
 
-    `compiled` decodes through one mx.compile'd step over a static cache (moebench.compiled) unless a
-    recorder or an intervention is attached, which run eagerly.
+    `compiled` (default: use_compiled) decodes through one mx.compile'd step over a static cache
+    (moebench.compiled) unless a recorder or an intervention is attached, which run eagerly.
     """
     if not prompt_ids:
         raise DecodeError("the prompt is empty: give at least one token")
@@ -85,7 +95,7 @@ def generate_tokens(
     if bad:
         raise DecodeError(f"prompt token id {bad[0]} is outside the model's vocabulary of {vocab}")
     key = mx.random.key(sampling.seed) if sampling.seed is not None else None
-    if compiled and compile_blocker(model) is None:
+    if use_compiled(model, compiled) and compile_blocker(model) is None:
         forward = CompiledForward(model, len(prompt_ids) + max_tokens)
     else:
         cache = make_cache(len(model.layers))
@@ -117,7 +127,7 @@ def generate_tokens(
 
 
 def generate(model, prompt_ids: list[int], max_tokens: int, sampling: Sampling = Sampling(),
-             stop_ids: tuple[int, ...] = (), compiled: bool = False) -> GenerationResult:
+             stop_ids: tuple[int, ...] = (), compiled: bool | None = None) -> GenerationResult:
     """Run prefill and decode; time both (the first token marks the end of prefill)."""
     result = GenerationResult(list(prompt_ids))
     start = time.perf_counter()

@@ -96,3 +96,21 @@ def test_generate_measures_time(model):
 def test_bad_sampling_settings_are_named(kwargs, message):
     with pytest.raises(DecodeError, match=message):
         Sampling(**kwargs)
+
+
+def test_the_compiled_step_is_the_default_only_for_fused_decoding_on_cuda(monkeypatch):
+    from moebench import decode
+
+    class Moebench:
+        def dispatch_counters(self):
+            return []
+
+    assert decode.use_compiled(Moebench(), None) is (decode.available_backend() == "cuda")
+    monkeypatch.setattr(decode, "available_backend", lambda: "cuda")
+    assert decode.use_compiled(Moebench(), None)
+    assert not decode.use_compiled(object(), None)  # another engine's model: eager
+    with moebench.fused_moe(False):
+        assert not decode.use_compiled(Moebench(), None)
+    monkeypatch.setattr(decode, "available_backend", lambda: "metal")
+    assert not decode.use_compiled(Moebench(), None)
+    assert decode.use_compiled(object(), True) and not decode.use_compiled(Moebench(), False)
