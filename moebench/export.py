@@ -5,7 +5,8 @@ Frames, keyed by `step` (StepRecord.index) and `layer`:
     candidates  one row per (step, rank): the top next-token candidates and their probabilities
     routing     one row per (step, layer, rank): the selected experts by score, the path that ran
     router      one row per (step, layer, expert): router logit and probability over all experts
-    layers      one row per (step, layer): shared gate, residual and output norms, path, reason and note
+    layers      one row per (step, layer): shared gate, residual and output norms, path, reason and note,
+                the attention's path and reason
     vectors     one row per (step, layer, name[, rank]): the recorded vectors (hook names), as lists
 Any other frames (comparisons, statistics) can be saved beside them with save_frames.
 """
@@ -49,12 +50,14 @@ def to_frames(trace: Trace, vectors: bool = True) -> dict[str, pd.DataFrame]:
             key = {"step": s.index, "layer": layer}
             path = {"path": r.path.path, "fused": r.path.fused, "reason": r.path.reason,
                     "note": r.path.note or ""}  # "" (not None): an all-None column reads back from JSON as NaN
+            attention = {"attn_path": r.attn_path.path if r.attn_path else "",
+                         "attn_reason": (r.attn_path.reason or "") if r.attn_path else ""}
             for rank, (e, score) in enumerate(zip(r.topk_ids, r.topk_scores, strict=True)):
                 rows["routing"].append({**key, "rank": rank, "expert": int(e), "score": float(score), **path})
             for e, (logit, prob) in enumerate(zip(r.router_logits, r.router_probs, strict=True)):
                 rows["router"].append({**key, "expert": e, "logit": float(logit), "prob": float(prob)})
             rows["layers"].append({
-                **key, **path, "top_k": len(r.topk_ids), "shared_gate": r.shared_gate,
+                **key, **path, **attention, "top_k": len(r.topk_ids), "shared_gate": r.shared_gate,
                 **{f"{h}_norm": _norm(getattr(r, h)) for h in VECTOR_HOOKS if h != hooks.EXPERT_OUT},
             })
             if vectors:

@@ -14,6 +14,8 @@ widgets and exported files key on these strings.
     layers.{l}.moe.shared_gate   sigmoid gate of the shared expert          [L, 1]
     layers.{l}.moe.block_out     routed_out + shared_gate * shared_out      [L, D]
     layers.{l}.moe.path          which path ran (kernels.Decision)
+    layers.{l}.attn_path         which path the layer's attention ran: the decode-attention kernel or
+                                 MLX ops, and why (kernels.Decision; recorded with a KV cache)
 
 The model hands these to `model.recorder(name, value)` while it builds the graph (L = tokens in
 the call; resid_* keep the batch axis, [1, L, D]). moebench.record.LayerRecord carries one token's
@@ -30,6 +32,7 @@ TOPK_IDS, TOPK_SCORES = "topk_ids", "topk_scores"
 EXPERT_OUT, ROUTED_OUT = "expert_out", "routed_out"
 SHARED_OUT, SHARED_GATE = "shared_out", "shared_gate"
 BLOCK_OUT, PATH = "block_out", "path"
+ATTN_PATH = "attn_path"
 
 MOE_HOOKS = (ROUTER_LOGITS, ROUTER_PROBS, TOPK_IDS, TOPK_SCORES, EXPERT_OUT, ROUTED_OUT, SHARED_OUT,
              SHARED_GATE, BLOCK_OUT, PATH)

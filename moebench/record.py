@@ -90,6 +90,7 @@ class LayerRecord:
     resid_mid: np.ndarray
     resid_post: np.ndarray
     path: Decision
+    attn_path: Decision | None = None  # the layer's attention (kernel or MLX ops); None without a KV cache
 
     @property
     def resid_mid_norm(self) -> float:
@@ -422,5 +423,6 @@ def _layer_records(values: dict[str, object]) -> list[dict[int, LayerRecord]]:
                 **{h: (None if arrays[h] is None else arrays[h][j]) for h in arrays if h != hooks.SHARED_GATE},
                 shared_gate=None if gate is None else float(gate[j, 0]),
                 path=v[hooks.PATH],
+                attn_path=v.get(hooks.ATTN_PATH),
             )
     return out

@@ -37,6 +37,9 @@ def test_frames_are_long_format_and_match_the_records(trace):
     row = frames["layers"].query(f"step == {steps - 1} and layer == 1").iloc[0]
     assert row["resid_mid_norm"] == pytest.approx(r.resid_mid_norm) and row["top_k"] == 3
     assert row["shared_gate"] == pytest.approx(r.shared_gate) and row["path"] == r.path.path
+    assert row["attn_path"] == r.attn_path.path and row["attn_reason"] == (r.attn_path.reason or "")
+    first = frames["layers"].query("step == 0").iloc[0]  # the prefill: attention ran MLX ops, and says why
+    assert first["attn_path"] == "fallback" and "tokens (the kernel runs single-token decode)" in first["attn_reason"]
     tokens = frames["tokens"]
     assert tokens["token_id"].dropna().tolist() == trace.token_ids
     assert tokens["input_text"].tolist()[: len(PROMPT)] == list("Hello")

@@ -253,6 +253,8 @@ class DecoderLayer(nn.Module):
             record(hooks.resid_name(layer, hooks.RESID_PRE), x)
             record(hooks.resid_name(layer, hooks.RESID_MID), h)
             record(hooks.resid_name(layer, hooks.RESID_POST), out)
+            if cache is not None:  # attention decided in this call
+                record(hooks.resid_name(layer, hooks.ATTN_PATH), self.self_attn.dispatch.last)
         return out
 
 

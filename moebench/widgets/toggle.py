@@ -15,7 +15,8 @@ from ..kernels import fused_moe_enabled, set_fused_moe
 
 
 def describe_paths(record) -> str:
-    """'fused reference kernel on 4 of 4 MoE layers' or 'fallback (gather_qmm) on 4 of 4 MoE layers: <reason>'."""
+    """'fused reference kernel on 4 of 4 MoE layers' or 'fallback (gather_qmm) on 4 of 4 MoE layers: <reason>',
+    then the attention of those layers: '; attention: the reference decode-attention kernel on 4 of 4'."""
     paths = Counter((layer.path.path, layer.path.reason or layer.path.note) for layer in record.layers.values())
     total = sum(paths.values())
     if not total:
@@ -24,6 +25,11 @@ def describe_paths(record) -> str:
     for (path, why), n in paths.most_common():
         name = "fallback (gather_qmm)" if path == "fallback" else f"fused {path} kernel"
         parts.append(f"{name} on {n} of {total} MoE layers" + (f": {why}" if why else ""))
+    attention = Counter((d.path, d.reason) for layer in record.layers.values()
+                        if (d := getattr(layer, "attn_path", None)) is not None)
+    for (path, why), n in attention.most_common():
+        name = "MLX ops" if path == "fallback" else f"the {path} decode-attention kernel"
+        parts.append(f"attention: {name} on {n} of {total}" + (f": {why}" if why else ""))
     return "; ".join(parts)
 
 

@@ -25,10 +25,12 @@ def test_label_reports_the_recorded_path_and_the_decline_reason(tiny):
     toggle.set(True)
     toggle.show(stepper.step())
     assert f"fused {moebench.available_backend()} kernel on 4 of 4 MoE layers" in toggle.label.value
+    assert f"attention: the {moebench.available_backend()} decode-attention kernel on 4 of 4" in toggle.label.value
     toggle.set(False)
     record = stepper.step()
     toggle.show(record)
     assert "fallback (gather_qmm) on 4 of 4 MoE layers: switched off" in toggle.label.value
+    assert "attention: MLX ops on 4 of 4: switched off" in toggle.label.value
     assert describe_paths(record) in toggle.label.value
 
 
