@@ -43,6 +43,19 @@ class Heads:
         return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
 
 
+# One warp per query head walks the keys in a single pass: quick at a few hundred positions (measured up
+# to 256), while MLX's SDPA splits long contexts over many blocks. Past this many positions a step runs
+# MLX's attention instead (an engineering bound from the kernel's design, not a measured crossover).
+MAX_POSITIONS = 1024
+
+
+def span_reason(positions: int) -> str | None:
+    """Why a decode step that may attend to `positions` positions should not use the kernel, or None."""
+    if positions > MAX_POSITIONS:
+        return f"{positions} positions (the kernel's single pass per head is for up to {MAX_POSITIONS})"
+    return None
+
+
 def support_reason(heads: Heads) -> str | None:
     """Why the kernel cannot run attention of this shape, or None when it can."""
     if heads.head_dim % LANES:
@@ -131,8 +144,9 @@ def reference_decode_attention(qkv: mx.array, bias: mx.array | None, inv_freq: m
     q = _rotate(x[: h * hd].reshape(kv, h // kv, hd), cos, sin, dtype) * (hd**-0.5)
     k = _rotate(x[h * hd : (h + kv) * hd].reshape(kv, 1, hd), cos, sin, dtype)
     v = x[(h + kv) * hd :].reshape(kv, 1, hd)
-    cached_k, cached_v = keys[0].astype(mx.float32), values[0].astype(mx.float32)  # [KV, CAP, HD]
     past = mx.arange(keys.shape[2], dtype=mx.int32) < slots[0]
+    cached_k = keys[0].astype(mx.float32)  # [KV, CAP, HD]
+    cached_v = mx.where(past[:, None], values[0].astype(mx.float32), 0.0)  # unwritten slots never reach the sum
     scores = mx.where(past, q @ cached_k.transpose(0, 2, 1), -mx.inf)  # [KV, group, CAP]
     scores = mx.concatenate([scores, (q * k).sum(axis=-1, keepdims=True)], axis=-1)
     probs = mx.softmax(scores, axis=-1, precise=True)

@@ -54,6 +54,11 @@ class KVCache:
         return "causal" if length > 1 else None
 
     @property
+    def span(self) -> int:
+        """Positions the next single-token step attends to (the cached ones and its own)."""
+        return self.offset + 1
+
+    @property
     def state(self) -> tuple[mx.array, mx.array] | tuple[()]:
         return () if self.keys is None else (self.keys, self.values)
 
@@ -121,6 +126,11 @@ class StaticKVCache:
     def decode_buffers(self, heads: int, head_dim: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
         """The buffers before this step's token is written, and int32 [P, CAP] (see KVCache.decode_buffers)."""
         return self.keys, self.values, self.position.slots
+
+    @property
+    def span(self) -> int:
+        """Positions a traced step may attend to: the capacity (its position is an array)."""
+        return self.keys.shape[2]
 
     def attention_mask(self, length: int) -> mx.array:
         """Query i (at position offset + i) sees cache slots 0..offset + i; the rest is unwritten."""

@@ -183,13 +183,17 @@ class DispatchCounter:
         """A MoE block's path for a call over n_tokens (support_reason says what the kernels cannot run)."""
         return self.decide_for(n_tokens, lambda backend: support_reason(experts, backend))
 
-    def decide_for(self, n_tokens: int, support: Callable[[str], str | None]) -> Decision:
+    def decide_for(self, n_tokens: int, support: Callable[[str], str | None], call_reason: str | None = None
+                   ) -> Decision:
         """The path of one call, counted: fused on the available backend, unless it has more than one token,
-        the switch is off, or `support(backend)` (asked once per backend) gives a reason."""
+        the switch is off, this call has a reason of its own (`call_reason`), or `support(backend)` (asked
+        once per backend) gives one."""
         if n_tokens != 1:
             decision = Decision("fallback", f"{n_tokens} tokens (the kernel runs single-token decode)")
         elif not fused_moe_enabled():
             decision = SWITCHED_OFF
+        elif call_reason:
+            decision = Decision("fallback", call_reason)
         else:
             backend = available_backend()
             if backend not in self._support:

@@ -84,7 +84,8 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
         b, length, _ = x.shape
         if cache is not None:
-            decision = self.dispatch.decide_for(b * length, self._kernel_support)
+            decision = self.dispatch.decide_for(b * length, self._kernel_support,
+                                                attention_kernel.span_reason(cache.span))
             if decision.fused:
                 return self._decode_kernel(x, cache, decision.path)
         q, k, v = self.project(x, stack=cache is not None)
