@@ -49,10 +49,10 @@ class Attention(nn.Module):
     (layers.RowStack): at decode every operation is a launch or a graph node. For one new token with
     the fused switch on, the decode-attention kernel (moebench.attention_kernel) then does the bias,
     RoPE and the attention over the cache in one launch, and the layer writes the new key and value into
-    the cache. Otherwise (prefill, switch off, a shape the kernel declines, with the reason counted in
-    `dispatch`) MLX's rope and scaled_dot_product_attention run. Without a cache (training, a full
-    forward) the separate projections run, so gradients reach the model's parameters, which stay the
-    separate projections.
+    the cache. Otherwise (prefill, switch off, a shape the kernel declines, a context past
+    attention_kernel.MAX_POSITIONS, with the reason counted in `dispatch`) MLX's rope and
+    scaled_dot_product_attention run. Without a cache (training, a full forward) the separate
+    projections run, so gradients reach the model's parameters, which stay the separate projections.
     """
 
     # Why the decode kernel cannot run this family's attention, or None; a family that adds a step
