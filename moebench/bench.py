@@ -384,8 +384,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fused", choices=("on", "off", "both"), default="both")
-    p.add_argument("--compiled", choices=("on", "off", "both"), default="off",
-                   help="moebench arms through the mx.compile'd decode step (on), eager (off) or both")
+    p.add_argument("--compiled", choices=("on", "off", "both", "auto"), default="auto",
+                   help="moebench arms through the mx.compile'd decode step (on), eager (off) or both; auto: "
+                        "both on CUDA, where generate decodes compiled by default, else off")
     p.add_argument("--compare", choices=("mlx-lm",), default=None, help="also run mlx-lm on the same checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt's token ids")
     p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
@@ -397,7 +398,8 @@ def _run(a: argparse.Namespace) -> int:
     path = Path(a.model) if a.model else default_model_path()
     model, _ = load(path, verbose=True)
     prompt_ids = prompt_token_ids(model.args.vocab_size, a.prompt_tokens, a.seed)
-    arms, skipped = moebench_arms(model, a.fused, a.compiled), []
+    compiled = a.compiled if a.compiled != "auto" else ("both" if available_backend() == "cuda" else "off")
+    arms, skipped = moebench_arms(model, a.fused, compiled), []
     if a.compare == "mlx-lm":
         extra, reason = mlx_lm_arms(path)
         arms += extra

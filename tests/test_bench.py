@@ -155,3 +155,18 @@ def test_bench_compiled_arms_decode_the_eager_tokens(quantized_checkpoint, tmp_p
     assert arms["moebench fused (reference) compiled"]["dispatch"]["fused"] == {"reference": 2 * 3}
     assert arms["moebench fused (reference) compiled"]["dispatch"]["attention"]["fused"] == {"reference": 2 * 3}
     assert arms["moebench fallback compiled"]["tokens"] == arms["moebench fallback"]["tokens"]
+
+
+def test_by_default_cuda_benches_both_loops_and_other_backends_the_eager_one(quantized_checkpoint, tmp_path,
+                                                                             monkeypatch):
+    from moebench import bench
+
+    def arms(out):
+        argv = ["bench", str(quantized_checkpoint), "--prompt-tokens", "3", "--gen-tokens", "3", "--repeats", "1",
+                "--fused", "off", "--json", str(out), "--no-progress"]
+        assert main(argv) == 0
+        return [a["name"] for a in json.loads(out.read_text())["arms"]]
+
+    assert arms(tmp_path / "here.json") == ["moebench fallback"]  # this CPU: generate's default is eager
+    monkeypatch.setattr(bench, "available_backend", lambda: "cuda")  # where generate decodes compiled by default
+    assert arms(tmp_path / "cuda.json") == ["moebench fallback", "moebench fallback compiled"]
