@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm.auto import tqdm
 
-from .decode import GenerationResult, generate_tokens
+from .decode import COMPILED_BY_DEFAULT, GenerationResult, generate_tokens
 from .errors import MoebenchError
 from .kernels import available_backend, fused_moe
 from .loader import default_model_path, load
@@ -398,7 +398,7 @@ def _run(a: argparse.Namespace) -> int:
     path = Path(a.model) if a.model else default_model_path()
     model, _ = load(path, verbose=True)
     prompt_ids = prompt_token_ids(model.args.vocab_size, a.prompt_tokens, a.seed)
-    compiled = a.compiled if a.compiled != "auto" else ("both" if available_backend() == "cuda" else "off")
+    compiled = a.compiled if a.compiled != "auto" else ("both" if available_backend() in COMPILED_BY_DEFAULT else "off")
     arms, skipped = moebench_arms(model, a.fused, compiled), []
     if a.compare == "mlx-lm":
         extra, reason = mlx_lm_arms(path)

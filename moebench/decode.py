@@ -69,13 +69,16 @@ class GenerationResult:
         return n / self.decode_seconds if n > 0 and self.decode_seconds else 0.0
 
 
+COMPILED_BY_DEFAULT = ("cuda",)  # backends whose fused decode was measured faster through the compiled step
+
+
 def use_compiled(model, compiled: bool | None) -> bool:
     """Whether to decode through the compiled step: as asked, or by default (None) where it was measured
     to win, a moebench model with the fused kernels on CUDA (docs/benchmarks/h200.md, steps 4-5: 1.3-1.4x
     the eager fused loop); elsewhere (CPU, Metal, the fallback, other engines' models) eager."""
     if compiled is not None:
         return compiled
-    return hasattr(model, "dispatch_counters") and available_backend() == "cuda" and fused_moe_enabled()
+    return hasattr(model, "dispatch_counters") and available_backend() in COMPILED_BY_DEFAULT and fused_moe_enabled()
 
 
 def generate_tokens(

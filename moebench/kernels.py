@@ -114,7 +114,7 @@ def support_reason(experts: SwitchGLU, backend: str) -> str | None:
 
 @dataclass(frozen=True)
 class Decision:
-    """Which path one MoE call took: backend 'metal' / 'cuda' / 'reference', or 'fallback' and why; `note`:
+    """Which path one MoE or attention call took: backend 'metal' / 'cuda' / 'reference', or 'fallback' and why; `note`:
     what a fused call ran beside the kernels, and why (recorded steps carry it)."""
 
     path: str
