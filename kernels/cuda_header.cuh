@@ -22,6 +22,8 @@ MB_FN uint32_t mb_lane_min(uint32_t v) {
   }
   return v;
 }
+// Every thread of the block waits here; global-memory writes before it are visible after it.
+MB_FN void mb_barrier() { __syncthreads(); }
 // Precise expf, not __expf: the fused path must stay within the reference's rounding class.
 // The value of lane (this lane ^ mask).
 MB_FN float mb_lane_xor(float v, uint32_t mask) { return __shfl_xor_sync(0xffffffffu, v, int(mask)); }

@@ -56,6 +56,8 @@ struct MbSimdgroup {
 };
 inline thread_local MbSimdgroup* mb_shim_group = nullptr;
 inline thread_local uint mb_shim_lane = 0;
+// Every thread of the launch (one simdgroup, or one threadgroup of several) meets here.
+inline thread_local std::barrier<>* mb_shim_threadgroup = nullptr;
 
 // Every lane gets op folded over the 32 lanes' values in lane order.
 template <typename V, typename Op>
@@ -70,6 +72,8 @@ V mb_shim_reduce(V v, Op op) {
 }
 
 namespace metal {
+enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+inline void threadgroup_barrier(mem_flags) { mb_shim_threadgroup->arrive_and_wait(); }
 inline float exp(float v) { return std::exp(v); }
 namespace precise {
 inline float cos(float v) { return std::cos(v); }
@@ -99,9 +103,30 @@ void mb_shim_launch(uint rows, uint slots, Kernel kernel) {
     lanes.emplace_back([&group, &kernel, lane, rows, slots] {
       mb_shim_group = &group;
       mb_shim_lane = lane;
+      mb_shim_threadgroup = &group.meet;
       for (uint z = 0; z < slots; ++z)
         for (uint y = 0; y < rows; ++y) kernel(uint3{lane, y, z});
     });
   }
   for (auto& t : lanes) t.join();
+}
+
+// Run `kernel(thread_position_in_grid)` once on every thread of one threadgroup of `rows` simdgroups,
+// all threads at once, so the kernel may meet at threadgroup_barrier.
+template <typename Kernel>
+void mb_shim_launch_threadgroup(uint rows, Kernel kernel) {
+  std::vector<MbSimdgroup> groups(rows);
+  std::barrier<> all(32 * rows);
+  std::vector<mb_std_thread> threads;
+  for (uint row = 0; row < rows; ++row) {
+    for (uint lane = 0; lane < 32; ++lane) {
+      threads.emplace_back([&groups, &all, &kernel, lane, row] {
+        mb_shim_group = &groups[row];
+        mb_shim_lane = lane;
+        mb_shim_threadgroup = &all;
+        kernel(uint3{lane, row, 0});
+      });
+    }
+  }
+  for (auto& t : threads) t.join();
 }

@@ -9,6 +9,8 @@ MB_FN float mb_lane_max(float v) { return metal::simd_max(v); }
 MB_FN uint32_t mb_lane_min(uint32_t v) { return metal::simd_min(v); }
 // The value of lane (this lane ^ mask).
 MB_FN float mb_lane_xor(float v, uint32_t mask) { return metal::simd_shuffle_xor(v, ushort(mask)); }
+// Every thread of the threadgroup waits here; device-memory writes before it are visible after it.
+MB_FN void mb_barrier() { metal::threadgroup_barrier(metal::mem_flags::mem_device); }
 MB_FN float mb_exp(float v) { return metal::exp(v); }
 MB_FN float mb_cos(float v) { return metal::precise::cos(v); }
 MB_FN float mb_sin(float v) { return metal::precise::sin(v); }

@@ -281,7 +281,7 @@ def select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_to
     return reference_select(logits, num_experts, top_k, norm_topk_prob, gate_row)
 
 
-def _matmul_f32(p: QuantizedParts, v: mx.array, indices: mx.array | None = None) -> mx.array:
+def matmul_f32(p: QuantizedParts, v: mx.array, indices: mx.array | None = None) -> mx.array:
     """v @ W^T in float32 with W dequantized in float32 (scales and biases upcast first): v [D] -> [out],
     or with `indices` [K] and v [D] or [K, 1, in] -> [K, 1, out] (the selected experts' matrices)."""
     scales, biases = p.scales.astype(mx.float32), p.biases.astype(mx.float32)
@@ -301,14 +301,14 @@ def reference_expert_outputs(
 ) -> mx.array:
     """x [D], indices [K] -> unweighted expert outputs [K, D] in float32, with MLX ops."""
     xf = x.astype(mx.float32)
-    act = _swiglu_f32(_matmul_f32(gate, xf, indices), _matmul_f32(up, xf, indices))
-    return _matmul_f32(down, act, indices)[:, 0]
+    act = _swiglu_f32(matmul_f32(gate, xf, indices), matmul_f32(up, xf, indices))
+    return matmul_f32(down, act, indices)[:, 0]
 
 
 def reference_shared_output(x: mx.array, shared: SharedExpert) -> mx.array:
     """x [D] -> the shared expert's unweighted output [D] in float32, with MLX ops."""
     xf = x.astype(mx.float32)
-    return _matmul_f32(shared.down, _swiglu_f32(_matmul_f32(shared.gate, xf), _matmul_f32(shared.up, xf)))
+    return matmul_f32(shared.down, _swiglu_f32(matmul_f32(shared.gate, xf), matmul_f32(shared.up, xf)))
 
 
 def combine(expert_out: mx.array, scores: mx.array) -> mx.array:

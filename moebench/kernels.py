@@ -176,6 +176,7 @@ class DispatchCounter:
     fallback: int = 0
     reasons: Counter = field(default_factory=Counter)
     last: Decision | None = None
+    router_note: str | None = None  # why the block's router runs outside the entry kernel, when it does
     _support: dict = field(default_factory=dict, repr=False)
     _weights: Derived = field(default_factory=lambda: Derived(FusedWeights.build), repr=False)
 
@@ -235,7 +236,10 @@ class DispatchCounter:
         """What the fused path of this layer runs beside the kernels, and why (known once it has run)."""
         weights = self._weights.value
         note = weights.shared_note if weights is not None else None
-        return [f"shared expert beside the kernels: {note}"] if note else []
+        notes = [f"shared expert beside the kernels: {note}"] if note else []
+        if self.router_note:
+            notes.append(f"router and post-attention norm beside the kernels: {self.router_note}")
+        return notes
 
     def reset(self) -> None:
         self.fused.clear()

@@ -1,7 +1,7 @@
 """The kernel sources in kernels/ compile and compute right without a GPU.
 
-CI has no Apple GPU, so the Metal prelude plus the shared bodies of the four stages (router, kernel A,
-kernel B of the MoE and decode attention) are wrapped in the signature MLX's metal_kernel would write
+CI has no Apple GPU, so the Metal prelude plus the shared bodies of the five stages (entry, router, kernel
+A, kernel B of the MoE and decode attention) are wrapped in the signature MLX's metal_kernel would write
 and compiled as C++ against kernels/metal_cpu_shim.h (every supported bits / group size /
 shared-expert / router-flag combination, attention with and without bias at MHA, GQA and MQA head
 shapes, float32 and bfloat16), then run on the CPU against the references. The emulated signatures
@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench import attention_kernel, fused_kernel
+from moebench import attention_kernel, fused_kernel, norm_router_kernel
 from moebench.attention_kernel import ATTENTION, Heads, reference_decode_attention, rope_frequencies
 from moebench.fused_kernel import (
     DOWN,
@@ -33,6 +33,7 @@ from moebench.fused_kernel import (
     reference_select,
     routed,
 )
+from moebench.norm_router_kernel import NORM_ROUTER, ROUTER_BITS, SIMDGROUPS, reference_norm_router
 from moebench.quant import QuantizedParts
 
 GATE_UP_BITS, DOWN_BITS, GROUPS = (4, 8), (4, 6, 8), (32, 64, 128)
@@ -52,6 +53,8 @@ TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
     GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "BITS")],
     DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID")],
     ATTENTION: [("typename", "T"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS")],
+    NORM_ROUTER: [("typename", "T"), ("typename", "ST"), ("int", "D"), ("int", "E"), ("int", "K"), ("bool", "NORM"),
+                  ("bool", "SHARED"), ("int", "BITS"), ("int", "GS"), ("int", "W")],
 }
 # Element type of each kernel parameter: a C type or a template type name; uint32_t when not listed.
 PARAM_TYPES: dict[Stage, dict[str, str]] = {
@@ -60,6 +63,8 @@ PARAM_TYPES: dict[Stage, dict[str, str]] = {
     DOWN: {"scores": "S", "act": "float", "sgate": "float", "y": "float", "ys": "float", "out": "T", "resid": "T",
            **{f"{p}_{q}": "ST" for p in ("down", "sdown") for q in "sb"}},
     ATTENTION: {**dict.fromkeys(ATTENTION.inputs + ATTENTION.outputs, "T"), "inv_freq": "float", "pos": "int"},
+    NORM_ROUTER: {**dict.fromkeys(("resid", "attn", "norm_w", "h", "xn"), "T"), "rs": "ST", "rb": "ST",
+                  **dict.fromkeys(("eps", "xf", "logits", "probs", "scores", "sgate"), "float")},
 }
 FLAVORS = {"f32": {"T": "float", "ST": "float", "S": "float", "LT": "float"},
            "bf16": {"T": "bfloat16_t", "ST": "bfloat16_t", "S": "float", "LT": "bfloat16_t"}}
@@ -95,6 +100,8 @@ def _constant_inputs(stage: Stage, inst: Instance) -> tuple[str, ...]:
         sizes = {"logits": inst["E"] + inst["SHARED"]}
     elif stage is ATTENTION:
         sizes = {"pos": 2}  # [P, CAP]; the other inputs hold at least HD / 2 >= 16 elements
+    elif stage is NORM_ROUTER:
+        sizes = {"eps": 1}  # the others hold at least D >= 32 elements
     else:  # without a shared expert the caller passes scores in place of B's sgate [1]
         sizes = {"indices": inst["K"], "scores": inst["K"], "sgate": 1 if inst["DFFS"] else inst["K"]}
     return tuple(n for n in stage.inputs if sizes.get(n, 8) < 8)
@@ -128,8 +135,9 @@ def _launcher(stage: Stage, inst: Instance) -> str:
     """extern "C" entry for ctypes: the stage's buffers in input-then-output order, over `rows` simdgroups."""
     buffers = [f"static_cast<{'const ' * (n in stage.inputs)}{_param_type(stage, n, inst)}*>(buf[{i}])"
                for i, n in enumerate(stage.inputs + stage.outputs)]
+    launch = "mb_shim_launch_threadgroup(rows, " if stage is NORM_ROUTER else "mb_shim_launch(rows, 1, "
     return (f'extern "C" void {_entry(stage, inst)}(void* const* buf, uint rows) {{\n'
-            f"  mb_shim_launch(rows, 1, [&](uint3 t) {{ {_metal_name(stage, inst)}<{_args(inst)}>("
+            f"  {launch}[&](uint3 t) {{ {_metal_name(stage, inst)}<{_args(inst)}>("
             f"{', '.join(buffers)}, t); }});\n}}")
 
 
@@ -137,9 +145,20 @@ def _attention_instance(shape: tuple[int, int, int], bias: bool, flavor: str = "
     return _instance(ATTENTION, flavor, **dict(zip(("H", "KV", "HD"), shape, strict=True)), BIAS=bias)
 
 
+def _norm_router_instance(d: int, n_exp: int, top_k: int, norm: bool, shared: bool, bits: int, group: int,
+                          flavor: str = "f32") -> Instance:
+    return _instance(NORM_ROUTER, flavor, D=d, E=n_exp, K=top_k, NORM=norm, SHARED=shared, BITS=bits, GS=group,
+                     W=SIMDGROUPS)
+
+
 def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shapes, attention_shapes):
     """(stage, instance) for every supported combination at these shapes."""
+    n_exp, top_k = router_shapes[-1]
     for flavor in flavors:
+        for bits, group in product(ROUTER_BITS, GROUPS):  # the entry kernel: every router storage at one shape ...
+            yield NORM_ROUTER, _norm_router_instance(experts["DIN"], n_exp, top_k, True, True, bits, group, flavor)
+        for (n_exp, top_k), shared in product(router_shapes, (True, False)):  # ... every shape at one storage
+            yield NORM_ROUTER, _norm_router_instance(experts["DIN"], n_exp, top_k, False, shared, 4, 64, flavor)
         for bits, group, width in product(GATE_UP_BITS, GROUPS, (0, dffs)):
             yield GATE_UP, _instance(GATE_UP, flavor, **experts, DFFS=width, GS=group, BITS=bits)
         for bits, group, width, resid in product(DOWN_BITS, GROUPS, (0, dffs), (False, True)):
@@ -153,6 +172,9 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
 _RUN_CASES = [(4, 4, 32), (8, 8, 64), (4, 6, 128), (8, 6, 32), (4, 8, 128)]  # (gate bits, down bits, group)
 _ROUTER_RUN_CASES = [(60, 4, True, True), (60, 8, False, True), (128, 8, True, False), (128, 4, False, False),
                      (4, 2, True, True)]  # (E, K, NORM, SHARED)
+# (E, K, NORM, SHARED, router bits, group): A2.7B's routing at every router width, Qwen3's, a tiny one
+_NORM_ROUTER_RUN_CASES = [(60, 4, False, True, 8, 64), (60, 4, False, True, 4, 32), (60, 4, True, True, 6, 128),
+                          (128, 8, True, False, 4, 64), (4, 2, False, True, 8, 32)]
 
 
 def _routed_instances(gate_bits: int, down_bits: int, group: int, dffs: int) -> tuple[Instance, Instance]:
@@ -168,6 +190,8 @@ def _run_instances():
         yield ROUTER, _instance(ROUTER, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
     for shape, bias in product(ATTENTION_SHAPES, (False, True)):
         yield ATTENTION, _attention_instance(shape, bias)
+    for case in _NORM_ROUTER_RUN_CASES:
+        yield NORM_ROUTER, _norm_router_instance(DIN, *case)
 
 
 def _metal_unit() -> str:
@@ -240,6 +264,7 @@ def test_emulated_signatures_match_what_fused_kernel_launches(monkeypatch, dffs)
         return launch
 
     monkeypatch.setattr(fused_kernel, "built_kernel", built)
+    monkeypatch.setattr(norm_router_kernel, "built_kernel", built)
     rng = np.random.default_rng(dffs)
     gate, up, down, shared = _experts(rng, 4, 6, 64, dffs, mx.bfloat16)
     x = mx.array(rng.standard_normal(DIN).astype(np.float32), dtype=mx.bfloat16)
@@ -251,7 +276,9 @@ def test_emulated_signatures_match_what_fused_kernel_launches(monkeypatch, dffs)
     cache = mx.zeros((1, 2, CAP, 64), mx.bfloat16)
     attention_kernel.gpu_decode_attention("metal", qkv, qkv[0] if dffs else None, rope_frequencies(64, 1e6),
                                           mx.array([5, CAP], mx.int32), cache, cache, heads)  # bias with dffs
-    assert set(launches) == {ROUTER, GATE_UP, DOWN, ATTENTION}
+    router = _quantized(rng, (4 + bool(dffs), DIN), 8, 64, mx.bfloat16)
+    norm_router_kernel.gpu_norm_router("metal", x[None], x[None], x, 1e-6, router, 4, 2, False, bool(dffs))
+    assert set(launches) == {ROUTER, GATE_UP, DOWN, ATTENTION, NORM_ROUTER}
     for stage, (inputs, template, output_dtypes) in launches.items():
         assert [(_template_kind(v), n) for n, v in template] == TEMPLATE_PARAMS[stage], stage.name
         inst = {n: MX_TYPES[v] if isinstance(v, mx.Dtype) else v for n, v in template}
@@ -395,6 +422,33 @@ def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bia
         assert np.isfinite(got).all(), f"{name}: not finite (a cache slot >= pos read?)"
         nrms = _nrms(got, np.array(want).reshape(-1))
         assert nrms < 1e-5, f"{name}: shimmed kernel vs reference nRMS {nrms:.2e}"
+
+
+@pytest.mark.parametrize("n_exp,top_k,norm,shared,bits,group", _NORM_ROUTER_RUN_CASES)
+def test_shimmed_entry_kernel_matches_the_reference_on_cpu(shim_library, n_exp, top_k, norm, shared, bits, group):
+    rng = np.random.default_rng(n_exp + top_k + bits + group)
+    resid, attn = (rng.standard_normal(DIN).astype(np.float32) for _ in range(2))
+    norm_w = rng.uniform(0.5, 1.5, DIN).astype(np.float32)
+    router = _quantized(rng, (n_exp + shared, DIN), bits, group)
+    truth = reference_norm_router(mx.array(resid), mx.array(attn), mx.array(norm_w), 1e-6, router, n_exp, top_k,
+                                  norm, shared)
+    sizes = {"h": DIN, "xn": DIN, "xf": DIN, "logits": n_exp + shared, "probs": n_exp, "inds": top_k,
+             "scores": top_k, "sgate": 1}
+    outputs = {n: _output(size, "uint32_t" if n == "inds" else "float") for n, size in sizes.items()}
+    _launch(shim_library, NORM_ROUTER, _norm_router_instance(DIN, n_exp, top_k, norm, shared, bits, group),
+            SIMDGROUPS, {"resid": resid, "attn": attn, "norm_w": norm_w, "eps": np.array([1e-6], np.float32),
+                         **{f"r{k[-1]}": v for k, v in _host("r", router).items()}, **outputs})
+    got = {n: _written(outputs[n], n) for n in NORM_ROUTER.outputs}
+    want = dict(zip(("h", "xn", "logits", "probs", "inds", "scores", "sgate"), map(np.array, truth), strict=True))
+    for name in ("h", "xn", "logits"):
+        nrms = _nrms(got[name], want[name])
+        assert nrms < 1e-5, f"{name}: shimmed entry kernel vs reference nRMS {nrms:.2e}"
+    assert np.array_equal(got["xf"], got["xn"]), "xf must hold xn in float32"
+    assert got["inds"].tolist() == want["inds"].tolist()
+    for name in ("probs", "scores", "sgate"):
+        assert np.abs(got[name] - want[name]).max() < 1e-6, name
+    if not shared:
+        assert got["sgate"][0] == 0.0
 
 
 def _cuda_constant(kind: str, name: str, value) -> str:

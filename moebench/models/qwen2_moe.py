@@ -17,12 +17,12 @@ from dataclasses import replace
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import attention_kernel, fused_kernel, hooks
+from .. import attention_kernel, fused_kernel, hooks, norm_router_kernel
 from ..attention_kernel import Heads, rope_frequencies
 from ..cache import KVCache
 from ..config import ModelArgs
 from ..errors import CheckpointError
-from ..kernels import DispatchCounter
+from ..kernels import Decision, DispatchCounter
 from ..layers import Embedding, Linear, RowStack, load_linear
 from ..routing import Intervention, route
 from ..switch import SwitchGLU, load_switch_glu, swiglu, weighted_sum
@@ -131,6 +131,12 @@ class MLP(nn.Module):
         y = self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
         return y if residual is None else residual + y
 
+    def after_attention(self, x: mx.array, attn_out: mx.array, norm: RMSNorm, layer: int = -1,
+                        record: Recorder | None = None) -> tuple[mx.array, mx.array]:
+        """The second half of a decoder layer: (h + MLP(norm(h)), h) with h = x + attn_out."""
+        h = x + attn_out
+        return self(norm(h), layer, record, residual=h), h
+
 
 class SparseMoeBlock(nn.Module):
     """Router top-k over the routed experts plus a sigmoid-gated shared expert.
@@ -155,18 +161,57 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = args.norm_topk_prob
         self.dispatch = DispatchCounter()
         self.intervention: Intervention | None = None
+        self._entry_support: tuple | None = None  # (router rows, (norm, x dtypes), why the entry kernel cannot)
 
     def __call__(self, x: mx.array, layer: int = -1, record: Recorder | None = None,
                  residual: mx.array | None = None) -> mx.array:
         """The block's output for x [..., D], plus `residual` when given."""
+        decision = self.dispatch.decide(self.experts, math.prod(x.shape[:-1]))
+        return self._forward(x, decision, layer, record, residual)
+
+    def after_attention(self, x: mx.array, attn_out: mx.array, norm: RMSNorm, layer: int = -1,
+                        record: Recorder | None = None) -> tuple[mx.array, mx.array]:
+        """The second half of a decoder layer: (h + Block(norm(h)), h) with h = x + attn_out. A fused step
+        routed by the router kernel starts with the entry kernel (moebench.norm_router_kernel: the add, the
+        norm, the router's rows and its selection in one launch); where it cannot, the four run apart and
+        dispatch.notes says why."""
+        decision = self.dispatch.decide(self.experts, math.prod(x.shape[:-1]))
+        entry = self._entry(decision, x, attn_out, norm)
+        if entry is None:
+            h = x + attn_out
+            return self._forward(norm(h), decision, layer, record, h), h
+        h, xn, *selection = entry
+        return self._forward(xn, decision, layer, record, h, tuple(selection)), h
+
+    def _entry(self, decision: Decision, x: mx.array, attn_out: mx.array, norm: RMSNorm):
+        """The entry kernel's outputs (norm_router_kernel.norm_router), or None where it does not run."""
+        if not decision.fused or self.intervention is not None:
+            return None
+        rows = self.router_rows.get() if self.router_rows is not None else self.gate
+        dtypes = (norm.weight.dtype, x.dtype)
+        support = self._entry_support
+        if support is None or support[0] is not rows or support[1] != dtypes:
+            reason = ("the router and the shared expert gate are stored differently" if rows is None else
+                      norm_router_kernel.support_reason(rows.quantized_parts(), "bias" in rows, *dtypes))
+            self._entry_support = support = (rows, dtypes, reason)
+        self.dispatch.router_note = support[2]
+        if support[2] is not None:
+            return None
+        return norm_router_kernel.norm_router(decision.path, x, attn_out, norm.weight, norm.eps,
+                                              rows.quantized_parts(), self.num_experts, self.top_k,
+                                              self.norm_topk_prob, self.router_rows is not None)
+
+    def _forward(self, x: mx.array, decision: Decision, layer: int, record: Recorder | None,
+                 residual: mx.array | None, selection: tuple | None = None) -> mx.array:
         shape = x.shape
-        decision = self.dispatch.decide(self.experts, math.prod(shape[:-1]))
         if decision.fused and record is None:
-            return self._fused(x, decision.path, False, residual)[0]
+            return self._fused(x, decision.path, False, residual, selection)[0]
         x = x.reshape(-1, shape[-1])
         if decision.fused:  # the same launches as unrecorded (residual inside), so recording changes nothing
             flat_residual = residual.reshape(x.shape) if residual is not None else None
-            out, parts, block = self._fused(x, decision.path, True, flat_residual)
+            if selection is not None:
+                selection = tuple(a.reshape(-1, a.shape[-1]) for a in selection)
+            out, parts, block = self._fused(x, decision.path, True, flat_residual, selection)
             out = out.reshape(shape)
         else:
             block, parts = self._fallback(x)
@@ -200,15 +245,19 @@ class SparseMoeBlock(nn.Module):
             out = out + gate * shared
         return out, (logits, probs, inds, scores, expert_out, routed, shared, gate)
 
-    def _fused(self, x: mx.array, backend: str, recording: bool,
-               residual: mx.array | None = None) -> tuple[mx.array, tuple, mx.array | None]:
+    def _fused(self, x: mx.array, backend: str, recording: bool, residual: mx.array | None = None,
+               selection: tuple | None = None) -> tuple[mx.array, tuple, mx.array | None]:
         """(output (+ residual), the recorded parts, the block output without the residual); while not
-        `recording` the parts are mostly None and so is the block output."""
+        `recording` the parts are mostly None and so is the block output. `selection`: the entry kernel's
+        (logits, probs, ids, scores, shared gate), when it ran."""
         shared_mlp = self.shared_expert
         w = self.dispatch.fused_weights(
             self.experts, shared_mlp and (shared_mlp.gate_proj, shared_mlp.up_proj, shared_mlp.down_proj))
         shared_on = self._shared_on()
-        if self.intervention is None:
+        if selection is not None:
+            logits, probs, inds, scores, gate = selection
+            logits = logits[..., : self.num_experts] if recording else None
+        elif self.intervention is None:
             stacked = self.router_rows.get() if self.router_rows is not None else None
             logits = (stacked or self.gate)(x)
             probs, inds, scores, gate = fused_kernel.select(backend, logits, self.num_experts, self.top_k,
@@ -248,8 +297,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = input_norm, post_norm
 
     def __call__(self, x: mx.array, cache: KVCache | None, layer: int, record: Recorder | None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        out = self.mlp(self.post_attention_layernorm(h), layer, record, residual=h)
+        attn_out = self.self_attn(self.input_layernorm(x), cache)
+        out, h = self.mlp.after_attention(x, attn_out, self.post_attention_layernorm, layer, record)
         if record is not None:
             record(hooks.resid_name(layer, hooks.RESID_PRE), x)
             record(hooks.resid_name(layer, hooks.RESID_MID), h)

@@ -1,4 +1,4 @@
-"""The CUDA kernels (router, pair with and without the shared expert, decode attention) against the CPU
+"""The CUDA kernels (entry, router, pair with and without the shared expert, decode attention) against the CPU
 reference and a float64 truth, at Qwen1.5-MoE-A2.7B shapes.
 
 Runs only where MLX has a CUDA back-end (the H200 of the device tool); skips cleanly elsewhere.
@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench import attention_kernel, fused_kernel
+from moebench import attention_kernel, fused_kernel, norm_router_kernel
 from moebench.attention_kernel import Heads, rope_frequencies
 from moebench.decode import generate
 from moebench.fused_kernel import gpu_routed
@@ -139,6 +139,42 @@ def test_cuda_router_kernel_matches_the_reference(n_exp, k, norm, gate_row):
     assert np.abs(probs - r_probs).max() < 1e-6
     assert list(inds[0]) == list(r_inds[0]), f"top-{k} {inds} vs reference {r_inds}"
     assert np.abs(scores - r_scores).max() < 1e-6 and np.abs(sgate - r_sgate).max() < 1e-6
+
+
+@pytest.mark.parametrize("n_exp,k,norm,gate_row,bits,dtype", [
+    (60, 4, False, True, 8, mx.bfloat16), (60, 4, False, True, 4, mx.bfloat16), (128, 8, True, False, 4, mx.bfloat16),
+    (60, 4, False, True, 8, mx.float32)])
+def test_cuda_entry_kernel_matches_reference_and_truth(n_exp, k, norm, gate_row, bits, dtype):
+    """Residual add, RMSNorm, router rows and selection in one launch, at A2.7B's hidden size."""
+    rng = np.random.default_rng(n_exp + bits)
+    cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
+    resid, attn = cast(4 * rng.standard_normal((1, 1, D))), cast(rng.standard_normal((1, 1, D)))
+    norm_w = cast(rng.uniform(0.5, 1.5, D))
+    w = mx.array(rng.standard_normal((n_exp + gate_row, D)).astype(np.float32) / np.sqrt(D))
+    q, sc, bi = mx.quantize(w, group_size=64, bits=bits)
+    router = QuantizedParts(q, sc.astype(dtype), bi.astype(dtype), 64, bits, "affine")
+    args = (resid, attn, norm_w, 1e-6, router, n_exp, k, norm, gate_row)
+    got = norm_router_kernel.norm_router("cuda", *args)
+    with mx.stream(mx.cpu):
+        ref = norm_router_kernel.norm_router("reference", *args)
+        mx.eval(ref)
+    f64 = lambda a: np.array(a.astype(mx.float32), dtype=np.float64).reshape(-1)  # noqa: E731
+    h_true = f64(resid) + f64(attn)
+    xn_true = f64(norm_w) * h_true / np.sqrt(np.mean(h_true**2) + 1e-6)
+    logits_true = _dense(router) @ xn_true
+    names = ("h", "xn", "logits")
+    errors = {**{f"cuda vs reference {n}": _nrms(f64(a), f64(b)) for n, a, b in zip(names, got, ref, strict=False)},
+              **{f"cuda {n} vs truth": _nrms(f64(a), t) for n, a, t in zip(names, got, (h_true, xn_true, logits_true),
+                                                                             strict=False)}}
+    print(f"\nentry kernel E{n_exp} top-{k} {bits}-bit router {dtype}: " +
+          ", ".join(f"{n} nRMS {v:.2e}" for n, v in errors.items()))
+    assert max(v for n, v in errors.items() if n.startswith("cuda vs")) < 5e-4
+    assert errors["cuda logits vs truth"] < (5e-4 if dtype == mx.float32 else 1e-2)  # bf16: xn rounded, as MLX's norm
+    probs, inds, scores, sgate = (np.array(a) for a in got[3:])
+    r_probs, r_inds, r_scores, r_sgate = (np.array(a) for a in ref[3:])
+    assert list(inds.reshape(-1)) == list(r_inds.reshape(-1)), f"top-{k} {inds} vs reference {r_inds}"
+    assert np.abs(probs - r_probs).max() < 1e-5 and np.abs(scores - r_scores).max() < 1e-5
+    assert np.abs(sgate - r_sgate).max() < 1e-5
 
 
 def test_cuda_kernels_are_deterministic_and_independent_of_rows():

@@ -1,0 +1,128 @@
+"""The fused MoE block's entry (residual add, post-attention RMSNorm, router rows, selection): its reference
+against the unfused operations, the checks that stand between a bad launch and the process, and the
+model running it at every fused decode step, or saying why not."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import moebench
+from moebench import norm_router_kernel
+from moebench.decode import generate
+from moebench.errors import UnsupportedKernelConfig
+from moebench.fused_kernel import reference_select
+from moebench.norm_router_kernel import norm_router, support_reason
+from moebench.quant import QuantizedParts
+
+D = 128
+
+
+def _router(rows: int, bits: int = 8, group: int = 64, seed: int = 0, dtype: mx.Dtype = mx.float32) -> QuantizedParts:
+    w = mx.random.normal((rows, D), key=mx.random.key(seed)) / np.sqrt(D)
+    q, s, b = mx.quantize(w, group_size=group, bits=bits)
+    return QuantizedParts(q, s.astype(dtype), b.astype(dtype), group, bits, "affine")
+
+
+def _token(seed: int, dtype: mx.Dtype = mx.float32) -> tuple[mx.array, mx.array, mx.array]:
+    k = mx.random.split(mx.random.key(seed), 3)
+    return (4 * mx.random.normal((1, 1, D), key=k[0])).astype(dtype), mx.random.normal((1, 1, D), key=k[1]).astype(
+        dtype), mx.random.uniform(0.5, 1.5, (D,), key=k[2]).astype(dtype)
+
+
+@pytest.mark.parametrize("n_exp,top_k,norm,gate_row,bits", [(8, 2, False, True, 8), (16, 4, True, False, 4),
+                                                            (60, 4, False, True, 6)])
+def test_reference_matches_the_unfused_operations(n_exp, top_k, norm, gate_row, bits):
+    resid, attn, norm_w = _token(n_exp)
+    router = _router(n_exp + gate_row, bits, seed=n_exp)
+    h, xn, logits, probs, inds, scores, sgate = norm_router("reference", resid, attn, norm_w, 1e-6, router, n_exp,
+                                                            top_k, norm, gate_row)
+    want_h = resid + attn
+    want_xn = mx.fast.rms_norm(want_h, norm_w, 1e-6)
+    dense = mx.dequantize(router.weight, router.scales, router.biases, group_size=router.group_size, bits=bits)
+    want_logits = want_xn @ dense.T
+    assert np.array_equal(np.array(h), np.array(want_h))
+    assert np.abs(np.array(xn) - np.array(want_xn)).max() < 1e-5
+    assert logits.shape == (1, 1, n_exp + gate_row) and logits.dtype == mx.float32
+    assert np.abs(np.array(logits) - np.array(want_logits)).max() < 1e-4
+    for got, want in zip((probs, inds, scores, sgate), reference_select(logits, n_exp, top_k, norm, gate_row),
+                         strict=True):
+        assert got.shape == want.shape and np.array_equal(np.array(got), np.array(want))
+
+
+def test_bfloat16_rounds_the_residual_and_the_normed_token_once():
+    resid, attn, norm_w = _token(3, mx.bfloat16)
+    h, xn, *_ = norm_router("reference", resid, attn, norm_w, 1e-6, _router(9, dtype=mx.bfloat16), 8, 2, False, True)
+    assert h.dtype == xn.dtype == mx.bfloat16
+    assert np.array_equal(np.array(h.astype(mx.float32)), np.array((resid + attn).astype(mx.float32)))
+    hf = np.array(h.astype(mx.float32), np.float64).reshape(-1)
+    want = np.array(norm_w.astype(mx.float32)) * hf / np.sqrt(np.mean(hf**2) + 1e-6)
+    got = np.array(xn.astype(mx.float32)).reshape(-1)
+    assert np.abs(got - want).max() <= np.abs(want).max() * 2**-8  # within one bfloat16 rounding
+
+
+def test_support_reasons_name_what_the_kernel_cannot_read():
+    f32 = mx.float32
+    assert support_reason(_router(9), False, f32, f32) is None
+    assert "float" in support_reason(None, False, f32, f32)
+    assert "2-bit" in support_reason(_router(9, bits=2), False, f32, f32)
+    assert "without biases" in support_reason(replace(_router(9), biases=None), False, f32, f32)
+    assert "bias" in support_reason(_router(9), True, f32, f32)
+    assert "bfloat16" in support_reason(_router(9), False, mx.bfloat16, f32)
+
+
+def test_bad_inputs_are_named_before_any_launch():
+    resid, attn, norm_w = _token(1)
+    router = _router(9)
+    with pytest.raises(UnsupportedKernelConfig, match="expected one token"):
+        norm_router("reference", mx.concatenate([resid, resid], axis=1), attn, norm_w, 1e-6, router, 8, 2, False,
+                    True)
+    with pytest.raises(UnsupportedKernelConfig, match="attention output"):
+        norm_router("reference", resid, attn[..., :64], norm_w, 1e-6, router, 8, 2, False, True)
+    with pytest.raises(UnsupportedKernelConfig, match="expected 8 rows"):
+        norm_router("reference", resid, attn, norm_w, 1e-6, router, 8, 2, False, False)
+    with pytest.raises(UnsupportedKernelConfig, match="top-9 of 8"):
+        norm_router("reference", resid, attn, norm_w, 1e-6, router, 8, 9, False, True)
+    with pytest.raises(UnsupportedKernelConfig, match="unknown fused backend"):
+        norm_router("vulkan", resid, attn, norm_w, 1e-6, router, 8, 2, False, True)
+
+
+def _count_entries(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    real = norm_router_kernel.norm_router
+
+    def spy(backend, *args):
+        calls.append(backend)
+        return real(backend, *args)
+
+    monkeypatch.setattr(norm_router_kernel, "norm_router", spy)
+    return calls
+
+
+def test_every_fused_decode_step_enters_each_moe_block_through_the_kernel(quantized_checkpoint, monkeypatch):
+    model, _ = moebench.load(quantized_checkpoint)
+    calls = _count_entries(monkeypatch)
+    with moebench.fused_moe(True):
+        fused = generate(model, [3, 1, 4, 1, 5], 8, compiled=False).token_ids
+    assert calls == ["reference"] * (7 * len(model.moe_blocks()))  # decode steps only: the prefill has 5 tokens
+    assert all(not b.dispatch.notes for b in model.moe_blocks().values())
+    with moebench.fused_moe(False):
+        fallback = generate(model, [3, 1, 4, 1, 5], 8, compiled=False).token_ids
+    assert len(calls) == 7 * len(model.moe_blocks())  # switched off: never entered
+    assert fused == fallback  # float32: the entry's float32 router logits change no greedy choice here
+
+
+def test_a_router_the_kernel_cannot_read_runs_beside_it_and_says_why(quantized_checkpoint, monkeypatch):
+    model, _ = moebench.load(quantized_checkpoint)
+    calls = _count_entries(monkeypatch)
+    monkeypatch.setattr(norm_router_kernel, "support_reason", lambda *a: "the router's rows are float (test)")
+    with moebench.fused_moe(True):
+        generate(model, [3, 1, 4], 4, compiled=False)
+    assert calls == []
+    for block in model.moe_blocks().values():
+        assert sum(block.dispatch.fused.values()) == 3  # the kernel pair still ran every decode step
+        assert block.dispatch.notes == ["router and post-attention norm beside the kernels: the router's rows are "
+                                        "float (test)"]
