@@ -112,6 +112,20 @@ def support_reason(experts: SwitchGLU, backend: str) -> str | None:
     return None
 
 
+class RowsSupport:
+    """Why a norm-folding kernel cannot read one layer's rows, or None; asked at every decode step, so it is
+    computed again only when the rows object (rebuilt when weights change) or the dtypes change."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._reason: str | None = None
+
+    def reason(self, rows: object, dtypes: tuple, compute: Callable[[], str | None]) -> str | None:
+        if self._key is None or self._key[0] is not rows or self._key[1] != dtypes:
+            self._key, self._reason = (rows, dtypes), compute()
+        return self._reason
+
+
 @dataclass(frozen=True)
 class Decision:
     """Which path one MoE or attention call took: backend 'metal' / 'cuda' / 'reference', or 'fallback' and why; `note`:
@@ -176,7 +190,7 @@ class DispatchCounter:
     fallback: int = 0
     reasons: Counter = field(default_factory=Counter)
     last: Decision | None = None
-    router_note: str | None = None  # why the block's router runs outside the entry kernel, when it does
+    beside_note: str | None = None  # what of the layer runs beside its kernels that could run in one, and why
     _support: dict = field(default_factory=dict, repr=False)
     _weights: Derived = field(default_factory=lambda: Derived(FusedWeights.build), repr=False)
 
@@ -237,8 +251,8 @@ class DispatchCounter:
         weights = self._weights.value
         note = weights.shared_note if weights is not None else None
         notes = [f"shared expert beside the kernels: {note}"] if note else []
-        if self.router_note:
-            notes.append(f"router and post-attention norm beside the kernels: {self.router_note}")
+        if self.beside_note:
+            notes.append(self.beside_note)
         return notes
 
     def reset(self) -> None:

@@ -1,11 +1,12 @@
 """The kernel sources in kernels/ compile and compute right without a GPU.
 
-CI has no Apple GPU, so the Metal prelude plus the shared bodies of the five stages (entry, router, kernel
-A, kernel B of the MoE and decode attention) are wrapped in the signature MLX's metal_kernel would write
-and compiled as C++ against kernels/metal_cpu_shim.h (every supported bits / group size /
-shared-expert / router-flag combination, attention with and without bias at MHA, GQA and MQA head
-shapes, float32 and bfloat16), then run on the CPU against the references. The emulated signatures
-are checked against what fused_kernel and attention_kernel actually launch. Where nvcc exists, the
+CI has no Apple GPU, so the Metal prelude plus the shared bodies of the six stages (entry, router, kernel
+A, kernel B of the MoE, the input-norm projection and decode attention) are wrapped in the signature
+MLX's metal_kernel would write and compiled as C++ against kernels/metal_cpu_shim.h (every supported
+bits / group size / shared-expert / router-flag combination, attention with and without bias at MHA,
+GQA and MQA head shapes, float32 and bfloat16), then run on the CPU against the references (the
+entry kernel as one threadgroup of simdgroups meeting at barriers). The emulated signatures are
+checked against what fused_kernel, norm_kernels and attention_kernel actually launch. Where nvcc exists, the
 CUDA prelude plus the same bodies compile the way MLX's cuda_kernel wraps them.
 """
 
@@ -20,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench import attention_kernel, fused_kernel, norm_router_kernel
+from moebench import attention_kernel, fused_kernel, norm_kernels
 from moebench.attention_kernel import ATTENTION, Heads, reference_decode_attention, rope_frequencies
 from moebench.fused_kernel import (
     DOWN,
@@ -33,7 +34,16 @@ from moebench.fused_kernel import (
     reference_select,
     routed,
 )
-from moebench.norm_router_kernel import NORM_ROUTER, ROUTER_BITS, SIMDGROUPS, reference_norm_router
+from moebench.norm_kernels import (
+    NORM_MATVEC,
+    NORM_ROUTER,
+    PROJECTION_BITS,
+    ROUTER_BITS,
+    ROWS_PER_THREADGROUP,
+    SIMDGROUPS,
+    norm_matvec,
+    reference_norm_router,
+)
 from moebench.quant import QuantizedParts
 
 GATE_UP_BITS, DOWN_BITS, GROUPS = (4, 8), (4, 6, 8), (32, 64, 128)
@@ -55,6 +65,7 @@ TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
     ATTENTION: [("typename", "T"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS")],
     NORM_ROUTER: [("typename", "T"), ("typename", "ST"), ("int", "D"), ("int", "E"), ("int", "K"), ("bool", "NORM"),
                   ("bool", "SHARED"), ("int", "BITS"), ("int", "GS"), ("int", "W")],
+    NORM_MATVEC: [("typename", "T"), ("typename", "ST"), ("int", "D"), ("int", "R"), ("int", "BITS"), ("int", "GS")],
 }
 # Element type of each kernel parameter: a C type or a template type name; uint32_t when not listed.
 PARAM_TYPES: dict[Stage, dict[str, str]] = {
@@ -65,6 +76,7 @@ PARAM_TYPES: dict[Stage, dict[str, str]] = {
     ATTENTION: {**dict.fromkeys(ATTENTION.inputs + ATTENTION.outputs, "T"), "inv_freq": "float", "pos": "int"},
     NORM_ROUTER: {**dict.fromkeys(("resid", "attn", "norm_w", "h", "xn"), "T"), "rs": "ST", "rb": "ST",
                   **dict.fromkeys(("eps", "xf", "logits", "probs", "scores", "sgate"), "float")},
+    NORM_MATVEC: {"x": "T", "norm_w": "T", "eps": "float", "s": "ST", "b": "ST", "y": "T"},
 }
 FLAVORS = {"f32": {"T": "float", "ST": "float", "S": "float", "LT": "float"},
            "bf16": {"T": "bfloat16_t", "ST": "bfloat16_t", "S": "float", "LT": "bfloat16_t"}}
@@ -100,7 +112,7 @@ def _constant_inputs(stage: Stage, inst: Instance) -> tuple[str, ...]:
         sizes = {"logits": inst["E"] + inst["SHARED"]}
     elif stage is ATTENTION:
         sizes = {"pos": 2}  # [P, CAP]; the other inputs hold at least HD / 2 >= 16 elements
-    elif stage is NORM_ROUTER:
+    elif stage in (NORM_ROUTER, NORM_MATVEC):
         sizes = {"eps": 1}  # the others hold at least D >= 32 elements
     else:  # without a shared expert the caller passes scores in place of B's sgate [1]
         sizes = {"indices": inst["K"], "scores": inst["K"], "sgate": 1 if inst["DFFS"] else inst["K"]}
@@ -151,6 +163,10 @@ def _norm_router_instance(d: int, n_exp: int, top_k: int, norm: bool, shared: bo
                      W=SIMDGROUPS)
 
 
+def _norm_matvec_instance(d: int, rows: int, bits: int, group: int, flavor: str = "f32") -> Instance:
+    return _instance(NORM_MATVEC, flavor, D=d, R=rows, BITS=bits, GS=group)
+
+
 def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shapes, attention_shapes):
     """(stage, instance) for every supported combination at these shapes."""
     n_exp, top_k = router_shapes[-1]
@@ -159,6 +175,8 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
             yield NORM_ROUTER, _norm_router_instance(experts["DIN"], n_exp, top_k, True, True, bits, group, flavor)
         for (n_exp, top_k), shared in product(router_shapes, (True, False)):  # ... every shape at one storage
             yield NORM_ROUTER, _norm_router_instance(experts["DIN"], n_exp, top_k, False, shared, 4, 64, flavor)
+        for bits, group in product(PROJECTION_BITS, GROUPS):
+            yield NORM_MATVEC, _norm_matvec_instance(experts["DIN"], PROJECTION_ROWS, bits, group, flavor)
         for bits, group, width in product(GATE_UP_BITS, GROUPS, (0, dffs)):
             yield GATE_UP, _instance(GATE_UP, flavor, **experts, DFFS=width, GS=group, BITS=bits)
         for bits, group, width, resid in product(DOWN_BITS, GROUPS, (0, dffs), (False, True)):
@@ -173,6 +191,8 @@ _RUN_CASES = [(4, 4, 32), (8, 8, 64), (4, 6, 128), (8, 6, 32), (4, 8, 128)]  # (
 _ROUTER_RUN_CASES = [(60, 4, True, True), (60, 8, False, True), (128, 8, True, False), (128, 4, False, False),
                      (4, 2, True, True)]  # (E, K, NORM, SHARED)
 # (E, K, NORM, SHARED, router bits, group): A2.7B's routing at every router width, Qwen3's, a tiny one
+PROJECTION_ROWS = 6 * 64  # q, k, v of 2 heads of 64 (any R: rows past the end are padding)
+_PROJECTION_RUN_CASES = [(4, 32), (4, 128), (8, 64)]  # (bits, group)
 _NORM_ROUTER_RUN_CASES = [(60, 4, False, True, 8, 64), (60, 4, False, True, 4, 32), (60, 4, True, True, 6, 128),
                           (128, 8, True, False, 4, 64), (4, 2, False, True, 8, 32)]
 
@@ -192,6 +212,8 @@ def _run_instances():
         yield ATTENTION, _attention_instance(shape, bias)
     for case in _NORM_ROUTER_RUN_CASES:
         yield NORM_ROUTER, _norm_router_instance(DIN, *case)
+    for bits, group in _PROJECTION_RUN_CASES:
+        yield NORM_MATVEC, _norm_matvec_instance(DIN, PROJECTION_ROWS, bits, group)
 
 
 def _metal_unit() -> str:
@@ -264,7 +286,7 @@ def test_emulated_signatures_match_what_fused_kernel_launches(monkeypatch, dffs)
         return launch
 
     monkeypatch.setattr(fused_kernel, "built_kernel", built)
-    monkeypatch.setattr(norm_router_kernel, "built_kernel", built)
+    monkeypatch.setattr(norm_kernels, "built_kernel", built)
     rng = np.random.default_rng(dffs)
     gate, up, down, shared = _experts(rng, 4, 6, 64, dffs, mx.bfloat16)
     x = mx.array(rng.standard_normal(DIN).astype(np.float32), dtype=mx.bfloat16)
@@ -277,8 +299,9 @@ def test_emulated_signatures_match_what_fused_kernel_launches(monkeypatch, dffs)
     attention_kernel.gpu_decode_attention("metal", qkv, qkv[0] if dffs else None, rope_frequencies(64, 1e6),
                                           mx.array([5, CAP], mx.int32), cache, cache, heads)  # bias with dffs
     router = _quantized(rng, (4 + bool(dffs), DIN), 8, 64, mx.bfloat16)
-    norm_router_kernel.gpu_norm_router("metal", x[None], x[None], x, 1e-6, router, 4, 2, False, bool(dffs))
-    assert set(launches) == {ROUTER, GATE_UP, DOWN, ATTENTION, NORM_ROUTER}
+    norm_kernels.gpu_norm_router("metal", x[None], x[None], x, 1e-6, router, 4, 2, False, bool(dffs))
+    norm_matvec("metal", x[None], x, 1e-6, _quantized(rng, (PROJECTION_ROWS, DIN), 4, 64, mx.bfloat16))
+    assert set(launches) == {ROUTER, GATE_UP, DOWN, ATTENTION, NORM_ROUTER, NORM_MATVEC}
     for stage, (inputs, template, output_dtypes) in launches.items():
         assert [(_template_kind(v), n) for n, v in template] == TEMPLATE_PARAMS[stage], stage.name
         inst = {n: MX_TYPES[v] if isinstance(v, mx.Dtype) else v for n, v in template}
@@ -449,6 +472,22 @@ def test_shimmed_entry_kernel_matches_the_reference_on_cpu(shim_library, n_exp, 
         assert np.abs(got[name] - want[name]).max() < 1e-6, name
     if not shared:
         assert got["sgate"][0] == 0.0
+
+
+@pytest.mark.parametrize("bits,group", _PROJECTION_RUN_CASES)
+def test_shimmed_input_norm_projection_matches_the_reference_on_cpu(shim_library, bits, group):
+    rng = np.random.default_rng(bits + group)
+    x = 3 * rng.standard_normal(DIN).astype(np.float32)
+    norm_w = rng.uniform(0.5, 1.5, DIN).astype(np.float32)
+    rows = _quantized(rng, (PROJECTION_ROWS, DIN), bits, group)
+    want = np.array(norm_matvec("reference", mx.array(x), mx.array(norm_w), 1e-6, rows))
+    y = _output(PROJECTION_ROWS)
+    _launch(shim_library, NORM_MATVEC, _norm_matvec_instance(DIN, PROJECTION_ROWS, bits, group),
+            -(-PROJECTION_ROWS // ROWS_PER_THREADGROUP) * ROWS_PER_THREADGROUP + ROWS_PER_THREADGROUP,  # + padding
+            {"x": x, "norm_w": norm_w, "eps": np.array([1e-6], np.float32),
+             **{k[-1]: v for k, v in _host("", rows).items()}, "y": y})
+    nrms = _nrms(_written(y, "y"), want)
+    assert nrms < 1e-5, f"shimmed input-norm projection vs reference nRMS {nrms:.2e}"
 
 
 def _cuda_constant(kind: str, name: str, value) -> str:

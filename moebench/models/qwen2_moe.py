@@ -17,12 +17,12 @@ from dataclasses import replace
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import attention_kernel, fused_kernel, hooks, norm_router_kernel
+from .. import attention_kernel, fused_kernel, hooks, norm_kernels
 from ..attention_kernel import Heads, rope_frequencies
 from ..cache import KVCache
 from ..config import ModelArgs
 from ..errors import CheckpointError
-from ..kernels import Decision, DispatchCounter
+from ..kernels import Decision, DispatchCounter, RowsSupport
 from ..layers import Embedding, Linear, RowStack, load_linear
 from ..routing import Intervention, route
 from ..switch import SwitchGLU, load_switch_glu, swiglu, weighted_sum
@@ -68,6 +68,7 @@ class Attention(nn.Module):
         self.rope_theta = args.rope_theta
         self.scale = args.head_dim**-0.5
         self.dispatch = DispatchCounter()
+        self._projection_support = RowsSupport()
 
     def project(self, x: mx.array, stack: bool) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v as [B, heads, L, head_dim], from the stacked projection when `stack` (families that
@@ -81,13 +82,17 @@ class Attention(nn.Module):
         heads = stacked(x).reshape(b, length, h + 2 * kv, hd).transpose(0, 2, 1, 3)
         return heads[:, :h], heads[:, h : h + kv], heads[:, h + kv :]
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | None, norm: RMSNorm | None = None) -> mx.array:
+        """Attention over `norm`(x) (the layer's input norm, when given: the fused decode step folds it into
+        the q/k/v projection)."""
         b, length, _ = x.shape
         if cache is not None:
             decision = self.dispatch.decide_for(b * length, self._kernel_support,
                                                 attention_kernel.span_reason(cache.span))
             if decision.fused:
-                return self._decode_kernel(x, cache, decision.path)
+                return self._decode_kernel(x, cache, decision.path, norm)
+        if norm is not None:
+            x = norm(x)
         q, k, v = self.project(x, stack=cache is not None)
         offset = cache.offset if cache is not None else 0
         q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
@@ -108,15 +113,29 @@ class Attention(nn.Module):
             return "q, k and v are stored differently (no stacked projection for the kernel)"
         return attention_kernel.support_reason(self.heads)
 
-    def _decode_kernel(self, x: mx.array, cache: KVCache, backend: str) -> mx.array:
+    def _decode_kernel(self, x: mx.array, cache: KVCache, backend: str, norm: RMSNorm | None) -> mx.array:
         """One token [1, 1, D] through the decode-attention kernel; its key and value go into the cache."""
         stacked = self.qkv.get()
         keys, values, slots = cache.decode_buffers(self.n_kv_heads, self.head_dim, x.dtype)
         out, k, v = attention_kernel.decode_attention(
-            backend, stacked.matmul(x), stacked.get("bias"), rope_frequencies(self.head_dim, self.rope_theta), slots,
-            keys, values, self.heads)
+            backend, self._projection(x, norm, stacked, backend), stacked.get("bias"),
+            rope_frequencies(self.head_dim, self.rope_theta), slots, keys, values, self.heads)
         cache.write(k, v)
         return self.o_proj(out)
+
+    def _projection(self, x: mx.array, norm: RMSNorm | None, stacked: Linear, backend: str) -> mx.array:
+        """The stacked q/k/v projection of norm(x), without its bias: through the input-norm projection
+        kernel (moebench.norm_kernels) where it can read the rows, else the norm and the matmul apart, with
+        the reason in dispatch.notes."""
+        if norm is None:
+            return stacked.matmul(x)
+        dtypes = (norm.weight.dtype, x.dtype)
+        reason = self._projection_support.reason(
+            stacked, dtypes, lambda: norm_kernels.projection_reason(stacked.quantized_parts(), *dtypes))
+        self.dispatch.beside_note = reason and f"input norm and q/k/v projection beside the kernel: {reason}"
+        if reason is not None:
+            return stacked.matmul(norm(x))
+        return norm_kernels.norm_matvec(backend, x, norm.weight, norm.eps, stacked.quantized_parts())
 
 
 class MLP(nn.Module):
@@ -161,7 +180,7 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = args.norm_topk_prob
         self.dispatch = DispatchCounter()
         self.intervention: Intervention | None = None
-        self._entry_support: tuple | None = None  # (router rows, (norm, x dtypes), why the entry kernel cannot)
+        self._entry_support = RowsSupport()
 
     def __call__(self, x: mx.array, layer: int = -1, record: Recorder | None = None,
                  residual: mx.array | None = None) -> mx.array:
@@ -172,7 +191,7 @@ class SparseMoeBlock(nn.Module):
     def after_attention(self, x: mx.array, attn_out: mx.array, norm: RMSNorm, layer: int = -1,
                         record: Recorder | None = None) -> tuple[mx.array, mx.array]:
         """The second half of a decoder layer: (h + Block(norm(h)), h) with h = x + attn_out. A fused step
-        routed by the router kernel starts with the entry kernel (moebench.norm_router_kernel: the add, the
+        routed by the router kernel starts with the entry kernel (moebench.norm_kernels: the add, the
         norm, the router's rows and its selection in one launch); where it cannot, the four run apart and
         dispatch.notes says why."""
         decision = self.dispatch.decide(self.experts, math.prod(x.shape[:-1]))
@@ -184,20 +203,18 @@ class SparseMoeBlock(nn.Module):
         return self._forward(xn, decision, layer, record, h, tuple(selection)), h
 
     def _entry(self, decision: Decision, x: mx.array, attn_out: mx.array, norm: RMSNorm):
-        """The entry kernel's outputs (norm_router_kernel.norm_router), or None where it does not run."""
+        """The entry kernel's outputs (norm_kernels.norm_router), or None where it does not run."""
         if not decision.fused or self.intervention is not None:
             return None
         rows = self.router_rows.get() if self.router_rows is not None else self.gate
         dtypes = (norm.weight.dtype, x.dtype)
-        support = self._entry_support
-        if support is None or support[0] is not rows or support[1] != dtypes:
-            reason = ("the router and the shared expert gate are stored differently" if rows is None else
-                      norm_router_kernel.support_reason(rows.quantized_parts(), "bias" in rows, *dtypes))
-            self._entry_support = support = (rows, dtypes, reason)
-        self.dispatch.router_note = support[2]
-        if support[2] is not None:
+        reason = self._entry_support.reason(rows, dtypes, lambda: (
+            "the router and the shared expert gate are stored differently" if rows is None else
+            norm_kernels.support_reason(rows.quantized_parts(), "bias" in rows, *dtypes)))
+        self.dispatch.beside_note = reason and f"router and post-attention norm beside the kernels: {reason}"
+        if reason is not None:
             return None
-        return norm_router_kernel.norm_router(decision.path, x, attn_out, norm.weight, norm.eps,
+        return norm_kernels.norm_router(decision.path, x, attn_out, norm.weight, norm.eps,
                                               rows.quantized_parts(), self.num_experts, self.top_k,
                                               self.norm_topk_prob, self.router_rows is not None)
 
@@ -297,7 +314,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = input_norm, post_norm
 
     def __call__(self, x: mx.array, cache: KVCache | None, layer: int, record: Recorder | None) -> mx.array:
-        attn_out = self.self_attn(self.input_layernorm(x), cache)
+        attn_out = self.self_attn(x, cache, self.input_layernorm)
         out, h = self.mlp.after_attention(x, attn_out, self.post_attention_layernorm, layer, record)
         if record is not None:
             record(hooks.resid_name(layer, hooks.RESID_PRE), x)

@@ -1,5 +1,5 @@
-"""The CUDA kernels (entry, router, pair with and without the shared expert, decode attention) against the CPU
-reference and a float64 truth, at Qwen1.5-MoE-A2.7B shapes.
+"""The CUDA kernels (entry, router, pair with and without the shared expert, input-norm projection, decode
+attention) against the CPU reference and a float64 truth, at Qwen1.5-MoE-A2.7B shapes.
 
 Runs only where MLX has a CUDA back-end (the H200 of the device tool); skips cleanly elsewhere.
 Numbers are printed as well as asserted (run with -s to see them).
@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench import attention_kernel, fused_kernel, norm_router_kernel
+from moebench import attention_kernel, fused_kernel, norm_kernels
 from moebench.attention_kernel import Heads, rope_frequencies
 from moebench.decode import generate
 from moebench.fused_kernel import gpu_routed
@@ -154,9 +154,9 @@ def test_cuda_entry_kernel_matches_reference_and_truth(n_exp, k, norm, gate_row,
     q, sc, bi = mx.quantize(w, group_size=64, bits=bits)
     router = QuantizedParts(q, sc.astype(dtype), bi.astype(dtype), 64, bits, "affine")
     args = (resid, attn, norm_w, 1e-6, router, n_exp, k, norm, gate_row)
-    got = norm_router_kernel.norm_router("cuda", *args)
+    got = norm_kernels.norm_router("cuda", *args)
     with mx.stream(mx.cpu):
-        ref = norm_router_kernel.norm_router("reference", *args)
+        ref = norm_kernels.norm_router("reference", *args)
         mx.eval(ref)
     f64 = lambda a: np.array(a.astype(mx.float32), dtype=np.float64).reshape(-1)  # noqa: E731
     h_true = f64(resid) + f64(attn)
@@ -178,6 +178,31 @@ def test_cuda_entry_kernel_matches_reference_and_truth(n_exp, k, norm, gate_row,
     r_probs, r_inds, r_scores, r_sgate = (np.array(a) for a in own)
     assert np.array_equal(inds, r_inds)
     assert max(np.abs(a - b).max() for a, b in ((probs, r_probs), (scores, r_scores), (sgate, r_sgate))) < 1e-6
+
+
+@pytest.mark.parametrize("bits,group,dtype", [(4, 64, mx.bfloat16), (8, 64, mx.bfloat16), (4, 128, mx.bfloat16),
+                                               (4, 64, mx.float32)])
+def test_cuda_input_norm_projection_matches_reference_and_truth(bits, group, dtype):
+    """RMSNorm and the stacked q/k/v rows in one launch, at A2.7B's shape (3 x 16 heads of 128)."""
+    rng = np.random.default_rng(bits + group)
+    cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
+    x, norm_w = cast(3 * rng.standard_normal((1, 1, D))), cast(rng.uniform(0.5, 1.5, D))
+    w = mx.array(rng.standard_normal((3 * D, D)).astype(np.float32) / np.sqrt(D))
+    q, sc, bi = mx.quantize(w, group_size=group, bits=bits)
+    rows = QuantizedParts(q, sc.astype(dtype), bi.astype(dtype), group, bits, "affine")
+    got = norm_kernels.norm_matvec("cuda", x, norm_w, 1e-6, rows)
+    with mx.stream(mx.cpu):
+        ref = norm_kernels.norm_matvec("reference", x, norm_w, 1e-6, rows)
+        mx.eval(ref)
+    f64 = lambda a: np.array(a.astype(mx.float32), dtype=np.float64).reshape(-1)  # noqa: E731
+    xt = f64(x)
+    truth = _dense(rows) @ (f64(norm_w) * xt / np.sqrt(np.mean(xt**2) + 1e-6))
+    errors = {"cuda vs reference": _nrms(f64(got), f64(ref)), "cuda vs truth": _nrms(f64(got), truth)}
+    print(f"\ninput-norm projection {bits}-bit g{group} {dtype}: " +
+          ", ".join(f"{n} nRMS {v:.2e}" for n, v in errors.items()))
+    assert got.shape == (1, 1, 3 * D) and got.dtype == dtype
+    assert errors["cuda vs reference"] < 5e-4
+    assert errors["cuda vs truth"] < (5e-4 if dtype == mx.float32 else 1e-2)  # bf16: xn and y rounded, as MLX's
 
 
 def test_cuda_kernels_are_deterministic_and_independent_of_rows():

@@ -1,17 +1,19 @@
-"""The entry kernel of the fused decode-MoE block: residual add, post-attention RMSNorm and router in one launch.
+"""Kernels that fold an RMSNorm into what follows it, for one decode token.
 
-Between attention and kernel A an unfused decode step spends four graph nodes on one token: the
-attention residual add, the post-attention RMSNorm, the matmul of the router's rows (the routed
-experts' and the shared expert gate's, stacked) and the router kernel. At decode every node costs
-host time (MLX encodes and launches each one), so one threadgroup does all four
-(kernels/moe_norm_router.body): it hands back h = x + attn (the residual stream kernel B adds to),
-the normed token kernel A reads, the router logits in float32 (recorded while recording) and the
-router kernel's selection (moebench.fused_kernel.select).
+At decode every graph node costs host time (MLX encodes and launches each one), and each decoder
+layer has two RMSNorms whose outputs only one launch reads:
+- the entry kernel of the fused MoE block (kernels/moe_norm_router.body) does what an unfused step
+  spends four nodes on between attention and kernel A: the attention residual add, the
+  post-attention RMSNorm, the matmul of the router's rows (the routed experts' and the shared expert
+  gate's, stacked) and the router kernel. It hands back h = x + attn (the residual stream kernel B
+  adds to), the normed token kernel A reads, the router logits in float32 (recorded while recording)
+  and the router kernel's selection (moebench.fused_kernel.select);
+- the input-norm projection (kernels/norm_matvec.body) does the input RMSNorm and the stacked q/k/v
+  projection that the decode-attention kernel reads, two nodes in one.
 
-Backends as in moebench.fused_kernel: 'metal' and 'cuda' run the kernel, 'reference' the same
+Backends as in moebench.fused_kernel: 'metal' and 'cuda' run the kernels, 'reference' the same
 arithmetic with MLX ops (any device, the test oracle).
 """
-
 from __future__ import annotations
 
 import functools
@@ -25,29 +27,44 @@ from .quant import QuantizedParts
 NORM_ROUTER = Stage("moebench_moe_norm_router", "moe_norm_router.body",
                     ("resid", "attn", "norm_w", "eps", "rw", "rs", "rb"),
                     ("h", "xn", "xf", "logits", "probs", "inds", "scores", "sgate"))
-SIMDGROUPS = 16  # of the one threadgroup: the router's rows spread over them (61 rows at A2.7B: 4 each)
+NORM_MATVEC = Stage("moebench_norm_matvec", "norm_matvec.body", ("x", "norm_w", "eps", "w", "s", "b"), ("y",))
+SIMDGROUPS = 16  # of the entry kernel's one threadgroup: the router's rows spread over them (61 at A2.7B: 4 each)
 ROUTER_BITS = (4, 6, 8)
+PROJECTION_BITS = (4, 8)
+ROWS_PER_THREADGROUP = 8  # of the input-norm projection, one row a simdgroup
 
 # (h, xn, logits, probs, ids, scores, shared sigmoid gate)
 Entry = tuple[mx.array, mx.array, mx.array, mx.array, mx.array, mx.array, mx.array]
 
 
+def rows_reason(what: str, rows: QuantizedParts | None, bits: tuple[int, ...], has_bias: bool, norm_dtype: mx.Dtype,
+                dtype: mx.Dtype) -> str | None:
+    """Why a norm-folding kernel cannot read `what` (its rows: None when float), or None."""
+    if rows is None:
+        return f"{what} is float (the kernel reads quantized rows)"
+    if rows.mode != "affine" or rows.biases is None:
+        return f"{what} is {rows.mode} without biases (the kernel reads affine rows with biases)"
+    if rows.bits not in bits:
+        return f"{what} is {rows.bits}-bit (the kernel reads {bits})"
+    if rows.in_features % LANES:
+        return f"hidden size {rows.in_features} (the kernel needs a multiple of {LANES})"
+    if has_bias:
+        return f"{what} has a bias"
+    if norm_dtype != dtype:
+        return f"the norm's weight is {norm_dtype}, the activations {dtype}"
+    return None
+
+
 def support_reason(router: QuantizedParts | None, has_bias: bool, norm_dtype: mx.Dtype, dtype: mx.Dtype
                    ) -> str | None:
     """Why the entry kernel cannot run a block whose router rows are `router` (None: float), or None."""
-    if router is None:
-        return "the router's rows are float (the kernel reads quantized rows)"
-    if router.mode != "affine" or router.biases is None:
-        return f"the router's rows are {router.mode} without biases (the kernel reads affine rows with biases)"
-    if router.bits not in ROUTER_BITS:
-        return f"the router's rows are {router.bits}-bit (the kernel reads {ROUTER_BITS})"
-    if router.in_features % LANES:
-        return f"hidden size {router.in_features} (the kernel needs a multiple of {LANES})"
-    if has_bias:
-        return "the router has a bias"
-    if norm_dtype != dtype:
-        return f"the post-attention norm's weight is {norm_dtype}, the activations {dtype}"
-    return None
+    return rows_reason("the router", router, ROUTER_BITS, has_bias, norm_dtype, dtype)
+
+
+def projection_reason(rows: QuantizedParts | None, norm_dtype: mx.Dtype, dtype: mx.Dtype) -> str | None:
+    """Why the input-norm projection cannot run these stacked rows (None: float), or None. A bias stays
+    outside (the decode-attention kernel adds it)."""
+    return rows_reason("the q/k/v projection", rows, PROJECTION_BITS, False, norm_dtype, dtype)
 
 
 @functools.lru_cache(maxsize=8)
@@ -115,9 +132,7 @@ def reference_norm_router(resid: mx.array, attn: mx.array, norm_w: mx.array, eps
                           num_experts: int, top_k: int, norm_topk_prob: bool, gate_row: bool) -> Entry:
     """The kernel's arithmetic with MLX ops."""
     h = resid + attn
-    hf = h.astype(mx.float32)
-    inv = mx.rsqrt(mx.mean(hf * hf, axis=-1, keepdims=True) + eps)
-    xn = (norm_w.astype(mx.float32) * (hf * inv)).astype(h.dtype)
+    xn = _normed(h, norm_w, eps)
     logits = matmul_f32(router, xn.reshape(-1).astype(mx.float32)).reshape(*resid.shape[:-1], -1)
     return (h, xn, logits, *reference_select(logits, num_experts, top_k, norm_topk_prob, gate_row))
 
@@ -137,3 +152,55 @@ def norm_router(backend: str, resid: mx.array, attn: mx.array, norm_w: mx.array,
         raise UnsupportedKernelConfig(f"unknown fused backend {backend!r} (metal, cuda or reference)")
     check_inputs(resid, attn, norm_w, router, num_experts, top_k, gate_row)
     return reference_norm_router(resid, attn, norm_w, eps, router, num_experts, top_k, norm_topk_prob, gate_row)
+
+
+def _normed(x: mx.array, norm_w: mx.array, eps: float) -> mx.array:
+    """RMSNorm(x) * norm_w in float32, rounded once to x's dtype (as both kernels compute it)."""
+    xf = x.astype(mx.float32)
+    inv = mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (norm_w.astype(mx.float32) * (xf * inv)).astype(x.dtype)
+
+
+_checked_projections: set[tuple] = set()
+
+
+def check_projection(x: mx.array, norm_w: mx.array, rows: QuantizedParts) -> None:
+    """Shapes and dtypes the input-norm projection assumes, checked in Python once per combination."""
+    key = (x.shape, x.dtype, norm_w.shape, norm_w.dtype, rows.weight.shape, rows.scales.shape, rows.scales.dtype,
+           rows.bits, rows.group_size)
+    if key in _checked_projections:
+        return
+    reason = projection_reason(rows, norm_w.dtype, x.dtype)
+    if reason:
+        raise UnsupportedKernelConfig(reason)
+    d = rows.in_features
+    if x.shape[-1:] != (d,) or any(n != 1 for n in x.shape[:-1]):
+        raise UnsupportedKernelConfig(f"x {tuple(x.shape)}: expected one token's ({d},)")
+    if norm_w.shape != (d,):
+        raise UnsupportedKernelConfig(f"norm weight {tuple(norm_w.shape)}: expected ({d},)")
+    if rows.weight.ndim != 2 or rows.biases.dtype != rows.scales.dtype:
+        raise UnsupportedKernelConfig(f"rows {tuple(rows.weight.shape)} packed with {rows.scales.dtype} scales and "
+                                      f"{rows.biases.dtype} biases: expected [R, D * bits / 32], one dtype")
+    if rows.weight.size >= 2**31:
+        raise UnsupportedKernelConfig(f"rows hold {rows.weight.size} packed words (32-bit offsets)")
+    _checked_projections.add(key)
+
+
+def norm_matvec(backend: str, x: mx.array, norm_w: mx.array, eps: float, rows: QuantizedParts) -> mx.array:
+    """One token's W . (RMSNorm(x) * norm_w) on `backend`: x [D] or with leading axes of 1 (kept) -> [..., R]
+    in x's dtype; the normed token is rounded to x's dtype first, as a separate RMSNorm rounds it."""
+    if backend not in (*GPU_BACKENDS, "reference"):
+        raise UnsupportedKernelConfig(f"unknown fused backend {backend!r} (metal, cuda or reference)")
+    check_projection(x, norm_w, rows)
+    r = rows.out_features
+    if backend == "reference":
+        xn = _normed(x.reshape(-1), norm_w, eps).astype(mx.float32)
+        return matmul_f32(rows, xn).astype(x.dtype).reshape(*x.shape[:-1], r)
+    return built_kernel(backend, NORM_MATVEC)(
+        inputs=[x, norm_w, eps_array(eps), rows.weight, rows.scales, rows.biases],
+        template=[("T", x.dtype), ("ST", rows.scales.dtype), ("D", rows.in_features), ("R", r), ("BITS", rows.bits),
+                  ("GS", rows.group_size)],
+        grid=(LANES, -(-r // ROWS_PER_THREADGROUP) * ROWS_PER_THREADGROUP, 1),
+        threadgroup=(LANES, ROWS_PER_THREADGROUP, 1),
+        output_shapes=[(*x.shape[:-1], r)], output_dtypes=[x.dtype],
+    )[0]

@@ -1,6 +1,7 @@
-"""The fused MoE block's entry (residual add, post-attention RMSNorm, router rows, selection): its reference
-against the unfused operations, the checks that stand between a bad launch and the process, and the
-model running it at every fused decode step, or saying why not."""
+"""The kernels that fold a norm into what follows it (the MoE block's entry: residual add, post-attention
+RMSNorm, router rows and selection; the input-norm q/k/v projection): their references against the
+unfused operations, the checks that stand between a bad launch and the process, and the model running
+them at every fused decode step, or saying why not."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import numpy as np
 import pytest
 
 import moebench
-from moebench import norm_router_kernel
+from moebench import norm_kernels
 from moebench.decode import generate
 from moebench.errors import UnsupportedKernelConfig
 from moebench.fused_kernel import reference_select
-from moebench.norm_router_kernel import norm_router, support_reason
+from moebench.norm_kernels import norm_matvec, norm_router, projection_reason, support_reason
 from moebench.quant import QuantizedParts
 
 D = 128
@@ -90,25 +91,56 @@ def test_bad_inputs_are_named_before_any_launch():
         norm_router("vulkan", resid, attn, norm_w, 1e-6, router, 8, 2, False, True)
 
 
-def _count_entries(monkeypatch) -> list[str]:
+@pytest.mark.parametrize("bits,rows", [(4, 24), (8, 40)])
+def test_projection_reference_matches_norm_then_quantized_matmul(bits, rows):
+    x, _, norm_w = _token(bits)
+    parts = _router(rows, bits, seed=rows)
+    got = norm_matvec("reference", x, norm_w, 1e-6, parts)
+    want = mx.quantized_matmul(mx.fast.rms_norm(x, norm_w, 1e-6), parts.weight, parts.scales, parts.biases,
+                               group_size=parts.group_size, bits=bits)
+    assert got.shape == (1, 1, rows) and got.dtype == x.dtype
+    assert np.abs(np.array(got) - np.array(want)).max() < 1e-4
+
+
+def test_projection_declines_and_rejects_with_names():
+    f32 = mx.float32
+    assert projection_reason(_router(8, bits=4), f32, f32) is None
+    assert "6-bit" in projection_reason(_router(8, bits=6), f32, f32)
+    assert "float" in projection_reason(None, f32, f32)
+    x, _, norm_w = _token(2)
+    with pytest.raises(UnsupportedKernelConfig, match="expected one token"):
+        norm_matvec("reference", mx.concatenate([x, x], axis=1), norm_w, 1e-6, _router(8))
+    with pytest.raises(UnsupportedKernelConfig, match="norm weight"):
+        norm_matvec("reference", x, norm_w[:64], 1e-6, _router(8))
+    with pytest.raises(UnsupportedKernelConfig, match="unknown fused backend"):
+        norm_matvec("vulkan", x, norm_w, 1e-6, _router(8))
+
+
+def _spy(monkeypatch, name: str) -> list[str]:
+    """The backends of every call to norm_kernels.`name` from here on."""
     calls: list[str] = []
-    real = norm_router_kernel.norm_router
+    real = getattr(norm_kernels, name)
 
     def spy(backend, *args):
         calls.append(backend)
         return real(backend, *args)
 
-    monkeypatch.setattr(norm_router_kernel, "norm_router", spy)
+    monkeypatch.setattr(norm_kernels, name, spy)
     return calls
 
 
-def test_every_fused_decode_step_enters_each_moe_block_through_the_kernel(quantized_checkpoint, monkeypatch):
+def _count_entries(monkeypatch) -> list[str]:
+    return _spy(monkeypatch, "norm_router")
+
+
+def test_every_fused_decode_step_runs_both_norm_kernels_in_every_layer(quantized_checkpoint, monkeypatch):
     model, _ = moebench.load(quantized_checkpoint)
-    calls = _count_entries(monkeypatch)
+    calls, projections = _count_entries(monkeypatch), _spy(monkeypatch, "norm_matvec")
     with moebench.fused_moe(True):
         fused = generate(model, [3, 1, 4, 1, 5], 8, compiled=False).token_ids
     assert calls == ["reference"] * (7 * len(model.moe_blocks()))  # decode steps only: the prefill has 5 tokens
-    assert all(not b.dispatch.notes for b in model.moe_blocks().values())
+    assert projections == ["reference"] * (7 * len(model.layers))
+    assert all(not c.notes for c in model.dispatch_counters())
     with moebench.fused_moe(False):
         fallback = generate(model, [3, 1, 4, 1, 5], 8, compiled=False).token_ids
     assert len(calls) == 7 * len(model.moe_blocks())  # switched off: never entered
@@ -118,7 +150,7 @@ def test_every_fused_decode_step_enters_each_moe_block_through_the_kernel(quanti
 def test_a_router_the_kernel_cannot_read_runs_beside_it_and_says_why(quantized_checkpoint, monkeypatch):
     model, _ = moebench.load(quantized_checkpoint)
     calls = _count_entries(monkeypatch)
-    monkeypatch.setattr(norm_router_kernel, "support_reason", lambda *a: "the router's rows are float (test)")
+    monkeypatch.setattr(norm_kernels, "support_reason", lambda *a: "the router's rows are float (test)")
     with moebench.fused_moe(True):
         generate(model, [3, 1, 4], 4, compiled=False)
     assert calls == []
@@ -126,3 +158,16 @@ def test_a_router_the_kernel_cannot_read_runs_beside_it_and_says_why(quantized_c
         assert sum(block.dispatch.fused.values()) == 3  # the kernel pair still ran every decode step
         assert block.dispatch.notes == ["router and post-attention norm beside the kernels: the router's rows are "
                                         "float (test)"]
+
+
+def test_a_projection_the_kernel_cannot_read_runs_beside_it_and_says_why(quantized_checkpoint, monkeypatch):
+    model, _ = moebench.load(quantized_checkpoint)
+    projections = _spy(monkeypatch, "norm_matvec")
+    monkeypatch.setattr(norm_kernels, "projection_reason", lambda *a: "the q/k/v projection is float (test)")
+    with moebench.fused_moe(True):
+        generate(model, [3, 1, 4], 4, compiled=False)
+    assert projections == []
+    for layer in model.layers:
+        assert sum(layer.self_attn.dispatch.fused.values()) == 3  # the attention kernel still ran every step
+        assert layer.self_attn.dispatch.notes == ["input norm and q/k/v projection beside the kernel: the q/k/v "
+                                                  "projection is float (test)"]
