@@ -2,12 +2,17 @@
 
     python3 scripts/device_diag.py CKPT micro          decode-attention kernel vs MLX's rope + sdpa path
     python3 scripts/device_diag.py CKPT decode ARMS    decode tok/s of generate() arms, interleaved, 3 rounds
+    python3 scripts/device_diag.py CKPT kernels        GPU time per decode token by kernel (compiled fused step)
 
 micro: 200 calls built, then evaluated at once (per-call time with launches amortised), at positions
 64, 128 and 192 of a 256-slot cache, Qwen1.5-MoE-A2.7B attention (16 heads of 128), bf16.
 ARMS (comma-separated): fused, fused-compiled, fused-noattn, fused-noattn-compiled, off, off-compiled,
-mlxlm (mlx-lm's model under moebench's loop); noattn declines the decode-attention kernel only. Run it
-under different MLX_* settings (say MLX_MAX_OPS_PER_BUFFER) in separate processes: MLX reads them once.
+mlxlm (mlx-lm's model under moebench's loop); noattn declines the decode-attention kernel only, noproj
+the input-norm projection kernel, noentry the MoE block's entry kernel (they combine: fused-noproj-
+noentry-compiled). Run it under different MLX_* settings (say MLX_MAX_OPS_PER_BUFFER) in separate
+processes: MLX reads them once.
+kernels: torch.profiler (CUPTI) records every CUDA kernel of the process, MLX's included, over 64
+compiled fused decode steps: GPU time per token by kernel name against the loop's wall time per token.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import time
 
 import mlx.core as mx
 
+from moebench import norm_kernels
 from moebench.attention_kernel import Heads, decode_attention, rope_frequencies
 from moebench.bench import mlx_lm_model
+from moebench.compiled import CompiledSteps
 from moebench.decode import generate
-from moebench.kernels import fused_moe
+from moebench.kernels import RowsSupport, fused_moe
 from moebench.loader import load
 from moebench.models.qwen2_moe import Attention
 
@@ -68,12 +75,21 @@ def decode(ckpt: str, arms: list[str]) -> None:
     other = mlx_lm_model(ckpt)[0] if "mlxlm" in arms else None
     prompt = list(range(100, 164))
 
+    real = {f: getattr(norm_kernels, f) for f in ("projection_reason", "support_reason")}
+    traced: dict[str, CompiledSteps] = {}  # one per arm: a declined kernel changes the traced graph
+
     def run(name: str) -> float:
         if name == "mlxlm":
             return generate(other, prompt, 128).decode_tps
         Attention.kernel_decline = "diag: attention kernel off" if "noattn" in name else None
+        for flag, f in (("noproj", "projection_reason"), ("noentry", "support_reason")):
+            setattr(norm_kernels, f, (lambda *a, flag=flag: f"diag: {flag}") if flag in name else real[f])
         for layer in model.layers:
             layer.self_attn.dispatch._support.clear()
+            layer.self_attn._projection_support = RowsSupport()
+            if hasattr(layer.mlp, "_entry_support"):
+                layer.mlp._entry_support = RowsSupport()
+        model.compiled_steps = traced.setdefault(name, CompiledSteps(model))
         with fused_moe(not name.startswith("off")):
             return generate(model, prompt, 128, compiled=name.endswith("compiled")).decode_tps
 
@@ -89,8 +105,29 @@ def decode(ckpt: str, arms: list[str]) -> None:
               f"{[round(v, 1) for v in results[a]]}", flush=True)
 
 
+def kernels(ckpt: str, steps: int = 64) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    model, _ = load(ckpt)
+    prompt = list(range(100, 108))
+    with fused_moe(True):
+        generate(model, prompt, 16, compiled=True)  # traces the step
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            result = generate(model, prompt, steps + 1, compiled=True)
+    wall_us = 1e6 / result.decode_tps
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    busy = sum(e.device_time_total for e in rows) / steps  # us per token (the 8-token prefill included)
+    print(f"kernels: {steps} compiled fused decode steps; wall {wall_us:.0f} us/token (profiled), "
+          f"GPU busy {busy:.0f} us/token ({100 * busy / wall_us:.0f}%)", flush=True)
+    for e in rows[:30]:
+        print(f"  {e.device_time_total / steps:8.1f} us/token  {e.count / steps:6.1f} launches/token  "
+              f"{e.device_time_total / max(e.count, 1):7.2f} us each  {e.key[:90]}", flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[2] == "micro":
         micro()
+    elif sys.argv[2] == "kernels":
+        kernels(sys.argv[1])
     else:
         decode(sys.argv[1], sys.argv[3].split(","))
