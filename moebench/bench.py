@@ -281,6 +281,8 @@ def platform_info() -> dict:
         info["mlx_lm"] = None
     # MLX runtime settings from the environment (say, MLX_MAX_OPS_PER_BUFFER): they apply to every arm
     info["mlx_environment"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}
+    # and moebench's own (say, MOEBENCH_NORM_KERNELS): they apply to every moebench arm
+    info["moebench_environment"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOEBENCH_")}
     return info
 
 
@@ -370,9 +372,10 @@ def format_table(record: dict) -> str:
     head = (f"model {m['path']} ({m['model_type']}, {m['layers']} layers, {m['experts']} experts top-{m['top_k']}, "
             f"experts {m['quantization'].get('mlp.switch_mlp.gate_proj', '?')}); prompt {record['prompt_tokens']} "
             f"tokens, {record['gen_tokens']} generated, {record['repeats']} repeats; MLX {p['mlx']} on {p['device']}")
-    settings = p.get("mlx_environment")
-    if settings:
-        head += "; MLX settings for every arm: " + ", ".join(f"{k}={v}" for k, v in settings.items())
+    for key, label in (("mlx_environment", "MLX settings for every arm"),
+                       ("moebench_environment", "moebench settings")):
+        if p.get(key):
+            head += f"; {label}: " + ", ".join(f"{k}={v}" for k, v in p[key].items())
     tail = [f"skipped {s['arm']}: {s['reason']}" for s in record["skipped"]]
     return "\n".join([head, *lines, *tail])
 

@@ -11,12 +11,20 @@ layer has two RMSNorms whose outputs only one launch reads:
 - the input-norm projection (kernels/norm_matvec.body) does the input RMSNorm and the stacked q/k/v
   projection that the decode-attention kernel reads, two nodes in one.
 
+Both are opt-in (MOEBENCH_NORM_KERNELS=1, read when a decode step runs or is traced): measured on the
+H200 (docs/benchmarks/h200.md, step 6), the compiled decode step is bound by GPU time, not by launches,
+and there the two kernels cost more GPU time than the MLX operations they replace (one threadgroup
+for the whole router; a q/k/v projection one warp a row against MLX's tuned quantized matvec), so
+the step ran slower with them (204 against 266 tok/s, interleaved). They stay for a host-bound step
+(the eager loop, or a back-end whose launches cost more), where fewer nodes is the win.
+
 Backends as in moebench.fused_kernel: 'metal' and 'cuda' run the kernels, 'reference' the same
 arithmetic with MLX ops (any device, the test oracle).
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import mlx.core as mx
 
@@ -27,6 +35,7 @@ from .quant import QuantizedParts
 NORM_ROUTER = Stage("moebench_moe_norm_router", "moe_norm_router.body",
                     ("resid", "attn", "norm_w", "eps", "rw", "rs", "rb"),
                     ("h", "xn", "xf", "logits", "probs", "inds", "scores", "sgate"))
+ENV_SWITCH = "MOEBENCH_NORM_KERNELS"
 NORM_MATVEC = Stage("moebench_norm_matvec", "norm_matvec.body", ("x", "norm_w", "eps", "w", "s", "b"), ("y",))
 SIMDGROUPS = 16  # of the entry kernel's one threadgroup: the router's rows spread over them (61 at A2.7B: 4 each)
 ROUTER_BITS = (4, 6, 8)
@@ -35,6 +44,11 @@ ROWS_PER_THREADGROUP = 8  # of the input-norm projection, one row a simdgroup
 
 # (h, xn, logits, probs, ids, scores, shared sigmoid gate)
 Entry = tuple[mx.array, mx.array, mx.array, mx.array, mx.array, mx.array, mx.array]
+
+
+def enabled() -> bool:
+    """Whether fused decode steps run these kernels (MOEBENCH_NORM_KERNELS=1; off by default, see above)."""
+    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("1", "true", "on", "yes")
 
 
 def rows_reason(what: str, rows: QuantizedParts | None, bits: tuple[int, ...], has_bias: bool, norm_dtype: mx.Dtype,

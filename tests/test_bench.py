@@ -138,10 +138,14 @@ def test_bench_rejects_too_few_tokens(quantized_checkpoint, capsys):
     assert "--gen-tokens 1" in capsys.readouterr().err
 
 
-def test_platform_info_names_versions():
+def test_platform_info_names_versions(monkeypatch):
+    monkeypatch.setenv("MOEBENCH_NORM_KERNELS", "1")
+    monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "400")
     info = bench.platform_info()
     assert info["mlx"] == mx.__version__ and info["backend"] in ("reference", "metal", "cuda")
     assert "device_name" in info["device_info"] or "error" in info["device_info"]
+    assert info["mlx_environment"]["MLX_MAX_OPS_PER_BUFFER"] == "400"
+    assert info["moebench_environment"]["MOEBENCH_NORM_KERNELS"] == "1"  # settings a result depends on
 
 
 def test_bench_compiled_arms_decode_the_eager_tokens(quantized_checkpoint, tmp_path):

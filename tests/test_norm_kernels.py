@@ -133,7 +133,24 @@ def _count_entries(monkeypatch) -> list[str]:
     return _spy(monkeypatch, "norm_router")
 
 
-def test_every_fused_decode_step_runs_both_norm_kernels_in_every_layer(quantized_checkpoint, monkeypatch):
+@pytest.fixture
+def switched_on(monkeypatch) -> None:
+    monkeypatch.setenv(norm_kernels.ENV_SWITCH, "1")
+
+
+def test_off_by_default_the_layers_run_the_mlx_operations(quantized_checkpoint, monkeypatch):
+    monkeypatch.delenv(norm_kernels.ENV_SWITCH, raising=False)
+    model, _ = moebench.load(quantized_checkpoint)
+    calls = _count_entries(monkeypatch) + _spy(monkeypatch, "norm_matvec")
+    with moebench.fused_moe(True):
+        generate(model, [3, 1, 4], 4, compiled=False)
+    assert calls == [] and not norm_kernels.enabled()
+    for counter in model.dispatch_counters():
+        assert sum(counter.fused.values()) == 3 and counter.notes == []  # the other kernels ran every step
+
+
+def test_every_fused_decode_step_runs_both_norm_kernels_in_every_layer(quantized_checkpoint, monkeypatch,
+                                                                        switched_on):
     model, _ = moebench.load(quantized_checkpoint)
     calls, projections = _count_entries(monkeypatch), _spy(monkeypatch, "norm_matvec")
     with moebench.fused_moe(True):
@@ -147,7 +164,8 @@ def test_every_fused_decode_step_runs_both_norm_kernels_in_every_layer(quantized
     assert fused == fallback  # float32: the entry's float32 router logits change no greedy choice here
 
 
-def test_a_router_the_kernel_cannot_read_runs_beside_it_and_says_why(quantized_checkpoint, monkeypatch):
+def test_a_router_the_kernel_cannot_read_runs_beside_it_and_says_why(quantized_checkpoint, monkeypatch,
+                                                                     switched_on):
     model, _ = moebench.load(quantized_checkpoint)
     calls = _count_entries(monkeypatch)
     monkeypatch.setattr(norm_kernels, "support_reason", lambda *a: "the router's rows are float (test)")
@@ -160,7 +178,8 @@ def test_a_router_the_kernel_cannot_read_runs_beside_it_and_says_why(quantized_c
                                         "float (test)"]
 
 
-def test_a_projection_the_kernel_cannot_read_runs_beside_it_and_says_why(quantized_checkpoint, monkeypatch):
+def test_a_projection_the_kernel_cannot_read_runs_beside_it_and_says_why(quantized_checkpoint, monkeypatch,
+                                                                         switched_on):
     model, _ = moebench.load(quantized_checkpoint)
     projections = _spy(monkeypatch, "norm_matvec")
     monkeypatch.setattr(norm_kernels, "projection_reason", lambda *a: "the q/k/v projection is float (test)")

@@ -124,18 +124,20 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def _projection(self, x: mx.array, norm: RMSNorm | None, stacked: Linear, backend: str) -> mx.array:
-        """The stacked q/k/v projection of norm(x), without its bias: through the input-norm projection
-        kernel (moebench.norm_kernels) where it can read the rows, else the norm and the matmul apart, with
-        the reason in dispatch.notes."""
+        """The stacked q/k/v projection of norm(x), without its bias: with moebench.norm_kernels switched on,
+        through the input-norm projection kernel where it can read the rows (else with the reason in
+        dispatch.notes); otherwise the norm and the matmul apart."""
+        self.dispatch.beside_note = None
         if norm is None:
             return stacked.matmul(x)
-        dtypes = (norm.weight.dtype, x.dtype)
-        reason = self._projection_support.reason(
-            stacked, dtypes, lambda: norm_kernels.projection_reason(stacked.quantized_parts(), *dtypes))
-        self.dispatch.beside_note = reason and f"input norm and q/k/v projection beside the kernel: {reason}"
-        if reason is not None:
-            return stacked.matmul(norm(x))
-        return norm_kernels.norm_matvec(backend, x, norm.weight, norm.eps, stacked.quantized_parts())
+        if norm_kernels.enabled():
+            dtypes = (norm.weight.dtype, x.dtype)
+            reason = self._projection_support.reason(
+                stacked, dtypes, lambda: norm_kernels.projection_reason(stacked.quantized_parts(), *dtypes))
+            if reason is None:
+                return norm_kernels.norm_matvec(backend, x, norm.weight, norm.eps, stacked.quantized_parts())
+            self.dispatch.beside_note = f"input norm and q/k/v projection beside the kernel: {reason}"
+        return stacked.matmul(norm(x))
 
 
 class MLP(nn.Module):
@@ -190,10 +192,10 @@ class SparseMoeBlock(nn.Module):
 
     def after_attention(self, x: mx.array, attn_out: mx.array, norm: RMSNorm, layer: int = -1,
                         record: Recorder | None = None) -> tuple[mx.array, mx.array]:
-        """The second half of a decoder layer: (h + Block(norm(h)), h) with h = x + attn_out. A fused step
-        routed by the router kernel starts with the entry kernel (moebench.norm_kernels: the add, the
-        norm, the router's rows and its selection in one launch); where it cannot, the four run apart and
-        dispatch.notes says why."""
+        """The second half of a decoder layer: (h + Block(norm(h)), h) with h = x + attn_out. With
+        moebench.norm_kernels switched on, a fused step routed by the router kernel starts with the entry
+        kernel (the add, the norm, the router's rows and its selection in one launch; where it cannot,
+        dispatch.notes says why); otherwise the four run apart."""
         decision = self.dispatch.decide(self.experts, math.prod(x.shape[:-1]))
         entry = self._entry(decision, x, attn_out, norm)
         if entry is None:
@@ -203,16 +205,18 @@ class SparseMoeBlock(nn.Module):
         return self._forward(xn, decision, layer, record, h, tuple(selection)), h
 
     def _entry(self, decision: Decision, x: mx.array, attn_out: mx.array, norm: RMSNorm):
-        """The entry kernel's outputs (norm_kernels.norm_router), or None where it does not run."""
-        if not decision.fused or self.intervention is not None:
+        """The entry kernel's outputs (norm_kernels.norm_router), or None where it does not run: switched off
+        (the default), not a fused step, an intervention set, or rows it cannot read (dispatch.notes says)."""
+        self.dispatch.beside_note = None
+        if not decision.fused or self.intervention is not None or not norm_kernels.enabled():
             return None
         rows = self.router_rows.get() if self.router_rows is not None else self.gate
         dtypes = (norm.weight.dtype, x.dtype)
         reason = self._entry_support.reason(rows, dtypes, lambda: (
             "the router and the shared expert gate are stored differently" if rows is None else
             norm_kernels.support_reason(rows.quantized_parts(), "bias" in rows, *dtypes)))
-        self.dispatch.beside_note = reason and f"router and post-attention norm beside the kernels: {reason}"
         if reason is not None:
+            self.dispatch.beside_note = f"router and post-attention norm beside the kernels: {reason}"
             return None
         return norm_kernels.norm_router(decision.path, x, attn_out, norm.weight, norm.eps,
                                               rows.quantized_parts(), self.num_experts, self.top_k,
