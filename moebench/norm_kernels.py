@@ -169,10 +169,11 @@ def norm_router(backend: str, resid: mx.array, attn: mx.array, norm_w: mx.array,
 
 
 def _normed(x: mx.array, norm_w: mx.array, eps: float) -> mx.array:
-    """RMSNorm(x) * norm_w in float32, rounded once to x's dtype (as both kernels compute it)."""
+    """RMSNorm(x) * norm_w as both kernels compute it: in float32, the normalised value rounded to x's dtype,
+    then its product with the weight rounded again (where mx.fast.rms_norm rounds)."""
     xf = x.astype(mx.float32)
     inv = mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (norm_w.astype(mx.float32) * (xf * inv)).astype(x.dtype)
+    return (norm_w.astype(mx.float32) * (xf * inv).astype(x.dtype).astype(mx.float32)).astype(x.dtype)
 
 
 _checked_projections: set[tuple] = set()

@@ -201,8 +201,14 @@ def test_cuda_input_norm_projection_matches_reference_and_truth(bits, group, dty
     print(f"\ninput-norm projection {bits}-bit g{group} {dtype}: " +
           ", ".join(f"{n} nRMS {v:.2e}" for n, v in errors.items()))
     assert got.shape == (1, 1, 3 * D) and got.dtype == dtype
-    assert errors["cuda vs reference"] < 5e-4
-    assert errors["cuda vs truth"] < (5e-4 if dtype == mx.float32 else 1e-2)  # bf16: xn and y rounded, as MLX's
+    if dtype == mx.float32:  # no rounding between the ops: the bound, against the truth itself
+        assert errors["cuda vs reference"] < 5e-4 and errors["cuda vs truth"] < 5e-4
+    else:  # the norm's sum in another order can round a few bf16 xn apart by one unit, and each moves
+        # many outputs across a bf16 rounding edge (measured: 3 xn apart -> 1.0e-3 nRMS at g128): so at most
+        # one bf16 unit apart per output, and the truth no further than the reference is
+        a, b = f64(got), f64(ref)
+        assert np.all(np.abs(a - b) <= np.maximum(np.abs(a), np.abs(b)) * 2.0**-7 + 1e-30)
+        assert errors["cuda vs truth"] < 1e-2
 
 
 def test_cuda_kernels_are_deterministic_and_independent_of_rows():
