@@ -12,7 +12,7 @@ layer has two RMSNorms whose outputs only one launch reads:
   projection that the decode-attention kernel reads, two nodes in one.
 
 Both are opt-in (MOEBENCH_NORM_KERNELS=1, read when a decode step runs or is traced): measured on the
-H200 (docs/benchmarks/h200.md, step 6), the compiled decode step is bound by GPU time, not by launches,
+H200 (docs/benchmarks/h200.md, steps 6 and 7), the compiled decode step is bound by GPU time, not by launches,
 and there the two kernels cost more GPU time than the MLX operations they replace (one threadgroup
 for the whole router; a q/k/v projection one warp a row against MLX's tuned quantized matvec), so
 the step ran slower with them (204 against 266 tok/s, interleaved). They stay for a host-bound step
@@ -21,6 +21,7 @@ the step ran slower with them (204 against 266 tok/s, interleaved). They stay fo
 Backends as in moebench.fused_kernel: 'metal' and 'cuda' run the kernels, 'reference' the same
 arithmetic with MLX ops (any device, the test oracle).
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,10 +33,10 @@ from .errors import UnsupportedKernelConfig
 from .fused_kernel import GPU_BACKENDS, LANES, Stage, built_kernel, matmul_f32, reference_select
 from .quant import QuantizedParts
 
+ENV_SWITCH = "MOEBENCH_NORM_KERNELS"
 NORM_ROUTER = Stage("moebench_moe_norm_router", "moe_norm_router.body",
                     ("resid", "attn", "norm_w", "eps", "rw", "rs", "rb"),
                     ("h", "xn", "xf", "logits", "probs", "inds", "scores", "sgate"))
-ENV_SWITCH = "MOEBENCH_NORM_KERNELS"
 NORM_MATVEC = Stage("moebench_norm_matvec", "norm_matvec.body", ("x", "norm_w", "eps", "w", "s", "b"), ("y",))
 SIMDGROUPS = 16  # of the entry kernel's one threadgroup: the router's rows spread over them (61 at A2.7B: 4 each)
 ROUTER_BITS = (4, 6, 8)

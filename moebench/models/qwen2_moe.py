@@ -168,8 +168,10 @@ class SparseMoeBlock(nn.Module):
     rows, then the router kernel and the kernel pair (moebench.fused_kernel) with the shared expert and the
     residual add inside them, everything after the matmul in float32 and no reshapes. With an intervention
     set, routing runs through route() instead of the router kernel; while recording, the block output is
-    kept apart from the residual. What cannot run inside the kernels runs beside them, and says why
-    (DispatchCounter.notes).
+    kept apart from the residual. With the opt-in norm kernels (moebench.norm_kernels), after_attention
+    starts a fused step with the entry kernel instead: the residual add, the post-attention norm, the
+    router's rows and the selection in one launch. What cannot run inside the kernels runs beside them,
+    and says why (DispatchCounter.notes).
     """
 
     def __init__(self, args: ModelArgs, gate: Linear, experts: SwitchGLU, shared_expert: MLP | None,
@@ -218,9 +220,9 @@ class SparseMoeBlock(nn.Module):
         if reason is not None:
             self.dispatch.beside_note = f"router and post-attention norm beside the kernels: {reason}"
             return None
-        return norm_kernels.norm_router(decision.path, x, attn_out, norm.weight, norm.eps,
-                                              rows.quantized_parts(), self.num_experts, self.top_k,
-                                              self.norm_topk_prob, self.router_rows is not None)
+        return norm_kernels.norm_router(decision.path, x, attn_out, norm.weight, norm.eps, rows.quantized_parts(),
+                                        self.num_experts, self.top_k, self.norm_topk_prob,
+                                        self.router_rows is not None)
 
     def _forward(self, x: mx.array, decision: Decision, layer: int, record: Recorder | None,
                  residual: mx.array | None, selection: tuple | None = None) -> mx.array:
