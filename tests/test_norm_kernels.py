@@ -18,6 +18,7 @@ from moebench.errors import UnsupportedKernelConfig
 from moebench.fused_kernel import reference_select
 from moebench.norm_kernels import norm_matvec, norm_router, projection_reason, support_reason
 from moebench.quant import QuantizedParts
+from moebench.record import Stepper
 
 D = 128
 
@@ -190,3 +191,24 @@ def test_a_projection_the_kernel_cannot_read_runs_beside_it_and_says_why(quantiz
         assert sum(layer.self_attn.dispatch.fused.values()) == 3  # the attention kernel still ran every step
         assert layer.self_attn.dispatch.notes == ["input norm and q/k/v projection beside the kernel: the q/k/v "
                                                   "projection is float (test)"]
+
+
+def test_recording_with_the_norm_kernels_on_changes_nothing_and_records_their_outputs(quantized_checkpoint,
+                                                                                      monkeypatch, switched_on):
+    """The recorded step runs the same launches: same tokens and logits as unrecorded, and the recorded router
+    logits, probabilities and choices are the entry kernel's."""
+    model, _ = moebench.load(quantized_checkpoint)
+    calls = _count_entries(monkeypatch)
+    with moebench.fused_moe(True):
+        plain = Stepper(model, None, [3, 1, 4, 1, 5], keep_logits=True).run(6)
+        recorded = Stepper(model, None, [3, 1, 4, 1, 5], keep_logits=True, record=True).run(6)
+    assert len(calls) == 2 * 5 * len(model.moe_blocks())  # 6 tokens: the prefill gives one, 5 decode steps
+    assert recorded.token_ids == plain.token_ids
+    assert np.array_equal(np.stack([s.logits for s in recorded.steps]), np.stack([s.logits for s in plain.steps]))
+    k = model.args.num_experts_per_tok
+    for step in (s for s in recorded.steps if s.phase == "decode"):
+        for r in step.layers.values():
+            assert r.path.path == "reference" and r.router_logits.shape == (model.args.num_experts,)
+            probs = np.exp(r.router_logits - r.router_logits.max())
+            np.testing.assert_allclose(r.router_probs, probs / probs.sum(), rtol=1e-5, atol=1e-7)
+            assert list(r.topk_ids.reshape(-1)) == list(np.argsort(-r.router_probs.reshape(-1))[:k])
