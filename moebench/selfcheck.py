@@ -3,8 +3,9 @@
 Reports the platform; runs the fused kernel on this machine's backend (metal, cuda, or the CPU
 'reference', named as such) against the CPU-reference arithmetic and a float64 truth at
 Qwen1.5-MoE-A2.7B's expert shapes and the model's own, for every supported bits / group-size
-combination, and with the shared expert inside the kernel pair; checks the router kernel and the
-decode-attention kernel against the CPU reference; checks bitwise determinism; decodes the model
+combination, and with the shared expert inside the kernel pair; checks the router kernel, the
+decode-attention kernel and (when switched on) the norm kernels against the CPU reference; checks
+bitwise determinism; decodes the model
 greedily with the kernels on and off (bench's timing code) to check dispatch (MoE and attention), greedy
 parity and speed. Exits 1 when a check fails.
 """
@@ -22,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import attention_kernel, fused_kernel
+from . import attention_kernel, fused_kernel, norm_kernels
 from .attention_kernel import Heads, rope_frequencies
 from .bench import compare_traces, moebench_arms, platform_info, prompt_token_ids, reference_arm, run_arms, summary
 from .fused_kernel import SharedExpert
@@ -43,6 +44,7 @@ ROUTER_TOLERANCE = 1e-5  # probabilities, scores and the sigmoid gate, router ke
 A27B_HEADS = (16, 16, 128)  # its attention: query heads, key/value heads, head_dim
 ATTENTION_POSITIONS = (0, 8, 200)  # the first token, a block boundary of the kernel, deep in the cache
 ATTENTION_SLOTS = 256
+UNITS = {mx.bfloat16: 2.0**-7, mx.float16: 2.0**-10}  # a value's rounding unit in the dtype, at most, relative to it
 
 
 @dataclass(frozen=True)
@@ -318,6 +320,62 @@ def attention_parity(backend: str, model, seed: int = 0) -> list[dict]:
     return rows
 
 
+def _norm_kernel_cases(model, dtype: mx.Dtype, d: int, key: mx.array) -> list[tuple]:
+    """(case, why it cannot run or None, run(backend) -> (outputs compared, their rounding unit relative to
+    the value, or None when they are float32)) for each norm kernel with the model's own rows: the first MoE
+    block's router, layer 0's q/k/v projection."""
+    k = mx.random.split(key, 3)
+    x, other = (mx.random.normal((1, 1, d), key=i).astype(dtype) for i in k[:2])
+    norm_w = mx.random.uniform(0.5, 1.5, (d,), key=k[2]).astype(dtype)
+    cases = []
+    block = next(iter(model.moe_blocks().values()), None)
+    if block is not None:
+        rows = block.router_rows.get() if block.router_rows is not None else block.gate
+        reason = norm_kernels.support_reason(rows.quantized_parts(), "bias" in rows, dtype, dtype)
+        cases.append(("entry kernel (the first MoE block's router rows)", reason, lambda backend: (
+            norm_kernels.norm_router(backend, x, other, norm_w, 1e-6, rows.quantized_parts(), block.num_experts,
+                                     block.top_k, block.norm_topk_prob, block.router_rows is not None)[2], None)))
+    attn = model.layers[0].self_attn
+    stacked = attn.qkv.get()
+    reason = attn.kernel_decline or (norm_kernels.projection_reason(stacked.quantized_parts(), dtype, dtype)
+                                     if stacked is not None else "q, k and v are stored differently")
+    cases.append(("input-norm projection (layer 0's q/k/v rows)", reason, lambda backend: (
+        norm_kernels.norm_matvec(backend, x, norm_w, 1e-6, stacked.quantized_parts()), UNITS.get(dtype))))
+    return cases
+
+
+def norm_kernel_parity(backend: str, model, seed: int = 0) -> list[dict]:
+    """The opt-in norm kernels (moebench.norm_kernels) on `backend` against the CPU reference, with the model's
+    own rows. The entry kernel's float32 router logits are held to nRMS; the projection's outputs in a
+    16-bit dtype to one unit each (a normed value one unit apart, from the norm's sum in another order,
+    moves many outputs across a rounding edge)."""
+    dtype = model.norm.weight.dtype
+    rows = []
+    for case, reason, run in _norm_kernel_cases(model, dtype, model.args.hidden_size, mx.random.key(seed)):
+        row = {"case": case, "backend": backend}
+        if backend == "reference":
+            rows.append({**row, "status": "not applicable", "passed": True,
+                         "reason": "on a CPU the reference is the kernel: nothing separate to compare"})
+        elif not norm_kernels.enabled():
+            rows.append({**row, "status": "off", "passed": True,
+                         "reason": f"opt-in, not switched on ({norm_kernels.ENV_SWITCH}=1)"})
+        elif reason:
+            rows.append({**row, "status": "declined", "reason": reason, "passed": True})
+        else:
+            try:
+                got, unit = run(backend)
+                with mx.stream(mx.cpu):
+                    want, _ = run("reference")
+                got, want = _f64(got).reshape(-1), _f64(want).reshape(-1)
+            except Exception as e:  # noqa: BLE001 -- reported as a failed row
+                rows.append({**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False})
+                continue
+            ok = (bool(np.all(np.abs(got - want) <= np.maximum(np.abs(got), np.abs(want)) * unit)) if unit
+                  else nrms(got, want) < FUSED_NRMS)
+            rows.append({**row, "status": "ran", "vs_reference_nrms": nrms(got, want), "passed": ok})
+    return rows
+
+
 def decode_checks(model, prompt_tokens: int, gen_tokens: int, repeats: int, progress: bool) -> dict:
     """Greedy decode with the kernel off and on (bench's interleaved timing): dispatch, parity, speed."""
     results, failures = run_arms(moebench_arms(model, "both"),
@@ -399,11 +457,14 @@ def report_text(record: dict) -> str:
             continue
         lines.append(f"- {r['case']}: max |difference| {_fmt(r['max_abs_diff'])}, same experts "
                      f"{'yes' if r['same_experts'] else 'NO'}: {'pass' if r['passed'] else 'FAIL'}")
-    lines.append(f"\ndecode-attention kernel vs the CPU reference (bound: nRMS < {FUSED_NRMS:g})")
-    for r in record["attention"]:
-        result = (f"nRMS {_fmt(r['vs_reference_nrms'])}: {'pass' if r['passed'] else 'FAIL'}" if r["status"] == "ran"
-                  else f"{r['status']}: {r['reason']}")
-        lines.append(f"- {r['case']}: {result}")
+    for title, key in ((f"decode-attention kernel vs the CPU reference (bound: nRMS < {FUSED_NRMS:g})", "attention"),
+                       (f"norm kernels, opt-in, vs the CPU reference (bounds: nRMS < {FUSED_NRMS:g}; 16-bit outputs "
+                        "one unit)", "norm_kernels")):
+        lines.append(f"\n{title}")
+        for r in record[key]:
+            result = (f"nRMS {_fmt(r['vs_reference_nrms'])}: {'pass' if r['passed'] else 'FAIL'}"
+                      if r["status"] == "ran" else f"{r['status']}: {r['reason']}")
+            lines.append(f"- {r['case']}: {result}")
     dec = record["decode"]
     if "error" in dec:
         lines.append(f"\ndecode: FAIL: {dec['error']}")
@@ -451,14 +512,15 @@ def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen
     parity.append(shared_expert_parity(backend, dtype))
     router = router_parity(backend, dtype)
     attention = attention_parity(backend, model)
+    norms = norm_kernel_parity(backend, model)
     decode = decode_checks(model, prompt_tokens, gen_tokens, repeats, progress)
     failures = [f"parity {r['case']} bits {r.get('bits')} g{r.get('group_size')}" for r in parity if not r["passed"]]
-    failures += [f"parity {r['case']}" for r in router + attention if not r["passed"]]
+    failures += [f"parity {r['case']}" for r in router + attention + norms if not r["passed"]]
     failures += decode_failures(decode)
     bits = model.load_info.bits.get("mlp.switch_mlp.gate_proj", "?")
     return {"schema": SCHEMA, "platform": platform_info(), "model": {"path": str(path), "name": path.name,
-            "bits": bits}, "parity": parity, "router": router, "attention": attention, "decode": decode,
-            "failures": failures, "passed": not failures, "seconds": time.perf_counter() - start}
+            "bits": bits}, "parity": parity, "router": router, "attention": attention, "norm_kernels": norms,
+            "decode": decode, "failures": failures, "passed": not failures, "seconds": time.perf_counter() - start}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
