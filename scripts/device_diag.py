@@ -9,10 +9,11 @@ micro: 200 calls built, then evaluated at once (per-call time with launches amor
 ARMS (comma-separated): fused, fused-compiled, fused-noattn, fused-noattn-compiled, off, off-compiled,
 mlxlm (mlx-lm's model under moebench's loop); noattn declines the decode-attention kernel only, noproj
 the input-norm projection kernel, noentry the MoE block's entry kernel (they combine: fused-noproj-
-noentry-compiled). Run it under different MLX_* settings (say MLX_MAX_OPS_PER_BUFFER) in separate
-processes: MLX reads them once.
+noentry-compiled; both kernels are opt-in, so run these arms with MOEBENCH_NORM_KERNELS=1). Run it
+under different MLX_* settings (say MLX_MAX_OPS_PER_BUFFER) in separate processes: MLX reads them once.
 kernels: torch.profiler (CUPTI) records every CUDA kernel of the process, MLX's included, over 64
-compiled fused decode steps: GPU time per token by kernel name against the loop's wall time per token.
+compiled fused decode steps: GPU time per token by kernel name against the loop's wall time per token
+(torch is on the device image, not a moebench dependency).
 """
 
 from __future__ import annotations
