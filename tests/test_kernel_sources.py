@@ -81,7 +81,7 @@ PARAM_TYPES: dict[Stage, dict[str, str]] = {
 FLAVORS = {"f32": {"T": "float", "ST": "float", "S": "float", "LT": "float"},
            "bf16": {"T": "bfloat16_t", "ST": "bfloat16_t", "S": "float", "LT": "bfloat16_t"}}
 MX_TYPES = {mx.float32: "float", mx.bfloat16: "bfloat16_t", mx.uint32: "uint32_t", mx.int32: "int"}
-NP_TYPES = {"float": np.float32, "uint32_t": np.uint32, "int": np.int32}
+NP_TYPES = {"float": np.float32, "uint32_t": np.uint32, "int": np.int32, "bfloat16_t": np.uint16}  # bf16: bits
 CUDA_TYPES = {"float": "float", "bfloat16_t": "__nv_bfloat16", "uint32_t": "uint32_t", "int": "int32_t"}
 
 Instance = dict[str, object]  # template parameter name -> C type name, int or bool, in template order
@@ -214,6 +214,9 @@ def _run_instances():
         yield NORM_ROUTER, _norm_router_instance(DIN, *case)
     for bits, group in _PROJECTION_RUN_CASES:
         yield NORM_MATVEC, _norm_matvec_instance(DIN, PROJECTION_ROWS, bits, group)
+    # bfloat16, where the kernels round as MLX does (the residual sum, the normed value, its product)
+    yield NORM_ROUTER, _norm_router_instance(DIN, *_NORM_ROUTER_RUN_CASES[0], flavor="bf16")
+    yield NORM_MATVEC, _norm_matvec_instance(DIN, PROJECTION_ROWS, 4, 64, flavor="bf16")
 
 
 def _metal_unit() -> str:
@@ -488,6 +491,57 @@ def test_shimmed_input_norm_projection_matches_the_reference_on_cpu(shim_library
              **{k[-1]: v for k, v in _host("", rows).items()}, "y": y})
     nrms = _nrms(_written(y, "y"), want)
     assert nrms < 1e-5, f"shimmed input-norm projection vs reference nRMS {nrms:.2e}"
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    return np.array(mx.array(a).astype(mx.bfloat16).view(mx.uint16))
+
+
+def _bf16_output(n: int) -> np.ndarray:
+    return np.full(n + 1, 0xA5A5, np.uint16)  # the sentinel bit pattern, and a guard element past the end
+
+
+def _bf16_written(buf: np.ndarray, name: str) -> np.ndarray:
+    """float32 values of a bf16 output buffer, checked all written and the guard untouched."""
+    assert buf[-1] == 0xA5A5, f"{name}: written past the end"
+    assert not (buf[:-1] == 0xA5A5).any(), f"{name}: elements not written"
+    return (buf[:-1].astype(np.uint32) << 16).view(np.float32)
+
+
+def test_shimmed_norm_kernels_round_bfloat16_as_the_reference_does(shim_library):
+    """bf16 activations, scales and biases: h exactly as the reference's add, the normed token and the
+    projection within one bf16 unit of it (the norm's sum runs in another order), the logits in nRMS."""
+    rng = np.random.default_rng(16)
+    resid, attn = (3 * rng.standard_normal(DIN).astype(np.float32) for _ in range(2))
+    norm_w = rng.uniform(0.5, 1.5, DIN).astype(np.float32)
+    bf = {n: mx.array(a).astype(mx.bfloat16) for n, a in (("resid", resid), ("attn", attn), ("norm_w", norm_w))}
+    n_exp, top_k, norm, shared, bits, group = _NORM_ROUTER_RUN_CASES[0]
+    router = _quantized(rng, (n_exp + shared, DIN), bits, group, mx.bfloat16)
+    want = reference_norm_router(bf["resid"], bf["attn"], bf["norm_w"], 1e-6, router, n_exp, top_k, norm, shared)
+    host_router = {f"r{k}": np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+                   for k, a in (("w", router.weight), ("s", router.scales), ("b", router.biases))}
+    outputs = {"h": _bf16_output(DIN), "xn": _bf16_output(DIN), "xf": _output(DIN), "logits": _output(n_exp + shared),
+               "probs": _output(n_exp), "inds": _output(top_k, "uint32_t"), "scores": _output(top_k),
+               "sgate": _output(1)}
+    _launch(shim_library, NORM_ROUTER, _norm_router_instance(DIN, n_exp, top_k, norm, shared, bits, group, "bf16"),
+            SIMDGROUPS, {**{n: _bf16_bits(a) for n, a in (("resid", resid), ("attn", attn), ("norm_w", norm_w))},
+                         "eps": np.array([1e-6], np.float32), **host_router, **outputs})
+    h, xn = _bf16_written(outputs["h"], "h"), _bf16_written(outputs["xn"], "xn")
+    want_h, want_xn = (np.array(a.astype(mx.float32)).reshape(-1) for a in want[:2])
+    assert np.array_equal(h, want_h)
+    assert np.all(np.abs(xn - want_xn) <= np.abs(want_xn) * 2.0**-7) and np.mean(xn != want_xn) < 0.01
+    assert _nrms(_written(outputs["logits"], "logits"), np.array(want[2]).reshape(-1)) < 5e-4
+
+    rows = _quantized(rng, (PROJECTION_ROWS, DIN), 4, 64, mx.bfloat16)
+    want_y = np.array(norm_matvec("reference", bf["resid"], bf["norm_w"], 1e-6, rows).astype(mx.float32))
+    y = _bf16_output(PROJECTION_ROWS)
+    _launch(shim_library, NORM_MATVEC, _norm_matvec_instance(DIN, PROJECTION_ROWS, 4, 64, "bf16"),
+            -(-PROJECTION_ROWS // ROWS_PER_THREADGROUP) * ROWS_PER_THREADGROUP,
+            {"x": _bf16_bits(resid), "norm_w": _bf16_bits(norm_w), "eps": np.array([1e-6], np.float32),
+             **{k[-1]: np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+                for k, a in (("_w", rows.weight), ("_s", rows.scales), ("_b", rows.biases))}, "y": y})
+    got_y = _bf16_written(y, "y")
+    assert np.all(np.abs(got_y - want_y) <= np.maximum(np.abs(got_y), np.abs(want_y)) * 2.0**-7)
 
 
 def _cuda_constant(kind: str, name: str, value) -> str:
