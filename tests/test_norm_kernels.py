@@ -212,3 +212,16 @@ def test_recording_with_the_norm_kernels_on_changes_nothing_and_records_their_ou
             probs = np.exp(r.router_logits - r.router_logits.max())
             np.testing.assert_allclose(r.router_probs, probs / probs.sum(), rtol=1e-5, atol=1e-7)
             assert list(r.topk_ids.reshape(-1)) == list(np.argsort(-r.router_probs.reshape(-1))[:k])
+
+
+def test_the_compiled_step_traces_the_norm_kernels_and_decodes_what_the_eager_one_does(quantized_checkpoint,
+                                                                                       monkeypatch, switched_on):
+    model, _ = moebench.load(quantized_checkpoint)
+    calls = _count_entries(monkeypatch)
+    with moebench.fused_moe(True):
+        eager = generate(model, [3, 1, 4, 1, 5], 8, compiled=False).token_ids
+        traced = len(calls)
+        compiled = generate(model, [3, 1, 4, 1, 5], 8, compiled=True).token_ids
+    assert compiled == eager
+    # the compiled step called the kernel only while tracing (once per MoE block), then replayed the graph
+    assert len(calls) - traced == len(model.moe_blocks())
