@@ -25,8 +25,8 @@ from . import fused_kernel
 from .errors import UnsupportedKernelConfig
 from .fused_kernel import GPU_BACKENDS, LANES, Stage
 
-ATTENTION = Stage("moebench_attn_decode", "attn_decode.body", ("qkv", "bias", "inv_freq", "pos", "keys", "values"),
-                  ("out", "k_new", "v_new"))
+ATTENTION = Stage("moebench_attn_decode", "attn_decode.body",
+                  ("qkv", "bias", "inv_freq", "pos", "keys", "values", "block"), ("out", "k_new", "v_new"))
 
 
 @dataclass(frozen=True)
@@ -77,11 +77,11 @@ _checked: set[tuple] = set()
 
 
 def check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
-                 values: mx.array, heads: Heads) -> None:
+                 values: mx.array, heads: Heads, block: int) -> None:
     """Shapes and dtypes the kernel assumes, checked in Python (a bad launch would abort the process); a
     combination seen before is not checked again (decode repeats one)."""
     key = (qkv.shape, qkv.dtype, bias is not None and (bias.shape, bias.dtype), inv_freq.shape, inv_freq.dtype,
-           slots.shape, slots.dtype, keys.shape, keys.dtype, values.shape, values.dtype, heads)
+           slots.shape, slots.dtype, keys.shape, keys.dtype, values.shape, values.dtype, heads, block)
     if key in _checked:
         return
     reason = support_reason(heads)
@@ -99,22 +99,35 @@ def check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots
     if slots.shape != (2,) or slots.dtype != mx.int32:
         raise UnsupportedKernelConfig(f"slots {tuple(slots.shape)} {slots.dtype}: expected (2,) int32 [P, CAP]")
     for name, a in (("keys", keys), ("values", values)):
-        if a.ndim != 4 or a.shape[0] != 1 or a.shape[1] != kv or a.shape[3] != hd or a.dtype != qkv.dtype:
-            raise UnsupportedKernelConfig(f"cached {name} {tuple(a.shape)} {a.dtype}: expected (1, {kv}, CAP, {hd}) "
+        if a.ndim != 4 or a.shape[1] != kv or a.shape[3] != hd or a.dtype != qkv.dtype:
+            raise UnsupportedKernelConfig(f"cached {name} {tuple(a.shape)} {a.dtype}: expected (N, {kv}, CAP, {hd}) "
                                           f"{qkv.dtype}")
     if keys.shape != values.shape or keys.size >= 2**31:
         raise UnsupportedKernelConfig(f"cached keys {tuple(keys.shape)} and values {tuple(values.shape)}: expected "
                                       "one shape under 2**31 elements")
+    if not 0 <= block < keys.shape[0]:
+        raise UnsupportedKernelConfig(f"cache block {block} is outside the {keys.shape[0]} blocks of the buffers")
     _checked.add(key)
 
 
+_blocks: dict[int, mx.array] = {}
+
+
+def block_array(block: int) -> mx.array:
+    """int32 [block], one array per value: the same layer asks for it every step."""
+    if block not in _blocks:
+        _blocks[block] = mx.array([block], dtype=mx.int32)
+    return _blocks[block]
+
+
 def gpu_decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
-                         keys: mx.array, values: mx.array, heads: Heads) -> tuple[mx.array, mx.array, mx.array]:
+                         keys: mx.array, values: mx.array, heads: Heads,
+                         block: int = 0) -> tuple[mx.array, mx.array, mx.array]:
     """The kernel on `backend` (see decode_attention)."""
     kv, hd = heads.n_kv_heads, heads.head_dim
     lead = tuple(qkv.shape[:-1])
     return tuple(fused_kernel.built_kernel(backend, ATTENTION)(
-        inputs=[qkv, bias if bias is not None else qkv, inv_freq, slots, keys, values],
+        inputs=[qkv, bias if bias is not None else qkv, inv_freq, slots, keys, values, block_array(block)],
         template=[("T", qkv.dtype), ("H", heads.n_heads), ("KV", kv), ("HD", hd), ("BIAS", bias is not None)],
         grid=(LANES, heads.n_heads, 1), threadgroup=(LANES, 1, 1),
         output_shapes=[(*lead, heads.n_heads * hd), (1, kv, 1, hd), (1, kv, 1, hd)],
@@ -130,7 +143,8 @@ def _rotate(x: mx.array, cos: mx.array, sin: mx.array, dtype: mx.Dtype) -> mx.ar
 
 
 def reference_decode_attention(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
-                               keys: mx.array, values: mx.array, heads: Heads) -> tuple[mx.array, mx.array, mx.array]:
+                               keys: mx.array, values: mx.array, heads: Heads,
+                               block: int = 0) -> tuple[mx.array, mx.array, mx.array]:
     """The kernel's arithmetic with MLX ops; the position may be a traced array (a compiled step), so the
     cache is masked past it rather than sliced."""
     h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
@@ -145,8 +159,8 @@ def reference_decode_attention(qkv: mx.array, bias: mx.array | None, inv_freq: m
     k = _rotate(x[h * hd : (h + kv) * hd].reshape(kv, 1, hd), cos, sin, dtype)
     v = x[(h + kv) * hd :].reshape(kv, 1, hd)
     past = mx.arange(keys.shape[2], dtype=mx.int32) < slots[0]
-    cached_k = keys[0].astype(mx.float32)  # [KV, CAP, HD]
-    cached_v = mx.where(past[:, None], values[0].astype(mx.float32), 0.0)  # unwritten slots never reach the sum
+    cached_k = keys[block].astype(mx.float32)  # [KV, CAP, HD]
+    cached_v = mx.where(past[:, None], values[block].astype(mx.float32), 0.0)  # unwritten slots never reach the sum
     scores = mx.where(past, q @ cached_k.transpose(0, 2, 1), -mx.inf)  # [KV, group, CAP]
     scores = mx.concatenate([scores, (q * k).sum(axis=-1, keepdims=True)], axis=-1)
     probs = mx.softmax(scores, axis=-1, precise=True)
@@ -156,18 +170,20 @@ def reference_decode_attention(qkv: mx.array, bias: mx.array | None, inv_freq: m
 
 
 def decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
-                     keys: mx.array, values: mx.array, heads: Heads) -> tuple[mx.array, mx.array, mx.array]:
+                     keys: mx.array, values: mx.array, heads: Heads,
+                     block: int = 0) -> tuple[mx.array, mx.array, mx.array]:
     """One new token's attention on `backend`: (output [..., H * HD] in qkv's dtype, its rotated key and its
     value [1, KV, 1, HD] for the cache).
 
     qkv [..., (H + 2 KV) * HD] is the stacked projection without its bias (leading axes all 1, kept in the
     output); bias the stacked bias or None; inv_freq from rope_frequencies; slots int32 [P, CAP]: the token's
-    position P and the slots CAP of the cache buffers keys / values [1, KV, CAP, HD], whose first P hold
-    the earlier tokens' rotated keys and values.
+    position P and the slots CAP of the cache buffers keys / values [N, KV, CAP, HD], whose block `block`
+    holds this layer's cache: its first P slots the earlier tokens' rotated keys and values (one pair of
+    buffers can hold every layer's cache, moebench.cache.StaticCache).
     """
-    check_inputs(qkv, bias, inv_freq, slots, keys, values, heads)
+    check_inputs(qkv, bias, inv_freq, slots, keys, values, heads, block)
     if backend in GPU_BACKENDS:
-        return gpu_decode_attention(backend, qkv, bias, inv_freq, slots, keys, values, heads)
+        return gpu_decode_attention(backend, qkv, bias, inv_freq, slots, keys, values, heads, block)
     if backend != "reference":
         raise UnsupportedKernelConfig(f"unknown fused backend {backend!r} (metal, cuda or reference)")
-    return reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads)
+    return reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads, block)

@@ -44,11 +44,12 @@ class KVCache:
         self.write(keys, values)
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
-    def decode_buffers(self, heads: int, head_dim: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
+    def decode_buffers(self, heads: int, head_dim: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array, int]:
         """For one new token (the fused decode-attention kernel): the key and value buffers [1, heads, CAP,
-        head_dim] as they are before it is written, and int32 [P, CAP], its position and their slots."""
+        head_dim] as they are before it is written, int32 [P, CAP] (its position and their slots) and the
+        block of the buffers that holds this layer (0: the buffers are this layer's alone)."""
         self._reserve(1, 1, heads, head_dim, head_dim, dtype)
-        return self.keys, self.values, slots_array(self.offset, self.keys.shape[2])
+        return self.keys, self.values, slots_array(self.offset, self.keys.shape[2]), 0
 
     def attention_mask(self, length: int) -> str | None:
         return "causal" if length > 1 else None
@@ -96,43 +97,85 @@ class StepPosition:
                    mx.concatenate([p, mx.array([capacity], mx.int32)]))
 
 
-class StaticKVCache:
-    """A fixed-capacity cache whose write position is an array, so a decode step has constant shapes
-    and can be traced once by mx.compile. The caller advances the position between steps."""
+class StaticCache:
+    """Every layer's keys and values in two fixed-capacity buffers [layers, kv_heads, CAP, head_dim] whose
+    write position is an array, so a decode step has constant shapes and can be traced once by mx.compile.
+
+    The layers' new keys and values are collected during a forward and written by `commit`, one update per
+    buffer for all layers: a dynamic-offset update costs a graph node and two launches, one per layer and
+    buffer cost about 15% of a compiled decode step on the H200 (docs/benchmarks/h200.md). Nothing reads a
+    layer's new entries before the commit: the decode-attention kernel takes its own token's key and value
+    beside the buffers, and the unfused path attends over a copy of its layer's block with them written in.
+    The caller advances the position between forwards."""
 
     def __init__(self, keys: mx.array, values: mx.array, position: StepPosition):
         self.keys, self.values, self.position = keys, values, position
+        self.pending: list[tuple[mx.array, mx.array] | None] = [None] * keys.shape[0]
 
     @classmethod
-    def empty(cls, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: mx.Dtype) -> StaticKVCache:
-        zeros = mx.zeros((batch, kv_heads, capacity, head_dim), dtype)
+    def empty(cls, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype: mx.Dtype) -> StaticCache:
+        zeros = mx.zeros((layers, kv_heads, capacity, head_dim), dtype)
         return cls(zeros, mx.zeros_like(zeros), StepPosition.at(mx.array(0, dtype=mx.int32), capacity))
 
     @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def layers(self) -> list[StaticLayerCache]:
+        """One cache per layer, to pass to the model's forward; `commit` after it."""
+        return [StaticLayerCache(self, i) for i in range(self.keys.shape[0])]
+
+    def add(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        if keys.shape[2] > self.capacity:
+            raise ValueError(f"{keys.shape[2]} new positions exceed the cache capacity {self.capacity}")
+        if self.pending[layer] is not None:
+            raise RuntimeError(f"layer {layer} wrote its keys and values twice in one forward")
+        self.pending[layer] = (keys, values)
+
+    def commit(self) -> None:
+        """Write every layer's new keys and values at the position, one update per buffer."""
+        missing = [i for i, p in enumerate(self.pending) if p is None]
+        if missing:
+            raise RuntimeError(f"layers {missing} wrote no keys and values in this forward")
+        start = self.position.start
+        for name, part in (("keys", 0), ("values", 1)):
+            new = mx.concatenate([p[part] for p in self.pending], axis=0)
+            setattr(self, name, mx.slice_update(getattr(self, name), new, start, axes=(0, 1, 2, 3)))
+        self.pending = [None] * len(self.pending)
+
+
+class StaticLayerCache:
+    """One layer's view of a StaticCache, with the interface the attention layers use."""
+
+    def __init__(self, cache: StaticCache, layer: int):
+        self.cache, self.layer = cache, layer
+
+    @property
     def offset(self) -> mx.array:
-        return self.position.offset
+        return self.cache.position.offset
 
     def write(self, keys: mx.array, values: mx.array) -> None:
-        if keys.shape[2] > self.keys.shape[2]:
-            raise ValueError(f"{keys.shape[2]} new positions exceed the cache capacity {self.keys.shape[2]}")
-        start = self.position.start
-        self.keys = mx.slice_update(self.keys, keys, start, axes=(0, 1, 2, 3))
-        self.values = mx.slice_update(self.values, values, start, axes=(0, 1, 2, 3))
+        """Hand the new positions' keys and values to the cache, which writes them at its commit."""
+        self.cache.add(self.layer, keys, values)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Hand them over, and return this layer's block [1, kv_heads, CAP, head_dim] with them written in."""
         self.write(keys, values)
-        return self.keys, self.values
+        start, i = self.cache.position.start, self.layer
+        return tuple(mx.slice_update(buffer[i : i + 1], new, start, axes=(0, 1, 2, 3))
+                     for buffer, new in ((self.cache.keys, keys), (self.cache.values, values)))
 
-    def decode_buffers(self, heads: int, head_dim: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
-        """The buffers before this step's token is written, and int32 [P, CAP] (see KVCache.decode_buffers)."""
-        return self.keys, self.values, self.position.slots
+    def decode_buffers(self, heads: int, head_dim: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array, int]:
+        """Every layer's buffers as before this forward, int32 [P, CAP], and this layer's block in them
+        (see KVCache.decode_buffers)."""
+        return self.cache.keys, self.cache.values, self.cache.position.slots, self.layer
 
     @property
     def span(self) -> int:
         """Positions a traced step may attend to: the capacity (its position is an array)."""
-        return self.keys.shape[2]
+        return self.cache.capacity
 
     def attention_mask(self, length: int) -> mx.array:
         """Query i (at position offset + i) sees cache slots 0..offset + i; the rest is unwritten."""
         positions = self.offset + mx.arange(length, dtype=mx.int32)
-        return mx.arange(self.keys.shape[2], dtype=mx.int32)[None, :] <= positions[:, None]
+        return mx.arange(self.cache.capacity, dtype=mx.int32)[None, :] <= positions[:, None]

@@ -1,6 +1,6 @@
 """A compiled single-token decode step: the whole forward traced once by mx.compile over a
-fixed-capacity KV cache, so each token replays one graph instead of rebuilding it in Python and
-MLX can fuse the elementwise work between kernels.
+fixed-capacity KV cache (moebench.cache.StaticCache), so each token replays one graph instead of
+rebuilding it in Python and MLX can fuse the elementwise work between kernels.
 
 What Python does during tracing happens once, so three things are handled here explicitly:
 - the fused-kernel switch is read at trace time: one compiled graph is kept per switch state;
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .cache import StaticKVCache, StepPosition
+from .cache import StaticCache, StepPosition
 from .kernels import Decision, fused_moe_enabled
 
 CAPACITY_STEP = 256
@@ -60,25 +60,33 @@ class CompiledSteps:
             steps = model.compiled_steps = cls(model)  # a plain object: an attribute, not a child module
         return steps
 
-    def __call__(self, token: mx.array, offset: mx.array, kv: list[mx.array]) -> tuple[mx.array, list[mx.array]]:
+    def __call__(self, token: mx.array, offset: mx.array, keys: mx.array,
+                 values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(logits, keys, values): one step from the cache buffers, and the buffers with its token written."""
         enabled = fused_moe_enabled()
         if enabled not in self.steps:
             self.steps[enabled] = mx.compile(self._forward)
         counters = self.model.dispatch_counters()
         before = counters[0].last
-        logits, *kv = self.steps[enabled](token, offset, *kv)
+        out = self.steps[enabled](token, offset, keys, values)
         if counters[0].last is not before:  # this call traced: the counters already moved
             self.decisions[enabled] = [c.last for c in counters]
         else:
             for c, decision in zip(counters, self.decisions[enabled], strict=True):
                 c.count(decision)
-        return logits, kv
+        return out
 
-    def _forward(self, token: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
-        position = StepPosition.at(offset, kv[0].shape[2])  # once for every layer of the step
-        caches = [StaticKVCache(kv[i], kv[i + 1], position) for i in range(0, len(kv), 2)]
-        logits = self.model.last_logits(token.reshape(1, 1), caches)[0]
-        return (logits, *[a for c in caches for a in (c.keys, c.values)])
+    def _forward(self, token: mx.array, offset: mx.array, keys: mx.array,
+                 values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        cache = StaticCache(keys, values, StepPosition.at(offset, keys.shape[2]))  # one position for every layer
+        return static_logits(self.model, token, cache), cache.keys, cache.values
+
+
+def static_logits(model, tokens: mx.array, cache: StaticCache) -> mx.array:
+    """Next-token logits of one sequence's `tokens` at the cache's position; their keys and values written."""
+    logits = model.last_logits(tokens.reshape(1, -1), cache.layers())[0]
+    cache.commit()
+    return logits
 
 
 class CompiledForward:
@@ -88,8 +96,7 @@ class CompiledForward:
         self.model = model
         self.capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
         a, dtype = model.args, model.norm.weight.dtype
-        self.caches = [StaticKVCache.empty(1, a.num_key_value_heads, self.capacity, a.head_dim, dtype)
-                       for _ in model.layers]
+        self.cache = StaticCache.empty(len(model.layers), a.num_key_value_heads, self.capacity, a.head_dim, dtype)
         self.position = 0
         self.steps = CompiledSteps.of(model)
         self.steps.check_weights()
@@ -99,15 +106,11 @@ class CompiledForward:
         if self.position + n > self.capacity:
             raise ValueError(f"sequence of {self.position + n} tokens exceeds the compiled cache of {self.capacity}")
         offset = mx.array(self.position, dtype=mx.int32)
+        cache = self.cache
         if n > 1:
-            position = StepPosition.at(offset, self.capacity)
-            for c in self.caches:
-                c.position = position
-            logits = self.model.last_logits(tokens.reshape(1, n), self.caches)[0]
+            cache.position = StepPosition.at(offset, self.capacity)
+            logits = static_logits(self.model, tokens, cache)
         else:
-            kv = [a for c in self.caches for a in (c.keys, c.values)]
-            logits, kv = self.steps(tokens, offset, kv)
-            for i, c in enumerate(self.caches):
-                c.keys, c.values = kv[2 * i], kv[2 * i + 1]
+            logits, cache.keys, cache.values = self.steps(tokens, offset, cache.keys, cache.values)
         self.position += n
         return logits

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -69,6 +70,10 @@ class GenerationResult:
         return n / self.decode_seconds if n > 0 and self.decode_seconds else 0.0
 
 
+# Steps queued ahead of the token being read. One ahead (mlx-lm's generate_step) leaves the device idle
+# while the host reads a token and builds the next step; with two, a step is always queued behind the
+# running one (measured on the H200: docs/benchmarks/h200.md).
+STEPS_AHEAD = 2
 COMPILED_BY_DEFAULT = ("cuda",)  # backends whose fused decode was measured faster through the compiled step
 
 
@@ -83,15 +88,18 @@ def use_compiled(model, compiled: bool | None) -> bool:
 
 def generate_tokens(
     model, prompt_ids: list[int], max_tokens: int, sampling: Sampling = Sampling(),
-    stop_ids: tuple[int, ...] = (), compiled: bool | None = None,
+    stop_ids: tuple[int, ...] = (), compiled: bool | None = None, ahead: int = STEPS_AHEAD,
 ) -> Iterator[tuple[int, mx.array]]:
-    """Yield (token id, next-token logits [V]) one step at a time; evaluation is pipelined one step ahead.
+    """Yield (token id, next-token logits [V]) one step at a time; evaluation is pipelined `ahead` steps
+    ahead of the token being read (a stop token leaves that many steps computed and unused).
 
     `compiled` (default: use_compiled) decodes through one mx.compile'd step over a static cache
     (moebench.compiled) unless a recorder or an intervention is attached, which run eagerly.
     """
     if not prompt_ids:
         raise DecodeError("the prompt is empty: give at least one token")
+    if ahead < 1:
+        raise DecodeError(f"ahead must be at least 1 (steps queued ahead of the token read), got {ahead}")
     # MLX does not bounds-check the embedding lookup: an id past the table reads garbage silently
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     bad = [t for t in prompt_ids if not 0 <= t < (vocab or float("inf"))]
@@ -118,24 +126,29 @@ def generate_tokens(
 
     token, logits, key = step(mx.array(prompt_ids, dtype=mx.uint32), key)
     mx.async_eval(token, logits)
+    queued = deque([(token, logits)])
     for n in range(max_tokens):
-        if n + 1 < max_tokens:
-            nxt = step(token.reshape(1).astype(mx.uint32), key)
-            mx.async_eval(nxt[0], nxt[1])
+        # Queue the next steps before reading this one: the first token leaves after one (as before it),
+        # later ones after `ahead`, so the host is building step n + ahead while the device runs n + 1.
+        while len(queued) <= min(ahead, n + 1) and n + len(queued) < max_tokens:
+            token, logits, key = step(queued[-1][0].reshape(1).astype(mx.uint32), key)
+            mx.async_eval(token, logits)
+            queued.append((token, logits))
+        token, logits = queued.popleft()
         tid = token.item()
         yield tid, logits
-        if tid in stop_ids or n + 1 >= max_tokens:
+        if tid in stop_ids:
             return
-        token, logits, key = nxt
 
 
 def generate(model, prompt_ids: list[int], max_tokens: int, sampling: Sampling = Sampling(),
-             stop_ids: tuple[int, ...] = (), compiled: bool | None = None) -> GenerationResult:
+             stop_ids: tuple[int, ...] = (), compiled: bool | None = None,
+             ahead: int = STEPS_AHEAD) -> GenerationResult:
     """Run prefill and decode; time both (the first token marks the end of prefill)."""
     result = GenerationResult(list(prompt_ids))
     start = time.perf_counter()
     first = None
-    for tid, _ in generate_tokens(model, prompt_ids, max_tokens, sampling, stop_ids, compiled):
+    for tid, _ in generate_tokens(model, prompt_ids, max_tokens, sampling, stop_ids, compiled, ahead):
         result.token_ids.append(tid)
         if first is None:
             first = time.perf_counter()

@@ -9,11 +9,15 @@ micro: 200 calls built, then evaluated at once (per-call time with launches amor
 ARMS (comma-separated): fused, fused-compiled, fused-noattn, fused-noattn-compiled, off, off-compiled,
 mlxlm (mlx-lm's model under moebench's loop); noattn declines the decode-attention kernel only, noproj
 the input-norm projection kernel, noentry the MoE block's entry kernel (they combine: fused-noproj-
-noentry-compiled; both kernels are opt-in, so run these arms with MOEBENCH_NORM_KERNELS=1). Run it
+noentry-compiled; both kernels are opt-in, so run these arms with MOEBENCH_NORM_KERNELS=1); nowrite
+drops the static cache's key/value writes (wrong tokens: it prices the writes, nothing else); ahead1
+pipelines one step ahead (mlx-lm's depth) instead of generate's two (mlxlm-ahead1 too). Run it
 under different MLX_* settings (say MLX_MAX_OPS_PER_BUFFER) in separate processes: MLX reads them once.
 kernels: torch.profiler (CUPTI) records every CUDA kernel of the process, MLX's included, over 64
-compiled fused decode steps: GPU time per token by kernel name against the loop's wall time per token
-(torch is on the device image, not a moebench dependency).
+compiled fused decode steps: GPU time per token by kernel name against the loop's wall time per token,
+the union of kernel intervals (MLX's CUDA graphs run independent kernels at once, so the sum can exceed
+it), and the CPU time a compiled step takes to build and dispatch (torch is on the device image, not a
+moebench dependency).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import mlx.core as mx
 from moebench import norm_kernels
 from moebench.attention_kernel import Heads, decode_attention, rope_frequencies
 from moebench.bench import mlx_lm_model
-from moebench.compiled import CompiledSteps
+from moebench.cache import StaticCache
+from moebench.compiled import CompiledForward, CompiledSteps
 from moebench.decode import generate
 from moebench.kernels import RowsSupport, fused_moe
 from moebench.loader import load
@@ -73,15 +78,20 @@ def micro() -> None:
 
 def decode(ckpt: str, arms: list[str]) -> None:
     model, _ = load(ckpt)
-    other = mlx_lm_model(ckpt)[0] if "mlxlm" in arms else None
+    other = mlx_lm_model(ckpt)[0] if any(a.startswith("mlxlm") for a in arms) else None
     prompt = list(range(100, 164))
 
     real = {f: getattr(norm_kernels, f) for f in ("projection_reason", "support_reason")}
+    real_commit = StaticCache.commit
+
+    def drop_writes(cache: StaticCache) -> None:
+        cache.pending = [None] * len(cache.pending)
+
     traced: dict[str, CompiledSteps] = {}  # one per arm: a declined kernel changes the traced graph
 
     def run(name: str) -> float:
-        if name == "mlxlm":
-            return generate(other, prompt, 128).decode_tps
+        if name.startswith("mlxlm"):
+            return generate(other, prompt, 128, ahead=1 if "ahead1" in name else 2).decode_tps
         Attention.kernel_decline = "diag: attention kernel off" if "noattn" in name else None
         for flag, f in (("noproj", "projection_reason"), ("noentry", "support_reason")):
             setattr(norm_kernels, f, (lambda *a, flag=flag: f"diag: {flag}") if flag in name else real[f])
@@ -90,9 +100,11 @@ def decode(ckpt: str, arms: list[str]) -> None:
             layer.self_attn._projection_support = RowsSupport()
             if hasattr(layer.mlp, "_entry_support"):
                 layer.mlp._entry_support = RowsSupport()
+        StaticCache.commit = drop_writes if "nowrite" in name else real_commit
         model.compiled_steps = traced.setdefault(name, CompiledSteps(model))
         with fused_moe(not name.startswith("off")):
-            return generate(model, prompt, 128, compiled=name.endswith("compiled")).decode_tps
+            return generate(model, prompt, 128, compiled="compiled" in name, ahead=1 if "ahead1" in name else 2
+                            ).decode_tps
 
     for a in arms:
         run(a)  # warm-up (traces a compiled step)
@@ -107,22 +119,66 @@ def decode(ckpt: str, arms: list[str]) -> None:
 
 
 def kernels(ckpt: str, steps: int = 64) -> None:
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     model, _ = load(ckpt)
     prompt = list(range(100, 108))
     with fused_moe(True):
         generate(model, prompt, 16, compiled=True)  # traces the step
+        dispatch(model, prompt, steps)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             result = generate(model, prompt, steps + 1, compiled=True)
     wall_us = 1e6 / result.decode_tps
     rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
     busy = sum(e.device_time_total for e in rows) / steps  # us per token (the 8-token prefill included)
+    spans = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in prof.profiler.kineto_results.events()
+                   if e.device_type() == DeviceType.CUDA)
+    union, end, deepest, running = 0, 0, 0, []
+    for a, b in spans:  # the time at least one kernel runs, and the most that ever run at once
+        union += max(0, b - max(a, end))
+        end = max(end, b)
+        running = [e for e in running if e > a] + [b]
+        deepest = max(deepest, len(running))
     print(f"kernels: {steps} compiled fused decode steps; wall {wall_us:.0f} us/token (profiled), "
-          f"GPU busy {busy:.0f} us/token ({100 * busy / wall_us:.0f}%)", flush=True)
+          f"kernel time summed {busy:.0f} us/token ({100 * busy / wall_us:.0f}%), GPU busy (union of kernel "
+          f"intervals) {union / 1e3 / steps:.0f} us/token, up to {deepest} kernels at once", flush=True)
     for e in rows[:30]:
         print(f"  {e.device_time_total / steps:8.1f} us/token  {e.count / steps:6.1f} launches/token  "
               f"{e.device_time_total / max(e.count, 1):7.2f} us each  {e.key[:90]}", flush=True)
+
+
+def dispatch(model, prompt: list[int], steps: int) -> None:
+    """CPU time a compiled step takes to build and to hand to the GPU, against the wall time per token: a
+    step whose CPU side takes most of the wall time is bound by the CPU, however fast its kernels."""
+    forward = CompiledForward(model, len(prompt) + 2 * steps + 1)
+    token = mx.argmax(forward(mx.array(prompt, dtype=mx.uint32)))
+    mx.eval(token)
+    build, handed = [], []
+    start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        token = mx.argmax(forward(token.reshape(1).astype(mx.uint32)))
+        t1 = time.perf_counter()
+        mx.async_eval(token)
+        build.append(t1 - t0)
+        handed.append(time.perf_counter() - t1)
+    mx.eval(token)
+    wall = (time.perf_counter() - start) / steps
+    print(f"dispatch: {steps} compiled steps queued without waiting: wall {1e6 * wall:.0f} us/token; CPU "
+          f"build {1e6 * statistics.median(build):.0f} us, async_eval {1e6 * statistics.median(handed):.0f} us "
+          f"(medians; async_eval max {1e6 * max(handed):.0f} us)", flush=True)
+    handed, waited = [], []  # one step at a time: nothing in flight, so async_eval's time is the CPU's alone
+    for _ in range(steps):
+        token = mx.argmax(forward(token.reshape(1).astype(mx.uint32)))
+        t0 = time.perf_counter()
+        mx.async_eval(token)
+        t1 = time.perf_counter()
+        mx.eval(token)
+        handed.append(t1 - t0)
+        waited.append(time.perf_counter() - t1)
+    print(f"dispatch: one step at a time: async_eval {1e6 * statistics.median(handed):.0f} us (the CPU's encoding), "
+          f"then {1e6 * statistics.median(waited):.0f} us until the token is ready (medians)", flush=True)
 
 
 if __name__ == "__main__":

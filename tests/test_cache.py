@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import moebench
-from moebench.cache import GROW_STEP, KVCache, make_cache
+from moebench.cache import GROW_STEP, KVCache, StaticCache, StepPosition, make_cache
 
 
 def test_update_returns_everything_seen_so_far():
@@ -68,3 +68,47 @@ def test_batched_decode_with_cache(model):
     for row, (prompt, nxt) in enumerate(((TOKENS[:8], 7), (TOKENS[8:16], 9))):
         alone = np.array(model(mx.array([prompt + [nxt]])))[0, -1]
         assert np.abs(step[row] - alone).max() < 1e-4
+
+
+def _static(layers: int = 3, capacity: int = 8) -> StaticCache:
+    return StaticCache.empty(layers, 2, capacity, 4, mx.float32)
+
+
+def test_static_cache_writes_every_layer_at_its_position_on_commit():
+    cache = _static()
+    for position, n in ((0, 3), (3, 1), (4, 2)):
+        cache.position = StepPosition.at(mx.array(position, dtype=mx.int32), cache.capacity)
+        before = np.array(cache.keys)
+        for layer in cache.layers():
+            layer.write(mx.full((1, 2, n, 4), 10.0 * layer.layer + position), mx.full((1, 2, n, 4), -1.0))
+        assert np.array_equal(np.array(cache.keys), before)  # nothing written before the commit
+        cache.commit()
+    keys, values = np.array(cache.keys), np.array(cache.values)
+    for layer in range(3):
+        assert keys[layer, :, :, 0].tolist() == [[10.0 * layer] * 3 + [10.0 * layer + 3] + [10.0 * layer + 4] * 2
+                                                 + [0.0] * 2] * 2
+    assert (values[:, :, :6] == -1).all() and (values[:, :, 6:] == 0).all()
+
+
+def test_static_layer_fetch_sees_its_own_new_positions_only():
+    cache = _static()
+    cache.position = StepPosition.at(mx.array(2, dtype=mx.int32), cache.capacity)
+    layers = cache.layers()
+    keys, values = layers[1].update_and_fetch(mx.ones((1, 2, 1, 4)), mx.full((1, 2, 1, 4), 2.0))
+    assert keys.shape == (1, 2, 8, 4)
+    assert np.array(keys)[0, :, :, 0].tolist() == [[0, 0, 1, 0, 0, 0, 0, 0]] * 2
+    assert (np.array(values)[0, :, 2] == 2).all()
+    assert layers[1].decode_buffers(2, 4, mx.float32)[3] == 1
+
+
+def test_static_cache_refuses_a_missing_or_repeated_write():
+    cache = _static()
+    layers = cache.layers()
+    new = mx.zeros((1, 2, 1, 4))
+    layers[0].write(new, new)
+    with pytest.raises(RuntimeError, match="layer 0 wrote its keys and values twice"):
+        layers[0].write(new, new)
+    with pytest.raises(RuntimeError, match=r"layers \[1, 2\] wrote no keys"):
+        cache.commit()
+    with pytest.raises(ValueError, match="9 new positions exceed the cache capacity 8"):
+        layers[1].write(mx.zeros((1, 2, 9, 4)), mx.zeros((1, 2, 9, 4)))

@@ -54,6 +54,20 @@ def test_sampling_with_a_seed_is_reproducible(model):
     assert a.token_ids != generate(model, PROMPT, 16).token_ids
 
 
+@pytest.mark.parametrize("ahead", (1, 3))
+def test_steps_queued_ahead_change_no_token_and_no_logit(model, ahead):
+    hot = Sampling(temperature=1.5, top_p=0.95, seed=5)
+    for sampling in (Sampling(), hot):
+        want = list(generate_tokens(model, PROMPT, 9, sampling))
+        got = list(generate_tokens(model, PROMPT, 9, sampling, ahead=ahead))
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert all(np.array_equal(np.array(a), np.array(b)) for (_, a), (_, b) in zip(got, want, strict=True))
+    free = generate(model, PROMPT, 10, ahead=ahead).token_ids
+    assert generate(model, PROMPT, 10, stop_ids=(free[2],), ahead=ahead).token_ids == free[: free.index(free[2]) + 1]
+    with pytest.raises(DecodeError, match="ahead must be at least 1"):
+        generate(model, PROMPT, 4, ahead=0)
+
+
 def test_tiny_top_p_is_greedy(model):
     greedy = generate(model, PROMPT, 16).token_ids
     assert generate(model, PROMPT, 16, Sampling(temperature=2.0, top_p=1e-6, seed=3)).token_ids == greedy

@@ -73,7 +73,8 @@ PARAM_TYPES: dict[Stage, dict[str, str]] = {
     GATE_UP: {"x": "T", "act": "float", **{f"{p}_{q}": "ST" for p in ("gate", "up", "sgate", "sup") for q in "sb"}},
     DOWN: {"scores": "S", "act": "float", "sgate": "float", "y": "float", "ys": "float", "out": "T", "resid": "T",
            **{f"{p}_{q}": "ST" for p in ("down", "sdown") for q in "sb"}},
-    ATTENTION: {**dict.fromkeys(ATTENTION.inputs + ATTENTION.outputs, "T"), "inv_freq": "float", "pos": "int"},
+    ATTENTION: {**dict.fromkeys(ATTENTION.inputs + ATTENTION.outputs, "T"), "inv_freq": "float", "pos": "int",
+                "block": "int"},
     NORM_ROUTER: {**dict.fromkeys(("resid", "attn", "norm_w", "h", "xn"), "T"), "rs": "ST", "rb": "ST",
                   **dict.fromkeys(("eps", "xf", "logits", "probs", "scores", "sgate"), "float")},
     NORM_MATVEC: {"x": "T", "norm_w": "T", "eps": "float", "s": "ST", "b": "ST", "y": "T"},
@@ -111,7 +112,7 @@ def _constant_inputs(stage: Stage, inst: Instance) -> tuple[str, ...]:
     if stage is ROUTER:
         sizes = {"logits": inst["E"] + inst["SHARED"]}
     elif stage is ATTENTION:
-        sizes = {"pos": 2}  # [P, CAP]; the other inputs hold at least HD / 2 >= 16 elements
+        sizes = {"pos": 2, "block": 1}  # [P, CAP], [block]; the others hold at least HD / 2 >= 16 elements
     elif stage in (NORM_ROUTER, NORM_MATVEC):
         sizes = {"eps": 1}  # the others hold at least D >= 32 elements
     else:  # without a shared expert the caller passes scores in place of B's sgate [1]
@@ -428,21 +429,23 @@ def test_shimmed_router_breaks_ties_towards_the_lower_expert_id(shim_library):
 @pytest.mark.parametrize("bias", (False, True))
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bias, pos):
-    """Cache slots >= pos hold NaN for the kernel: it must read only the pos earlier tokens plus the new one."""
+    """The layer's cache is one block of three (as in a StaticCache); the other blocks and slots >= pos of its
+    own hold NaN for the kernel: it must read only the pos earlier tokens of its block plus the new one."""
     heads = Heads(*shape)
+    block = pos % 3
     rng = np.random.default_rng(sum(shape) * 100 + pos * 2 + bias)
     qkv, qkv_bias = (rng.standard_normal(heads.width).astype(np.float32) for _ in range(2))
     inv_freq, slots = rope_frequencies(heads.head_dim, 10000.0), np.array([pos, CAP], np.int32)
-    cache = rng.standard_normal((2, 1, heads.n_kv_heads, CAP, heads.head_dim)).astype(np.float32)
+    cache = rng.standard_normal((2, 3, heads.n_kv_heads, CAP, heads.head_dim)).astype(np.float32)
     truth = reference_decode_attention(mx.array(qkv), mx.array(qkv_bias) if bias else None, inv_freq,
-                                       mx.array(slots), *map(mx.array, cache), heads)
-    unread = cache.copy()
-    unread[..., pos:, :] = np.nan
+                                       mx.array(slots), *map(mx.array, cache), heads, block)
+    unread = np.full_like(cache, np.nan)
+    unread[:, block, :, :pos] = cache[:, block, :, :pos]
     outputs = {n: _output(heads.n_heads * heads.head_dim if n == "out" else heads.n_kv_heads * heads.head_dim)
                for n in ATTENTION.outputs}
     _launch(shim_library, ATTENTION, _attention_instance(shape, bias), _padded(heads.n_heads), {
         "qkv": qkv, "bias": qkv_bias if bias else qkv, "inv_freq": np.array(inv_freq), "pos": slots,
-        "keys": unread[0], "values": unread[1], **outputs})
+        "keys": unread[0], "values": unread[1], "block": np.array([block], np.int32), **outputs})
     for name, want in zip(ATTENTION.outputs, truth, strict=True):
         got = _written(outputs[name], name)
         assert np.isfinite(got).all(), f"{name}: not finite (a cache slot >= pos read?)"

@@ -116,10 +116,10 @@ class Attention(nn.Module):
     def _decode_kernel(self, x: mx.array, cache: KVCache, backend: str, norm: RMSNorm | None) -> mx.array:
         """One token [1, 1, D] through the decode-attention kernel; its key and value go into the cache."""
         stacked = self.qkv.get()
-        keys, values, slots = cache.decode_buffers(self.n_kv_heads, self.head_dim, x.dtype)
+        keys, values, slots, block = cache.decode_buffers(self.n_kv_heads, self.head_dim, x.dtype)
         out, k, v = attention_kernel.decode_attention(
             backend, self._projection(x, norm, stacked, backend), stacked.get("bias"),
-            rope_frequencies(self.head_dim, self.rope_theta), slots, keys, values, self.heads)
+            rope_frequencies(self.head_dim, self.rope_theta), slots, keys, values, self.heads, block)
         cache.write(k, v)
         return self.o_proj(out)
 

@@ -281,22 +281,27 @@ def test_cuda_attention_kernel_matches_reference_and_truth(heads, bias, p, dtype
     cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
     qkv = cast(rng.standard_normal((1, 1, heads.width)))
     b = cast(0.5 * rng.standard_normal(heads.width)) if bias else None
-    keys = cast(rng.standard_normal((1, heads.n_kv_heads, cap, heads.head_dim)))
-    values = cast(rng.standard_normal((1, heads.n_kv_heads, cap, heads.head_dim)))
+    block = p % 3  # the layer's block of a three-layer cache (as in a StaticCache); the others hold NaN
+    caches = []
+    for _ in range(2):
+        c = np.full((3, heads.n_kv_heads, cap, heads.head_dim), np.nan)
+        c[block] = rng.standard_normal(c.shape[1:])
+        caches.append(cast(c))
+    keys, values = caches
     inv, slots = rope_frequencies(heads.head_dim, base), mx.array([p, cap], dtype=mx.int32)
-    out, k_new, v_new = attention_kernel.decode_attention("cuda", qkv, b, inv, slots, keys, values, heads)
+    out, k_new, v_new = attention_kernel.decode_attention("cuda", qkv, b, inv, slots, keys, values, heads, block)
     with mx.stream(mx.cpu):
-        ref = attention_kernel.decode_attention("reference", qkv, b, inv, slots, keys, values, heads)
+        ref = attention_kernel.decode_attention("reference", qkv, b, inv, slots, keys, values, heads, block)
         mx.eval(ref)
     f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
-    truth = _attention_truth(f32(qkv).reshape(-1), None if b is None else f32(b), p, f32(keys), f32(values), heads,
-                             base)
+    truth = _attention_truth(f32(qkv).reshape(-1), None if b is None else f32(b), p, f32(keys[block : block + 1]),
+                             f32(values[block : block + 1]), heads, base)
     got = {"cuda out vs truth": _nrms(f32(out).reshape(-1), truth),
            "reference out vs truth": _nrms(f32(ref[0]).reshape(-1), truth),
            "cuda vs reference out": _nrms(f32(out), f32(ref[0])),
            "cuda vs reference k_new": _nrms(f32(k_new), f32(ref[1])),
            "cuda vs reference v_new": _nrms(f32(v_new), f32(ref[2]))}
-    print(f"\nattention {heads} bias {bias} P {p} {dtype}: " +
+    print(f"\nattention {heads} bias {bias} P {p} block {block} {dtype}: " +
           ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
     assert max(v for k, v in got.items() if k.startswith("cuda vs")) < 5e-4
     if dtype == mx.float32:  # no rounding between the ops: the bound against the truth itself
