@@ -70,9 +70,10 @@ class GenerationResult:
         return n / self.decode_seconds if n > 0 and self.decode_seconds else 0.0
 
 
-# Steps queued ahead of the token being read. One ahead (mlx-lm's generate_step) leaves the device idle
-# while the host reads a token and builds the next step; with two, a step is always queued behind the
-# running one (measured on the H200: docs/benchmarks/h200.md).
+# Steps queued ahead of the token being read (mlx-lm's generate_step queues one). With two, a step stays
+# queued behind the running one while the host reads a token and builds the next. On the H200 the
+# compiled step decoded 13% faster two ahead than one in a run on a slow host moment and the same on a
+# quiet one (docs/benchmarks/h200.md, step 8); tokens are the same at any depth.
 STEPS_AHEAD = 2
 COMPILED_BY_DEFAULT = ("cuda",)  # backends whose fused decode was measured faster through the compiled step
 

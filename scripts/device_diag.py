@@ -10,8 +10,9 @@ ARMS (comma-separated): fused, fused-compiled, fused-noattn, fused-noattn-compil
 mlxlm (mlx-lm's model under moebench's loop); noattn declines the decode-attention kernel only, noproj
 the input-norm projection kernel, noentry the MoE block's entry kernel (they combine: fused-noproj-
 noentry-compiled; both kernels are opt-in, so run these arms with MOEBENCH_NORM_KERNELS=1); nowrite
-drops the static cache's key/value writes (wrong tokens: it prices the writes, nothing else); ahead1
-pipelines one step ahead (mlx-lm's depth) instead of generate's two (mlxlm-ahead1 too). Run it
+drops the static cache's key/value writes (wrong tokens: it prices the writes, nothing else); aheadN
+queues N steps ahead of the token read instead of generate's default (ahead1: mlx-lm's depth; mlxlm-
+ahead1 too). Run it
 under different MLX_* settings (say MLX_MAX_OPS_PER_BUFFER) in separate processes: MLX reads them once.
 kernels: torch.profiler (CUPTI) records every CUDA kernel of the process, MLX's included, over 64
 compiled fused decode steps: GPU time per token by kernel name against the loop's wall time per token,
@@ -23,6 +24,7 @@ moebench dependency).
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import sys
 import time
@@ -34,7 +36,7 @@ from moebench.attention_kernel import Heads, decode_attention, rope_frequencies
 from moebench.bench import mlx_lm_model
 from moebench.cache import StaticCache
 from moebench.compiled import CompiledForward, CompiledSteps
-from moebench.decode import generate
+from moebench.decode import STEPS_AHEAD, generate
 from moebench.kernels import RowsSupport, fused_moe
 from moebench.loader import load
 from moebench.models.qwen2_moe import Attention
@@ -76,6 +78,12 @@ def micro() -> None:
             print(f"micro P={p} {name}: {statistics.median(times):.1f} us per call (eval of {CALLS} calls)", flush=True)
 
 
+def ahead(arm: str) -> int:
+    """Steps queued ahead in an arm: aheadN in its name, else generate's default."""
+    found = re.search(r"ahead(\d+)", arm)
+    return int(found.group(1)) if found else STEPS_AHEAD
+
+
 def decode(ckpt: str, arms: list[str]) -> None:
     model, _ = load(ckpt)
     other = mlx_lm_model(ckpt)[0] if any(a.startswith("mlxlm") for a in arms) else None
@@ -91,7 +99,7 @@ def decode(ckpt: str, arms: list[str]) -> None:
 
     def run(name: str) -> float:
         if name.startswith("mlxlm"):
-            return generate(other, prompt, 128, ahead=1 if "ahead1" in name else 2).decode_tps
+            return generate(other, prompt, 128, ahead=ahead(name)).decode_tps
         Attention.kernel_decline = "diag: attention kernel off" if "noattn" in name else None
         for flag, f in (("noproj", "projection_reason"), ("noentry", "support_reason")):
             setattr(norm_kernels, f, (lambda *a, flag=flag: f"diag: {flag}") if flag in name else real[f])
@@ -103,8 +111,7 @@ def decode(ckpt: str, arms: list[str]) -> None:
         StaticCache.commit = drop_writes if "nowrite" in name else real_commit
         model.compiled_steps = traced.setdefault(name, CompiledSteps(model))
         with fused_moe(not name.startswith("off")):
-            return generate(model, prompt, 128, compiled="compiled" in name, ahead=1 if "ahead1" in name else 2
-                            ).decode_tps
+            return generate(model, prompt, 128, compiled="compiled" in name, ahead=ahead(name)).decode_tps
 
     for a in arms:
         run(a)  # warm-up (traces a compiled step)
