@@ -159,7 +159,11 @@ class StaticLayerCache:
         self.cache.add(self.layer, keys, values)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Hand them over, and return this layer's block [1, kv_heads, CAP, head_dim] with them written in."""
+        """Hand them over, and return this layer's block [1, kv_heads, CAP, head_dim] with them written in.
+
+        The block is a copy (its buffer is shared with every layer's, so it cannot be updated in place):
+        a step that attends with MLX's SDPA (the fused switch off, or a capacity past the kernel's
+        MAX_POSITIONS) copies CAP positions a layer, on top of SDPA reading them over the whole capacity."""
         self.write(keys, values)
         start, i = self.cache.position.start, self.layer
         return tuple(mx.slice_update(buffer[i : i + 1], new, start, axes=(0, 1, 2, 3))
