@@ -122,7 +122,9 @@ class StaticCache:
         return self.keys.shape[2]
 
     def layers(self) -> list[StaticLayerCache]:
-        """One cache per layer, to pass to the model's forward; `commit` after it."""
+        """One cache per layer, to pass to the model's forward; `commit` after it. A forward that failed
+        before its commit wrote nothing: what it handed over is dropped here."""
+        self.pending = [None] * len(self.pending)
         return [StaticLayerCache(self, i) for i in range(self.keys.shape[0])]
 
     def add(self, layer: int, keys: mx.array, values: mx.array) -> None:

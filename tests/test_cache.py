@@ -112,3 +112,8 @@ def test_static_cache_refuses_a_missing_or_repeated_write():
         cache.commit()
     with pytest.raises(ValueError, match="9 new positions exceed the cache capacity 8"):
         layers[1].write(mx.zeros((1, 2, 9, 4)), mx.zeros((1, 2, 9, 4)))
+    before = np.array(cache.keys)
+    for layer in cache.layers():  # the failed forward's write is dropped, not written twice
+        layer.write(mx.ones((1, 2, 1, 4)), mx.ones((1, 2, 1, 4)))
+    cache.commit()
+    assert np.array(cache.keys)[:, :, 0].sum() == 3 * 2 * 4 and before.sum() == 0
