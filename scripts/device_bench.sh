@@ -3,7 +3,7 @@
 # scripts/install-on-device.sh has installed MLX with CUDA (and mlx-lm, when its wheel was carried:
 # `../shared/device/prepare-mlx-cuda.sh mlx-lm==0.32.2` here first). See docs/benchmarks/README.md.
 #
-#   bash scripts/device_bench.sh [gputests] [make] [profile] [kernels] [bench] [selfcheck]   (no argument: make bench selfcheck)
+#   bash scripts/device_bench.sh [gputests] [make] [profile] [kernels] [timeline] [bench] [selfcheck]   (no argument: make bench selfcheck)
 #
 # In the same call as the install: bash scripts/install-on-device.sh && DEADLINE=$((580 - SECONDS)) bash scripts/device_bench.sh
 #
@@ -18,7 +18,9 @@
 #            mlx-lm's model; also with the package in .snap/before (an earlier commit, when carried) for a
 #            before/after pair
 # kernels    GPU time per decode token by kernel, compiled fused step (scripts/device_diag.py kernels: CUPTI through
-#            torch.profiler, which the device image has): the measure once the step is GPU-bound
+#            torch.profiler, which the device image has), the union of kernel intervals, host build/encode time
+# timeline   generate's host work and GPU kernels on one clock: GPU idle time per token and what the host does
+#            meanwhile (scripts/device_diag.py timeline), with a Chrome trace (timeline-*-trace.json.gz)
 # MOEBENCH_DEVICE_CKPT defaults to /root/moebench-$PRESET-4bit-g64-$DTYPE; outputs are named by $PRESET.
 #
 # Everything lands in $OUT (logs, tables, JSON records, timing.txt); each stage has a time limit so a
@@ -105,6 +107,12 @@ if [[ " $stages " == *" kernels "* ]]; then
   run_stage "kernels-$PRESET" 180 "kernels-$PRESET.txt" python3 scripts/device_diag.py "$CKPT" kernels
 fi
 
+if [[ " $stages " == *" timeline "* ]]; then
+  run_stage "timeline-$PRESET" 180 "timeline-$PRESET.txt" \
+    python3 scripts/device_diag.py "$CKPT" timeline "$OUT/timeline-$PRESET-trace.json"
+  gzip -f "$OUT/timeline-$PRESET-trace.json" 2>/dev/null
+fi
+
 if [[ " $stages " == *" bench "* ]]; then
   run_stage bench 360 "bench-$PRESET.txt" \
     python3 -m moebench.cli bench "$CKPT" --prompt-tokens 64 --gen-tokens 128 --repeats "$REPEATS" --fused both \
@@ -123,6 +131,7 @@ fi
 echo; echo "== results (full logs, tables and JSON in $OUT) =="
 [ -f "$OUT/bench-$PRESET.txt" ] && grep -E "^(model |\||skipped)" "$OUT/bench-$PRESET.txt"
 for f in "$OUT"/kernels-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^kernels:|us/token" "$f" | head -14; }; done
+for f in "$OUT"/timeline-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^timeline:" "$f"; }; done
 for f in "$OUT"/profile-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^\| (per token|MoE|attention|build|eval|sync|pipelined|graph|nodes)" "$f"; }; done
 for f in "$OUT"/selfcheck-*.txt; do
   [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^(platform|dispatch|greedy|PASS|FAIL|\| [^c|-])" "$f" | grep -v "| pass |$"; }

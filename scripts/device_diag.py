@@ -3,6 +3,7 @@
     python3 scripts/device_diag.py CKPT micro          decode-attention kernel vs MLX's rope + sdpa path
     python3 scripts/device_diag.py CKPT decode ARMS    decode tok/s of generate() arms, interleaved, 3 rounds
     python3 scripts/device_diag.py CKPT kernels        GPU time per decode token by kernel (compiled fused step)
+    python3 scripts/device_diag.py CKPT timeline [TRACE.json]   generate's host ranges and GPU kernels on one clock
 
 micro: 200 calls built, then evaluated at once (per-call time with launches amortised), at positions
 64, 128 and 192 of a 256-slot cache, Qwen1.5-MoE-A2.7B attention (16 heads of 128), bf16.
@@ -19,6 +20,9 @@ compiled fused decode steps: GPU time per token by kernel name against the loop'
 the union of kernel intervals (MLX's CUDA graphs run independent kernels at once, so the sum can exceed
 it), and the CPU time a compiled step takes to build and dispatch (torch is on the device image, not a
 moebench dependency).
+timeline: generate itself (compiled fused, 96 tokens) under torch.profiler with its host work marked
+(building a step, async_eval, the rest: reading the token and queueing): the GPU's idle time per token
+and what the host was doing during it; TRACE.json, when given, gets the Chrome trace.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from moebench.attention_kernel import Heads, decode_attention, rope_frequencies
 from moebench.bench import mlx_lm_model
 from moebench.cache import StaticCache
 from moebench.compiled import CompiledForward, CompiledSteps
-from moebench.decode import STEPS_AHEAD, generate
+from moebench.decode import STEPS_AHEAD, generate, generate_tokens
 from moebench.kernels import RowsSupport, fused_moe
 from moebench.loader import load
 from moebench.models.qwen2_moe import Attention
@@ -188,10 +192,104 @@ def dispatch(model, prompt: list[int], steps: int) -> None:
           f"then {1e6 * statistics.median(waited):.0f} us until the token is ready (medians)", flush=True)
 
 
+def timeline(ckpt: str, trace: str | None, tokens: int = 96) -> None:
+    """generate itself (compiled fused step, 64-token prompt) under torch.profiler, host ranges and GPU
+    kernels on one clock: where the GPU sits idle, and what the host is doing meanwhile."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    model, _ = load(ckpt)
+    prompt = list(range(100, 164))
+    real_call, real_async = CompiledForward.__call__, mx.async_eval
+
+    def traced_call(self: CompiledForward, tokens: mx.array) -> mx.array:
+        with record_function("host.build"):
+            return real_call(self, tokens)
+
+    def traced_async(*arrays: mx.array) -> None:
+        with record_function("host.async_eval"):
+            real_async(*arrays)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if mx.cuda.is_available() else [])
+    CompiledForward.__call__, mx.async_eval = traced_call, traced_async
+    try:
+        with fused_moe(True):
+            generate(model, prompt, 16, compiled=True)  # traces the step
+            with profile(activities=activities) as prof:
+                steps = generate_tokens(model, prompt, tokens, compiled=True)
+                while True:  # host.next: everything generate does for one token (build, async_eval, reading it)
+                    with record_function("host.next"):
+                        if next(steps, None) is None:
+                            break
+    finally:
+        CompiledForward.__call__, mx.async_eval = real_call, real_async
+    if trace:
+        prof.export_chrome_trace(trace)
+    events = list(prof.profiler.kineto_results.events())
+    host = {n: [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == n]
+            for n in ("host.next", "host.build", "host.async_eval")}
+    gpu = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.device_type() == DeviceType.CUDA)
+    nexts = host["host.next"][2:]  # the first two include the prompt's forward
+    window = (nexts[0][0], nexts[-1][1])
+    per = 1e3 * len(nexts)  # ns -> us per token
+    busy = union([(max(a, window[0]), min(b, window[1])) for a, b in gpu if b > window[0] and a < window[1]])
+    idle = complement(busy, window)
+    spent = {n: overlap(union(host[n]), [window]) for n in host}
+    print(f"timeline: {len(nexts)} tokens of generate (ahead {STEPS_AHEAD}); wall {(window[1] - window[0]) / per:.0f} "
+          f"us/token; host in build {spent['host.build'] / per:.0f}, async_eval {spent['host.async_eval'] / per:.0f}, "
+          f"the rest of generate (reading the token, queueing) "
+          f"{(spent['host.next'] - spent['host.build'] - spent['host.async_eval']) / per:.0f} us/token", flush=True)
+    if not gpu:
+        print("timeline: no GPU kernels recorded (CUPTI needs CUDA)", flush=True)
+        return
+    idle_total = sum(b - a for a, b in idle)
+    during = {n: overlap(idle, union(host[n])) for n in host}
+    print(f"timeline: GPU busy {sum(b - a for a, b in busy) / per:.0f} us/token, idle {idle_total / per:.0f} us/token "
+          f"in {len(idle)} gaps (largest {max((b - a for a, b in idle), default=0) / 1e3:.0f} us); idle while the host "
+          f"builds {during['host.build'] / per:.0f}, encodes {during['host.async_eval'] / per:.0f}, waits or queues "
+          f"{(during['host.next'] - during['host.build'] - during['host.async_eval']) / per:.0f}, is outside generate "
+          f"{(idle_total - during['host.next']) / per:.0f} us/token", flush=True)
+
+
+def union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, merged intervals."""
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def complement(spans: list[tuple[int, int]], window: tuple[int, int]) -> list[tuple[int, int]]:
+    """The gaps of merged `spans` within `window`."""
+    gaps, at = [], window[0]
+    for a, b in spans:
+        if a > at:
+            gaps.append((at, a))
+        at = max(at, b)
+    return gaps + ([(at, window[1])] if at < window[1] else [])
+
+
+def overlap(x: list[tuple[int, int]], y: list[tuple[int, int]]) -> int:
+    """Total length of the intersection of two merged interval lists."""
+    total, i, j = 0, 0, 0
+    while i < len(x) and j < len(y):
+        total += max(0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
 if __name__ == "__main__":
     if sys.argv[2] == "micro":
         micro()
     elif sys.argv[2] == "kernels":
         kernels(sys.argv[1])
+    elif sys.argv[2] == "timeline":
+        timeline(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else None)
     else:
         decode(sys.argv[1], sys.argv[3].split(","))
