@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm.auto import tqdm
 
-from .decode import COMPILED_BY_DEFAULT, GenerationResult, generate_tokens
+from .decode import COMPILED_BY_DEFAULT, STEPS_AHEAD, GenerationResult, generate_tokens
 from .errors import MoebenchError
 from .kernels import available_backend, fused_moe
 from .loader import default_model_path, load
@@ -325,6 +325,7 @@ def bench_record(results: list[ArmResult], model, prompt_ids: list[int], gen_tok
                   "quantization": model.load_info.bits},
         "prompt_tokens": len(prompt_ids), "gen_tokens": gen_tokens, "repeats": repeats, "prompt_ids": prompt_ids,
         "reference_arm": reference.arm.name,
+        "moebench_loop": {"steps_ahead": STEPS_AHEAD},  # the 'moebench' loops queue this many steps ahead
         "arms": [arm_record(r, reference) for r in results], "skipped": skipped,
     }
 

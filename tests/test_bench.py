@@ -12,6 +12,7 @@ import pytest
 from moebench import bench
 from moebench.bench import Arm, Run, compare_traces, mlx_lm_arms, run_arms, summary
 from moebench.cli import main
+from moebench.decode import STEPS_AHEAD
 
 STAT_KEYS = {"mean", "sd", "median", "min", "max", "values"}
 
@@ -105,6 +106,7 @@ def test_bench_cli_on_a_quantized_checkpoint(quantized_checkpoint, tmp_path, cap
     off = fallback["dispatch"]["attention"]
     assert off["fused"] == {} and off["fallback"] == layers * 4
     assert users["loop"] == "stream_generate" and users["dispatch"] is None
+    assert record["moebench_loop"] == {"steps_ahead": STEPS_AHEAD}
     # mlx-lm's model under moebench's loop decodes what mlx-lm's own loop decodes
     assert loop["tokens"] == users["tokens"]
     assert fallback["greedy_vs_reference"]["identical"]
