@@ -145,15 +145,14 @@ def kernels(ckpt: str, steps: int = 64) -> None:
     busy = sum(e.device_time_total for e in rows) / steps  # us per token (the 8-token prefill included)
     spans = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in prof.profiler.kineto_results.events()
                    if e.device_type() == DeviceType.CUDA)
-    union, end, deepest, running = 0, 0, 0, []
-    for a, b in spans:  # the time at least one kernel runs, and the most that ever run at once
-        union += max(0, b - max(a, end))
-        end = max(end, b)
+    deepest, running = 0, []
+    for a, b in spans:  # the most kernels that ever run at once
         running = [e for e in running if e > a] + [b]
         deepest = max(deepest, len(running))
+    covered = sum(b - a for a, b in union(spans))  # the time at least one kernel runs
     print(f"kernels: {steps} compiled fused decode steps; wall {wall_us:.0f} us/token (profiled), "
           f"kernel time summed {busy:.0f} us/token ({100 * busy / wall_us:.0f}%), GPU busy (union of kernel "
-          f"intervals) {union / 1e3 / steps:.0f} us/token, up to {deepest} kernels at once", flush=True)
+          f"intervals) {covered / 1e3 / steps:.0f} us/token, up to {deepest} kernels at once", flush=True)
     for e in rows[:30]:
         print(f"  {e.device_time_total / steps:8.1f} us/token  {e.count / steps:6.1f} launches/token  "
               f"{e.device_time_total / max(e.count, 1):7.2f} us each  {e.key[:90]}", flush=True)
