@@ -11,9 +11,9 @@ layer has two RMSNorms whose outputs only one launch reads:
 - the input-norm projection (kernels/norm_matvec.body) does the input RMSNorm and the stacked q/k/v
   projection that the decode-attention kernel reads, two nodes in one.
 
-Both are opt-in (MOEBENCH_NORM_KERNELS=1, read when a decode step runs or is traced): measured on the
-H200 (docs/benchmarks/h200.md, steps 6 and 7), the compiled decode step is bound by GPU time, not by launches,
-and there the two kernels cost more GPU time than the MLX operations they replace (one threadgroup
+Both are opt-in (MOEBENCH_NORM_KERNELS=1, read when a decode step runs or is traced): on the H200
+(docs/benchmarks/h200.md, steps 6 to 8) the compiled decode step's GPU time is as large as its host
+time, and the two kernels cost more GPU time than the MLX operations they replace (one threadgroup
 for the whole router; a q/k/v projection one warp a row against MLX's tuned quantized matvec), so
 the step ran slower with them (204 against 266 tok/s, interleaved). They stay for a host-bound step
 (the eager loop, or a back-end whose launches cost more), where fewer nodes is the win.
