@@ -2,6 +2,8 @@
 // MB_DEV is Metal's `device` address space; CUDA has one global space, so it is empty here.
 #define MB_DEV
 #define MB_FN __device__ __forceinline__
+// Memory one block shares (declared in the kernel body).
+#define MB_SHARED __shared__
 
 // Butterflies over the 32 lanes of a full warp: every lane ends with the same, fixed-order result.
 MB_FN float mb_lane_sum(float v) {
@@ -24,6 +26,8 @@ MB_FN uint32_t mb_lane_min(uint32_t v) {
 }
 // Every thread of the block waits here; global-memory writes before it are visible after it.
 MB_FN void mb_barrier() { __syncthreads(); }
+// The same, for writes to MB_SHARED memory.
+MB_FN void mb_barrier_shared() { __syncthreads(); }
 // Precise expf, not __expf: the fused path must stay within the reference's rounding class.
 // The value of lane (this lane ^ mask).
 MB_FN float mb_lane_xor(float v, uint32_t mask) { return __shfl_xor_sync(0xffffffffu, v, int(mask)); }

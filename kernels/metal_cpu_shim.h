@@ -1,7 +1,8 @@
 // A small C++ stand-in for the Metal language features the fused-MoE kernels use, so that the
 // Metal prelude and the shared bodies compile with g++ in CI (a typo only a Mac would see fails
 // here) and can run on the CPU against the reference. It is not Metal: address-space qualifiers
-// are erased, and a simdgroup is 32 std::threads meeting at a barrier in simd_sum/max/min.
+// are erased, threadgroup memory is a function-local static (so threadgroups run one at a time), and
+// a simdgroup is 32 std::threads meeting at a barrier in simd_sum/max/min.
 #pragma once
 
 #include <barrier>
@@ -16,7 +17,7 @@ using mb_std_thread = std::thread;  // named before `thread` becomes an (erased)
 #define device
 #define constant
 #define thread
-#define threadgroup
+#define threadgroup static  // shared by every thread of the (one running) threadgroup
 
 using uint = uint32_t;
 using ushort = unsigned short;
@@ -111,22 +112,24 @@ void mb_shim_launch(uint rows, uint slots, Kernel kernel) {
   for (auto& t : lanes) t.join();
 }
 
-// Run `kernel(thread_position_in_grid)` once on every thread of one threadgroup of `rows` simdgroups,
-// all threads at once, so the kernel may meet at threadgroup_barrier.
+// Run `kernel(thread_position_in_grid)` over `groups` threadgroups of `rows` simdgroups each, one
+// threadgroup at a time with all its threads at once, so the kernel may meet at threadgroup_barrier.
 template <typename Kernel>
-void mb_shim_launch_threadgroup(uint rows, Kernel kernel) {
-  std::vector<MbSimdgroup> groups(rows);
-  std::barrier<> all(32 * rows);
-  std::vector<mb_std_thread> threads;
-  for (uint row = 0; row < rows; ++row) {
-    for (uint lane = 0; lane < 32; ++lane) {
-      threads.emplace_back([&groups, &all, &kernel, lane, row] {
-        mb_shim_group = &groups[row];
-        mb_shim_lane = lane;
-        mb_shim_threadgroup = &all;
-        kernel(uint3{lane, row, 0});
-      });
+void mb_shim_launch_threadgroups(uint groups, uint rows, Kernel kernel) {
+  for (uint first = 0; first < groups * rows; first += rows) {
+    std::vector<MbSimdgroup> simdgroups(rows);
+    std::barrier<> all(32 * rows);
+    std::vector<mb_std_thread> threads;
+    for (uint row = 0; row < rows; ++row) {
+      for (uint lane = 0; lane < 32; ++lane) {
+        threads.emplace_back([&simdgroups, &all, &kernel, lane, row, first] {
+          mb_shim_group = &simdgroups[row];
+          mb_shim_lane = lane;
+          mb_shim_threadgroup = &all;
+          kernel(uint3{lane, first + row, 0});
+        });
+      }
     }
+    for (auto& t : threads) t.join();
   }
-  for (auto& t : threads) t.join();
 }

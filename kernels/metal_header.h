@@ -3,6 +3,8 @@
 // when the attribute's name appears in the kernel *source*, not in its header.
 #define MB_DEV device
 #define MB_FN inline
+// Memory one threadgroup shares (declared in the kernel body).
+#define MB_SHARED threadgroup
 
 MB_FN float mb_lane_sum(float v) { return metal::simd_sum(v); }
 MB_FN float mb_lane_max(float v) { return metal::simd_max(v); }
@@ -11,6 +13,8 @@ MB_FN uint32_t mb_lane_min(uint32_t v) { return metal::simd_min(v); }
 MB_FN float mb_lane_xor(float v, uint32_t mask) { return metal::simd_shuffle_xor(v, ushort(mask)); }
 // Every thread of the threadgroup waits here; device-memory writes before it are visible after it.
 MB_FN void mb_barrier() { metal::threadgroup_barrier(metal::mem_flags::mem_device); }
+// The same, for writes to MB_SHARED memory.
+MB_FN void mb_barrier_shared() { metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup); }
 MB_FN float mb_exp(float v) { return metal::exp(v); }
 MB_FN float mb_cos(float v) { return metal::precise::cos(v); }
 MB_FN float mb_sin(float v) { return metal::precise::sin(v); }

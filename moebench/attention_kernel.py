@@ -43,16 +43,19 @@ class Heads:
         return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
 
 
-# One warp per query head walks the keys in a single pass: quick at a few hundred positions (measured up
-# to 256), while MLX's SDPA splits long contexts over many blocks. Past this many positions a step runs
-# MLX's attention instead (an engineering bound from the kernel's design, not a measured crossover).
+# Warps a query head's positions are split over (one threadgroup per head). One warp walking a head's
+# positions alone took 17.6 us a layer at 8-72 positions and 39.5 us at 64-160 on the H200 (step 9 of
+# docs/benchmarks/h200.md): the walk, not the bytes, set the time.
+WARPS_PER_HEAD = 8
+# Past this many positions a step runs MLX's attention instead (MLX's SDPA splits long contexts over many
+# threadgroups; an engineering bound from the kernel's design, not a measured crossover).
 MAX_POSITIONS = 1024
 
 
 def span_reason(positions: int) -> str | None:
     """Why a decode step that may attend to `positions` positions should not use the kernel, or None."""
     if positions > MAX_POSITIONS:
-        return f"{positions} positions (the kernel's single pass per head is for up to {MAX_POSITIONS})"
+        return f"{positions} positions (the kernel's one threadgroup per head is for up to {MAX_POSITIONS})"
     return None
 
 
@@ -128,8 +131,9 @@ def gpu_decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv
     lead = tuple(qkv.shape[:-1])
     return tuple(fused_kernel.built_kernel(backend, ATTENTION)(
         inputs=[qkv, bias if bias is not None else qkv, inv_freq, slots, keys, values, block_array(block)],
-        template=[("T", qkv.dtype), ("H", heads.n_heads), ("KV", kv), ("HD", hd), ("BIAS", bias is not None)],
-        grid=(LANES, heads.n_heads, 1), threadgroup=(LANES, 1, 1),
+        template=[("T", qkv.dtype), ("H", heads.n_heads), ("KV", kv), ("HD", hd), ("BIAS", bias is not None),
+                  ("W", WARPS_PER_HEAD)],
+        grid=(LANES, heads.n_heads * WARPS_PER_HEAD, 1), threadgroup=(LANES, WARPS_PER_HEAD, 1),
         output_shapes=[(*lead, heads.n_heads * hd), (1, kv, 1, hd), (1, kv, 1, hd)],
         output_dtypes=[qkv.dtype] * 3,
     ))

@@ -22,7 +22,13 @@ import numpy as np
 import pytest
 
 from moebench import attention_kernel, fused_kernel, norm_kernels
-from moebench.attention_kernel import ATTENTION, Heads, reference_decode_attention, rope_frequencies
+from moebench.attention_kernel import (
+    ATTENTION,
+    WARPS_PER_HEAD,
+    Heads,
+    reference_decode_attention,
+    rope_frequencies,
+)
 from moebench.fused_kernel import (
     DOWN,
     GATE_UP,
@@ -54,7 +60,7 @@ ROUTER_SHAPES = ((4, 2), (60, 4), (128, 8))  # (E, K): logits in `constant`, E %
 # (H, KV, HD): MHA at Qwen1.5-MoE-A2.7B's shape, GQA with 2 dims a lane, MQA with 8; HD 96 and 32 put a
 # dim's rotate-half partner in lane ^ 16
 ATTENTION_SHAPES = ((16, 16, 128), (8, 2, 64), (4, 1, 256), (6, 2, 96), (2, 1, 32))
-CAP = 40  # cache slots of the attention runs
+CAP = 80  # cache slots of the attention runs: past one round of the warps' blocks (8 warps x 8 keys)
 
 _SHAPE = [("int", n) for n in ("E", "K", "DIN", "DFF", "DFFS", "GS")]
 # Template parameters in the order fused_kernel passes them (MLX emits `template <...>` in that order).
@@ -62,7 +68,7 @@ TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
     ROUTER: [("typename", "LT"), ("int", "E"), ("int", "K"), ("bool", "NORM"), ("bool", "SHARED")],
     GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "BITS")],
     DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID")],
-    ATTENTION: [("typename", "T"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS")],
+    ATTENTION: [("typename", "T"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS"), ("int", "W")],
     NORM_ROUTER: [("typename", "T"), ("typename", "ST"), ("int", "D"), ("int", "E"), ("int", "K"), ("bool", "NORM"),
                   ("bool", "SHARED"), ("int", "BITS"), ("int", "GS"), ("int", "W")],
     NORM_MATVEC: [("typename", "T"), ("typename", "ST"), ("int", "D"), ("int", "R"), ("int", "BITS"), ("int", "GS")],
@@ -148,14 +154,20 @@ def _launcher(stage: Stage, inst: Instance) -> str:
     """extern "C" entry for ctypes: the stage's buffers in input-then-output order, over `rows` simdgroups."""
     buffers = [f"static_cast<{'const ' * (n in stage.inputs)}{_param_type(stage, n, inst)}*>(buf[{i}])"
                for i, n in enumerate(stage.inputs + stage.outputs)]
-    launch = "mb_shim_launch_threadgroup(rows, " if stage is NORM_ROUTER else "mb_shim_launch(rows, 1, "
+    if stage is ATTENTION:  # threadgroups of W simdgroups, one per query head
+        launch = f"mb_shim_launch_threadgroups(rows / {inst['W']}, {inst['W']}, "
+    elif stage is NORM_ROUTER:  # one threadgroup of `rows` simdgroups
+        launch = "mb_shim_launch_threadgroups(1, rows, "
+    else:
+        launch = "mb_shim_launch(rows, 1, "
     return (f'extern "C" void {_entry(stage, inst)}(void* const* buf, uint rows) {{\n'
             f"  {launch}[&](uint3 t) {{ {_metal_name(stage, inst)}<{_args(inst)}>("
             f"{', '.join(buffers)}, t); }});\n}}")
 
 
 def _attention_instance(shape: tuple[int, int, int], bias: bool, flavor: str = "f32") -> Instance:
-    return _instance(ATTENTION, flavor, **dict(zip(("H", "KV", "HD"), shape, strict=True)), BIAS=bias)
+    return _instance(ATTENTION, flavor, **dict(zip(("H", "KV", "HD"), shape, strict=True)), BIAS=bias,
+                     W=WARPS_PER_HEAD)
 
 
 def _norm_router_instance(d: int, n_exp: int, top_k: int, norm: bool, shared: bool, bits: int, group: int,
@@ -425,7 +437,8 @@ def test_shimmed_router_breaks_ties_towards_the_lower_expert_id(shim_library):
     assert scores[0] == scores[1] and scores[2] == scores[3]
 
 
-@pytest.mark.parametrize("pos", (0, 1, 7, 8, 9, CAP - 1))  # around the 8-key block edges, and the last slot
+# around the 8-key block edges, the second round of the warps' blocks (warp 0 again at 64), the last slot
+@pytest.mark.parametrize("pos", (0, 1, 7, 8, 9, 63, 64, 65, CAP - 1))
 @pytest.mark.parametrize("bias", (False, True))
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bias, pos):
@@ -443,7 +456,8 @@ def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bia
     unread[:, block, :, :pos] = cache[:, block, :, :pos]
     outputs = {n: _output(heads.n_heads * heads.head_dim if n == "out" else heads.n_kv_heads * heads.head_dim)
                for n in ATTENTION.outputs}
-    _launch(shim_library, ATTENTION, _attention_instance(shape, bias), _padded(heads.n_heads), {
+    rows = (heads.n_heads + 1) * WARPS_PER_HEAD  # one padding threadgroup past the heads: it must write nothing
+    _launch(shim_library, ATTENTION, _attention_instance(shape, bias), rows, {
         "qkv": qkv, "bias": qkv_bias if bias else qkv, "inv_freq": np.array(inv_freq), "pos": slots,
         "keys": unread[0], "values": unread[1], "block": np.array([block], np.int32), **outputs})
     for name, want in zip(ATTENTION.outputs, truth, strict=True):
