@@ -96,7 +96,7 @@ def test_support_and_span_reasons():
     assert "multiple of 32" in support_reason(Heads(4, 4, 48))
     assert "do not divide" in support_reason(Heads(6, 4, 64))
     assert span_reason(attention_kernel.MAX_POSITIONS) is None
-    assert "single pass" in span_reason(attention_kernel.MAX_POSITIONS + 1)
+    assert "one threadgroup per head" in span_reason(attention_kernel.MAX_POSITIONS + 1)
 
 
 def test_long_contexts_run_mlx_attention_and_say_why(quantized_checkpoint, monkeypatch):
