@@ -107,5 +107,5 @@ def test_long_contexts_run_mlx_attention_and_say_why(quantized_checkpoint, monke
     for layer in model.layers:
         d = layer.self_attn.dispatch
         assert sum(d.fused.values()) == 3  # spans 6, 7 and 8
-        assert d.reasons["9 positions (the kernel's single pass per head is for up to 8)"] == 1
+        assert d.reasons["9 positions (the kernel's one threadgroup per head is for up to 8)"] == 1
         assert d.fallback == 1 + 8  # the prefill and the spans 9-16
