@@ -5,8 +5,9 @@ At decode every graph node costs host time (building it in Python, encoding it),
 the host, so a node saved is time saved. Backends: 'metal' and 'cuda' (kernels/attn_decode.body behind
 the per-backend prelude, as for the MoE kernels) and 'reference' (the same arithmetic in MLX ops, the
 test oracle and the CPU path). The kernel reads the cache buffers up to the token's position and hands
-the new key and value back; the caller writes them into the cache (moebench.cache), so the buffers are
-never written by two nodes of one step.
+the new key and value back; the caller writes them into the cache (moebench.cache), or, with `write`
+(a GPU backend only), the kernel stores them at the token's slot itself, in place, where the cache
+allows it (moebench.cache.StaticCache).
 
 Arithmetic, shared by every backend: the bias add is rounded to the activation dtype T, as an add in T
 is; q and k are rotated (rotate-half, as mx.fast.rope with traditional=False) in float32 and rounded to
@@ -124,15 +125,15 @@ def block_array(block: int) -> mx.array:
 
 
 def gpu_decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
-                         keys: mx.array, values: mx.array, heads: Heads,
-                         block: int = 0) -> tuple[mx.array, mx.array, mx.array]:
+                         keys: mx.array, values: mx.array, heads: Heads, block: int = 0,
+                         write: bool = False) -> tuple[mx.array, mx.array, mx.array]:
     """The kernel on `backend` (see decode_attention)."""
     kv, hd = heads.n_kv_heads, heads.head_dim
     lead = tuple(qkv.shape[:-1])
     return tuple(fused_kernel.built_kernel(backend, ATTENTION)(
         inputs=[qkv, bias if bias is not None else qkv, inv_freq, slots, keys, values, block_array(block)],
         template=[("T", qkv.dtype), ("H", heads.n_heads), ("KV", kv), ("HD", hd), ("BIAS", bias is not None),
-                  ("W", WARPS_PER_HEAD)],
+                  ("W", WARPS_PER_HEAD), ("WRITE", write)],
         grid=(LANES, heads.n_heads * WARPS_PER_HEAD, 1), threadgroup=(LANES, WARPS_PER_HEAD, 1),
         output_shapes=[(*lead, heads.n_heads * hd), (1, kv, 1, hd), (1, kv, 1, hd)],
         output_dtypes=[qkv.dtype] * 3,
@@ -174,8 +175,8 @@ def reference_decode_attention(qkv: mx.array, bias: mx.array | None, inv_freq: m
 
 
 def decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
-                     keys: mx.array, values: mx.array, heads: Heads,
-                     block: int = 0) -> tuple[mx.array, mx.array, mx.array]:
+                     keys: mx.array, values: mx.array, heads: Heads, block: int = 0,
+                     write: bool = False) -> tuple[mx.array, mx.array, mx.array]:
     """One new token's attention on `backend`: (output [..., H * HD] in qkv's dtype, its rotated key and its
     value [1, KV, 1, HD] for the cache).
 
@@ -183,11 +184,15 @@ def decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_fre
     output); bias the stacked bias or None; inv_freq from rope_frequencies; slots int32 [P, CAP]: the token's
     position P and the slots CAP of the cache buffers keys / values [N, KV, CAP, HD], whose block `block`
     holds this layer's cache: its first P slots the earlier tokens' rotated keys and values (one pair of
-    buffers can hold every layer's cache, moebench.cache.StaticCache).
+    buffers can hold every layer's cache, moebench.cache.StaticCache). With `write` the GPU kernel also
+    stores the key and value at slot P of that block, in place: MLX does not see the buffers change, so
+    only a cache that orders every reader of the slot after this step may ask (StaticCache.kernel_writes).
     """
     check_inputs(qkv, bias, inv_freq, slots, keys, values, heads, block)
     if backend in GPU_BACKENDS:
-        return gpu_decode_attention(backend, qkv, bias, inv_freq, slots, keys, values, heads, block)
+        return gpu_decode_attention(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=write)
     if backend != "reference":
         raise UnsupportedKernelConfig(f"unknown fused backend {backend!r} (metal, cuda or reference)")
+    if write:
+        raise UnsupportedKernelConfig("the reference attention returns new arrays: it cannot write the cache in place")
     return reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads, block)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .fused_kernel import GPU_BACKENDS
+
 GROW_STEP = 256
 
 
@@ -50,6 +52,11 @@ class KVCache:
         block of the buffers that holds this layer (0: the buffers are this layer's alone)."""
         self._reserve(1, 1, heads, head_dim, head_dim, dtype)
         return self.keys, self.values, slots_array(self.offset, self.keys.shape[2]), 0
+
+    def kernel_writes(self, backend: str) -> bool:
+        """Whether the decode-attention kernel should store the token's key and value in place: never here
+        (`write` does it, as an update MLX sees)."""
+        return False
 
     def attention_mask(self, length: int) -> str | None:
         return "causal" if length > 1 else None
@@ -101,16 +108,24 @@ class StaticCache:
     """Every layer's keys and values in two fixed-capacity buffers [layers, kv_heads, CAP, head_dim] whose
     write position is an array, so a decode step has constant shapes and can be traced once by mx.compile.
 
-    The layers' new keys and values are collected during a forward and written by `commit`, one update per
-    buffer for all layers: a dynamic-offset update costs a graph node and two launches, one per layer and
-    buffer cost about 15% of a compiled decode step on the H200 (docs/benchmarks/h200.md). Nothing reads a
-    layer's new entries before the commit: the decode-attention kernel takes its own token's key and value
-    beside the buffers, and the unfused path attends over a copy of its layer's block with them written in.
-    The caller advances the position between forwards."""
+    A decode step on a GPU writes in place: each layer's decode-attention kernel stores its token's key
+    and value at slot P of its own block of the buffers itself (StaticLayerCache.kernel_writes), and the
+    step hands the same buffers on. MLX sees the buffers only as the kernels' inputs, which is safe here
+    because nothing reads slot P before the next step (the kernels read slots < P, each layer its own
+    block) and the next step's kernels run after this step's, being built on its token. An update MLX
+    sees cannot be done in place here (the step's kernels still hold the buffers), so it copies them
+    whole: that and the 48 copies into its concatenation were 2 x 62 us and a quarter of the launches of
+    a token on the H200 (docs/benchmarks/h200.md, step 10).
+
+    Otherwise (prefill, the reference attention, MLX's SDPA) the layers hand their new keys and values
+    over and `commit` writes them, one update per buffer for all layers. Nothing reads a layer's new
+    entries before the commit: the unfused path attends over a copy of its layer's block with them written
+    in. One forward writes one way: an update of the whole buffer would race the in-place writes. The
+    caller advances the position between forwards."""
 
     def __init__(self, keys: mx.array, values: mx.array, position: StepPosition):
         self.keys, self.values, self.position = keys, values, position
-        self.pending: list[tuple[mx.array, mx.array] | None] = [None] * keys.shape[0]
+        self.pending: list[tuple[mx.array, mx.array] | str | None] = [None] * keys.shape[0]
 
     @classmethod
     def empty(cls, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype: mx.Dtype) -> StaticCache:
@@ -130,20 +145,32 @@ class StaticCache:
     def add(self, layer: int, keys: mx.array, values: mx.array) -> None:
         if keys.shape[2] > self.capacity:
             raise ValueError(f"{keys.shape[2]} new positions exceed the cache capacity {self.capacity}")
+        self._hand_over(layer, (keys, values))
+
+    def _hand_over(self, layer: int, write: tuple[mx.array, mx.array] | str) -> None:
         if self.pending[layer] is not None:
             raise RuntimeError(f"layer {layer} wrote its keys and values twice in one forward")
-        self.pending[layer] = (keys, values)
+        self.pending[layer] = write
 
     def commit(self) -> None:
-        """Write every layer's new keys and values at the position, one update per buffer."""
+        """Write every layer's new keys and values at the position, one update per buffer (nothing to do
+        when the kernels wrote them in place)."""
         missing = [i for i, p in enumerate(self.pending) if p is None]
         if missing:
             raise RuntimeError(f"layers {missing} wrote no keys and values in this forward")
-        start = self.position.start
-        for name, part in (("keys", 0), ("values", 1)):
-            new = mx.concatenate([p[part] for p in self.pending], axis=0)
-            setattr(self, name, mx.slice_update(getattr(self, name), new, start, axes=(0, 1, 2, 3)))
+        in_place = [i for i, p in enumerate(self.pending) if p is IN_PLACE]
+        if in_place and len(in_place) < len(self.pending):
+            raise RuntimeError(f"layers {in_place} wrote their keys and values in place and the others did not: "
+                               "an update of the whole buffers would race the in-place writes")
+        if not in_place:
+            start = self.position.start
+            for name, part in (("keys", 0), ("values", 1)):
+                new = mx.concatenate([p[part] for p in self.pending], axis=0)
+                setattr(self, name, mx.slice_update(getattr(self, name), new, start, axes=(0, 1, 2, 3)))
         self.pending = [None] * len(self.pending)
+
+
+IN_PLACE = "written in place by the decode-attention kernel"
 
 
 class StaticLayerCache:
@@ -175,6 +202,15 @@ class StaticLayerCache:
         """Every layer's buffers as before this forward, int32 [P, CAP], and this layer's block in them
         (see KVCache.decode_buffers)."""
         return self.cache.keys, self.cache.values, self.cache.position.slots, self.layer
+
+    def kernel_writes(self, backend: str) -> bool:
+        """Whether the decode-attention kernel on `backend` should store the token's key and value in place
+        (a GPU kernel can; see StaticCache); the layer then calls `written_in_place` instead of `write`."""
+        return backend in GPU_BACKENDS
+
+    def written_in_place(self) -> None:
+        """The kernel stored this layer's new key and value itself: nothing left for the commit to write."""
+        self.cache._hand_over(self.layer, IN_PLACE)
 
     @property
     def span(self) -> int:

@@ -11,7 +11,8 @@ ARMS (comma-separated): fused, fused-compiled, fused-noattn, fused-noattn-compil
 mlxlm (mlx-lm's model under moebench's loop); noattn declines the decode-attention kernel only, noproj
 the input-norm projection kernel, noentry the MoE block's entry kernel (they combine: fused-noproj-
 noentry-compiled; both kernels are opt-in, so run these arms with MOEBENCH_NORM_KERNELS=1); nowrite
-drops the static cache's key/value writes (wrong tokens: it prices the writes, nothing else); aheadN
+drops the static cache's commit (wrong tokens: it prices the commit where one runs; the attention
+kernel's in-place writes stay); aheadN
 queues N steps ahead of the token read instead of generate's default (ahead1: mlx-lm's depth; mlxlm-
 ahead1 too). Run it
 under different MLX_* settings (say MLX_MAX_OPS_PER_BUFFER) in separate processes: MLX reads them once.

@@ -117,3 +117,23 @@ def test_static_cache_refuses_a_missing_or_repeated_write():
         layer.write(mx.ones((1, 2, 1, 4)), mx.ones((1, 2, 1, 4)))
     cache.commit()
     assert np.array(cache.keys)[:, :, 0].sum() == 3 * 2 * 4 and before.sum() == 0
+
+
+def test_in_place_writes_leave_the_buffers_and_one_forward_writes_one_way():
+    cache = _static()
+    keys, values, new = cache.keys, cache.values, mx.zeros((1, 2, 1, 4))
+    layers = cache.layers()
+    assert [layers[0].kernel_writes(b) for b in ("cuda", "metal", "reference")] == [True, True, False]
+    assert not KVCache().kernel_writes("cuda")  # its slice assignment is an update MLX sees
+    for layer in layers:
+        layer.written_in_place()
+    cache.commit()
+    assert cache.keys is keys and cache.values is values  # the kernels stored them: no update node
+    layers = cache.layers()
+    layers[0].written_in_place()
+    with pytest.raises(RuntimeError, match="layer 0 wrote its keys and values twice"):
+        layers[0].write(new, new)
+    for layer in layers[1:]:
+        layer.write(new, new)
+    with pytest.raises(RuntimeError, match=r"layers \[0\] wrote their keys and values in place and the others"):
+        cache.commit()

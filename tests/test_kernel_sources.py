@@ -68,7 +68,8 @@ TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
     ROUTER: [("typename", "LT"), ("int", "E"), ("int", "K"), ("bool", "NORM"), ("bool", "SHARED")],
     GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "BITS")],
     DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID")],
-    ATTENTION: [("typename", "T"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS"), ("int", "W")],
+    ATTENTION: [("typename", "T"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS"), ("int", "W"),
+                ("bool", "WRITE")],
     NORM_ROUTER: [("typename", "T"), ("typename", "ST"), ("int", "D"), ("int", "E"), ("int", "K"), ("bool", "NORM"),
                   ("bool", "SHARED"), ("int", "BITS"), ("int", "GS"), ("int", "W")],
     NORM_MATVEC: [("typename", "T"), ("typename", "ST"), ("int", "D"), ("int", "R"), ("int", "BITS"), ("int", "GS")],
@@ -165,9 +166,9 @@ def _launcher(stage: Stage, inst: Instance) -> str:
             f"{', '.join(buffers)}, t); }});\n}}")
 
 
-def _attention_instance(shape: tuple[int, int, int], bias: bool, flavor: str = "f32") -> Instance:
+def _attention_instance(shape: tuple[int, int, int], bias: bool, write: bool, flavor: str = "f32") -> Instance:
     return _instance(ATTENTION, flavor, **dict(zip(("H", "KV", "HD"), shape, strict=True)), BIAS=bias,
-                     W=WARPS_PER_HEAD)
+                     W=WARPS_PER_HEAD, WRITE=write)
 
 
 def _norm_router_instance(d: int, n_exp: int, top_k: int, norm: bool, shared: bool, bits: int, group: int,
@@ -196,8 +197,8 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
             yield DOWN, _instance(DOWN, flavor, **experts, DFFS=width, GS=group, BITS=bits, RESID=resid)
         for (n_exp, top_k), norm, shared in product(router_shapes, (True, False), (True, False)):
             yield ROUTER, _instance(ROUTER, flavor, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
-        for shape, bias in product(attention_shapes, (False, True)):
-            yield ATTENTION, _attention_instance(shape, bias, flavor)
+        for shape, bias, write in product(attention_shapes, (False, True), (False, True)):
+            yield ATTENTION, _attention_instance(shape, bias, write, flavor)
 
 
 _RUN_CASES = [(4, 4, 32), (8, 8, 64), (4, 6, 128), (8, 6, 32), (4, 8, 128)]  # (gate bits, down bits, group)
@@ -221,8 +222,8 @@ def _run_instances():
         yield from zip((GATE_UP, DOWN), _routed_instances(*case, dffs), strict=True)
     for n_exp, top_k, norm, shared in _ROUTER_RUN_CASES:
         yield ROUTER, _instance(ROUTER, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
-    for shape, bias in product(ATTENTION_SHAPES, (False, True)):
-        yield ATTENTION, _attention_instance(shape, bias)
+    for shape, bias, write in product(ATTENTION_SHAPES, (False, True), (False, True)):
+        yield ATTENTION, _attention_instance(shape, bias, write)
     for case in _NORM_ROUTER_RUN_CASES:
         yield NORM_ROUTER, _norm_router_instance(DIN, *case)
     for bits, group in _PROJECTION_RUN_CASES:
@@ -441,9 +442,11 @@ def test_shimmed_router_breaks_ties_towards_the_lower_expert_id(shim_library):
 @pytest.mark.parametrize("pos", (0, 1, 7, 8, 9, 63, 64, 65, CAP - 1))
 @pytest.mark.parametrize("bias", (False, True))
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
-def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bias, pos):
+@pytest.mark.parametrize("write", (False, True))
+def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bias, pos, write):
     """The layer's cache is one block of three (as in a StaticCache); the other blocks and slots >= pos of its
-    own hold NaN for the kernel: it must read only the pos earlier tokens of its block plus the new one."""
+    own hold NaN for the kernel: it must read only the pos earlier tokens of its block plus the new one.
+    With `write` it stores the new key and value at slot pos of its block, and changes nothing else."""
     heads = Heads(*shape)
     block = pos % 3
     rng = np.random.default_rng(sum(shape) * 100 + pos * 2 + bias)
@@ -454,10 +457,11 @@ def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bia
                                        mx.array(slots), *map(mx.array, cache), heads, block)
     unread = np.full_like(cache, np.nan)
     unread[:, block, :, :pos] = cache[:, block, :, :pos]
+    before = unread.copy()
     outputs = {n: _output(heads.n_heads * heads.head_dim if n == "out" else heads.n_kv_heads * heads.head_dim)
                for n in ATTENTION.outputs}
     rows = (heads.n_heads + 1) * WARPS_PER_HEAD  # one padding threadgroup past the heads: it must write nothing
-    _launch(shim_library, ATTENTION, _attention_instance(shape, bias), rows, {
+    _launch(shim_library, ATTENTION, _attention_instance(shape, bias, write), rows, {
         "qkv": qkv, "bias": qkv_bias if bias else qkv, "inv_freq": np.array(inv_freq), "pos": slots,
         "keys": unread[0], "values": unread[1], "block": np.array([block], np.int32), **outputs})
     for name, want in zip(ATTENTION.outputs, truth, strict=True):
@@ -465,6 +469,10 @@ def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bia
         assert np.isfinite(got).all(), f"{name}: not finite (a cache slot >= pos read?)"
         nrms = _nrms(got, np.array(want).reshape(-1))
         assert nrms < 1e-5, f"{name}: shimmed kernel vs reference nRMS {nrms:.2e}"
+    if write:
+        for part, name in enumerate(("k_new", "v_new")):
+            before[part, block, :, pos] = _written(outputs[name], name).reshape(heads.n_kv_heads, heads.head_dim)
+    assert np.array_equal(unread, before, equal_nan=True), "the cache changed where it should not"
 
 
 @pytest.mark.parametrize("n_exp,top_k,norm,shared,bits,group", _NORM_ROUTER_RUN_CASES)

@@ -49,10 +49,11 @@ class Attention(nn.Module):
     (layers.RowStack): at decode every operation is a launch or a graph node. For one new token with
     the fused switch on, the decode-attention kernel (moebench.attention_kernel) then does the bias,
     RoPE and the attention over the cache in one launch, and the layer writes the new key and value into
-    the cache. Otherwise (prefill, switch off, a shape the kernel declines, a context past
-    attention_kernel.MAX_POSITIONS, with the reason counted in `dispatch`) MLX's rope and
-    scaled_dot_product_attention run. Without a cache (training, a full forward) the separate
-    projections run, so gradients reach the model's parameters, which stay the separate projections.
+    the cache (or the kernel stores them in place, where the cache allows it). Otherwise (prefill, switch
+    off, a shape the kernel declines, a context past attention_kernel.MAX_POSITIONS, with the reason
+    counted in `dispatch`) MLX's rope and scaled_dot_product_attention run. Without a cache (training, a
+    full forward) the separate projections run, so gradients reach the model's parameters, which stay the
+    separate projections.
     """
 
     # Why the decode kernel cannot run this family's attention, or None; a family that adds a step
@@ -117,10 +118,14 @@ class Attention(nn.Module):
         """One token [1, 1, D] through the decode-attention kernel; its key and value go into the cache."""
         stacked = self.qkv.get()
         keys, values, slots, block = cache.decode_buffers(self.n_kv_heads, self.head_dim, x.dtype)
+        in_place = cache.kernel_writes(backend)
         out, k, v = attention_kernel.decode_attention(
             backend, self._projection(x, norm, stacked, backend), stacked.get("bias"),
-            rope_frequencies(self.head_dim, self.rope_theta), slots, keys, values, self.heads, block)
-        cache.write(k, v)
+            rope_frequencies(self.head_dim, self.rope_theta), slots, keys, values, self.heads, block, in_place)
+        if in_place:
+            cache.written_in_place()
+        else:
+            cache.write(k, v)
         return self.o_proj(out)
 
     def _projection(self, x: mx.array, norm: RMSNorm | None, stacked: Linear, backend: str) -> mx.array:

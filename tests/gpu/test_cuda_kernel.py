@@ -13,6 +13,7 @@ import pytest
 
 from moebench import attention_kernel, fused_kernel, norm_kernels
 from moebench.attention_kernel import Heads, rope_frequencies
+from moebench.compiled import CompiledForward
 from moebench.decode import generate
 from moebench.fused_kernel import gpu_routed
 from moebench.kernels import available_backend, fused_moe
@@ -244,6 +245,31 @@ def test_decode_on_cuda_runs_the_kernel_every_step(tmp_path):
             assert counter.fused.get("cuda", 0) == (11 if on else 0), counter
     same = runs[True] == runs[False]
     print(f"\ngreedy tokens fused on {runs[True]}\n             fused off {runs[False]} identical={same}")
+
+
+def test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step(tmp_path):
+    """The compiled step's kernels store each token's key and value in the static cache themselves (no
+    update MLX sees): its tokens equal the eager step's (whose cache MLX updates), and its cache holds
+    what a prefill of the same tokens writes, at those slots only."""
+    cfg = qwen2_moe_config(num_hidden_layers=3)
+    folder = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=5, bits=4, group_size=64, dtype=mx.bfloat16)
+    model, _ = load(folder)
+    prompt, steps = [1, 2, 3, 4, 5], 40
+    with fused_moe(True):
+        eager = generate(model, prompt, steps, compiled=False).token_ids
+        forward = CompiledForward(model, len(prompt) + steps)
+        token, compiled = mx.argmax(forward(mx.array(prompt, dtype=mx.uint32))), []
+        for _ in range(steps):
+            compiled.append(token.item())
+            token = mx.argmax(forward(token.reshape(1).astype(mx.uint32)))
+        whole = CompiledForward(model, len(prompt) + steps)
+        mx.eval(whole(mx.array(prompt + compiled, dtype=mx.uint32)))  # a prefill: written by an update
+    assert compiled == eager
+    n = len(prompt) + steps
+    for got, want in ((forward.cache.keys, whole.cache.keys), (forward.cache.values, whole.cache.values)):
+        got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+        assert _nrms(got[:, :, :n], want[:, :, :n]) < 1e-2
+        assert not got[:, :, n:].any(), "the kernels wrote past the tokens' slots"
 
 
 def _attention_truth(qkv: np.ndarray, bias: np.ndarray | None, p: int, keys: np.ndarray, values: np.ndarray,
