@@ -112,10 +112,11 @@ class StaticCache:
     and value at slot P of its own block of the buffers itself (StaticLayerCache.kernel_writes), and the
     step hands the same buffers on. MLX sees the buffers only as the kernels' inputs, which is safe here
     because nothing reads slot P before the next step (the kernels read slots < P, each layer its own
-    block) and the next step's kernels run after this step's, being built on its token. An update MLX
-    sees cannot be done in place here (the step's kernels still hold the buffers), so it copies them
-    whole: that and the 48 copies into its concatenation were 2 x 62 us and a quarter of the launches of
-    a token on the H200 (docs/benchmarks/h200.md, step 10).
+    block), and the buffers the step hands on depend on its kernels (mx.depends, no copy): whatever reads
+    them, the next step included, runs after the writes. An update MLX sees cannot be done in place here
+    (the step's kernels still hold the buffers), so it copies them whole: that and the 48 copies into its
+    concatenation were 2 x 62 us and a quarter of the launches of a token on the H200
+    (docs/benchmarks/h200.md, step 10).
 
     Otherwise (prefill, the reference attention, MLX's SDPA) the layers hand their new keys and values
     over and `commit` writes them, one update per buffer for all layers. Nothing reads a layer's new
@@ -125,7 +126,8 @@ class StaticCache:
 
     def __init__(self, keys: mx.array, values: mx.array, position: StepPosition):
         self.keys, self.values, self.position = keys, values, position
-        self.pending: list[tuple[mx.array, mx.array] | str | None] = [None] * keys.shape[0]
+        self.pending: list[tuple[mx.array, mx.array] | None] = [None] * keys.shape[0]
+        self.in_place: set[int] = set()  # layers whose kernel stored its pending pair itself
 
     @classmethod
     def empty(cls, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype: mx.Dtype) -> StaticCache:
@@ -139,38 +141,37 @@ class StaticCache:
     def layers(self) -> list[StaticLayerCache]:
         """One cache per layer, to pass to the model's forward; `commit` after it. A forward that failed
         before its commit wrote nothing: what it handed over is dropped here."""
-        self.pending = [None] * len(self.pending)
+        self.pending, self.in_place = [None] * len(self.pending), set()
         return [StaticLayerCache(self, i) for i in range(self.keys.shape[0])]
 
-    def add(self, layer: int, keys: mx.array, values: mx.array) -> None:
+    def add(self, layer: int, keys: mx.array, values: mx.array, in_place: bool = False) -> None:
+        """Hand over a layer's new keys and values [1, kv_heads, n, head_dim]; with `in_place` its kernel has
+        stored them in the buffers already."""
         if keys.shape[2] > self.capacity:
             raise ValueError(f"{keys.shape[2]} new positions exceed the cache capacity {self.capacity}")
-        self._hand_over(layer, (keys, values))
-
-    def _hand_over(self, layer: int, write: tuple[mx.array, mx.array] | str) -> None:
         if self.pending[layer] is not None:
             raise RuntimeError(f"layer {layer} wrote its keys and values twice in one forward")
-        self.pending[layer] = write
+        self.pending[layer] = (keys, values)
+        if in_place:
+            self.in_place.add(layer)
 
     def commit(self) -> None:
-        """Write every layer's new keys and values at the position, one update per buffer (nothing to do
-        when the kernels wrote them in place)."""
+        """Write every layer's new keys and values at the position, one update per buffer; when the kernels
+        stored them in place, make the buffers depend on those kernels instead."""
         missing = [i for i, p in enumerate(self.pending) if p is None]
         if missing:
             raise RuntimeError(f"layers {missing} wrote no keys and values in this forward")
-        in_place = [i for i, p in enumerate(self.pending) if p is IN_PLACE]
-        if in_place and len(in_place) < len(self.pending):
-            raise RuntimeError(f"layers {in_place} wrote their keys and values in place and the others did not: "
-                               "an update of the whole buffers would race the in-place writes")
-        if not in_place:
+        if self.in_place and len(self.in_place) < len(self.pending):
+            raise RuntimeError(f"layers {sorted(self.in_place)} wrote their keys and values in place and the others "
+                               "did not: an update of the whole buffers would race the in-place writes")
+        if self.in_place:
+            self.keys, self.values = mx.depends([self.keys, self.values], [p[0] for p in self.pending])
+        else:
             start = self.position.start
             for name, part in (("keys", 0), ("values", 1)):
                 new = mx.concatenate([p[part] for p in self.pending], axis=0)
                 setattr(self, name, mx.slice_update(getattr(self, name), new, start, axes=(0, 1, 2, 3)))
-        self.pending = [None] * len(self.pending)
-
-
-IN_PLACE = "written in place by the decode-attention kernel"
+        self.pending, self.in_place = [None] * len(self.pending), set()
 
 
 class StaticLayerCache:
@@ -208,9 +209,10 @@ class StaticLayerCache:
         (a GPU kernel can; see StaticCache); the layer then calls `written_in_place` instead of `write`."""
         return backend in GPU_BACKENDS
 
-    def written_in_place(self) -> None:
-        """The kernel stored this layer's new key and value itself: nothing left for the commit to write."""
-        self.cache._hand_over(self.layer, IN_PLACE)
+    def written_in_place(self, keys: mx.array, values: mx.array) -> None:
+        """The kernel that output these (its k_new / v_new) stored them in the buffers itself: the commit
+        writes nothing, and the buffers it hands on depend on that kernel."""
+        self.cache.add(self.layer, keys, values, in_place=True)
 
     @property
     def span(self) -> int:

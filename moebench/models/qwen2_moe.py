@@ -123,7 +123,7 @@ class Attention(nn.Module):
             backend, self._projection(x, norm, stacked, backend), stacked.get("bias"),
             rope_frequencies(self.head_dim, self.rope_theta), slots, keys, values, self.heads, block, in_place)
         if in_place:
-            cache.written_in_place()
+            cache.written_in_place(k, v)
         else:
             cache.write(k, v)
         return self.o_proj(out)

@@ -250,7 +250,8 @@ def test_decode_on_cuda_runs_the_kernel_every_step(tmp_path):
 def test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step(tmp_path):
     """The compiled step's kernels store each token's key and value in the static cache themselves (no
     update MLX sees): its tokens equal the eager step's (whose cache MLX updates), and its cache holds
-    what a prefill of the same tokens writes, at those slots only."""
+    what a prefill of the same tokens writes, at those slots only; reading the buffers runs the last step
+    (never evaluated here otherwise)."""
     cfg = qwen2_moe_config(num_hidden_layers=3)
     folder = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=5, bits=4, group_size=64, dtype=mx.bfloat16)
     model, _ = load(folder)
