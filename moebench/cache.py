@@ -112,8 +112,13 @@ class StaticCache:
     and value at slot P of its own block of the buffers itself (StaticLayerCache.kernel_writes), and the
     step hands the same buffers on. MLX sees the buffers only as the kernels' inputs, which is safe here
     because nothing reads slot P before the next step (the kernels read slots < P, each layer its own
-    block), and the buffers the step hands on depend on its kernels (mx.depends, no copy): whatever reads
-    them, the next step included, runs after the writes. An update MLX sees cannot be done in place here
+    block). MLX does not see these writes: it orders GPU work by the buffers each kernel declares it
+    reads and writes (its CUDA graphs run kernels with no such edge at once), and here the buffers are
+    only read. So a reader must come after the step by data (the next decode step is built on this
+    step's token) or by the step having been scheduled first (CompiledForward schedules each step before
+    it builds the next); the buffers hold a step's keys and values once its logits are evaluated.
+    mx.depends on the buffers adds no such order (on the H200 a copy of the buffers made right after the
+    last step saw some layers' writes and not others). An update MLX sees cannot be done in place here
     (the step's kernels still hold the buffers), so it copies them whole: that and the 48 copies into its
     concatenation were 2 x 62 us and a quarter of the launches of a token on the H200
     (docs/benchmarks/h200.md, step 10).
@@ -156,17 +161,15 @@ class StaticCache:
             self.in_place.add(layer)
 
     def commit(self) -> None:
-        """Write every layer's new keys and values at the position, one update per buffer; when the kernels
-        stored them in place, make the buffers depend on those kernels instead."""
+        """Write every layer's new keys and values at the position, one update per buffer (nothing to write
+        when the kernels stored them in place)."""
         missing = [i for i, p in enumerate(self.pending) if p is None]
         if missing:
             raise RuntimeError(f"layers {missing} wrote no keys and values in this forward")
         if self.in_place and len(self.in_place) < len(self.pending):
             raise RuntimeError(f"layers {sorted(self.in_place)} wrote their keys and values in place and the others "
                                "did not: an update of the whole buffers would race the in-place writes")
-        if self.in_place:
-            self.keys, self.values = mx.depends([self.keys, self.values], [p[0] for p in self.pending])
-        else:
+        if not self.in_place:
             start = self.position.start
             for name, part in (("keys", 0), ("values", 1)):
                 new = mx.concatenate([p[part] for p in self.pending], axis=0)
@@ -211,7 +214,7 @@ class StaticLayerCache:
 
     def written_in_place(self, keys: mx.array, values: mx.array) -> None:
         """The kernel that output these (its k_new / v_new) stored them in the buffers itself: the commit
-        writes nothing, and the buffers it hands on depend on that kernel."""
+        writes nothing."""
         self.cache.add(self.layer, keys, values, in_place=True)
 
     @property

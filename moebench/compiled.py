@@ -90,7 +90,12 @@ def static_logits(model, tokens: mx.array, cache: StaticCache) -> mx.array:
 
 
 class CompiledForward:
-    """Next-token logits for one sequence: prefill eagerly into a static cache, then compiled single steps."""
+    """Next-token logits for one sequence: prefill eagerly into a static cache, then compiled single steps.
+
+    Each call first schedules the previous call's logits (mx.async_eval: nothing to do when the caller
+    did, as generate does), so the steps run in call order even when a token is not built from the last
+    logits: on a GPU the attention kernels write the cache in place, an order MLX's graph does not see
+    (moebench.cache.StaticCache)."""
 
     def __init__(self, model, capacity: int):
         self.model = model
@@ -98,6 +103,7 @@ class CompiledForward:
         a, dtype = model.args, model.norm.weight.dtype
         self.cache = StaticCache.empty(len(model.layers), a.num_key_value_heads, self.capacity, a.head_dim, dtype)
         self.position = 0
+        self.last: mx.array | None = None  # the previous call's logits
         self.steps = CompiledSteps.of(model)
         self.steps.check_weights()
 
@@ -105,6 +111,8 @@ class CompiledForward:
         n = tokens.size
         if self.position + n > self.capacity:
             raise ValueError(f"sequence of {self.position + n} tokens exceeds the compiled cache of {self.capacity}")
+        if self.last is not None:
+            mx.async_eval(self.last)
         offset = mx.array(self.position, dtype=mx.int32)
         cache = self.cache
         if n > 1:
@@ -113,4 +121,5 @@ class CompiledForward:
         else:
             logits, cache.keys, cache.values = self.steps(tokens, offset, cache.keys, cache.values)
         self.position += n
+        self.last = logits
         return logits

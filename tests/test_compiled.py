@@ -75,3 +75,17 @@ def test_recording_and_interventions_run_eagerly(quantized_checkpoint):
     assert "intervention" in compile_blocker(model)
     eager = generate(model, PROMPT, 6)
     assert generate(model, PROMPT, 6, compiled=True).token_ids == eager.token_ids
+
+
+def test_each_call_schedules_the_previous_call_first(quantized_checkpoint, monkeypatch):
+    """A GPU step writes the cache in place, in an order MLX's graph does not see: steps must run in call
+    order even when a token is not built from the last logits (a forced token here)."""
+    model, _ = moebench.load(quantized_checkpoint)
+    scheduled, real = [], mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *arrays: (scheduled.append(arrays), real(*arrays)))
+    forward = CompiledForward(model, 16)
+    first = forward(mx.array(PROMPT, dtype=mx.uint32))
+    assert scheduled == []
+    second = forward(mx.array([4], dtype=mx.uint32))
+    forward(mx.array([5], dtype=mx.uint32))
+    assert len(scheduled) == 2 and scheduled[0][0] is first and scheduled[1][0] is second

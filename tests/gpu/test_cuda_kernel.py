@@ -250,8 +250,7 @@ def test_decode_on_cuda_runs_the_kernel_every_step(tmp_path):
 def test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step(tmp_path):
     """The compiled step's kernels store each token's key and value in the static cache themselves (no
     update MLX sees): its tokens equal the eager step's (whose cache MLX updates), and its cache holds
-    what a prefill of the same tokens writes, at those slots only; reading the buffers runs the last step
-    (never evaluated here otherwise)."""
+    what a prefill of the same tokens writes, at those slots only."""
     cfg = qwen2_moe_config(num_hidden_layers=3)
     folder = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=5, bits=4, group_size=64, dtype=mx.bfloat16)
     model, _ = load(folder)
@@ -263,6 +262,7 @@ def test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step(t
         for _ in range(steps):
             compiled.append(token.item())
             token = mx.argmax(forward(token.reshape(1).astype(mx.uint32)))
+        mx.eval(token)  # the buffers hold a step's keys and values once it has run (MLX sees only reads)
         whole = CompiledForward(model, len(prompt) + steps)
         mx.eval(whole(mx.array(prompt + compiled, dtype=mx.uint32)))  # a prefill: written by an update
     assert compiled == eager
