@@ -4,6 +4,7 @@
     python3 scripts/device_diag.py CKPT decode ARMS    decode tok/s of generate() arms, interleaved, 3 rounds
     python3 scripts/device_diag.py CKPT kernels        GPU time per decode token by kernel (compiled fused step)
     python3 scripts/device_diag.py CKPT timeline [TRACE.json]   generate's host ranges and GPU kernels on one clock
+    python3 scripts/device_diag.py TRACE.json.gz trace [TOKENS]  a timeline trace's kernels and CUDA calls per token
 
 micro: 200 calls built, then evaluated at once (per-call time with launches amortised), at positions
 64, 128 and 192 of a 256-slot cache, Qwen1.5-MoE-A2.7B attention (16 heads of 128), bf16.
@@ -17,17 +18,25 @@ queues N steps ahead of the token read instead of generate's default (ahead1: ml
 ahead1 too). Run it
 under different MLX_* settings (say MLX_MAX_OPS_PER_BUFFER) in separate processes: MLX reads them once.
 kernels: torch.profiler (CUPTI) records every CUDA kernel of the process, MLX's included, over 64
-compiled fused decode steps: GPU time per token by kernel name against the loop's wall time per token,
+compiled fused decode steps after a 64-token prompt (an 8-token one until step 10: it hid how the
+attention kernel's time grew with the positions): GPU time per token by kernel name against the loop's
+wall time per token,
 the union of kernel intervals (MLX's CUDA graphs run independent kernels at once, so the sum can exceed
 it), and the CPU time a compiled step takes to build and dispatch (torch is on the device image, not a
 moebench dependency).
 timeline: generate itself (compiled fused, 96 tokens) under torch.profiler with its host work marked
 (building a step, async_eval, the rest: reading the token and queueing): the GPU's idle time per token
 and what the host was doing during it; TRACE.json, when given, gets the Chrome trace.
+trace: reads such a trace (anywhere, no GPU needed): GPU time per token by kernel and launch shape (grid,
+block), and the host's time per token in each CUDA runtime call, over TOKENS (96, timeline's count; the
+prompt's kernels are counted in too).
 """
 
 from __future__ import annotations
 
+import collections
+import gzip
+import json
 import os
 import re
 import statistics
@@ -135,7 +144,7 @@ def kernels(ckpt: str, steps: int = 64) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     model, _ = load(ckpt)
-    prompt = list(range(100, 108))
+    prompt = list(range(100, 164))
     with fused_moe(True):
         generate(model, prompt, 16, compiled=True)  # traces the step
         dispatch(model, prompt, steps)
@@ -284,6 +293,23 @@ def overlap(x: list[tuple[int, int]], y: list[tuple[int, int]]) -> int:
     return total
 
 
+def trace(path: str, tokens: int = 96, rows: int = 20) -> None:
+    """Kernels by name and launch shape, and CUDA runtime calls, per token of a timeline trace."""
+    events = json.load(gzip.open(path) if path.endswith(".gz") else open(path))["traceEvents"]
+    for category, title in (("kernel", "kernels"), ("cuda_runtime", "CUDA runtime calls (host)")):
+        total: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+        for e in events:
+            if e.get("cat") == category:
+                a = e.get("args", {})
+                shape = f" grid {a.get('grid')} block {a.get('block')}" if category == "kernel" else ""
+                key = e["name"][:70] + shape
+                total[key][0] += 1
+                total[key][1] += e["dur"]
+        print(f"trace {path}: {title}, per token of {tokens}", flush=True)
+        for key, (n, us) in sorted(total.items(), key=lambda kv: -kv[1][1])[:rows]:
+            print(f"  {us / tokens:8.1f} us/token  {n / tokens:6.1f} /token  {us / n:8.2f} us each  {key}", flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[2] == "micro":
         micro()
@@ -291,5 +317,7 @@ if __name__ == "__main__":
         kernels(sys.argv[1])
     elif sys.argv[2] == "timeline":
         timeline(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else None)
+    elif sys.argv[2] == "trace":
+        trace(sys.argv[1], *map(int, sys.argv[3:4]))
     else:
         decode(sys.argv[1], sys.argv[3].split(","))
