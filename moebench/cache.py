@@ -54,8 +54,10 @@ class KVCache:
         return self.keys, self.values, slots_array(self.offset, self.keys.shape[2]), 0
 
     def kernel_writes(self, backend: str) -> bool:
-        """Whether the decode-attention kernel should store the token's key and value in place: never here
-        (`write` does it, as an update MLX sees)."""
+        """Whether the decode-attention kernel should store the token's key and value in place: never here.
+        `write` does it as an update MLX sees, so an array of this cache that a caller holds (recording,
+        a notebook) keeps what it held; only CompiledForward's StaticCache, which nobody else sees, is
+        written in place."""
         return False
 
     def attention_mask(self, length: int) -> str | None:
