@@ -6,6 +6,8 @@
 #   bash scripts/device_bench.sh [gputests] [make] [profile] [kernels] [timeline] [bench] [selfcheck]   (no argument: make bench selfcheck)
 #
 # In the same call as the install: bash scripts/install-on-device.sh && DEADLINE=$((580 - SECONDS)) bash scripts/device_bench.sh
+# The device tool brings back at most 8 files from its $OUT: write to another folder and pack it, e.g.
+#   R=$OUT; export OUT=/root/r; bash scripts/device_bench.sh ...; tar czf $R/r.tgz -C /root r
 #
 # make       random Qwen1.5-MoE-A2.7B weights (4-bit, group 64, bf16 scales, per-expert layout, 5 GB shards)
 #            on local disk; reused when an earlier call on this machine wrote them (always made when missing)
@@ -20,7 +22,8 @@
 # kernels    GPU time per decode token by kernel, compiled fused step (scripts/device_diag.py kernels: CUPTI through
 #            torch.profiler, which the device image has), the union of kernel intervals, host build/encode time
 # timeline   generate's host work and GPU kernels on one clock: GPU idle time per token and what the host does
-#            meanwhile (scripts/device_diag.py timeline), with a Chrome trace (timeline-*-trace.json.gz)
+#            meanwhile (scripts/device_diag.py timeline), with a Chrome trace (timeline-*-trace.json.gz) and its
+#            kernels and CUDA calls per token (timeline-*-per-token.txt, device_diag.py TRACE trace)
 # MOEBENCH_DEVICE_CKPT defaults to /root/moebench-$PRESET-4bit-g64-$DTYPE; outputs are named by $PRESET.
 #
 # Everything lands in $OUT (logs, tables, JSON records, timing.txt); each stage has a time limit so a
@@ -110,7 +113,8 @@ fi
 if [[ " $stages " == *" timeline "* ]]; then
   run_stage "timeline-$PRESET" 180 "timeline-$PRESET.txt" \
     python3 scripts/device_diag.py "$CKPT" timeline "$OUT/timeline-$PRESET-trace.json"
-  gzip -f "$OUT/timeline-$PRESET-trace.json" 2>/dev/null
+  gzip -f "$OUT/timeline-$PRESET-trace.json" 2>/dev/null \
+    && python3 scripts/device_diag.py "$OUT/timeline-$PRESET-trace.json.gz" trace > "$OUT/timeline-$PRESET-per-token.txt"
 fi
 
 if [[ " $stages " == *" bench "* ]]; then
@@ -131,7 +135,7 @@ fi
 echo; echo "== results (full logs, tables and JSON in $OUT) =="
 [ -f "$OUT/bench-$PRESET.txt" ] && grep -E "^(model |\||skipped)" "$OUT/bench-$PRESET.txt"
 for f in "$OUT"/kernels-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^kernels:|us/token" "$f" | head -14; }; done
-for f in "$OUT"/timeline-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^timeline:" "$f"; }; done
+for f in "$OUT"/timeline-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^timeline:|us/token" "$f" | head -12; }; done
 for f in "$OUT"/profile-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^\| (per token|MoE|attention|build|eval|sync|pipelined|graph|nodes)" "$f"; }; done
 for f in "$OUT"/selfcheck-*.txt; do
   [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^(platform|dispatch|greedy|PASS|FAIL|\| [^c|-])" "$f" | grep -v "| pass |$"; }
