@@ -112,18 +112,17 @@ class StaticCache:
 
     A decode step on a GPU writes in place: each layer's decode-attention kernel stores its token's key
     and value at slot P of its own block of the buffers itself (StaticLayerCache.kernel_writes), and the
-    step hands the same buffers on. MLX sees the buffers only as the kernels' inputs, which is safe here
-    because nothing reads slot P before the next step (the kernels read slots < P, each layer its own
-    block). MLX does not see these writes: it orders GPU work by the buffers each kernel declares it
-    reads and writes (its CUDA graphs run kernels with no such edge at once), and here the buffers are
-    only read. So a reader must come after the step by data (the next decode step is built on this
-    step's token) or by the step having been scheduled first (CompiledForward schedules each step before
-    it builds the next); the buffers hold a step's keys and values once its logits are evaluated.
+    step hands the same buffers on. No kernel of the step reads slot P (they read slots < P, each layer
+    its own block), but MLX does not see these writes: it orders GPU work by the buffers each kernel
+    declares it reads and writes (its CUDA graphs run kernels with no such edge at once), and here the
+    buffers are only read. So a reader must come after the step by data (the next decode step is built
+    on this step's token) or by the step having been scheduled first (CompiledForward schedules each step
+    before it builds the next); the buffers hold a step's keys and values once its logits are evaluated.
     mx.depends on the buffers adds no such order (on the H200 a copy of the buffers made right after the
-    last step saw some layers' writes and not others). An update MLX sees cannot be done in place here
-    (the step's kernels still hold the buffers), so it copies them whole: that and the 48 copies into its
-    concatenation were 2 x 62 us and a quarter of the launches of a token on the H200
-    (docs/benchmarks/h200.md, step 10).
+    last step saw some layers' writes and not others). The alternative, an update MLX sees, cannot be
+    done in place here (the step's kernels still hold the buffers), so MLX copies them whole: that and
+    the 48 copies into its concatenation were 2 x 62 us and a quarter of the launches of a token on the
+    H200 (docs/benchmarks/h200.md, step 10).
 
     Otherwise (prefill, the reference attention, MLX's SDPA) the layers hand their new keys and values
     over and `commit` writes them, one update per buffer for all layers. Nothing reads a layer's new
