@@ -251,7 +251,7 @@ def test_decode_on_cuda_runs_the_kernel_every_step(tmp_path):
 def test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step(tmp_path):
     """The compiled step's kernels store each token's key and value in the static cache themselves (no
     update MLX sees): its tokens equal the eager step's (the same kernels, whose cache MLX updates), and
-    its cache holds the eager cache's keys and values, at those slots only."""
+    its cache holds the eager caches' keys and values, at those slots only."""
     cfg = qwen2_moe_config(num_hidden_layers=3)
     folder = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=5, bits=4, group_size=64, dtype=mx.bfloat16)
     model, _ = load(folder)
@@ -272,7 +272,9 @@ def test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step(t
     for name in ("keys", "values"):
         got = f32(getattr(forward.cache, name))
         want = np.stack([f32(getattr(c, name)[0, :, :n]) for c in cache])
-        assert _nrms(got[:, :, :n], want) < 1e-3, name
+        # the prompt attends through two SDPA paths (a causal mask, the static cache's array mask): bf16
+        # roundings apart; one slot left unwritten of 45 is ~0.15, a slot written wrong more
+        assert _nrms(got[:, :, :n], want) < 1e-2, name
         assert not got[:, :, n:].any(), f"{name}: the kernels wrote past the tokens' slots"
 
 
