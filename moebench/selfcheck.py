@@ -286,7 +286,7 @@ def router_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
 def attention_parity(backend: str, model, seed: int = 0) -> list[dict]:
     """The decode-attention kernel on `backend` against the CPU reference, at Qwen1.5-MoE-A2.7B's attention
     (16 heads of 128, q/k/v bias) and the model's own, at the first position, a block boundary and deep in
-    a cache of 256 slots."""
+    a cache of 256 slots; and its in-place cache write (writes_in_place)."""
     a, dtype = model.args, model.norm.weight.dtype
     geometries = {Heads(*A27B_HEADS): True, Heads(a.num_attention_heads, a.num_key_value_heads, a.head_dim): a.qkv_bias}
     rows = []
@@ -312,12 +312,32 @@ def attention_parity(backend: str, model, seed: int = 0) -> list[dict]:
             got = [_f64(t) for t in attention_kernel.decode_attention(backend, *args)]
             with mx.stream(mx.cpu):
                 want = [_f64(t) for t in attention_kernel.decode_attention("reference", *args)]
+            in_place = writes_in_place(backend, *args)
         except Exception as e:  # noqa: BLE001 -- reported as a failed row
             rows.append({**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False})
             continue
         worst = max(nrms(g, w) for g, w in zip(got, want, strict=True))
-        rows.append({**row, "status": "ran", "vs_reference_nrms": worst, "passed": worst < FUSED_NRMS})
+        rows.append({**row, "status": "ran", "vs_reference_nrms": worst, "in_place_write": in_place,
+                     "passed": worst < FUSED_NRMS and in_place})
     return rows
+
+
+def writes_in_place(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
+                    keys: mx.array, values: mx.array, heads: Heads) -> bool:
+    """Whether the kernel with `write` (as the compiled decode step runs it) stores the token's key and value
+    at its slot of the cache buffers, exactly as it outputs them, and changes nothing else there."""
+    caches = [keys + 0, values + 0]  # buffers of their own, for the kernel to write into
+    mx.eval(caches)
+    before = [_f64(c) for c in caches]
+    _, k_new, v_new = out = attention_kernel.decode_attention(backend, qkv, bias, inv_freq, slots, *caches, heads,
+                                                               write=True)
+    mx.eval(out)
+    position = int(slots[0].item())
+    for cache, was, new in zip(caches, before, (k_new, v_new), strict=True):
+        was[0, :, position] = _f64(new)[0, :, 0]
+        if not np.array_equal(_f64(cache), was):  # float64 holds every 16- and 32-bit value exactly
+            return False
+    return True
 
 
 def _norm_kernel_cases(model, dtype: mx.Dtype, d: int, key: mx.array) -> list[tuple]:
@@ -462,7 +482,8 @@ def report_text(record: dict) -> str:
                         "one unit)", "norm_kernels")):
         lines.append(f"\n{title}")
         for r in record[key]:
-            result = (f"nRMS {_fmt(r['vs_reference_nrms'])}: {'pass' if r['passed'] else 'FAIL'}"
+            written = {True: ", in-place write exact", False: ", in-place write WRONG"}.get(r.get("in_place_write"), "")
+            result = (f"nRMS {_fmt(r['vs_reference_nrms'])}{written}: {'pass' if r['passed'] else 'FAIL'}"
                       if r["status"] == "ran" else f"{r['status']}: {r['reason']}")
             lines.append(f"- {r['case']}: {result}")
     dec = record["decode"]

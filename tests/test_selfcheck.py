@@ -147,11 +147,16 @@ def test_a_gpu_router_kernel_is_compared_with_the_cpu_reference(monkeypatch, err
     assert all(r["passed"] == passes and r["same_experts"] for r in rows)
 
 
-@pytest.mark.parametrize("error,passes", [(0.0, True), (1e-2, False)])
-def test_a_gpu_attention_kernel_is_compared_with_the_cpu_reference(quantized_checkpoint, monkeypatch, error, passes):
-    def as_if_cuda(backend, qkv, *args, write=False):
-        assert not write  # selfcheck compares outputs: the kernel leaves the cache to the caller
-        out, k, v = attention_kernel.reference_decode_attention(qkv, *args)
+# (output error, slot the emulated in-place write lands on past the token's, whether the rows pass)
+@pytest.mark.parametrize("error,shift,passes", [(0.0, 0, True), (1e-2, 0, False), (0.0, 1, False)])
+def test_a_gpu_attention_kernel_is_compared_with_the_cpu_reference(quantized_checkpoint, monkeypatch, error, shift,
+                                                                   passes):
+    def as_if_cuda(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=False):
+        out, k, v = attention_kernel.reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads,
+                                                                 block)
+        if write:  # as the kernel stores them, into the caller's arrays
+            keys[block, :, slots[0].item() + shift] = k[0, :, 0]
+            values[block, :, slots[0].item() + shift] = v[0, :, 0]
         return out * (1 + error), k, v
 
     monkeypatch.setattr(attention_kernel, "gpu_decode_attention", as_if_cuda)
