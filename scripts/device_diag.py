@@ -20,10 +20,9 @@ under different MLX_* settings (say MLX_MAX_OPS_PER_BUFFER) in separate processe
 kernels: torch.profiler (CUPTI) records every CUDA kernel of the process, MLX's included, over 64
 compiled fused decode steps after a 64-token prompt (an 8-token one until step 10: it hid how the
 attention kernel's time grew with the positions): GPU time per token by kernel name against the loop's
-wall time per token,
-the union of kernel intervals (MLX's CUDA graphs run independent kernels at once, so the sum can exceed
-it), and the CPU time a compiled step takes to build and dispatch (torch is on the device image, not a
-moebench dependency).
+wall time per token, the union of kernel intervals (MLX's CUDA graphs run independent kernels at once,
+so the sum can exceed it), and the CPU time a compiled step takes to build and dispatch (torch is on the
+device image, not a moebench dependency).
 timeline: generate itself (compiled fused, 96 tokens) under torch.profiler with its host work marked
 (building a step, async_eval, the rest: reading the token and queueing): the GPU's idle time per token
 and what the host was doing during it; TRACE.json, when given, gets the Chrome trace.
