@@ -4,12 +4,12 @@
     with moebench.fused_moe(False): ...         # the fused decode-MoE kernel off for a block
 """
 
-from .config import ModelArgs
-from .decode import Sampling, generate
+from .checkpoint.config import ModelArgs
+from .checkpoint.loader import load
+from .decode.loop import Sampling, generate
 from .errors import CheckpointError, ConfigError, MoebenchError, UnsupportedKernelConfig
-from .kernels import available_backend, fused_moe, fused_moe_enabled, set_fused_moe
-from .loader import load
-from .routing import Intervention
+from .execution.dispatch import available_backend, fused_moe, fused_moe_enabled, set_fused_moe
+from .models.routing import Intervention
 
 __all__ = [
     "CheckpointError", "ConfigError", "Intervention", "ModelArgs", "MoebenchError", "Sampling",

@@ -6,13 +6,13 @@ import argparse
 import json
 import sys
 
-from .bench import register as _add_bench
 from .errors import MoebenchError
-from .microbench import add_command as _add_microbench
-from .presets import register as _add_make_random
-from .profile import register as _add_profile
-from .selfcheck import register as _add_selfcheck
-from .train import add_eval_command, add_train_command
+from .tools.bench import register as _add_bench
+from .tools.microbench import add_command as _add_microbench
+from .tools.presets import register as _add_make_random
+from .tools.profile import register as _add_profile
+from .tools.selfcheck import register as _add_selfcheck
+from .tools.train import add_eval_command, add_train_command
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -31,9 +31,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(a: argparse.Namespace) -> int:
-    from .decode import Sampling, generate, use_compiled
-    from .kernels import set_fused_moe
-    from .loader import load
+    from .checkpoint.loader import load
+    from .decode.loop import Sampling, generate, use_compiled
+    from .execution.dispatch import set_fused_moe
 
     if a.fused is not None:
         set_fused_moe(a.fused == "on")

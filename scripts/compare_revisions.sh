@@ -14,18 +14,16 @@ for rev in "$old" "$new"; do
   mkdir -p "$work/$rev" && git archive "$rev" moebench kernels | tar -x -C "$work/$rev"
 done
 cat > "$work/measure.py" <<'PY'
+# Only moebench's top-level API (load, generate, fused_moe), which every revision has, whatever its layout.
 import json, statistics, sys
-from moebench.bench import prompt_token_ids
-from moebench.decode import generate
-from moebench.kernels import fused_moe
-from moebench.loader import load
-model, _ = load(sys.argv[1])
-ids = prompt_token_ids(model.args.vocab_size, 64, 0)
-out = {"moebench": __import__("moebench").__file__.rsplit("/", 2)[0].rsplit("/", 1)[-1]}
+import moebench
+model, _ = moebench.load(sys.argv[1])
+ids = [(i * 7919 + 11) % model.args.vocab_size for i in range(64)]
+out = {"moebench": moebench.__file__.rsplit("/", 2)[0].rsplit("/", 1)[-1]}
 for on in (False, True):
-    with fused_moe(on):
-        generate(model, ids, 16)
-        out["fused" if on else "fallback"] = statistics.median(generate(model, ids, 128).decode_tps for _ in range(3))
+    with moebench.fused_moe(on):
+        moebench.generate(model, ids, 16)
+        out["fused" if on else "fallback"] = statistics.median(moebench.generate(model, ids, 128).decode_tps for _ in range(3))
 print(json.dumps(out))
 PY
 cd "$work"  # python puts the script's folder first on sys.path: PYTHONPATH alone picks each revision

@@ -44,15 +44,15 @@ import time
 
 import mlx.core as mx
 
-from moebench import norm_kernels
-from moebench.attention_kernel import Heads, decode_attention, rope_frequencies
-from moebench.bench import mlx_lm_model
-from moebench.cache import StaticCache
-from moebench.compiled import CompiledForward, CompiledSteps
-from moebench.decode import STEPS_AHEAD, generate, generate_tokens
-from moebench.kernels import RowsSupport, fused_moe
-from moebench.loader import load
+from moebench.checkpoint.loader import load
+from moebench.decode.cache import StaticCache
+from moebench.decode.compiled import CompiledForward, CompiledSteps
+from moebench.decode.loop import STEPS_AHEAD, generate, generate_tokens
+from moebench.execution import norms as norm_kernels
+from moebench.execution.attention import Heads, decode_attention, rope_frequencies
+from moebench.execution.dispatch import RowsSupport, fused_moe
 from moebench.models.qwen2_moe import Attention
+from moebench.tools.bench import mlx_lm_model
 
 CALLS = 200
 

@@ -1,6 +1,6 @@
 """Shared test fixtures: tiny checkpoint folders and a byte-level tokenizer.
 
-Every checkpoint here comes from moebench.writer with a tiny config (writer.qwen2_moe_config), so
+Every checkpoint here comes from moebench.tools.writer with a tiny config (writer.qwen2_moe_config), so
 the whole suite stays fast on two CPU cores. Session-scoped folders are shared between tests and must
 never be modified: copy one (`copy_checkpoint`) before corrupting it.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from moebench.writer import qwen2_moe_config, write_random_checkpoint
+from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
 TINY_VOCAB = 256  # writer.qwen2_moe_config's vocab_size: one token per byte
 

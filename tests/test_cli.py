@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import moebench
-from moebench.checkpoint import Tokenizer
+from moebench.checkpoint.tokenizer import Tokenizer
 from moebench.cli import main
-from moebench.decode import generate
+from moebench.decode.loop import generate
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ sparse MoE block (router softmax over all experts in float32, top-k, routed SwiG
 sigmoid-gated shared expert) or, per decoder_sparse_step / mlp_only_layers, a dense SwiGLU MLP.
 
 Internals are recorded only when a recorder is attached (`model.recorder`), under the names of
-moebench.hooks; with none attached the forward pass does no extra work.
+moebench.inspect.hooks; with none attached the forward pass does no extra work.
 """
 
 from __future__ import annotations
@@ -17,15 +17,18 @@ from dataclasses import replace
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import attention_kernel, fused_kernel, hooks, norm_kernels
-from ..attention_kernel import Heads, rope_frequencies
-from ..cache import KVCache
-from ..config import ModelArgs
+from ..checkpoint.config import ModelArgs
+from ..decode.cache import KVCache
 from ..errors import CheckpointError
-from ..kernels import Decision, DispatchCounter, RowsSupport
-from ..layers import Embedding, Linear, RowStack, load_linear
-from ..routing import Intervention, route
-from ..switch import SwitchGLU, load_switch_glu, swiglu, weighted_sum
+from ..execution import attention as attention_kernel
+from ..execution import moe as fused_kernel
+from ..execution import norms as norm_kernels
+from ..execution.attention import Heads, rope_frequencies
+from ..execution.dispatch import Decision, DispatchCounter, RowsSupport
+from ..inspect import hooks
+from .layers import Embedding, Linear, RowStack, load_linear
+from .routing import Intervention, route
+from .switch import SwitchGLU, load_switch_glu, swiglu, weighted_sum
 
 Recorder = Callable[[str, object], None]
 # What a MoE block records, in the order its paths return them.
@@ -47,7 +50,7 @@ class Attention(nn.Module):
 
     With a KV cache (inference), q, k and v come out of one matmul over their stacked rows
     (layers.RowStack): at decode every operation is a launch or a graph node. For one new token with
-    the fused switch on, the decode-attention kernel (moebench.attention_kernel) then does the bias,
+    the fused switch on, the decode-attention kernel (moebench.execution.attention) then does the bias,
     RoPE and the attention over the cache in one launch, and the layer writes the new key and value into
     the cache (or the kernel stores them in place, where the cache allows it). Otherwise (prefill, switch
     off, a shape the kernel declines, a context past attention_kernel.MAX_POSITIONS, with the reason
@@ -129,7 +132,7 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def _projection(self, x: mx.array, norm: RMSNorm | None, stacked: Linear, backend: str) -> mx.array:
-        """The stacked q/k/v projection of norm(x), without its bias: with moebench.norm_kernels switched on,
+        """The stacked q/k/v projection of norm(x), without its bias: with moebench.execution.norms switched on,
         through the input-norm projection kernel where it can read the rows (else with the reason in
         dispatch.notes); otherwise the norm and the matmul apart."""
         self.dispatch.beside_note = None
@@ -167,13 +170,13 @@ class MLP(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router top-k over the routed experts plus a sigmoid-gated shared expert.
 
-    Fallback (prefill, switch off, unsupported experts): router matmul, moebench.routing.route, SwitchGLU
+    Fallback (prefill, switch off, unsupported experts): router matmul, moebench.models.routing.route, SwitchGLU
     (gather_qmm) and the shared expert as an MLP, in the activation dtype, as mlx-lm computes it.
     Fused (one decode token): the router's and the shared gate's logits from one matmul over their stacked
-    rows, then the router kernel and the kernel pair (moebench.fused_kernel) with the shared expert and the
+    rows, then the router kernel and the kernel pair (moebench.execution.moe) with the shared expert and the
     residual add inside them, everything after the matmul in float32 and no reshapes. With an intervention
     set, routing runs through route() instead of the router kernel; while recording, the block output is
-    kept apart from the residual. With the opt-in norm kernels (moebench.norm_kernels), after_attention
+    kept apart from the residual. With the opt-in norm kernels (moebench.execution.norms), after_attention
     starts a fused step with the entry kernel instead: the residual add, the post-attention norm, the
     router's rows and the selection in one launch. What cannot run inside the kernels runs beside them,
     and says why (DispatchCounter.notes).
@@ -200,7 +203,7 @@ class SparseMoeBlock(nn.Module):
     def after_attention(self, x: mx.array, attn_out: mx.array, norm: RMSNorm, layer: int = -1,
                         record: Recorder | None = None) -> tuple[mx.array, mx.array]:
         """The second half of a decoder layer: (h + Block(norm(h)), h) with h = x + attn_out. With
-        moebench.norm_kernels switched on, a fused step routed by the router kernel starts with the entry
+        moebench.execution.norms switched on, a fused step routed by the router kernel starts with the entry
         kernel (the add, the norm, the router's rows and its selection in one launch; where it cannot,
         dispatch.notes says why); otherwise the four run apart."""
         decision = self.dispatch.decide(self.experts, math.prod(x.shape[:-1]))
@@ -337,7 +340,7 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen2MoeModel(nn.Module):
-    """tokens [B, L] -> logits [B, L, vocab]; pass a cache (moebench.cache.make_cache) to decode."""
+    """tokens [B, L] -> logits [B, L, vocab]; pass a cache (moebench.decode.cache.make_cache) to decode."""
 
     def __init__(self, args: ModelArgs, embed: Embedding, layers: list[DecoderLayer], norm: RMSNorm,
                  lm_head: Linear | None):

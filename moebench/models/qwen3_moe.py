@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
-from ..config import ModelArgs
+from ..checkpoint.config import ModelArgs
 from ..errors import ConfigError
 from . import qwen2_moe
 from .qwen2_moe import Attention, Builder, Linear, Qwen2MoeModel, RMSNorm

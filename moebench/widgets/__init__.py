@@ -1,4 +1,4 @@
-"""Notebook widgets: each reads step records (moebench.record) or their analyses, never model internals.
+"""Notebook widgets: each reads step records (moebench.inspect.record) or their analyses, never model internals.
 
     stepper = TokenStepper(trace, on_step=router.show)   # play / previous / next / slider
     RouterView, ExpertView, DiffView, ExpertLoadMap       # plotly FigureWidget views

@@ -1,7 +1,7 @@
 """Diff view: fused kernel vs gather_qmm fallback vs a float64 truth, per layer and per expert, plus
 routing agreement between whole decodes with the switch on and off.
 
-Reads the results of moebench.compare: `show_step(compare_step(...))` for the errors under identical
+Reads the results of moebench.inspect.compare: `show_step(compare_step(...))` for the errors under identical
 routing, `show_decode(compare_decode(...))` for what the two paths did to routing and tokens.
 """
 

@@ -14,8 +14,8 @@ import ipywidgets as widgets
 import numpy as np
 import plotly.graph_objects as go
 
-from ..record import Trace
-from ..trace_stats import expert_logit_lens
+from ..inspect.record import Trace
+from ..inspect.trace_stats import expert_logit_lens
 from .text import shown, visible
 
 

@@ -13,7 +13,7 @@ import anywidget
 import ipywidgets as widgets
 import traitlets
 
-from ..record import Trace
+from ..inspect.record import Trace
 from .text import visible
 from .toggle import describe_paths
 

@@ -7,6 +7,7 @@ at most `redraw_hz` times a second with one `batch_update`; only the last `windo
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
@@ -27,7 +28,7 @@ class TokensPerSecondChart:
         self.min_interval = 1.0 / redraw_hz if redraw_hz > 0 else 0.0
         self._points = {flag: deque(maxlen=window) for flag in TRACES}
         self._marks: deque[tuple[int, str]] = deque(maxlen=window)
-        self._last_draw = 0.0
+        self._last_draw = -math.inf  # the first point always draws
         self._dirty = False
         self.points_received = 0
         self.figure = go.FigureWidget(

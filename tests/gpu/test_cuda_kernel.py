@@ -11,17 +11,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench import attention_kernel, fused_kernel, norm_kernels
-from moebench.attention_kernel import Heads, rope_frequencies
-from moebench.cache import make_cache
-from moebench.compiled import CompiledForward
-from moebench.decode import generate
-from moebench.fused_kernel import gpu_routed
-from moebench.kernels import available_backend, fused_moe
-from moebench.loader import load
-from moebench.quant import QuantizedParts
-from moebench.switch import SwitchGLU, SwitchLinear, weighted_sum
-from moebench.writer import qwen2_moe_config, write_random_checkpoint
+from moebench.checkpoint.loader import load
+from moebench.checkpoint.quant import QuantizedParts
+from moebench.decode.cache import make_cache
+from moebench.decode.compiled import CompiledForward
+from moebench.decode.loop import generate
+from moebench.execution import attention as attention_kernel
+from moebench.execution import moe as fused_kernel
+from moebench.execution import norms as norm_kernels
+from moebench.execution.attention import Heads, rope_frequencies
+from moebench.execution.dispatch import available_backend, fused_moe
+from moebench.execution.moe import gpu_routed
+from moebench.models.switch import SwitchGLU, SwitchLinear, weighted_sum
+from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX with a CUDA back-end")]

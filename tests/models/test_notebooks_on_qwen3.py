@@ -10,7 +10,7 @@ import pytest
 from conftest import write_byte_tokenizer
 from nbclient import NotebookClient
 
-from moebench.writer import qwen2_moe_config, write_random_checkpoint
+from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))

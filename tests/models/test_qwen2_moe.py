@@ -2,7 +2,7 @@
 
 HF: tiny random checkpoints saved by transformers itself (float32, CPU), over MHA/GQA, norm_topk_prob,
 decoder_sparse_step with an mlp_only_layers entry, and tied/untied embeddings. mlx-lm: the same
-quantized checkpoint written by moebench.writer, loaded by mlx_lm.utils.load_model.
+quantized checkpoint written by moebench.tools.writer, loaded by mlx_lm.utils.load_model.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 from hf_reference import save_hf_checkpoint
 
 import moebench
-from moebench.cache import make_cache
-from moebench.decode import generate
-from moebench.writer import qwen2_moe_config
+from moebench.decode.cache import make_cache
+from moebench.decode.loop import generate
+from moebench.tools.writer import qwen2_moe_config
 
 PROMPT_LEN = 16
 GREEDY_STEPS = 32

@@ -11,8 +11,8 @@ import pytest
 from hf_reference import save_hf_checkpoint
 
 import moebench
-from moebench.decode import generate
-from moebench.writer import quantize_tensors, save_checkpoint, write_random_checkpoint
+from moebench.decode.loop import generate
+from moebench.tools.writer import quantize_tensors, save_checkpoint, write_random_checkpoint
 
 TOLERANCE = 1e-4
 BASE = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -57,7 +57,7 @@ def test_logits_and_greedy_match_hf(tmp_path, name):
 
 
 def _quantized_folder(tmp_path, bits: int, group_size: int):
-    """HF's float checkpoint, quantized by moebench.writer in MLX's stacked layout (mlx-lm's qwen3_moe stacks
+    """HF's float checkpoint, quantized by moebench.tools.writer in MLX's stacked layout (mlx-lm's qwen3_moe stacks
     only unquantized per-expert weights)."""
     src = _hf_folder(tmp_path, {}, seed=bits)
     config = json.loads((src / "config.json").read_text())
@@ -97,7 +97,7 @@ def test_fused_kernel_dispatches_with_top8(tmp_path):
 
 
 def test_writer_layout_is_transformers_layout(tmp_path):
-    """moebench.writer (make-random, tests) writes exactly the tensors transformers saves for Qwen3-MoE."""
+    """moebench.tools.writer (make-random, tests) writes exactly the tensors transformers saves for Qwen3-MoE."""
     from safetensors import safe_open
 
     hf = _hf_folder(tmp_path, {})

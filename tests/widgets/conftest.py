@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 import moebench
-from moebench.corpus import Document
-from moebench.record import Stepper
-from moebench.train import train_tokenizer
-from moebench.writer import qwen2_moe_config, write_random_checkpoint
+from moebench.inspect.record import Stepper
+from moebench.tools.corpus import Document
+from moebench.tools.train import train_tokenizer
+from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
 PROMPT = "def add(a, b):"
 VOCAB = 320

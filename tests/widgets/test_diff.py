@@ -1,4 +1,4 @@
-from moebench.compare import compare_decode, compare_step
+from moebench.inspect.compare import compare_decode, compare_step
 from moebench.widgets.diff import DiffView
 
 

@@ -1,6 +1,6 @@
 import numpy as np
 
-from moebench.record import Stepper
+from moebench.inspect.record import Stepper
 from moebench.widgets.experts import ExpertView, contributions
 
 

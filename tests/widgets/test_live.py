@@ -1,7 +1,7 @@
 import asyncio
 
 import moebench
-from moebench.record import Stepper
+from moebench.inspect.record import Stepper
 from moebench.widgets.live import AFTER_TOGGLE_TOKENS, LiveDecode
 
 

@@ -1,7 +1,7 @@
 import pytest
 
-from moebench import trace_stats
-from moebench.record import Stepper
+from moebench.inspect import trace_stats
+from moebench.inspect.record import Stepper
 from moebench.widgets.loadmap import ExpertLoadMap
 
 

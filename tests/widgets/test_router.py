@@ -1,8 +1,8 @@
 import numpy as np
 
 from moebench import Intervention
-from moebench.interventions import intervene
-from moebench.record import Stepper
+from moebench.inspect.interventions import intervene
+from moebench.inspect.record import Stepper
 from moebench.widgets.router import NO_SHARED, SHARED_OFF, RouterView
 
 

@@ -1,8 +1,8 @@
 from types import SimpleNamespace
 
 import moebench
-from moebench.kernels import Decision
-from moebench.record import Stepper
+from moebench.execution.dispatch import Decision
+from moebench.inspect.record import Stepper
 from moebench.widgets.toggle import FusedToggle, describe_paths
 
 

@@ -1,0 +1,88 @@
+"""moebench.load(): a checkpoint folder -> (model, tokenizer), with a report of the bits found per module."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import ConfigError
+from ..models import family
+from ..models.layers import Linear
+from ..models.switch import SwitchLinear
+from .config import ModelArgs
+from .files import TensorStore
+from .tokenizer import Tokenizer
+
+SHIPPED_MODEL = Path(str(resources.files("moebench") / "shipped" / "tiny-qwen2-moe"))  # data/, in the wheel too
+ENV_MODEL = "MOEBENCH_MODEL"
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    """Where a model came from and the quantization found per module kind."""
+
+    source: Path
+    bits: dict[str, str]
+
+
+def default_model_path() -> Path:
+    """MOEBENCH_MODEL when set, else the tiny trained model that ships in data/."""
+    return Path(os.environ.get(ENV_MODEL) or SHIPPED_MODEL)
+
+
+def default_dtype() -> mx.Dtype | None:
+    """float32 on CPU (half-precision quantized matmul is slow and inexact there); None = checkpoint's dtype."""
+    return mx.float32 if mx.default_device() == mx.cpu else None
+
+
+def _checkpoint_dtype(store: TensorStore) -> mx.Dtype:
+    for name in store.names():
+        if name.endswith((".scales", ".weight")):
+            arr = store.peek(name)
+            if mx.issubdtype(arr.dtype, mx.floating):
+                return arr.dtype
+    return mx.float32
+
+
+def bits_report(model: nn.Module) -> dict[str, str]:
+    """Module kind (layer index dropped) -> the quantization found, e.g. {'mlp.switch_mlp.down_proj': '8-bit g64'}."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for path, module in model.named_modules():
+        if isinstance(module, (Linear, SwitchLinear)):
+            kind = re.sub(r"^layers\.\d+\.", "", path).replace("experts.", "switch_mlp.")
+            if module.quant is None:
+                found[kind].add(f"float {module.weight.dtype}".replace("mlx.core.", ""))
+            else:
+                gs, bits, mode = module.quant
+                found[kind].add(f"{bits}-bit g{gs}" + ("" if mode == "affine" else f" {mode}"))
+    return {k: ", ".join(sorted(v)) for k, v in sorted(found.items())}
+
+
+def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress: bool | None = None,
+         verbose: bool = False):
+    """Open a checkpoint folder (config.json, safetensors, tokenizer.json) -> (model, tokenizer or None).
+
+    With no path, MOEBENCH_MODEL or the shipped tiny model. Activations run in float32 on CPU and in
+    the checkpoint's dtype on GPU unless `dtype` says otherwise.
+    """
+    folder = Path(path) if path is not None else default_model_path()
+    if not folder.is_dir():
+        raise ConfigError(f"{folder}: not a checkpoint folder")
+    args = ModelArgs.from_file(folder / "config.json")
+    build = family(args.model_type, str(folder / "config.json")).build
+    store = TensorStore(folder, progress=progress)
+    model = build(args, store, dtype or default_dtype() or _checkpoint_dtype(store))
+    store.check_all_used()
+    model.load_info = LoadInfo(folder, bits_report(model))
+    if verbose:
+        print(f"loaded {folder}: " + "; ".join(f"{k}: {v}" for k, v in model.load_info.bits.items()))
+    tok_path = folder / "tokenizer.json"
+    tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
+    return model, tokenizer

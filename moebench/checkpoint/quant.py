@@ -1,0 +1,136 @@
+"""Quantized tensor parts: bit-width inference from shapes and validation against MLX's rules.
+
+MLX aborts the process on a bad group size, bit width or scale shape, which would kill a notebook
+kernel, so every check happens here in Python first and raises a CheckpointError naming the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import CheckpointError
+from .config import AFFINE_BITS, AFFINE_GROUP_SIZES, QuantSpec
+
+
+@dataclass(frozen=True)
+class QuantizedParts:
+    """What a quantized matrix (or stack of expert matrices) is made of; the fused kernel reads this."""
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array | None
+    group_size: int
+    bits: int
+    mode: str
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[-1] * 32 // self.bits
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[-2]
+
+
+def infer_bits(name: str, weight: mx.array, scales: mx.array, spec: QuantSpec) -> int:
+    """Bits from the MLX invariant packed_in * 32 == bits * groups * group_size.
+
+    Mixed-precision exports keep one group size but may store e.g. an 8-bit down_proj under a
+    4-bit default, so the shapes, not the config, decide the width.
+    """
+    packed_in, groups = weight.shape[-1], scales.shape[-1]
+    if groups <= 0 or packed_in <= 0:
+        raise CheckpointError(f"{name}: empty last axis (weight {weight.shape}, scales {scales.shape})")
+    if spec.mode != "affine":
+        expected = groups * spec.group_size * spec.bits
+        if packed_in * 32 != expected:
+            raise CheckpointError(
+                f"{name}: weight {tuple(weight.shape)} and scales {tuple(scales.shape)} do not match "
+                f"{spec.mode} (group_size {spec.group_size}, bits {spec.bits})"
+            )
+        return spec.bits
+    total = packed_in * 32
+    denom = groups * spec.group_size
+    if total % denom or total // denom not in AFFINE_BITS:
+        found = [b for b in AFFINE_BITS if total % (b * groups) == 0 and total // (b * groups) in AFFINE_GROUP_SIZES]
+        hint = f"; shapes would fit bits/group_size {[(b, total // (b * groups)) for b in found]}" if found else ""
+        raise CheckpointError(
+            f"{name}: weight {tuple(weight.shape)} with scales {tuple(scales.shape)} gives no valid bit "
+            f"width at group_size {spec.group_size} (packed_in*32 = {total}, groups*group_size = {denom}){hint}"
+        )
+    return total // denom
+
+
+def make_parts(
+    name: str,
+    weight: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    spec: QuantSpec,
+    scale_dtype: mx.Dtype | None = None,
+) -> QuantizedParts:
+    """Validate one quantized matrix (or expert stack) and return its parts.
+
+    `scale_dtype` casts affine scales and biases (float32 on CPU, where half-precision quantized
+    matmul is slow and inaccurate).
+    """
+    spec.validate(name)
+    if weight.dtype != mx.uint32:
+        raise CheckpointError(f"{name}.weight: quantized weights must be uint32, got {weight.dtype}")
+    if weight.ndim < 2 or scales.ndim != weight.ndim or weight.shape[:-1] != scales.shape[:-1]:
+        raise CheckpointError(
+            f"{name}.scales: shape {tuple(scales.shape)} does not match weight {tuple(weight.shape)}"
+        )
+    if spec.mode == "affine":
+        if biases is None:
+            raise CheckpointError(f"{name}.biases: affine quantization needs biases and none were found")
+        if biases.shape != scales.shape:
+            raise CheckpointError(
+                f"{name}.biases: shape {tuple(biases.shape)} differs from scales {tuple(scales.shape)}"
+            )
+        for part, arr in (("scales", scales), ("biases", biases)):
+            if not mx.issubdtype(arr.dtype, mx.floating):
+                raise CheckpointError(f"{name}.{part}: affine {part} must be floating point, got {arr.dtype}")
+        if scale_dtype is not None:
+            scales, biases = scales.astype(scale_dtype), biases.astype(scale_dtype)
+    else:
+        if biases is not None:
+            raise CheckpointError(f"{name}.biases: mode {spec.mode} has no biases, but the checkpoint has them")
+        if scales.dtype != mx.uint8:
+            raise CheckpointError(f"{name}.scales: mode {spec.mode} needs uint8 scales, got {scales.dtype}")
+    bits = infer_bits(name, weight, scales, spec)
+    return QuantizedParts(weight, scales, biases, spec.group_size, bits, spec.mode)
+
+
+class QuantizedWeight(nn.Module):
+    """A module holding one weight (or expert stack), float or quantized: Linear and SwitchLinear.
+
+    group_size / bits / mode are plain attributes (None for a float weight) and calls read arrays as
+    items: both skip nn.Module's attribute fallback, which costs at every call of every decode step.
+    """
+
+    def __init__(self, weight: mx.array, parts: QuantizedParts | None = None):
+        super().__init__()
+        self.weight = weight if parts is None else parts.weight
+        if parts is not None:
+            self.scales = parts.scales
+            if parts.biases is not None:
+                self.biases = parts.biases
+        self.group_size = None if parts is None else parts.group_size
+        self.bits = None if parts is None else parts.bits
+        self.mode = None if parts is None else parts.mode
+
+    @property
+    def quant(self) -> tuple[int, int, str] | None:
+        """(group size, bits, mode), or None for a float weight."""
+        return None if self.mode is None else (self.group_size, self.bits, self.mode)
+
+    def quantized_parts(self) -> QuantizedParts | None:
+        """The quantized pieces (what the fused kernel reads), or None for a float weight."""
+        if self.mode is None:
+            return None
+        return QuantizedParts(self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                              self.mode)

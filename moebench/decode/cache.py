@@ -1,0 +1,229 @@
+"""Per-layer key/value cache for decoding, grown in fixed steps so a decode step rarely reallocates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..execution.moe import GPU_BACKENDS
+
+GROW_STEP = 256
+
+
+class KVCache:
+    """Keys and values [B, kv_heads, T, head_dim] of one attention layer."""
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def _reserve(self, new: int, batch: int, heads: int, key_dim: int, value_dim: int, dtype: mx.Dtype) -> None:
+        """Grow the buffers (in GROW_STEP slots) so that `new` more positions fit."""
+        prev = self.offset
+        if self.keys is not None and prev + new <= self.keys.shape[2]:
+            return
+        grow = ((new + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
+        k_new = mx.zeros((batch, heads, grow, key_dim), dtype)
+        v_new = mx.zeros((batch, heads, grow, value_dim), dtype)
+        if self.keys is None:
+            self.keys, self.values = k_new, v_new
+        else:
+            self.keys = mx.concatenate([self.keys[..., :prev, :], k_new], axis=2)
+            self.values = mx.concatenate([self.values[..., :prev, :], v_new], axis=2)
+
+    def write(self, keys: mx.array, values: mx.array) -> None:
+        """Store the next positions' keys and values (room reserved by the caller)."""
+        prev = self.offset
+        self.offset += keys.shape[2]
+        self.keys[..., prev : self.offset, :] = keys
+        self.values[..., prev : self.offset, :] = values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        b, h, new, d = keys.shape
+        self._reserve(new, b, h, d, values.shape[3], keys.dtype)
+        self.write(keys, values)
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def decode_buffers(self, heads: int, head_dim: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array, int]:
+        """For one new token (the fused decode-attention kernel): the key and value buffers [1, heads, CAP,
+        head_dim] as they are before it is written, int32 [P, CAP] (its position and their slots) and the
+        block of the buffers that holds this layer (0: the buffers are this layer's alone)."""
+        self._reserve(1, 1, heads, head_dim, head_dim, dtype)
+        return self.keys, self.values, slots_array(self.offset, self.keys.shape[2]), 0
+
+    def kernel_writes(self, backend: str) -> bool:
+        """Whether the decode-attention kernel should store the token's key and value in place: never here.
+        `write` does it as an update MLX sees, so an array of this cache that a caller holds (recording,
+        a notebook) keeps what it held; only CompiledForward's StaticCache, which nobody else sees, is
+        written in place."""
+        return False
+
+    def attention_mask(self, length: int) -> str | None:
+        return "causal" if length > 1 else None
+
+    @property
+    def span(self) -> int:
+        """Positions the next single-token step attends to (the cached ones and its own)."""
+        return self.offset + 1
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array] | tuple[()]:
+        return () if self.keys is None else (self.keys, self.values)
+
+
+_slots: dict[tuple[int, int], mx.array] = {}
+
+
+def slots_array(position: int, capacity: int) -> mx.array:
+    """int32 [position, capacity], one array per value pair: every layer of a decode step asks for the same."""
+    key = (position, capacity)
+    if key not in _slots:
+        if len(_slots) >= 4 * GROW_STEP:
+            _slots.clear()
+        _slots[key] = mx.array(key, dtype=mx.int32)
+    return _slots[key]
+
+
+def make_cache(num_layers: int) -> list[KVCache]:
+    return [KVCache() for _ in range(num_layers)]
+
+
+@dataclass(frozen=True)
+class StepPosition:
+    """Where one traced step writes in static caches, built once per step for every layer: the offset [],
+    the slice_update start [4] and the decode kernel's [P, CAP]."""
+
+    offset: mx.array
+    start: mx.array
+    slots: mx.array
+
+    @classmethod
+    def at(cls, offset: mx.array, capacity: int) -> StepPosition:
+        p = offset.reshape(1)
+        return cls(offset, mx.concatenate([mx.zeros((2,), mx.int32), p, mx.zeros((1,), mx.int32)]),
+                   mx.concatenate([p, mx.array([capacity], mx.int32)]))
+
+
+class StaticCache:
+    """Every layer's keys and values in two fixed-capacity buffers [layers, kv_heads, CAP, head_dim] whose
+    write position is an array, so a decode step has constant shapes and can be traced once by mx.compile.
+
+    A decode step on a GPU writes in place: each layer's decode-attention kernel stores its token's key
+    and value at slot P of its own block of the buffers itself (StaticLayerCache.kernel_writes), and the
+    step hands the same buffers on. No kernel of the step reads slot P (they read slots < P, each layer
+    its own block), but MLX does not see these writes: it orders GPU work by the buffers each kernel
+    declares it reads and writes (its CUDA graphs run kernels with no such edge at once), and here the
+    buffers are only read. So a reader must come after the step by data (the next decode step is built
+    on this step's token) or by the step having been scheduled first (CompiledForward schedules each step
+    before it builds the next); the buffers hold a step's keys and values once its logits are evaluated.
+    mx.depends on the buffers adds no such order (on the H200 a copy of the buffers made right after the
+    last step saw some layers' writes and not others). The alternative, an update MLX sees, cannot be
+    done in place here (the step's kernels still hold the buffers), so MLX copies them whole: that and
+    the 48 copies into its concatenation were 2 x 62 us and a quarter of the launches of a token on the
+    H200 (docs/benchmarks/h200.md, step 10).
+
+    Otherwise (prefill, the reference attention, MLX's SDPA) the layers hand their new keys and values
+    over and `commit` writes them, one update per buffer for all layers. Nothing reads a layer's new
+    entries before the commit: the unfused path attends over a copy of its layer's block with them written
+    in. One forward writes one way: an update of the whole buffer would race the in-place writes. The
+    caller advances the position between forwards."""
+
+    def __init__(self, keys: mx.array, values: mx.array, position: StepPosition):
+        self.keys, self.values, self.position = keys, values, position
+        self.pending: list[tuple[mx.array, mx.array] | None] = [None] * keys.shape[0]
+        self.in_place: set[int] = set()  # layers whose kernel stored its pending pair itself
+
+    @classmethod
+    def empty(cls, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype: mx.Dtype) -> StaticCache:
+        zeros = mx.zeros((layers, kv_heads, capacity, head_dim), dtype)
+        return cls(zeros, mx.zeros_like(zeros), StepPosition.at(mx.array(0, dtype=mx.int32), capacity))
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def layers(self) -> list[StaticLayerCache]:
+        """One cache per layer, to pass to the model's forward; `commit` after it. A forward that failed
+        before its commit wrote nothing: what it handed over is dropped here."""
+        self.pending, self.in_place = [None] * len(self.pending), set()
+        return [StaticLayerCache(self, i) for i in range(self.keys.shape[0])]
+
+    def add(self, layer: int, keys: mx.array, values: mx.array, in_place: bool = False) -> None:
+        """Hand over a layer's new keys and values [1, kv_heads, n, head_dim]; with `in_place` its kernel has
+        stored them in the buffers already."""
+        if keys.shape[2] > self.capacity:
+            raise ValueError(f"{keys.shape[2]} new positions exceed the cache capacity {self.capacity}")
+        if self.pending[layer] is not None:
+            raise RuntimeError(f"layer {layer} wrote its keys and values twice in one forward")
+        self.pending[layer] = (keys, values)
+        if in_place:
+            self.in_place.add(layer)
+
+    def commit(self) -> None:
+        """Write every layer's new keys and values at the position, one update per buffer (nothing to write
+        when the kernels stored them in place)."""
+        missing = [i for i, p in enumerate(self.pending) if p is None]
+        if missing:
+            raise RuntimeError(f"layers {missing} wrote no keys and values in this forward")
+        if self.in_place and len(self.in_place) < len(self.pending):
+            raise RuntimeError(f"layers {sorted(self.in_place)} wrote their keys and values in place and the others "
+                               "did not: an update of the whole buffers would race the in-place writes")
+        if not self.in_place:
+            start = self.position.start
+            for name, part in (("keys", 0), ("values", 1)):
+                new = mx.concatenate([p[part] for p in self.pending], axis=0)
+                setattr(self, name, mx.slice_update(getattr(self, name), new, start, axes=(0, 1, 2, 3)))
+        self.pending, self.in_place = [None] * len(self.pending), set()
+
+
+class StaticLayerCache:
+    """One layer's view of a StaticCache, with the interface the attention layers use."""
+
+    def __init__(self, cache: StaticCache, layer: int):
+        self.cache, self.layer = cache, layer
+
+    @property
+    def offset(self) -> mx.array:
+        return self.cache.position.offset
+
+    def write(self, keys: mx.array, values: mx.array) -> None:
+        """Hand the new positions' keys and values to the cache, which writes them at its commit."""
+        self.cache.add(self.layer, keys, values)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Hand them over, and return this layer's block [1, kv_heads, CAP, head_dim] with them written in.
+
+        The block is a copy (its buffer is shared with every layer's, so it cannot be updated in place):
+        a step that attends with MLX's SDPA (the fused switch off, or a capacity past the kernel's
+        MAX_POSITIONS) copies CAP positions a layer, on top of SDPA reading them over the whole capacity."""
+        self.write(keys, values)
+        start, i = self.cache.position.start, self.layer
+        return tuple(mx.slice_update(buffer[i : i + 1], new, start, axes=(0, 1, 2, 3))
+                     for buffer, new in ((self.cache.keys, keys), (self.cache.values, values)))
+
+    def decode_buffers(self, heads: int, head_dim: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array, int]:
+        """Every layer's buffers as before this forward, int32 [P, CAP], and this layer's block in them
+        (see KVCache.decode_buffers)."""
+        return self.cache.keys, self.cache.values, self.cache.position.slots, self.layer
+
+    def kernel_writes(self, backend: str) -> bool:
+        """Whether the decode-attention kernel on `backend` should store the token's key and value in place
+        (a GPU kernel can; see StaticCache); the layer then calls `written_in_place` instead of `write`."""
+        return backend in GPU_BACKENDS
+
+    def written_in_place(self, keys: mx.array, values: mx.array) -> None:
+        """The kernel that output these (its k_new / v_new) stored them in the buffers itself: the commit
+        writes nothing."""
+        self.cache.add(self.layer, keys, values, in_place=True)
+
+    @property
+    def span(self) -> int:
+        """Positions a traced step may attend to: the capacity (its position is an array)."""
+        return self.cache.capacity
+
+    def attention_mask(self, length: int) -> mx.array:
+        """Query i (at position offset + i) sees cache slots 0..offset + i; the rest is unwritten."""
+        positions = self.offset + mx.arange(length, dtype=mx.int32)
+        return mx.arange(self.cache.capacity, dtype=mx.int32)[None, :] <= positions[:, None]

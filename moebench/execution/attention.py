@@ -1,0 +1,200 @@
+"""The fused decode-attention step of one layer: q/k/v bias, RoPE and attention over the KV cache for one
+new token in one launch, instead of the five to eight graph nodes the unfused path builds for it.
+
+At decode every graph node costs host time (building it in Python, encoding it), and the GPU waits on
+the host, so a node saved is time saved. Backends: 'metal' and 'cuda' (kernels/attn_decode.body behind
+the per-backend prelude, as for the MoE kernels) and 'reference' (the same arithmetic in MLX ops, the
+test oracle and the CPU path). The kernel reads the cache buffers up to the token's position and hands
+the new key and value back; the caller writes them into the cache (moebench.decode.cache), or, with `write`
+(a GPU backend only), the kernel stores them at the token's slot itself, in place, where the cache
+allows it (moebench.decode.cache.StaticCache).
+
+Arithmetic, shared by every backend: the bias add is rounded to the activation dtype T, as an add in T
+is; q and k are rotated (rotate-half, as mx.fast.rope with traditional=False) in float32 and rounded to
+T, as rope's output is; scores and softmax in float32 with the scale head_dim ** -0.5; the output is
+rounded to T once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..errors import UnsupportedKernelConfig
+from . import moe as fused_kernel
+from .moe import GPU_BACKENDS, LANES, Stage
+
+ATTENTION = Stage("moebench_attn_decode", "attn_decode.body",
+                  ("qkv", "bias", "inv_freq", "pos", "keys", "values", "block"), ("out", "k_new", "v_new"))
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Query heads, key/value heads and the head width of one attention layer."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    @property
+    def width(self) -> int:
+        """Width of the stacked q/k/v projection: (H + 2 KV) * head_dim."""
+        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
+
+# Warps a query head's positions are split over (one threadgroup per head). One warp walking a head's
+# positions alone took 17.6 us a layer at 8-72 positions and 39.5 us at 64-160 on the H200 (step 9 of
+# docs/benchmarks/h200.md): the walk, not the bytes, set the time.
+WARPS_PER_HEAD = 8
+# Past this many positions a step runs MLX's attention instead (MLX's SDPA splits long contexts over many
+# threadgroups; an engineering bound from the kernel's design, not a measured crossover).
+MAX_POSITIONS = 1024
+
+
+def span_reason(positions: int) -> str | None:
+    """Why a decode step that may attend to `positions` positions should not use the kernel, or None."""
+    if positions > MAX_POSITIONS:
+        return f"{positions} positions (the kernel's one threadgroup per head is for up to {MAX_POSITIONS})"
+    return None
+
+
+def support_reason(heads: Heads) -> str | None:
+    """Why the kernel cannot run attention of this shape, or None when it can."""
+    if heads.head_dim % LANES:
+        return f"head_dim {heads.head_dim} (the kernel needs a multiple of {LANES})"
+    if heads.n_heads % heads.n_kv_heads:
+        return f"{heads.n_heads} query heads do not divide into {heads.n_kv_heads} key/value heads"
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def rope_frequencies(head_dim: int, base: float) -> mx.array:
+    """float32 [head_dim / 2]: base ** (-2 i / head_dim), the rotation speed of dims i and i + head_dim / 2."""
+    freqs = mx.power(mx.array(base, mx.float32), -mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)
+    mx.eval(freqs)
+    return freqs
+
+
+_checked: set[tuple] = set()
+
+
+def check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
+                 values: mx.array, heads: Heads, block: int) -> None:
+    """Shapes and dtypes the kernel assumes, checked in Python (a bad launch would abort the process); a
+    combination seen before is not checked again (decode repeats one)."""
+    key = (qkv.shape, qkv.dtype, bias is not None and (bias.shape, bias.dtype), inv_freq.shape, inv_freq.dtype,
+           slots.shape, slots.dtype, keys.shape, keys.dtype, values.shape, values.dtype, heads, block)
+    if key in _checked:
+        return
+    reason = support_reason(heads)
+    if reason:
+        raise UnsupportedKernelConfig(reason)
+    kv, hd = heads.n_kv_heads, heads.head_dim
+    if qkv.shape[-1:] != (heads.width,) or any(n != 1 for n in qkv.shape[:-1]):
+        raise UnsupportedKernelConfig(f"qkv has shape {tuple(qkv.shape)}, expected one token's ({heads.width},)")
+    if bias is not None and (bias.shape != (heads.width,) or bias.dtype != qkv.dtype):
+        raise UnsupportedKernelConfig(f"qkv bias {tuple(bias.shape)} {bias.dtype}: expected ({heads.width},) "
+                                      f"{qkv.dtype}")
+    if inv_freq.shape != (hd // 2,) or inv_freq.dtype != mx.float32:
+        raise UnsupportedKernelConfig(f"inv_freq {tuple(inv_freq.shape)} {inv_freq.dtype}: expected "
+                                      f"({hd // 2},) float32")
+    if slots.shape != (2,) or slots.dtype != mx.int32:
+        raise UnsupportedKernelConfig(f"slots {tuple(slots.shape)} {slots.dtype}: expected (2,) int32 [P, CAP]")
+    for name, a in (("keys", keys), ("values", values)):
+        if a.ndim != 4 or a.shape[1] != kv or a.shape[3] != hd or a.dtype != qkv.dtype:
+            raise UnsupportedKernelConfig(f"cached {name} {tuple(a.shape)} {a.dtype}: expected (N, {kv}, CAP, {hd}) "
+                                          f"{qkv.dtype}")
+    if keys.shape != values.shape or keys.size >= 2**31:
+        raise UnsupportedKernelConfig(f"cached keys {tuple(keys.shape)} and values {tuple(values.shape)}: expected "
+                                      "one shape under 2**31 elements")
+    if not 0 <= block < keys.shape[0]:
+        raise UnsupportedKernelConfig(f"cache block {block} is outside the {keys.shape[0]} blocks of the buffers")
+    _checked.add(key)
+
+
+_blocks: dict[int, mx.array] = {}
+
+
+def block_array(block: int) -> mx.array:
+    """int32 [block], one array per value: the same layer asks for it every step."""
+    if block not in _blocks:
+        _blocks[block] = mx.array([block], dtype=mx.int32)
+    return _blocks[block]
+
+
+def gpu_decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
+                         keys: mx.array, values: mx.array, heads: Heads, block: int = 0,
+                         write: bool = False) -> tuple[mx.array, mx.array, mx.array]:
+    """The kernel on `backend` (see decode_attention)."""
+    kv, hd = heads.n_kv_heads, heads.head_dim
+    lead = tuple(qkv.shape[:-1])
+    return tuple(fused_kernel.built_kernel(backend, ATTENTION)(
+        inputs=[qkv, bias if bias is not None else qkv, inv_freq, slots, keys, values, block_array(block)],
+        template=[("T", qkv.dtype), ("H", heads.n_heads), ("KV", kv), ("HD", hd), ("BIAS", bias is not None),
+                  ("W", WARPS_PER_HEAD), ("WRITE", write)],
+        grid=(LANES, heads.n_heads * WARPS_PER_HEAD, 1), threadgroup=(LANES, WARPS_PER_HEAD, 1),
+        output_shapes=[(*lead, heads.n_heads * hd), (1, kv, 1, hd), (1, kv, 1, hd)],
+        output_dtypes=[qkv.dtype] * 3,
+    ))
+
+
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Rotate-half RoPE of float32 rows [..., hd], rounded to `dtype` and back to float32."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(dtype).astype(mx.float32)
+
+
+def reference_decode_attention(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
+                               keys: mx.array, values: mx.array, heads: Heads,
+                               block: int = 0) -> tuple[mx.array, mx.array, mx.array]:
+    """The kernel's arithmetic with MLX ops; the position may be a traced array (a compiled step), so the
+    cache is masked past it rather than sliced."""
+    h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
+    dtype, lead = qkv.dtype, tuple(qkv.shape[:-1])
+    x = qkv.reshape(-1)
+    if bias is not None:
+        x = x + bias
+    x = x.astype(mx.float32)
+    theta = slots[0].astype(mx.float32) * inv_freq
+    cos, sin = mx.cos(theta), mx.sin(theta)
+    q = _rotate(x[: h * hd].reshape(kv, h // kv, hd), cos, sin, dtype) * (hd**-0.5)
+    k = _rotate(x[h * hd : (h + kv) * hd].reshape(kv, 1, hd), cos, sin, dtype)
+    v = x[(h + kv) * hd :].reshape(kv, 1, hd)
+    past = mx.arange(keys.shape[2], dtype=mx.int32) < slots[0]
+    cached_k = keys[block].astype(mx.float32)  # [KV, CAP, HD]
+    cached_v = mx.where(past[:, None], values[block].astype(mx.float32), 0.0)  # unwritten slots never reach the sum
+    scores = mx.where(past, q @ cached_k.transpose(0, 2, 1), -mx.inf)  # [KV, group, CAP]
+    scores = mx.concatenate([scores, (q * k).sum(axis=-1, keepdims=True)], axis=-1)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    out = probs[..., :-1] @ cached_v + probs[..., -1:] * v
+    new = (a.reshape(1, kv, 1, hd).astype(dtype) for a in (k, v))
+    return (out.reshape(*lead, h * hd).astype(dtype), *new)
+
+
+def decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
+                     keys: mx.array, values: mx.array, heads: Heads, block: int = 0,
+                     write: bool = False) -> tuple[mx.array, mx.array, mx.array]:
+    """One new token's attention on `backend`: (output [..., H * HD] in qkv's dtype, its rotated key and its
+    value [1, KV, 1, HD] for the cache).
+
+    qkv [..., (H + 2 KV) * HD] is the stacked projection without its bias (leading axes all 1, kept in the
+    output); bias the stacked bias or None; inv_freq from rope_frequencies; slots int32 [P, CAP]: the token's
+    position P and the slots CAP of the cache buffers keys / values [N, KV, CAP, HD], whose block `block`
+    holds this layer's cache: its first P slots the earlier tokens' rotated keys and values (one pair of
+    buffers can hold every layer's cache, moebench.decode.cache.StaticCache). With `write` the GPU kernel also
+    stores the key and value at slot P of that block, in place: MLX does not see the buffers change, so
+    only a cache that orders every reader of the slot after this step may ask (StaticCache.kernel_writes),
+    and its buffers must be whole row-contiguous arrays (MLX hands a kernel a copy of any other input, and
+    the write would land in the copy): a StaticCache's are (zeros, then its updates' outputs).
+    """
+    check_inputs(qkv, bias, inv_freq, slots, keys, values, heads, block)
+    if backend in GPU_BACKENDS:
+        return gpu_decode_attention(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=write)
+    if backend != "reference":
+        raise UnsupportedKernelConfig(f"unknown fused backend {backend!r} (metal, cuda or reference)")
+    if write:
+        raise UnsupportedKernelConfig("the reference attention returns new arrays: it cannot write the cache in place")
+    return reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads, block)

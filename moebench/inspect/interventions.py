@@ -1,0 +1,61 @@
+"""Set, read and clear per-layer interventions (routing.Intervention) on a model's MoE blocks.
+
+An intervention stays on its block for every following forward call (the rest of a decode, the
+next tokens of a Stepper) until cleared; clearing sets the block back to exactly the baseline code
+path, so outputs return to the baseline bitwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+from ..models.routing import Intervention, InterventionError
+
+Interventions = Mapping[int, Intervention] | Intervention
+
+
+def _per_layer(model, interventions: Interventions) -> dict[int, Intervention]:
+    """A single Intervention means every MoE layer; a mapping names layers. Validated before any is set."""
+    blocks = model.moe_blocks()
+    chosen = {i: interventions for i in blocks} if isinstance(interventions, Intervention) else dict(interventions)
+    for layer, intervention in chosen.items():
+        if layer not in blocks:
+            raise InterventionError(f"layer {layer!r} is not a MoE layer (MoE layers: {sorted(blocks)})")
+        if not isinstance(intervention, Intervention):
+            kind = type(intervention).__name__
+            raise InterventionError(f"layer {layer}: expected a moebench.Intervention, got {kind}")
+        intervention.validate(blocks[layer].experts.num_experts)
+    return chosen
+
+
+def set_interventions(model, interventions: Interventions) -> None:
+    """Put interventions on layers (others keep theirs); all are checked first, so a bad one sets none."""
+    for layer, intervention in _per_layer(model, interventions).items():
+        model.moe_blocks()[layer].intervention = intervention
+
+
+def clear_interventions(model, layers: list[int] | None = None) -> None:
+    """Remove the interventions of `layers` (default: every MoE layer)."""
+    blocks = model.moe_blocks()
+    for layer in blocks if layers is None else layers:
+        if layer not in blocks:
+            raise InterventionError(f"layer {layer!r} is not a MoE layer (MoE layers: {sorted(blocks)})")
+        blocks[layer].intervention = None
+
+
+def active_interventions(model) -> dict[int, Intervention]:
+    """{layer: intervention} for every MoE layer that has one."""
+    return {i: b.intervention for i, b in model.moe_blocks().items() if b.intervention is not None}
+
+
+@contextmanager
+def intervene(model, interventions: Interventions) -> Iterator[None]:
+    """Apply interventions inside a `with` block, then restore exactly the ones there were before."""
+    before = {i: b.intervention for i, b in model.moe_blocks().items()}
+    set_interventions(model, interventions)
+    try:
+        yield
+    finally:
+        for i, b in model.moe_blocks().items():
+            b.intervention = before[i]

@@ -1,0 +1,428 @@
+"""Step-wise decoding with recorded internals: the engine behind the notebooks.
+
+    stepper = Stepper(model, tokenizer, "def add(a, b):", record=True)
+    for step in stepper: ...                  # prompt records, then one record per generated token
+    trace = Stepper(model, tokenizer, ids).run(16)   # the synchronous twin, for scripts and CI
+
+What a record holds is what the forward pass computed: the model hands its internals to a Recorder
+(names from moebench.inspect.hooks) while the graph is built, and they are evaluated together with the
+logits, never recomputed. With recording off the model does no extra work.
+
+The stepper builds step n+1 while step n evaluates (like `decode.generate`). Changes a caller makes
+between tokens (fused switch, interventions, `record`) still apply to the very next token: the
+speculative step remembers the state it was built under and is rolled back (KV cache, sampling key,
+dispatch counters) and rebuilt when that state changed or the caller feeds a different token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..decode.cache import make_cache
+from ..decode.loop import GenerationResult, Sampling, sample
+from ..errors import MoebenchError
+from ..execution.dispatch import Decision, fused_moe, fused_moe_enabled
+from ..models.routing import Intervention
+from . import hooks
+
+
+class Recorder:
+    """Collects the named internals of one forward pass; attach with `recording(model)`."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, object] = {}
+
+    def __call__(self, name: str, value: object) -> None:
+        self.values[name] = value
+
+    def arrays(self) -> list[mx.array]:
+        return [v for v in self.values.values() if isinstance(v, mx.array)]
+
+
+@contextmanager
+def recording(model, recorder: Recorder | None = None) -> Iterator[Recorder]:
+    """Attach a recorder for the forward calls inside the block (graph building), then detach it."""
+    recorder = recorder if recorder is not None else Recorder()
+    before = model.recorder
+    model.recorder = recorder
+    try:
+        yield recorder
+    finally:
+        model.recorder = before
+
+
+def _numpy(value: mx.array | None) -> np.ndarray | None:
+    if value is None:
+        return None
+    if mx.issubdtype(value.dtype, mx.floating) and value.dtype != mx.float32:
+        value = value.astype(mx.float32)  # numpy has no bfloat16; the upcast is exact
+    return np.array(value)
+
+
+@dataclass
+class LayerRecord:
+    """One MoE layer at one token position. Fields are named after the hook names (moebench.inspect.hooks).
+
+    topk_ids, topk_scores and expert_out are ordered by score, highest first (the router itself
+    returns them unordered). expert_out is each selected expert's own output before weighting,
+    float32 on the fused path and the activation dtype (upcast here) on the fallback. shared_out and
+    shared_gate are None when the layer has no shared expert or an intervention switched it off.
+    """
+
+    layer: int
+    router_logits: np.ndarray
+    router_probs: np.ndarray
+    topk_ids: np.ndarray
+    topk_scores: np.ndarray
+    expert_out: np.ndarray
+    routed_out: np.ndarray
+    shared_out: np.ndarray | None
+    shared_gate: float | None
+    block_out: np.ndarray
+    resid_pre: np.ndarray
+    resid_mid: np.ndarray
+    resid_post: np.ndarray
+    path: Decision
+    attn_path: Decision | None = None  # the layer's attention (kernel or MLX ops); None without a KV cache
+
+    @property
+    def resid_mid_norm(self) -> float:
+        """L2 norm of the residual stream entering the MoE block."""
+        return float(np.linalg.norm(self.resid_mid))
+
+    @property
+    def resid_post_norm(self) -> float:
+        """L2 norm of the residual stream leaving the MoE block (and the layer)."""
+        return float(np.linalg.norm(self.resid_post))
+
+
+class Candidate(NamedTuple):
+    token_id: int
+    text: str | None
+    prob: float
+
+
+@dataclass
+class StepRecord:
+    """One token position of a decode.
+
+    The internals (`layers`) are those computed on `input_id` at `position`; `candidates` and
+    `token_id` are this position's prediction. Prompt positions before the last have token_id None
+    (the next prompt token follows, not a choice). `seconds` is the time spent inside the call that
+    produced the record: the whole prefill for prompt records, one step for decode records.
+    """
+
+    index: int
+    phase: str
+    position: int
+    input_id: int
+    input_text: str | None
+    token_id: int | None
+    token_text: str | None
+    candidates: list[Candidate]
+    seconds: float
+    fused_switch: bool
+    interventions: dict[int, Intervention]
+    layers: dict[int, LayerRecord] = field(default_factory=dict)
+    logits: np.ndarray | None = None
+
+
+@dataclass
+class Trace:
+    """Every record of one decode, prompt positions first, with wall-clock timings like decode.generate."""
+
+    prompt_ids: list[int]
+    steps: list[StepRecord] = field(default_factory=list)
+    prompt_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill(self) -> list[StepRecord]:
+        return [s for s in self.steps if s.phase == "prefill"]
+
+    @property
+    def generated(self) -> list[StepRecord]:
+        """The records that chose a token: the last prompt position, then every decode step."""
+        return [s for s in self.steps if s.token_id is not None]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [s.token_id for s in self.generated]
+
+    @property
+    def text(self) -> str:
+        return "".join(s.token_text or "" for s in self.generated)
+
+    def result(self) -> GenerationResult:
+        """The trace as decode.generate reports a decode, with the same tok/s definitions."""
+        return GenerationResult(self.prompt_ids, self.token_ids, self.prompt_seconds, self.decode_seconds)
+
+    @property
+    def decode_tps(self) -> float:
+        return self.result().decode_tps
+
+
+@dataclass
+class _Pending:
+    """A step whose graph is built (and possibly evaluating) but not yet handed to the caller."""
+
+    inputs: list[int] | None  # None while the fed token is still the lazy choice of the step before
+    tokens: mx.array
+    position: int
+    next_token: mx.array
+    logits: mx.array
+    top: tuple[mx.array, mx.array] | None
+    recorded: dict[str, object] | None
+    state: tuple
+    key_before: mx.array | None
+    decisions: tuple[Decision, ...]
+
+
+class Stepper:
+    """Decode a prompt one token at a time, recording internals when `record` is set.
+
+    prompt: text (needs the tokenizer) or token ids. sampling: as decode.generate (greedy by default).
+    top: how many next-token candidates each record lists. keep_logits: store each record's full
+    next-token logits. fused: force the fused switch on/off for this stepper's forward calls (None
+    follows the global switch). max_tokens: stop after this many generated tokens (None: only at a
+    stop id). pipeline: build the next step while the current one evaluates.
+    `record`, the global fused switch and the blocks' interventions may change between any two steps.
+    """
+
+    def __init__(self, model, tokenizer=None, prompt: str | list[int] = "", *, record: bool = False,
+                 sampling: Sampling | None = None, top: int = 5, keep_logits: bool = False,
+                 fused: bool | None = None, max_tokens: int | None = None,
+                 stop_ids: tuple[int, ...] | None = None, pipeline: bool = True):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise MoebenchError("a text prompt needs a tokenizer; pass token ids instead")
+            prompt_ids = tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        if not prompt_ids:
+            raise MoebenchError("the prompt is empty: give at least one token")
+        vocab = model.args.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise MoebenchError(f"prompt token id {bad[0]} is outside the model's vocabulary 0..{vocab - 1}")
+        if top < 0 or top > vocab:
+            raise MoebenchError(f"top must be between 0 and the vocabulary size {vocab}, got {top}")
+        self.model, self.tokenizer = model, tokenizer
+        sampling = sampling or Sampling()
+        self.record, self.sampling, self.top, self.keep_logits = record, sampling, top, keep_logits
+        self.fused, self.max_tokens, self.pipeline = fused, max_tokens, pipeline
+        self.stop_ids = tuple(model.args.eos_token_id if stop_ids is None else stop_ids)
+        self.trace = Trace(prompt_ids)
+        self._blocks = model.moe_blocks()
+        self._counters = model.dispatch_counters()
+        self._cache = make_cache(len(model.layers))
+        self._key = mx.random.key(sampling.seed) if sampling.seed is not None else None
+        self._pending: _Pending | None = None
+        self._last_token: int | None = None
+        self._generated = 0
+        self._first_token_at: float | None = None
+        self.done = False
+
+    # -- the state a built step depends on -------------------------------------------------------
+    def _switch(self) -> bool:
+        return fused_moe_enabled() if self.fused is None else self.fused
+
+    def _state(self) -> tuple:
+        return self._switch(), self.record, tuple(b.intervention for b in self._blocks.values())
+
+    def _text(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    # -- building, rolling back and finishing steps -----------------------------------------------
+    def _build(self, tokens: mx.array, inputs: list[int] | None) -> _Pending:
+        key_before, sub = self._key, None
+        if self._key is not None:
+            self._key, sub = mx.random.split(self._key)
+        recorder = Recorder() if self.record else None
+        position = self._cache[0].offset
+        # Context managers only where they change something: this is the per-token hot path.
+        with fused_moe(self.fused) if self.fused is not None else nullcontext():
+            with recording(self.model, recorder) if recorder is not None else nullcontext():
+                logits = self.model(tokens[None], self._cache)[0]
+        next_token = sample(logits[-1:], self.sampling, sub)[0]
+        top = None
+        if self.top:
+            ids = mx.argpartition(-logits, kth=self.top - 1, axis=-1)[:, : self.top]
+            picked = mx.take_along_axis(logits, ids, axis=-1).astype(mx.float32)
+            top = ids, mx.exp(picked - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True))
+        # Each block and attention layer decided once in this forward; a rollback takes exactly those
+        # decisions back out of the counters (another stepper on the same model may have counted since).
+        decisions = tuple(c.last for c in self._counters)
+        pending = _Pending(inputs, tokens, position, next_token, logits, top,
+                           recorder.values if recorder else None, self._state(), key_before, decisions)
+        mx.async_eval(next_token, logits, *(top or ()), *(recorder.arrays() if recorder else ()))
+        return pending
+
+    def _rollback(self, pending: _Pending) -> None:
+        """Undo a speculative step: rewind the KV cache, the sampling key and the dispatch counters."""
+        for c in self._cache:
+            c.offset -= pending.tokens.size
+        self._key = pending.key_before
+        for counter, decision in zip(self._counters, pending.decisions, strict=True):
+            counter.uncount(decision)
+
+    def _speculate(self, pending: _Pending) -> _Pending | None:
+        """Build the step after `pending` from its (still lazy) chosen token."""
+        if not self.pipeline or (self.max_tokens is not None and self._generated + 1 >= self.max_tokens):
+            return None
+        return self._build(pending.next_token.reshape(1).astype(mx.uint32), None)
+
+    def _finish(self, pending: _Pending, phase: str) -> list[StepRecord]:
+        """Wait for a step and turn what it computed into records, one per input position."""
+        token_id = pending.next_token.item()
+        if self._pending is not None:
+            self._pending.inputs = [token_id]
+        inputs = pending.inputs
+        start = len(self.trace.steps)
+        top_ids = top_probs = None
+        if pending.top is not None:
+            top_ids, top_probs = pending.top[0].tolist(), pending.top[1].tolist()
+        logits = _numpy(pending.logits) if self.keep_logits else None
+        layers = _layer_records(pending.recorded) if pending.recorded is not None else [{}] * len(inputs)
+        switch = pending.state[0]
+        interventions = {i: v for i, v in zip(self._blocks, pending.state[2], strict=True) if v is not None}
+        records = []
+        for j, input_id in enumerate(inputs):
+            last = j == len(inputs) - 1
+            candidates = []
+            if top_ids is not None:
+                ranked = sorted(zip(top_ids[j], top_probs[j], strict=True), key=lambda c: -c[1])
+                candidates = [Candidate(t, self._text(t), p) for t, p in ranked]
+            records.append(StepRecord(
+                index=start + j, phase=phase, position=pending.position + j, input_id=input_id,
+                input_text=self._text(input_id), token_id=token_id if last else None,
+                token_text=self._text(token_id) if last else None, candidates=candidates, seconds=0.0,
+                fused_switch=switch, interventions=interventions, layers=layers[j],
+                logits=None if logits is None else logits[j],
+            ))
+        return records
+
+    def _accept(self, records: list[StepRecord]) -> None:
+        self.trace.steps.extend(records)
+        self._generated += 1
+        now = time.perf_counter()
+        if self._first_token_at is None:
+            self._first_token_at = now
+        else:
+            self.trace.decode_seconds = now - self._first_token_at
+        token = records[-1].token_id
+        self._last_token = token
+        if token in self.stop_ids or (self.max_tokens is not None and self._generated >= self.max_tokens):
+            self.close()
+
+    # -- the public stepping API -------------------------------------------------------------------
+    @property
+    def prefilled(self) -> bool:
+        return bool(self.trace.steps)
+
+    def prefill(self) -> list[StepRecord]:
+        """Run the prompt; one record per prompt token, the last carrying the first generated token."""
+        if self.prefilled:
+            raise MoebenchError("prefill already ran for this stepper")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise MoebenchError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        start = time.perf_counter()
+        prompt = self.trace.prompt_ids
+        pending = self._build(mx.array(prompt, dtype=mx.uint32), list(prompt))
+        self._pending = self._speculate(pending)
+        records = self._finish(pending, "prefill")
+        seconds = time.perf_counter() - start
+        for r in records:
+            r.seconds = seconds
+        self.trace.prompt_seconds = seconds
+        self._accept(records)
+        return records
+
+    def step(self, feed: int | None = None) -> StepRecord:
+        """One decode step: feed the last chosen token (or `feed`, for teacher forcing); return its record."""
+        if not self.prefilled:
+            raise MoebenchError("call prefill() before step() (iterating the stepper does both)")
+        if self.done:
+            raise MoebenchError("the decode has finished (stop token or max_tokens); start a new Stepper")
+        fed = self._last_token if feed is None else int(feed)
+        if not 0 <= fed < self.model.args.vocab_size:
+            raise MoebenchError(f"feed token id {fed} is outside the vocabulary 0..{self.model.args.vocab_size - 1}")
+        start = time.perf_counter()
+        pending, self._pending = self._pending, None
+        if pending is not None and (fed != self._last_token or pending.state != self._state()):
+            self._rollback(pending)
+            pending = None
+        if pending is None:
+            pending = self._build(mx.array([fed], dtype=mx.uint32), [fed])
+        self._pending = self._speculate(pending)
+        records = self._finish(pending, "decode")
+        records[0].seconds = time.perf_counter() - start
+        self._accept(records)
+        return records[0]
+
+    def __iter__(self) -> Iterator[StepRecord]:
+        """Yield the prompt records, then one record per generated token until a stop id or max_tokens."""
+        if not self.prefilled:
+            yield from self.prefill()
+        while not self.done:
+            yield self.step()
+
+    def run(self, n: int) -> Trace:
+        """Generate up to n tokens (counting the one prefill chooses) synchronously; returns the trace."""
+        if n < 1:
+            raise MoebenchError(f"n must be at least 1, got {n}")
+        target = self._generated + n
+        if self.max_tokens is None or self.max_tokens > target:
+            self.max_tokens = target
+        if not self.prefilled:
+            self.prefill()
+        while not self.done:
+            self.step()
+        return self.trace
+
+    def close(self) -> None:
+        """Drop a speculative step (restoring the dispatch counters) and end the decode."""
+        if self._pending is not None:
+            self._rollback(self._pending)
+            self._pending = None
+        self.done = True
+
+
+def decode(model, tokenizer=None, prompt: str | list[int] = "", n: int = 16, **options) -> Trace:
+    """Stepper(model, tokenizer, prompt, **options).run(n): a whole decode in one call."""
+    return Stepper(model, tokenizer, prompt, **options).run(n)
+
+
+def _layer_records(values: dict[str, object]) -> list[dict[int, LayerRecord]]:
+    """Split one forward's recorded internals [L, ...] into per-position {layer: LayerRecord}."""
+    by_layer: dict[int, dict[str, object]] = {}
+    for name, value in values.items():
+        layer, hook = hooks.parse(name)
+        by_layer.setdefault(layer, {})[hook] = value
+    moe = {i: v for i, v in by_layer.items() if hooks.TOPK_IDS in v}
+    n = next(iter(moe.values()))[hooks.TOPK_IDS].shape[0] if moe else 0
+    out: list[dict[int, LayerRecord]] = [{} for _ in range(n)]
+    for layer, v in sorted(moe.items()):
+        arrays = {h: _numpy(v.get(h)) for h in hooks.MOE_HOOKS if h != hooks.PATH}
+        arrays.update({h: _numpy(v[h]).reshape(n, -1) for h in hooks.RESID_HOOKS})  # [B=1, L, D] -> [L, D]
+        order = np.argsort(-arrays[hooks.TOPK_SCORES], axis=-1, kind="stable")
+        arrays[hooks.TOPK_IDS] = np.take_along_axis(arrays[hooks.TOPK_IDS].astype(np.int64), order, axis=-1)
+        arrays[hooks.TOPK_SCORES] = np.take_along_axis(arrays[hooks.TOPK_SCORES], order, axis=-1)
+        arrays[hooks.EXPERT_OUT] = np.take_along_axis(arrays[hooks.EXPERT_OUT], order[..., None], axis=1)
+        for j in range(n):
+            gate = arrays[hooks.SHARED_GATE]
+            out[j][layer] = LayerRecord(
+                layer=layer,
+                **{h: (None if arrays[h] is None else arrays[h][j]) for h in arrays if h != hooks.SHARED_GATE},
+                shared_gate=None if gate is None else float(gate[j, 0]),
+                path=v[hooks.PATH],
+                attn_path=v.get(hooks.ATTN_PATH),
+            )
+    return out

@@ -1,0 +1,95 @@
+"""Router top-k selection, shared by every MoE family, and the per-layer interventions it honours.
+
+Softmax runs in float32 over all experts; the top-k come back unordered (argpartition, as mlx-lm
+does) and are renormalised only when the family asks for it. Interventions change the selection
+for the rest of a decode and are cleared by setting the block's intervention back to None.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..errors import MoebenchError
+
+
+class InterventionError(MoebenchError, ValueError):
+    """An intervention that cannot apply to the layer it was set on (bad expert id, top_k, ...)."""
+
+
+@dataclass(frozen=True)
+class Intervention:
+    """What to change in one MoE layer. The default instance changes nothing.
+
+    force_experts: use exactly these expert ids (scores = their router probabilities, renormalised
+        when the family renormalises).
+    ablate: experts that may not be selected. With `renormalize_ablation`, the softmax is taken over
+        the remaining experts only (and the recorded router_probs are those renormalised ones);
+        without it, the kept experts keep their original probabilities.
+    top_k: select this many experts instead of the config's num_experts_per_tok.
+    shared_expert: False switches the shared expert off.
+    shared_gate_scale: multiplies the shared expert's sigmoid gate.
+    """
+
+    force_experts: tuple[int, ...] | None = None
+    ablate: tuple[int, ...] = ()
+    renormalize_ablation: bool = False
+    top_k: int | None = None
+    shared_expert: bool = True
+    shared_gate_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        # Lists are accepted and stored as tuples, so interventions compare and hash by value.
+        if self.force_experts is not None:
+            object.__setattr__(self, "force_experts", tuple(self.force_experts))
+        object.__setattr__(self, "ablate", tuple(self.ablate))
+
+    def validate(self, num_experts: int) -> None:
+        """Raise InterventionError when this intervention cannot apply to a layer of `num_experts`."""
+        ids = list(self.force_experts or ()) + list(self.ablate)
+        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_experts]
+        if bad:
+            raise InterventionError(f"intervention names expert {bad[0]!r}, valid ids are 0..{num_experts - 1}")
+        if self.force_experts is not None:
+            if not self.force_experts:
+                raise InterventionError("force_experts must name at least one expert")
+            if len(set(self.force_experts)) != len(self.force_experts):
+                raise InterventionError(f"force_experts {self.force_experts} names an expert twice")
+            if set(self.force_experts) & set(self.ablate):
+                raise InterventionError(f"force_experts {self.force_experts} includes ablated {self.ablate}")
+            if self.top_k is not None:
+                raise InterventionError("set force_experts or top_k, not both (forcing fixes the count)")
+        selectable = num_experts - len(set(self.ablate))
+        k = self.top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= selectable):
+            raise InterventionError(f"top_k {k!r} must be between 1 and the {selectable} selectable experts")
+        if not math.isfinite(self.shared_gate_scale):
+            raise InterventionError(f"shared_gate_scale must be finite, got {self.shared_gate_scale}")
+
+
+def route(
+    router_logits: mx.array, top_k: int, norm_topk_prob: bool, intervention: Intervention | None = None
+) -> tuple[mx.array, mx.array, mx.array]:
+    """router logits [N, E] -> (probabilities [N, E] f32, expert ids [N, K] uint32, scores [N, K] f32)."""
+    logits = router_logits.astype(mx.float32)
+    probs = mx.softmax(logits, axis=-1, precise=True)
+    select_from = probs
+    if intervention is not None and intervention.ablate:
+        mask = mx.zeros((probs.shape[-1],), dtype=mx.bool_)
+        mask[list(intervention.ablate)] = True
+        if intervention.renormalize_ablation:
+            probs = mx.softmax(mx.where(mask, -mx.inf, logits), axis=-1, precise=True)
+        select_from = mx.where(mask, -1.0, probs)
+    if intervention is not None and intervention.force_experts is not None:
+        ids = mx.array(intervention.force_experts, dtype=mx.uint32)
+        inds = mx.broadcast_to(ids, (probs.shape[0], ids.size))
+    else:
+        k = intervention.top_k if intervention is not None and intervention.top_k else top_k
+        # Selection is discrete: stop_gradient so autodiff (training) flows through the scores only.
+        inds = mx.stop_gradient(mx.argpartition(-select_from, kth=k - 1, axis=-1)[..., :k].astype(mx.uint32))
+    scores = mx.take_along_axis(probs, inds, axis=-1)
+    if norm_topk_prob:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    return probs, inds, scores

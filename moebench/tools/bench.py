@@ -1,0 +1,422 @@
+"""moebench bench: decode speed of moebench fused vs fallback vs mlx-lm on one checkpoint, side by side.
+
+Every arm decodes greedily from the same prompt ids for the same number of tokens. One untimed pass per
+arm warms it up and records its greedy trace with logits; then the timed repeats run interleaved (the
+arm order rotates each repeat) so machine noise hits every arm alike. Per arm: prompt tok/s, time to
+first token, decode tok/s (tokens after the first over the time after the first), peak memory, the MoE
+dispatch counts, and whether its greedy tokens equal the reference arm's (first divergence and the
+reference's logit margin there otherwise). selfcheck reuses this timing code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from tqdm.auto import tqdm
+
+from ..checkpoint.loader import default_model_path, load
+from ..decode.loop import COMPILED_BY_DEFAULT, STEPS_AHEAD, GenerationResult, generate_tokens
+from ..errors import MoebenchError
+from ..execution.dispatch import available_backend, fused_moe
+
+SCHEMA = "moebench.tools.bench/1"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+TokenStream = Callable[[list[int], int], Iterator[tuple[int, mx.array]]]
+
+
+@dataclass
+class Arm:
+    """One way of decoding: a token stream (token id, logits or log-probabilities of that step)."""
+
+    name: str
+    engine: str  # 'moebench' or 'mlx-lm'
+    loop: str  # 'moebench' (decode.generate_tokens), 'stream_generate' or 'generate_step'
+    experts: str  # what computes the routed experts: a fused backend or 'gather_qmm'
+    dtype: str
+    stream: TokenStream
+    model: object = None  # a moebench model, whose dispatch counters are read per run
+    note: str = ""
+
+
+@dataclass
+class Run(GenerationResult):
+    """One timed decode: GenerationResult's timings (prompt_seconds is the time to the first token) plus
+    memory, dispatch counts and, in the untimed trace pass, every step's logits."""
+
+    peak_bytes: int = 0  # MLX's peak over the run, every resident array included
+    start_bytes: int = 0  # MLX's active memory when the run began (weights of every loaded model)
+    dispatch: dict | None = None
+    logits: list[np.ndarray] | None = None
+
+
+@dataclass
+class ArmResult:
+    arm: Arm
+    trace: Run  # the untimed warm-up pass, with logits
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def deterministic(self) -> bool:
+        """Every timed repeat decoded the warm-up pass's tokens."""
+        return all(r.token_ids == self.trace.token_ids for r in self.runs)
+
+
+def summary(values: list[float]) -> dict:
+    """mean, sample sd, median, min, max and the values themselves."""
+    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def moebench_dispatch(model) -> dict:
+    """MoE dispatch counts summed over the layers: fused runs per backend, fallbacks, decline reasons, and
+    what the fused path ran beside the kernels (notes, layers per note); under 'attention' the same counts
+    of the decode-attention kernel."""
+    fused, reasons, notes, fallback = Counter(), Counter(), Counter(), 0
+    blocks = model.moe_blocks()
+    for block in blocks.values():
+        fused.update(block.dispatch.fused)
+        reasons.update(block.dispatch.reasons)
+        notes.update(block.dispatch.notes)
+        fallback += block.dispatch.fallback
+    attention = [layer.self_attn.dispatch for layer in model.layers]
+    return {"moe_layers": len(blocks), "fused": dict(fused), "fallback": fallback, "reasons": dict(reasons),
+            "notes": dict(notes),
+            "attention": {"layers": len(attention), "fused": dict(sum((c.fused for c in attention), Counter())),
+                          "fallback": sum(c.fallback for c in attention),
+                          "reasons": dict(sum((c.reasons for c in attention), Counter()))}}
+
+
+def float_dtype(model) -> str:
+    """The dtype of a model's first floating-point parameter (its activation dtype in both engines)."""
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return str(value.dtype).replace("mlx.core.", "")
+    return "none"
+
+
+def _reset_dispatch(model) -> None:
+    for counter in model.dispatch_counters():
+        counter.reset()
+
+
+def timed_run(arm: Arm, prompt_ids: list[int], gen_tokens: int, keep_logits: bool = False) -> Run:
+    """Decode once and time it; with keep_logits (the untimed trace pass) keep every step's logits."""
+    if arm.model is not None:
+        _reset_dispatch(arm.model)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    start_bytes = mx.get_active_memory()
+    tokens, logits, first = [], [] if keep_logits else None, None
+    start = time.perf_counter()
+    for tid, step_logits in arm.stream(prompt_ids, gen_tokens):
+        if first is None:
+            first = time.perf_counter()
+        tokens.append(int(tid))
+        if keep_logits:
+            logits.append(np.array(step_logits.reshape(-1).astype(mx.float32)))
+    end = time.perf_counter()
+    mx.synchronize()
+    first = end if first is None else first
+    return Run(list(prompt_ids), tokens, first - start, end - first, mx.get_peak_memory(), start_bytes,
+               moebench_dispatch(arm.model) if arm.model is not None else None, logits)
+
+
+def run_arms(arms: list[Arm], prompt_ids: list[int], gen_tokens: int, repeats: int,
+             progress: bool = True) -> tuple[list[ArmResult], list[dict]]:
+    """Warm up each arm with its trace pass, then `repeats` timed rounds, arms interleaved, order rotating.
+
+    Returns (results, failures): an arm whose warm-up raises (say, a GPU kernel that does not build on this
+    machine) is left out of the rounds and reported as {'arm', 'reason'}, so the other arms still run."""
+    if gen_tokens < 2:
+        raise MoebenchError(f"--gen-tokens {gen_tokens}: need at least 2 (decode speed counts tokens after the first)")
+    if repeats < 1:
+        raise MoebenchError(f"--repeats {repeats}: need at least 1")
+    bar = tqdm(total=len(arms) * (repeats + 1), unit="run", desc="bench", disable=not progress, file=sys.stderr)
+    results, failures = [], []
+    for arm in arms:
+        bar.set_postfix_str(f"warm-up {arm.name}")
+        try:
+            results.append(ArmResult(arm, timed_run(arm, prompt_ids, gen_tokens, keep_logits=True)))
+        except Exception as e:  # reported with its reason; the remaining arms still run
+            failures.append({"arm": arm.name, "reason": f"warm-up failed: {type(e).__name__}: {e}"})
+            print(f"arm {arm.name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        bar.update()
+    bar.total = len(arms) + repeats * len(results)
+    bar.refresh()
+    for r in range(repeats):
+        for i in range(len(results)):
+            result = results[(i + r) % len(results)]
+            bar.set_postfix_str(f"repeat {r + 1} {result.arm.name}")
+            result.runs.append(timed_run(result.arm, prompt_ids, gen_tokens))
+            bar.update()
+    bar.close()
+    return results, failures
+
+
+def compare_traces(reference: Run, other: Run) -> dict:
+    """Whether `other`'s greedy tokens equal `reference`'s; else the first divergence and the margin there:
+    reference logit of its own token minus reference logit of the other's token (a near-tie when small)."""
+    n = min(len(reference.token_ids), len(other.token_ids))
+    for i in range(n):
+        a, b = reference.token_ids[i], other.token_ids[i]
+        if a != b:
+            ref = reference.logits[i]
+            own = other.logits[i] if other.logits is not None else None
+            return {"identical": False, "first_divergence": i, "reference_token": a, "token": b,
+                    "margin": float(ref[a] - ref[b]),
+                    "own_margin": float(own[b] - own[a]) if own is not None else None}
+    if len(reference.token_ids) != len(other.token_ids):
+        return {"identical": False, "first_divergence": n, "reference_token": None, "token": None,
+                "margin": None, "own_margin": None}
+    return {"identical": True, "first_divergence": None, "margin": None}
+
+
+def moebench_arms(model, fused: str, compiled: str = "off") -> list[Arm]:
+    """The moebench arms: fallback (gather_qmm) and/or fused (the machine's backend: metal, cuda, reference),
+    each eager and/or through the compiled decode step (`fused` and `compiled` are 'on', 'off' or 'both')."""
+    dtype = float_dtype(model)
+    backend = available_backend()
+
+    def stream(on: bool, compile_step: bool) -> TokenStream:
+        def run(ids: list[int], n: int) -> Iterator[tuple[int, mx.array]]:
+            with fused_moe(on):
+                yield from generate_tokens(model, ids, n, compiled=compile_step)
+        return run
+
+    arms = []
+    for compile_step in [c for c in (False, True) if compiled == "both" or compiled == ("on" if c else "off")]:
+        loop, suffix = ("moebench compiled", " compiled") if compile_step else ("moebench", "")
+        for on in [f for f in (False, True) if fused == "both" or fused == ("on" if f else "off")]:
+            name, experts = (f"moebench fused ({backend})", backend) if on else ("moebench fallback", "gather_qmm")
+            arms.append(Arm(name + suffix, "moebench", loop, experts, dtype, stream(on, compile_step), model))
+    return arms
+
+
+def mlx_lm_model(path: Path) -> tuple[object | None, str | None]:
+    """mlx-lm's own model for a checkpoint folder (mlx_lm.utils.load_model), or (None, why it cannot)."""
+    try:
+        from mlx_lm.utils import load_model
+    except ImportError as e:
+        return None, f"mlx-lm is not installed ({e})"
+    try:
+        model, _ = load_model(Path(path))
+    except Exception as e:  # mlx-lm raises many kinds; any of them means it cannot run this folder
+        return None, f"mlx-lm cannot load {path}: {type(e).__name__}: {e}"
+    return model, None
+
+
+def mlx_lm_arms(path: Path) -> tuple[list[Arm], str | None]:
+    """mlx-lm on the same folder as its users run it (stream_generate when the folder has a tokenizer mlx-lm
+    loads, else generate_step), and its model under moebench's decode loop. ([], reason) where it cannot."""
+    try:
+        from mlx_lm.generate import generate_step, stream_generate
+        from mlx_lm.sample_utils import make_sampler
+        from mlx_lm.utils import load_tokenizer
+    except ImportError as e:
+        return [], f"mlx-lm is not installed ({e})"
+    model, reason = mlx_lm_model(path)
+    if model is None:
+        return [], reason
+    dtype = float_dtype(model)
+    greedy = make_sampler(temp=0.0)
+    tokenizer, why = None, "generate_step with a greedy sampler (no tokenizer files: stream_generate needs one)"
+    if any((Path(path) / f).exists() for f in TOKENIZER_FILES):
+        try:
+            tokenizer = load_tokenizer(Path(path))
+            tokenizer.eos_token_ids = []  # every arm decodes the same number of tokens
+        except Exception as e:
+            why = f"generate_step with a greedy sampler (mlx-lm cannot load the tokenizer: {type(e).__name__})"
+
+    if tokenizer is not None:
+        def users(ids: list[int], n: int) -> Iterator[tuple[int, mx.array]]:
+            for response in stream_generate(model, tokenizer, mx.array(ids), max_tokens=n, sampler=greedy):
+                yield response.token, response.logprobs
+        loop, why = "stream_generate", "stream_generate with a greedy sampler, EOS stop off"
+    else:
+        def users(ids: list[int], n: int) -> Iterator[tuple[int, mx.array]]:
+            yield from generate_step(mx.array(ids), model, max_tokens=n, sampler=greedy)
+        loop = "generate_step"
+
+    def own_loop(ids: list[int], n: int) -> Iterator[tuple[int, mx.array]]:
+        yield from generate_tokens(model, ids, n)
+
+    return [Arm(f"mlx-lm {loop}", "mlx-lm", loop, "gather_qmm", dtype, users, note=why),
+            Arm("mlx-lm model, moebench loop", "mlx-lm", "moebench", "gather_qmm", dtype, own_loop,
+                note="mlx-lm's model under moebench.decode.loop.generate_tokens")], None
+
+
+def prompt_token_ids(vocab_size: int, n: int, seed: int = 0) -> list[int]:
+    """A fixed pseudo-random prompt: bench works on token ids, so random checkpoints need no tokenizer."""
+    if n < 1:
+        raise MoebenchError(f"--prompt-tokens {n}: need at least 1")
+    return np.random.default_rng(seed).integers(0, vocab_size, size=n).tolist()
+
+
+def platform_info() -> dict:
+    """MLX version, device and backend, host, and the versions a result depends on."""
+    info = {"mlx": mx.__version__, "device": str(mx.default_device()), "backend": available_backend(),
+            "python": platform.python_version(), "host": platform.platform(), "machine": platform.machine()}
+    try:
+        info["device_info"] = {k: v for k, v in mx.device_info().items() if isinstance(v, (str, int, float))}
+    except (AttributeError, RuntimeError) as e:
+        info["device_info"] = {"error": str(e)}
+    try:
+        from importlib.metadata import version
+        info["mlx_lm"] = version("mlx-lm")
+    except Exception:
+        info["mlx_lm"] = None
+    # MLX runtime settings from the environment (say, MLX_MAX_OPS_PER_BUFFER): they apply to every arm
+    info["mlx_environment"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}
+    # and moebench's own (say, MOEBENCH_NORM_KERNELS): they apply to every moebench arm
+    info["moebench_environment"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOEBENCH_")}
+    return info
+
+
+def reference_arm(results: list[ArmResult]) -> ArmResult:
+    """moebench's fallback when it ran (mlx-lm mirrors it), else the first arm."""
+    return next((r for r in results if r.arm.name == "moebench fallback"), results[0])
+
+
+def arm_record(result: ArmResult, reference: ArmResult) -> dict:
+    runs = result.runs
+    last = runs[-1]
+    return {
+        "name": result.arm.name, "engine": result.arm.engine, "loop": result.arm.loop,
+        "experts": result.arm.experts, "dtype": result.arm.dtype, "note": result.arm.note,
+        "prompt_tps": summary([r.prompt_tps for r in runs]),
+        "ttft_ms": summary([1e3 * r.prompt_seconds for r in runs]),
+        "decode_tps": summary([r.decode_tps for r in runs]),
+        # round by round (the arms of one round ran back to back), so slow drifts of the machine cancel
+        "decode_ratio_vs_reference": summary([r.decode_tps / ref.decode_tps if ref.decode_tps else 0.0
+                                              for r, ref in zip(runs, reference.runs, strict=True)]),
+        "peak_memory_gb": max(r.peak_bytes for r in runs) / 1e9,
+        "working_memory_gb": max(r.peak_bytes - r.start_bytes for r in runs) / 1e9,
+        "dispatch": last.dispatch,
+        "tokens": result.trace.token_ids,
+        "deterministic": result.deterministic,
+        "greedy_vs_reference": compare_traces(reference.trace, result.trace),
+    }
+
+
+def bench_record(results: list[ArmResult], model, prompt_ids: list[int], gen_tokens: int, repeats: int,
+                 skipped: list[dict], arguments: dict) -> dict:
+    reference = reference_arm(results)
+    a = model.args
+    return {
+        "schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "arguments": arguments, "platform": platform_info(),
+        "model": {"path": str(model.load_info.source), "model_type": a.model_type, "layers": a.num_hidden_layers,
+                  "hidden_size": a.hidden_size, "experts": a.num_experts, "top_k": a.num_experts_per_tok,
+                  "expert_width": a.moe_intermediate_size, "vocab_size": a.vocab_size,
+                  "quantization": model.load_info.bits},
+        "prompt_tokens": len(prompt_ids), "gen_tokens": gen_tokens, "repeats": repeats, "prompt_ids": prompt_ids,
+        "reference_arm": reference.arm.name,
+        "moebench_loop": {"steps_ahead": STEPS_AHEAD},  # the 'moebench' loops queue this many steps ahead
+        "arms": [arm_record(r, reference) for r in results], "skipped": skipped,
+    }
+
+
+def _greedy_text(g: dict) -> str:
+    if g["identical"]:
+        return "identical"
+    if g["margin"] is None:
+        return f"length differs at {g['first_divergence']}"
+    return f"diverges at {g['first_divergence']} (margin {g['margin']:.3g})"
+
+
+def _dispatch_text(d: dict | None) -> str:
+    if d is None:
+        return "-"
+    fused = ", ".join(f"{n} {b}" for b, n in sorted(d["fused"].items())) or "0 fused"
+    notes = "".join(f"; {n} layers: {note}" for note, n in sorted(d.get("notes", {}).items()))
+    attention = d.get("attention")
+    if attention:
+        notes += "; attention " + (", ".join(f"{n} {b}" for b, n in sorted(attention["fused"].items())) or "0 fused")
+        notes += f", {attention['fallback']} fallback"
+    return f"{fused}; {d['fallback']} fallback{notes}"
+
+
+def format_table(record: dict) -> str:
+    """A llama-bench-like markdown table: mean +- sd over the repeats."""
+    arms = record["arms"]
+    ref = next(a for a in arms if a["name"] == record["reference_arm"])
+    rows = [["arm", "experts", "dtype", "prompt tok/s", "TTFT ms", "decode tok/s", "vs ref (median)", "peak GB",
+             "dispatch", f"greedy vs {ref['name']}"]]
+    for a in arms:
+        def pm(s: dict, digits: int) -> str:
+            return f"{s['mean']:.{digits}f} ± {s['sd']:.{digits}f}"
+        ratio = a["decode_ratio_vs_reference"]["median"]
+        greedy = "reference" if a is ref else _greedy_text(a["greedy_vs_reference"])
+        if not a["deterministic"]:
+            greedy += "; NOT deterministic"
+        rows.append([a["name"], a["experts"], a["dtype"], pm(a["prompt_tps"], 1), pm(a["ttft_ms"], 1),
+                     pm(a["decode_tps"], 2), f"{ratio:.2f}x", f"{a['peak_memory_gb']:.3f}",
+                     _dispatch_text(a["dispatch"]), greedy])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    m, p = record["model"], record["platform"]
+    head = (f"model {m['path']} ({m['model_type']}, {m['layers']} layers, {m['experts']} experts top-{m['top_k']}, "
+            f"experts {m['quantization'].get('mlp.switch_mlp.gate_proj', '?')}); prompt {record['prompt_tokens']} "
+            f"tokens, {record['gen_tokens']} generated, {record['repeats']} repeats; MLX {p['mlx']} on {p['device']}")
+    for key, label in (("mlx_environment", "MLX settings for every arm"),
+                       ("moebench_environment", "moebench settings")):
+        if p.get(key):
+            head += f"; {label}: " + ", ".join(f"{k}={v}" for k, v in p[key].items())
+    tail = [f"skipped {s['arm']}: {s['reason']}" for s in record["skipped"]]
+    return "\n".join([head, *lines, *tail])
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="decode speed: moebench fused vs fallback (vs mlx-lm), interleaved repeats")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--fused", choices=("on", "off", "both"), default="both")
+    p.add_argument("--compiled", choices=("on", "off", "both", "auto"), default="auto",
+                   help="moebench arms through the mx.compile'd decode step (on), eager (off) or both; auto: "
+                        "both on CUDA, where generate decodes compiled by default, else off")
+    p.add_argument("--compare", choices=("mlx-lm",), default=None, help="also run mlx-lm on the same checkpoint")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt's token ids")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=_run)
+
+
+def _run(a: argparse.Namespace) -> int:
+    path = Path(a.model) if a.model else default_model_path()
+    model, _ = load(path, verbose=True)
+    prompt_ids = prompt_token_ids(model.args.vocab_size, a.prompt_tokens, a.seed)
+    compiled = a.compiled if a.compiled != "auto" else ("both" if available_backend() in COMPILED_BY_DEFAULT else "off")
+    arms, skipped = moebench_arms(model, a.fused, compiled), []
+    if a.compare == "mlx-lm":
+        extra, reason = mlx_lm_arms(path)
+        arms += extra
+        if reason:
+            skipped.append({"arm": "mlx-lm", "reason": reason})
+            print(f"skipping mlx-lm: {reason}", file=sys.stderr)
+    results, failures = run_arms(arms, prompt_ids, a.gen_tokens, a.repeats, progress=not a.no_progress)
+    skipped += failures
+    if not results:
+        raise MoebenchError("every arm failed: " + "; ".join(f"{f['arm']}: {f['reason']}" for f in failures))
+    arguments = {k: v for k, v in vars(a).items() if k != "run"}
+    record = bench_record(results, model, prompt_ids, a.gen_tokens, a.repeats, skipped, arguments)
+    print(format_table(record))
+    if a.json:
+        Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
+    return 0

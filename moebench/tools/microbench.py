@@ -1,0 +1,234 @@
+"""Microbenchmark of the routed-expert stack: the fused decode-MoE kernel pair against the fallback.
+
+A stack of MoE layers at Qwen1.5-MoE-A2.7B shapes by default (24 layers, 60 experts, top-4, D 2048,
+Dff 1408, 4-bit group 64, bfloat16), with random packed weights and a random routing per token and
+layer that every arm replays. One sample decodes `tokens` single-token steps through the whole
+stack (each layer's output feeds the next; one evaluation per step, as in decode), and the arms
+are interleaved, in a rotating order, over `repeats` samples. Reported: per-step median and spread
+per arm and the fallback / arm ratio from this one run. Absolute times mean something only on the
+GPU they were measured on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+
+import mlx.core as mx
+
+from ..checkpoint.quant import QuantizedParts
+from ..errors import ConfigError
+from ..execution.dispatch import DispatchCounter, available_backend, fused_moe, routed_experts
+from ..execution.moe import ENV_ROWS, GPU_BACKENDS
+from ..models.switch import SwitchGLU, SwitchLinear
+
+
+@dataclass(frozen=True)
+class StackShape:
+    layers: int = 24
+    experts: int = 60
+    top_k: int = 4
+    hidden: int = 2048
+    dff: int = 1408
+    bits: int = 4
+    group_size: int = 64
+    dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    name: str
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    build_median_ms: float
+    samples_ms: list[float]
+    ratio_vs_fallback: float
+    paths: list[str]
+
+
+def _random_parts(shape: StackShape, out_f: int, in_f: int, dtype: mx.Dtype) -> QuantizedParts:
+    """Random packed words (every bit pattern is a valid affine code) and small random scales/biases."""
+    words = in_f * shape.bits // 32
+    groups = in_f // shape.group_size
+    half_words = [mx.random.randint(0, 1 << 16, (shape.experts, out_f, words), dtype=mx.uint32) for _ in range(2)]
+    weight = (half_words[0] << 16) | half_words[1]
+    scales = (mx.random.normal((shape.experts, out_f, groups)) * (0.02 / (1 << shape.bits))).astype(dtype)
+    biases = (mx.random.normal((shape.experts, out_f, groups)) * 0.01).astype(dtype)
+    mx.eval(weight, scales, biases)
+    return QuantizedParts(weight, scales, biases, shape.group_size, shape.bits, "affine")
+
+
+def build_stack(shape: StackShape) -> list[SwitchGLU]:
+    dtype = getattr(mx, shape.dtype)
+    stack = []
+    for _ in range(shape.layers):
+        gate, up = (_random_parts(shape, shape.dff, shape.hidden, dtype) for _ in range(2))
+        down = _random_parts(shape, shape.hidden, shape.dff, dtype)
+        stack.append(SwitchGLU(*(SwitchLinear(p.weight, p) for p in (gate, up, down))))
+    return stack
+
+
+def random_routing(shape: StackShape, tokens: int) -> tuple[mx.array, mx.array]:
+    """Expert ids [tokens, layers, 1, K] (distinct per layer, uint32), softmax scores [.., 1, K] float32."""
+    keys = mx.random.uniform(shape=(tokens, shape.layers, 1, shape.experts))
+    ids = mx.argpartition(keys, kth=shape.top_k - 1, axis=-1)[..., : shape.top_k].astype(mx.uint32)
+    scores = mx.softmax(mx.random.normal((tokens, shape.layers, 1, shape.top_k)), axis=-1)
+    mx.eval(ids, scores)
+    return ids, scores
+
+
+@dataclass
+class Arm:
+    """One way of running the stack: the production dispatch (fused on/off, rows, compiled or not)."""
+
+    name: str
+    fused: bool
+    rows: int | None = None
+    compiled: bool = False
+    _traced: object = None
+
+    def step(self, stack: list[SwitchGLU], counters: list[DispatchCounter], x: mx.array, ids: mx.array,
+             scores: mx.array) -> mx.array:
+        """One decode step through the stack; `compiled` replays an mx.compile trace (no Python graph build)."""
+        if not self.compiled:
+            return self._layers(stack, counters, x, ids, scores)
+        if self._traced is None:
+            self._traced = mx.compile(lambda x, ids, scores: self._layers(stack, counters, x, ids, scores))
+        return self._traced(x, ids, scores)
+
+    def _layers(self, stack: list[SwitchGLU], counters: list[DispatchCounter], x: mx.array, ids: mx.array,
+                scores: mx.array) -> mx.array:
+        for layer, experts in enumerate(stack):
+            x, _, _ = routed_experts(experts, x, ids[layer], scores[layer], counters[layer])
+        return x
+
+
+def _time_arm(arm: Arm, stack, counters, x0, ids, scores) -> tuple[float, float]:
+    """(ms per decode step, of which ms building the graph in Python), one evaluation per step."""
+    saved = os.environ.get(ENV_ROWS)
+    if arm.rows is not None:
+        os.environ[ENV_ROWS] = str(arm.rows)
+    try:
+        with fused_moe(arm.fused):
+            build = total = 0.0
+            for t in range(ids.shape[0]):
+                start = time.perf_counter()
+                out = arm.step(stack, counters, x0, ids[t], scores[t])
+                built = time.perf_counter()
+                mx.eval(out)
+                build += built - start
+                total += time.perf_counter() - start
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_ROWS, None)
+        else:
+            os.environ[ENV_ROWS] = saved
+    return total * 1e3 / ids.shape[0], build * 1e3 / ids.shape[0]
+
+
+def run(shape: StackShape, tokens: int = 16, repeats: int = 7, rows: list[int] | None = None,
+        compiled: bool = False, seed: int = 0) -> dict:
+    """Time the arms interleaved; returns a JSON-ready dict (environment, shape, arms, dispatch counts)."""
+    if repeats < 1 or tokens < 1:
+        raise ConfigError(f"repeats ({repeats}) and tokens ({tokens}) must be at least 1")
+    if shape.bits not in (4, 8) or shape.hidden % shape.group_size or shape.dff % shape.group_size:
+        raise ConfigError(f"stack {shape}: bits must be 4 or 8 and hidden and dff multiples of group_size")
+    if not 1 <= shape.top_k <= shape.experts:
+        raise ConfigError(f"top_k {shape.top_k} must be between 1 and experts ({shape.experts})")
+    mx.random.seed(seed)
+    backend = available_backend()
+    stack = build_stack(shape)
+    ids, scores = random_routing(shape, tokens)
+    x0 = (mx.random.normal((1, shape.hidden)) * 0.5).astype(getattr(mx, shape.dtype))
+    arms = [Arm("fallback", fused=False)]
+    for r in (rows or [None]) if backend in GPU_BACKENDS else [None]:
+        label = f"fused {backend}" + (f" rows={r}" if r is not None else "")
+        arms.append(Arm(label, fused=True, rows=r))
+    if compiled:
+        arms += [Arm("fallback compiled", fused=False, compiled=True),
+                 Arm(f"fused {backend} compiled", fused=True, compiled=True)]
+    counters = {a.name: [DispatchCounter() for _ in stack] for a in arms}
+    for arm in arms:  # warm up: JIT compiles, allocator pools
+        _time_arm(arm, stack, counters[arm.name], x0, ids[:2], scores[:2])
+    samples: dict[str, list[tuple[float, float]]] = {a.name: [] for a in arms}
+    for rep in range(repeats):
+        for i in range(len(arms)):
+            arm = arms[(i + rep) % len(arms)]
+            samples[arm.name].append(_time_arm(arm, stack, counters[arm.name], x0, ids, scores))
+    base = statistics.median(t for t, _ in samples["fallback"])
+    results = []
+    for arm in arms:
+        total = [t for t, _ in samples[arm.name]]
+        paths = sorted({p for c in counters[arm.name] for p in c.fused} | ({"fallback"} if any(
+            c.fallback for c in counters[arm.name]) else set()))
+        results.append(ArmResult(arm.name, statistics.median(total), min(total), max(total),
+                                 statistics.median(b for _, b in samples[arm.name]), total,
+                                 base / statistics.median(total), paths))
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "mlx": mx.__version__, "backend": backend, "device": _device_name(), "python": platform.python_version(),
+        "shape": asdict(shape), "tokens_per_sample": tokens, "repeats": repeats,
+        "arms": [asdict(r) for r in results],
+    }
+
+
+def _device_name() -> str:
+    try:
+        info = mx.device_info()
+    except Exception:  # noqa: BLE001 -- a backend without device_info still gets benchmarked
+        return str(mx.default_device())
+    return str(info.get("device_name") or info.get("architecture") or mx.default_device())
+
+
+def format_table(report: dict) -> str:
+    lines = [f"routed-expert stack {report['shape']} on {report['device']} ({report['backend']}), "
+             f"MLX {report['mlx']}, {report['date']}",
+             f"{report['repeats']} interleaved samples x {report['tokens_per_sample']} steps; ms per step",
+             f"{'arm':<30} {'median':>8} {'min':>8} {'max':>8} {'build':>8} {'fallback/arm':>13}  path"]
+    for a in report["arms"]:
+        lines.append(f"{a['name']:<30} {a['median_ms']:>8.3f} {a['min_ms']:>8.3f} {a['max_ms']:>8.3f} "
+                     f"{a['build_median_ms']:>8.3f} {a['ratio_vs_fallback']:>12.2f}x  {','.join(a['paths'])}")
+    return "\n".join(lines)
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    """`moebench microbench`: fused vs fallback on the routed-expert stack (defaults: A2.7B shapes)."""
+    p = sub.add_parser("microbench", help="time the fused decode-MoE kernels against gather_qmm on a layer stack")
+    defaults = StackShape()
+    for field_name in ("layers", "experts", "top_k", "hidden", "dff", "bits", "group_size"):
+        p.add_argument(f"--{field_name.replace('_', '-')}", type=int, default=getattr(defaults, field_name))
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=defaults.dtype)
+    p.add_argument("--tokens", type=int, default=16, help="decode steps per sample")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved samples per arm")
+    p.add_argument("--rows", default=None, help="comma-separated rows per threadgroup to sweep (GPU)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time both paths replayed through mx.compile (GPU work without the Python graph build)")
+    p.add_argument("--json", action="store_true", help="print the JSON report instead of a table")
+    p.set_defaults(run=_run_command)
+
+
+def _run_command(a: argparse.Namespace) -> int:
+    shape = StackShape(a.layers, a.experts, a.top_k, a.hidden, a.dff, a.bits, a.group_size, a.dtype)
+    try:
+        rows = [int(r) for r in a.rows.split(",")] if a.rows else None
+    except ValueError:
+        raise ConfigError(f"--rows {a.rows!r}: expected comma-separated integers") from None
+    report = run(shape, a.tokens, a.repeats, rows, a.compiled)
+    report["command"] = " ".join(sys.argv)
+    print(json.dumps(report, indent=2) if a.json else format_table(report))
+    return 0
+
+
+if __name__ == "__main__":  # `python -m moebench.tools.microbench ...`: the same options without the other subcommands
+    parser = argparse.ArgumentParser(prog="python -m moebench.tools.microbench")
+    add_command(parser.add_subparsers(dest="command", required=True))
+    parsed = parser.parse_args(["microbench", *sys.argv[1:]])
+    sys.exit(parsed.run(parsed))

@@ -1,0 +1,144 @@
+"""Named model shapes, and `moebench make-random`: random-weight checkpoints at those shapes.
+
+Real-size presets copy published configs, so a random checkpoint has the real model's tensor names,
+per-expert layout, shapes and shard structure, and benchmarks run at real size with nothing to download.
+Small presets keep every code path (GQA, shared expert, widths the fused kernel supports) at CPU sizes.
+Weights stream through moebench.tools.writer one tensor at a time: generated, quantized, written to the
+current shard; the float model is never whole in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+from tqdm.auto import tqdm
+
+from ..checkpoint.config import AFFINE_BITS, AFFINE_GROUP_SIZES, ModelArgs
+from ..errors import ConfigError
+from .writer import quantize_tensors, qwen2_moe_config, random_tensors, save_checkpoint, tensor_shapes
+
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+DEFAULT_SHARD_GB = 5.0  # mlx-lm's shard size
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    summary: str
+    config: dict
+
+
+QWEN15_MOE_A27B = qwen2_moe_config(
+    vocab_size=151936, hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+    intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
+    num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True, max_position_embeddings=8192,
+    bos_token_id=151643, eos_token_id=151643, torch_dtype="bfloat16", use_sliding_window=False,
+    sliding_window=32768, max_window_layers=21, attention_dropout=0.0, router_aux_loss_coef=0.001,
+)
+
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
+    "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
+    "qkv_bias": False, "max_position_embeddings": 40960, "bos_token_id": 151643, "eos_token_id": 151645,
+    "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+
+PRESETS = {p.name: p for p in (
+    Preset("qwen1.5-moe-a2.7b", "Qwen1.5-MoE-A2.7B: 24 layers, D 2048, 60 experts top-4 of width 1408, shared "
+           "expert 5632, vocab 151936 (14.3B parameters, 2.7B active; ~8 GB at 4-bit)", QWEN15_MOE_A27B),
+    Preset("qwen1.5-moe-a2.7b-2l", "Qwen1.5-MoE-A2.7B's widths and vocabulary with 2 layers: real per-layer "
+           "shapes on a CPU", {**QWEN15_MOE_A27B, "num_hidden_layers": 2}),
+    Preset("qwen3-30b-a3b", "Qwen3-30B-A3B: 48 layers, D 2048, 128 experts top-8 of width 768, no shared expert "
+           "(qwen3_moe family; ~17 GB at 4-bit)", QWEN3_30B_A3B),
+    Preset("small", "shaped like the shipped tiny model: 4 layers, D 256, GQA 4/2, 16 experts top-4 of width 256, "
+           "shared expert 512, vocab 8192", qwen2_moe_config(
+               vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=512, moe_intermediate_size=256, shared_expert_intermediate_size=512,
+               num_experts=16, num_experts_per_tok=4)),
+    Preset("tiny", "writer.qwen2_moe_config's test shape: 2 layers, D 128, 8 experts top-2, vocab 256",
+           qwen2_moe_config()),
+)}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def parameter_counts(config: dict) -> tuple[int, int]:
+    """(total, active per token) parameters of a Qwen2-MoE config: active counts top-k routed experts."""
+    args = ModelArgs.from_dict(config)
+    total = active = 0
+    for name, shape in tensor_shapes(args):
+        n = math.prod(shape)
+        total += n
+        if ".experts." not in name:
+            active += n
+    routed_per_expert = 3 * args.hidden_size * args.moe_intermediate_size
+    moe_layers = sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers))
+    return total, active + moe_layers * args.num_experts_per_tok * routed_per_expert
+
+
+def write_random(
+    out_dir: str | Path, preset: str, bits: int = 4, group_size: int = 64, dtype: str = "bfloat16", seed: int = 0,
+    shard_gb: float = DEFAULT_SHARD_GB, generator: str = "mlx", progress: bool = True,
+) -> Path:
+    """A random checkpoint of `preset`: MLX affine `bits`/`group_size` in the per-expert layout, scales in
+    `dtype`, shards of at most `shard_gb` GB with an index, no tokenizer (bench works on token ids)."""
+    p = get_preset(preset)
+    if bits not in AFFINE_BITS or group_size not in AFFINE_GROUP_SIZES:
+        raise ConfigError(f"bits {bits} / group size {group_size}: need bits in {AFFINE_BITS} and group size "
+                          f"in {AFFINE_GROUP_SIZES}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
+    if not shard_gb > 0:
+        raise ConfigError(f"shard size {shard_gb} GB must be positive")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out}: exists and is not empty (choose a new folder)")
+    config = {**p.config, "torch_dtype": dtype}
+    args = ModelArgs.from_dict(config, source=f"preset {preset}")
+    count = sum(1 for _ in tensor_shapes(args))
+    tensors = tqdm(random_tensors(args, seed, DTYPES[dtype], generator), total=count, unit="tensor",
+                   desc=f"make-random {preset}", disable=not progress, mininterval=2.0)
+    quantized = quantize_tensors(tensors, group_size, bits, "per-expert", args.num_experts)
+    config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    config["quantization_config"] = config["quantization"]
+    return save_checkpoint(out, config, quantized, shard_bytes=int(shard_gb * 1e9))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-random", help="write a random-weight quantized checkpoint of a named model shape")
+    p.add_argument("out_dir", help="new folder to write (config.json, shards, index)")
+    p.add_argument("--preset", default="qwen1.5-moe-a2.7b", choices=sorted(PRESETS))
+    p.add_argument("--bits", type=int, default=4, choices=AFFINE_BITS)
+    p.add_argument("--group-size", type=int, default=64, choices=AFFINE_GROUP_SIZES)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
+                   help="dtype of scales, biases, norms (float32 for CPU comparisons with mlx-lm)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-gb", type=float, default=DEFAULT_SHARD_GB)
+    p.add_argument("--generator", choices=("mlx", "numpy"), default="mlx",
+                   help="mlx: fast on a GPU; numpy: the generator test checkpoints use")
+    p.set_defaults(run=_run)
+
+
+def _run(a: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    folder = write_random(a.out_dir, a.preset, a.bits, a.group_size, a.dtype, a.seed, a.shard_gb, a.generator)
+    total, active = parameter_counts(PRESETS[a.preset].config)
+    files = sorted(folder.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    print(f"wrote {folder}: {len(files)} file(s), {size / 1e9:.2f} GB, {total / 1e9:.2f}B parameters "
+          f"({active / 1e9:.2f}B active), {a.bits}-bit g{a.group_size} {a.dtype}, "
+          f"{time.perf_counter() - start:.1f} s")
+    return 0

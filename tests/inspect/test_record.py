@@ -1,0 +1,200 @@
+"""The stepping decoder: recording is faithful and free, steps honour changes made between tokens."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import moebench
+from moebench.decode.loop import Sampling, generate
+from moebench.errors import MoebenchError
+from moebench.execution.dispatch import fused_moe
+from moebench.inspect.interventions import clear_interventions, set_interventions
+from moebench.inspect.record import Recorder, Stepper, decode, recording
+
+PROMPT = [5, 17, 99, 3, 42]
+
+
+@pytest.fixture(scope="module")
+def tiny(quantized_checkpoint):
+    model, tok = moebench.load(quantized_checkpoint)
+    yield model, tok
+    clear_interventions(model)
+
+
+@pytest.fixture(autouse=True)
+def clean(tiny):
+    model, _ = tiny
+    for b in model.moe_blocks().values():
+        b.dispatch.reset()
+    clear_interventions(model)
+    yield
+    clear_interventions(model)
+
+
+def all_logits(trace) -> np.ndarray:
+    return np.stack([s.logits for s in trace.steps])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_recording_on_or_off_gives_bitwise_identical_tokens_and_logits(tiny, fused):
+    model, tok = tiny
+    with fused_moe(fused):
+        plain = Stepper(model, tok, PROMPT, keep_logits=True).run(8)
+        recorded = Stepper(model, tok, PROMPT, keep_logits=True, record=True).run(8)
+        reference = generate(model, PROMPT, 8)
+    assert recorded.token_ids == plain.token_ids == reference.token_ids
+    assert np.array_equal(all_logits(recorded), all_logits(plain))
+    assert recorded.steps[-1].layers and not plain.steps[-1].layers
+    assert model.recorder is None
+
+
+def test_sampled_decode_matches_generate_with_the_same_seed(tiny):
+    model, _ = tiny
+    sampling = Sampling(temperature=1.5, top_p=0.9, seed=7)
+    ours = decode(model, None, PROMPT, 10, sampling=sampling)
+    assert ours.token_ids == generate(model, PROMPT, 10, sampling).token_ids
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_recorded_parts_reproduce_the_block_output(tiny, fused):
+    """sum_k score_k * expert_out_k + gate * shared_out == block_out, on the path that ran."""
+    model, _ = tiny
+    trace = Stepper(model, None, PROMPT, record=True, fused=fused).run(6)
+    decode_paths = {r.path.path for s in trace.steps if s.phase == "decode" for r in s.layers.values()}
+    assert decode_paths == ({"reference"} if fused else {"fallback"})
+    for s in trace.steps:
+        for r in s.layers.values():
+            weighted = (r.topk_scores[:, None].astype(np.float64) * r.expert_out).sum(axis=0)
+            scale = np.abs(r.block_out).max()
+            np.testing.assert_allclose(weighted, r.routed_out, rtol=0, atol=4e-7 * scale)
+            rebuilt = weighted + r.shared_gate * r.shared_out.astype(np.float64)
+            np.testing.assert_allclose(rebuilt, r.block_out, rtol=0, atol=4e-7 * scale)
+            np.testing.assert_allclose(r.resid_post, r.resid_mid + r.block_out, rtol=0, atol=1e-6 * scale)
+
+
+def test_records_hold_what_the_router_chose_ordered_by_score(tiny):
+    model, tok = tiny
+    k = model.args.num_experts_per_tok
+    trace = Stepper(model, tok, PROMPT, record=True, keep_logits=True).run(4)
+    for s in trace.steps:
+        softmax = np.exp(s.logits.astype(np.float64) - s.logits.max())
+        softmax /= softmax.sum()
+        top = np.argsort(-softmax, kind="stable")[:5]
+        assert [c.token_id for c in s.candidates] == top.tolist()
+        np.testing.assert_allclose([c.prob for c in s.candidates], softmax[top], rtol=1e-5)
+        assert sorted(s.layers) == sorted(model.moe_blocks())
+        for r in s.layers.values():
+            assert r.expert_out.shape == (k, model.args.hidden_size)
+            assert np.all(np.diff(r.topk_scores) <= 0)
+            assert np.array_equal(r.topk_scores, r.router_probs[r.topk_ids])
+            assert set(r.topk_ids) == set(np.argsort(-r.router_probs, kind="stable")[:k])
+            assert 0 < r.shared_gate < 1 and r.resid_post_norm > 0
+        probs = [c.prob for c in s.candidates]
+        assert len(probs) == 5 and probs == sorted(probs, reverse=True)
+        if s.token_id is not None:  # greedy: the choice is the top candidate
+            assert s.candidates[0].token_id == s.token_id and s.token_text == tok.decode([s.token_id])
+
+
+def test_prefill_records_one_step_per_prompt_token(tiny):
+    model, tok = tiny
+    trace = Stepper(model, tok, PROMPT, record=True).run(3)
+    prefill = trace.prefill
+    assert [s.position for s in prefill] == list(range(len(PROMPT)))
+    assert [s.input_id for s in prefill] == PROMPT
+    assert [s.token_id is None for s in prefill] == [True] * (len(PROMPT) - 1) + [False]
+    assert [s.position for s in trace.steps[len(PROMPT):]] == [len(PROMPT), len(PROMPT) + 1]
+    assert len(trace.token_ids) == 3 and trace.decode_tps > 0
+    for r in prefill[0].layers.values():
+        assert not r.path.fused and "tokens" in r.path.reason
+
+
+def test_dispatch_counters_count_each_token_once_despite_speculation(tiny):
+    model, _ = tiny
+    Stepper(model, None, PROMPT).run(7)
+    stopper = Stepper(model, None, PROMPT, stop_ids=tuple(range(model.args.vocab_size)))
+    stopper.run(5)  # every token is a stop token: only prefill runs, the speculative step is taken back
+    assert len(stopper.trace.token_ids) == 1
+    for b in model.moe_blocks().values():
+        assert b.dispatch.as_dict() == {
+            "fused": {"reference": 6}, "fallback": 2,
+            "reasons": {f"{len(PROMPT)} tokens (the kernel runs single-token decode)": 2}, "notes": [],
+        }
+
+
+def test_changes_between_tokens_apply_to_the_next_token(tiny):
+    """Flip the switch and set an intervention between steps: the pipelined stepper matches an
+    unpipelined one bitwise, and the very next record shows the change."""
+    model, _ = tiny
+    last = max(model.moe_blocks())
+    results = []
+    for pipeline in (True, False):
+        for b in model.moe_blocks().values():
+            b.dispatch.reset()
+        stepper = Stepper(model, None, PROMPT, record=True, keep_logits=True, pipeline=pipeline)
+        stepper.prefill()
+        stepper.step()
+        with fused_moe(False):
+            off = stepper.step()
+        set_interventions(model, {last: moebench.Intervention(force_experts=(0, 1))})
+        forced = stepper.step()
+        clear_interventions(model)
+        stepper.record = False
+        plain = stepper.step()
+        stepper.close()
+        assert off.layers[last].path.reason.startswith("switched off") and not off.fused_switch
+        assert sorted(forced.layers[last].topk_ids) == [0, 1] and forced.layers[last].path.fused
+        assert forced.interventions == {last: moebench.Intervention(force_experts=(0, 1))}
+        assert plain.layers == {} and plain.interventions == {}
+        dispatch = {i: b.dispatch.as_dict() for i, b in model.moe_blocks().items()}
+        results.append((stepper.trace.token_ids, all_logits(stepper.trace), dispatch))
+    (tokens_a, logits_a, dispatch_a), (tokens_b, logits_b, dispatch_b) = results
+    assert tokens_a == tokens_b and np.array_equal(logits_a, logits_b) and dispatch_a == dispatch_b
+
+
+def test_teacher_forcing_feeds_the_given_token(tiny):
+    model, _ = tiny
+    stepper = Stepper(model, None, PROMPT)
+    stepper.prefill()
+    forced = stepper.step(feed=7)
+    assert forced.input_id == 7
+    reference = Stepper(model, None, PROMPT + [7]).run(2)
+    assert forced.token_id == reference.token_ids[0]
+
+
+def test_iteration_yields_prompt_then_generated_records_until_max_tokens(tiny):
+    model, _ = tiny
+    records = list(Stepper(model, None, PROMPT, max_tokens=4))
+    assert [r.phase for r in records] == ["prefill"] * len(PROMPT) + ["decode"] * 3
+    assert [r.index for r in records] == list(range(len(records)))
+
+
+def test_recorder_context_manager_detaches(tiny):
+    model, _ = tiny
+    with recording(model) as rec:
+        logits = model(mx.array([PROMPT]))
+    assert isinstance(rec, Recorder) and model.recorder is None
+    mx.eval(logits, *rec.arrays())
+    assert "layers.0.moe.topk_ids" in rec.values and rec.values["layers.0.moe.topk_ids"].shape[0] == len(PROMPT)
+
+
+def test_bad_input_raises_moebench_errors(tiny):
+    model, _ = tiny
+    with pytest.raises(MoebenchError, match="empty"):
+        Stepper(model, None, [])
+    with pytest.raises(MoebenchError, match="tokenizer"):
+        Stepper(model, None, "text")
+    with pytest.raises(MoebenchError, match="vocabulary"):
+        Stepper(model, None, [model.args.vocab_size])
+    stepper = Stepper(model, None, PROMPT, max_tokens=1)
+    with pytest.raises(MoebenchError, match="prefill"):
+        stepper.step()
+    stepper.prefill()
+    with pytest.raises(MoebenchError, match="finished"):
+        stepper.step()
+    stepper = Stepper(model, None, PROMPT)
+    stepper.prefill()
+    with pytest.raises(MoebenchError, match="vocabulary"):
+        stepper.step(feed=-1)
+    stepper.close()

@@ -1,0 +1,178 @@
+"""moebench bench: same token trace for every arm, interleaved repeats, table and JSON, mlx-lm arms."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from moebench.cli import main
+from moebench.decode.loop import STEPS_AHEAD
+from moebench.tools import bench
+from moebench.tools.bench import Arm, Run, compare_traces, mlx_lm_arms, run_arms, summary
+
+STAT_KEYS = {"mean", "sd", "median", "min", "max", "values"}
+
+
+def spy_arm(name: str, calls: list, tokens: list[int]) -> Arm:
+    """An arm that records what it was asked to decode and emits fixed tokens with one-hot logits."""
+
+    def stream(ids, n):
+        calls.append((name, list(ids), n))
+        for t in tokens[:n]:
+            yield t, mx.eye(8)[t] * 3.0
+
+    return Arm(name, "test", "test", "none", "float32", stream)
+
+
+def test_every_arm_gets_the_same_prompt_and_repeats_interleave_with_rotating_order():
+    calls = []
+    arms = [spy_arm(n, calls, [1, 2, 3, 4]) for n in ("a", "b", "c")]
+    results, failures = run_arms(arms, [5, 6, 7], gen_tokens=4, repeats=3, progress=False)
+    assert failures == []
+    assert [c[0] for c in calls] == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert {(tuple(ids), n) for _, ids, n in calls} == {((5, 6, 7), 4)}
+    for r in results:
+        assert len(r.runs) == 3 and r.trace.logits is not None and all(run.logits is None for run in r.runs)
+        assert r.trace.token_ids == [1, 2, 3, 4] and r.deterministic
+
+
+def test_an_arm_that_fails_is_reported_and_the_others_still_run():
+    calls = []
+
+    def broken(ids, n):
+        raise RuntimeError("no CUDA back-end")
+        yield
+
+    arms = [spy_arm("a", calls, [1, 2]), Arm("gpu", "test", "test", "cuda", "bfloat16", broken)]
+    results, failures = run_arms(arms, [3], gen_tokens=2, repeats=2, progress=False)
+    assert [r.arm.name for r in results] == ["a"] and len(results[0].runs) == 2
+    assert failures == [{"arm": "gpu", "reason": "warm-up failed: RuntimeError: no CUDA back-end"}]
+
+
+def test_run_timing_fields():
+    run = Run(list(range(8)), [1, 2, 3, 4, 5], prompt_seconds=0.5, decode_seconds=2.0, peak_bytes=10, start_bytes=4)
+    assert run.prompt_tps == 16.0 and run.decode_tps == 2.0  # tokens after the first, over the time after it
+    s = summary([1.0, 2.0, 6.0])
+    assert s["mean"] == 3.0 and s["median"] == 2.0 and (s["min"], s["max"]) == (1.0, 6.0)
+    assert s["sd"] == pytest.approx(np.std([1, 2, 6], ddof=1))
+
+
+def test_compare_traces_reports_first_divergence_and_reference_margin():
+    logits = [np.array([0.0, 5.0, 4.9]), np.array([2.0, 1.0, 0.5]), np.array([0.0, 3.0, 2.5])]
+    ref = Run([7], [1, 0, 1], logits=logits)
+    same = Run([7], [1, 0, 1], logits=logits)
+    assert compare_traces(ref, same) == {"identical": True, "first_divergence": None, "margin": None}
+    other = Run([7], [1, 0, 2], logits=[*logits[:2], np.array([0.0, 2.9, 3.0])])
+    diff = compare_traces(ref, other)
+    assert diff["first_divergence"] == 2 and (diff["reference_token"], diff["token"]) == (1, 2)
+    assert diff["margin"] == pytest.approx(0.5) and diff["own_margin"] == pytest.approx(0.1)
+
+
+def test_bench_cli_on_a_quantized_checkpoint(quantized_checkpoint, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", str(quantized_checkpoint), "--prompt-tokens", "3", "--gen-tokens", "4", "--repeats", "1",
+               "--fused", "both", "--compare", "mlx-lm", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    for column in ("prompt tok/s", "TTFT ms", "decode tok/s", "peak GB", "dispatch", "greedy vs moebench fallback"):
+        assert column in table
+    record = json.loads(out.read_text())
+    assert record["schema"] == "moebench.tools.bench/1" and record["reference_arm"] == "moebench fallback"
+    assert record["platform"]["mlx"] == mx.__version__ and record["platform"]["backend"] == "reference"
+    assert len(record["prompt_ids"]) == 3 and record["gen_tokens"] == 4
+    names = [a["name"] for a in record["arms"]]
+    assert names == ["moebench fallback", "moebench fused (reference)", "mlx-lm stream_generate",
+                     "mlx-lm model, moebench loop"]
+    moe_layers = 2
+    for arm in record["arms"]:
+        assert arm["name"] in table
+        for key in ("prompt_tps", "ttft_ms", "decode_tps"):
+            assert set(arm[key]) == STAT_KEYS and len(arm[key]["values"]) == 1 and arm[key]["mean"] > 0
+        assert len(arm["tokens"]) == 4 and arm["deterministic"] and arm["peak_memory_gb"] > 0
+        assert arm["dtype"] == "float32"
+    fallback, fused, users, loop = record["arms"]
+    assert fallback["decode_ratio_vs_reference"]["values"] == [1.0]
+    assert fused["decode_ratio_vs_reference"]["values"] == [
+        pytest.approx(fused["decode_tps"]["values"][0] / fallback["decode_tps"]["values"][0])]
+    assert fallback["dispatch"]["fused"] == {} and fallback["dispatch"]["fallback"] == moe_layers * 4
+    assert any("switched off" in r for r in fallback["dispatch"]["reasons"])
+    assert fused["dispatch"]["fused"] == {"reference": moe_layers * 3} and fused["dispatch"]["fallback"] == moe_layers
+    layers = fused["dispatch"]["attention"]["layers"]  # the decode-attention kernel ran at every decode step
+    assert fused["dispatch"]["attention"]["fused"] == {"reference": layers * 3}
+    off = fallback["dispatch"]["attention"]
+    assert off["fused"] == {} and off["fallback"] == layers * 4
+    assert users["loop"] == "stream_generate" and users["dispatch"] is None
+    assert record["moebench_loop"] == {"steps_ahead": STEPS_AHEAD}
+    # mlx-lm's model under moebench's loop decodes what mlx-lm's own loop decodes
+    assert loop["tokens"] == users["tokens"]
+    assert fallback["greedy_vs_reference"]["identical"]
+
+
+def test_bench_uses_generate_step_without_a_tokenizer(tmp_path):
+    folder = tmp_path / "tiny"
+    assert main(["make-random", str(folder), "--preset", "tiny", "--dtype", "float32"]) == 0
+    arms, reason = mlx_lm_arms(folder)
+    assert reason is None and [a.loop for a in arms] == ["generate_step", "moebench"]
+    results, _ = run_arms(arms, [1, 2], gen_tokens=3, repeats=1, progress=False)
+    assert results[0].trace.token_ids == results[1].trace.token_ids and len(results[0].trace.token_ids) == 3
+
+
+def test_mlx_lm_skipped_with_a_reason(quantized_checkpoint, tmp_path, monkeypatch, capsys):
+    arms, reason = mlx_lm_arms(tmp_path)  # an empty folder: mlx-lm cannot load it
+    assert arms == [] and "mlx-lm cannot load" in reason
+    monkeypatch.setitem(sys.modules, "mlx_lm.generate", None)  # as if mlx-lm were not installed
+    out = tmp_path / "b.json"
+    assert main(["bench", str(quantized_checkpoint), "--prompt-tokens", "2", "--gen-tokens", "2", "--repeats", "1",
+                 "--fused", "on", "--compare", "mlx-lm", "--json", str(out), "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "skipping mlx-lm: mlx-lm is not installed" in captured.err
+    record = json.loads(out.read_text())
+    assert [a["name"] for a in record["arms"]] == ["moebench fused (reference)"]
+    assert record["skipped"][0]["arm"] == "mlx-lm" and "not installed" in record["skipped"][0]["reason"]
+
+
+def test_bench_rejects_too_few_tokens(quantized_checkpoint, capsys):
+    assert main(["bench", str(quantized_checkpoint), "--gen-tokens", "1", "--no-progress"]) == 2
+    assert "--gen-tokens 1" in capsys.readouterr().err
+
+
+def test_platform_info_names_versions(monkeypatch):
+    monkeypatch.setenv("MOEBENCH_NORM_KERNELS", "1")
+    monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "400")
+    info = bench.platform_info()
+    assert info["mlx"] == mx.__version__ and info["backend"] in ("reference", "metal", "cuda")
+    assert "device_name" in info["device_info"] or "error" in info["device_info"]
+    assert info["mlx_environment"]["MLX_MAX_OPS_PER_BUFFER"] == "400"
+    assert info["moebench_environment"]["MOEBENCH_NORM_KERNELS"] == "1"  # settings a result depends on
+
+
+def test_bench_compiled_arms_decode_the_eager_tokens(quantized_checkpoint, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(quantized_checkpoint), "--prompt-tokens", "3", "--gen-tokens", "4", "--repeats", "1",
+                 "--compiled", "both", "--json", str(out), "--no-progress"]) == 0
+    arms = {a["name"]: a for a in json.loads(out.read_text())["arms"]}
+    assert list(arms) == ["moebench fallback", "moebench fused (reference)", "moebench fallback compiled",
+                          "moebench fused (reference) compiled"]
+    assert arms["moebench fused (reference) compiled"]["loop"] == "moebench compiled"
+    assert arms["moebench fused (reference) compiled"]["dispatch"]["fused"] == {"reference": 2 * 3}
+    assert arms["moebench fused (reference) compiled"]["dispatch"]["attention"]["fused"] == {"reference": 2 * 3}
+    assert arms["moebench fallback compiled"]["tokens"] == arms["moebench fallback"]["tokens"]
+
+
+def test_by_default_cuda_benches_both_loops_and_other_backends_the_eager_one(quantized_checkpoint, tmp_path,
+                                                                             monkeypatch):
+    from moebench.tools import bench
+
+    def arms(out):
+        argv = ["bench", str(quantized_checkpoint), "--prompt-tokens", "3", "--gen-tokens", "3", "--repeats", "1",
+                "--fused", "off", "--json", str(out), "--no-progress"]
+        assert main(argv) == 0
+        return [a["name"] for a in json.loads(out.read_text())["arms"]]
+
+    assert arms(tmp_path / "here.json") == ["moebench fallback"]  # this CPU: generate's default is eager
+    monkeypatch.setattr(bench, "available_backend", lambda: "cuda")  # where generate decodes compiled by default
+    assert arms(tmp_path / "cuda.json") == ["moebench fallback", "moebench fallback compiled"]

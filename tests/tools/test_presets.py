@@ -1,0 +1,126 @@
+"""make-random and the model-size presets: exact real-model configs, streamed sharded random checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from moebench import load
+from moebench.checkpoint.config import ModelArgs
+from moebench.checkpoint.files import checkpoint_files, read_safetensors_header
+from moebench.cli import main
+from moebench.tools.presets import PRESETS, get_preset, parameter_counts, write_random
+from moebench.tools.writer import random_tensors, tensor_shapes
+
+
+def test_a27b_preset_is_qwen15_moe_a27b():
+    args = ModelArgs.from_dict(get_preset("qwen1.5-moe-a2.7b").config)
+    assert (args.hidden_size, args.num_hidden_layers, args.num_attention_heads, args.num_key_value_heads,
+            args.head_dim) == (2048, 24, 16, 16, 128)
+    assert (args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
+            args.shared_expert_intermediate_size, args.intermediate_size) == (60, 4, 1408, 5632, 5632)
+    assert (args.vocab_size, args.rope_theta, args.rms_norm_eps) == (151936, 1e6, 1e-6)
+    assert not args.norm_topk_prob and not args.tie_word_embeddings and args.qkv_bias
+    assert all(args.is_moe_layer(i) for i in range(24))
+    total, active = parameter_counts(get_preset("qwen1.5-moe-a2.7b").config)
+    assert round(total / 1e9, 1) == 14.3 and round(active / 1e9, 1) == 2.7  # the model card's figures
+
+
+def test_qwen3_preset_is_config_only():
+    cfg = get_preset("qwen3-30b-a3b").config
+    assert (cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"], cfg["num_experts_per_tok"],
+            cfg["num_hidden_layers"], cfg["norm_topk_prob"]) == (2048, 768, 128, 8, 48, True)
+
+
+def test_make_random_refuses_bad_input(tmp_path, capsys):
+    with pytest.raises(Exception, match="unknown preset 'nope'"):
+        get_preset("nope")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("keep me")
+    assert main(["make-random", str(full), "--preset", "tiny"]) == 2
+    assert "not empty" in capsys.readouterr().err
+
+
+def expected_tensors(config: dict, bits: int, group_size: int, dtype: str) -> dict[str, tuple[tuple, str]]:
+    """What a per-expert MLX affine checkpoint of `config` holds: name -> (shape, safetensors dtype)."""
+    out = {}
+    float_dtype = {"float32": "F32", "bfloat16": "BF16"}[dtype]
+    for name, shape in tensor_shapes(ModelArgs.from_dict(config)):
+        if len(shape) == 2 and shape[1] % group_size == 0:
+            base = name.removesuffix(".weight")
+            out[f"{base}.weight"] = ((shape[0], shape[1] * bits // 32), "U32")
+            out[f"{base}.scales"] = ((shape[0], shape[1] // group_size), float_dtype)
+            out[f"{base}.biases"] = ((shape[0], shape[1] // group_size), float_dtype)
+        else:
+            out[name] = (shape, float_dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_make_random_writes_a_loadable_sharded_checkpoint_with_the_presets_tensors(tmp_path, dtype, capsys):
+    folder = tmp_path / "tiny"
+    assert main(["make-random", str(folder), "--preset", "tiny", "--bits", "4", "--group-size", "64",
+                 "--dtype", dtype, "--shard-gb", "0.0003"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    files = checkpoint_files(folder)
+    assert len(files) > 1 and (folder / "model.safetensors.index.json").exists()
+    found = {}
+    for f in files:
+        for name, info in read_safetensors_header(f).items():
+            found[name] = (tuple(info["shape"]), info["dtype"])
+    assert found == expected_tensors(PRESETS["tiny"].config, 4, 64, dtype)
+    assert any(".mlp.experts.7.down_proj.scales" in n for n in found)  # per-expert layout, like MLX conversions
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    assert not (folder / "tokenizer.json").exists()
+    model, tokenizer = load(folder)
+    assert tokenizer is None
+    assert model.load_info.bits["mlp.switch_mlp.down_proj"] == "4-bit g64"
+    logits = model(mx.array([[1, 2, 3]]))
+    assert logits.shape == (1, 3, 256) and bool(mx.all(mx.isfinite(logits)))
+
+
+def test_write_random_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """The random tensors are produced lazily and consumed before the next one is drawn."""
+    import moebench.tools.presets as presets
+
+    drawn, live = [], []
+
+    def spy(args, seed, dtype, generator):
+        for name, value in random_tensors(args, seed, dtype, generator):
+            drawn.append(name)
+            live.append(len(set(drawn) - set(saved)))  # quantized outputs keep the input's .weight name
+            yield name, value
+
+    saved: list[str] = []
+    real_save = presets.save_checkpoint
+
+    def save(folder, config, tensors, shard_bytes):
+        def counted():
+            for name, value in tensors:
+                saved.append(name)
+                yield name, value
+        return real_save(folder, config, counted(), shard_bytes)
+
+    monkeypatch.setattr(presets, "random_tensors", spy)
+    monkeypatch.setattr(presets, "save_checkpoint", save)
+    write_random(tmp_path / "t", "tiny", progress=False)
+    assert len(drawn) == sum(1 for _ in tensor_shapes(ModelArgs.from_dict(PRESETS["tiny"].config)))
+    assert max(live) == 1  # only the tensor just drawn is not yet in the checkpoint
+
+
+def test_mlx_generator_matches_numpy_generator_statistics():
+    args = ModelArgs.from_dict(get_preset("small").config)
+    by_gen = {g: dict(random_tensors(args, seed=3, generator=g)) for g in ("numpy", "mlx")}
+    for name, shape in (("model.layers.0.self_attn.q_proj.weight", (256, 256)),
+                        ("model.layers.0.input_layernorm.weight", (256,))):
+        a, b = (np.array(by_gen[g][name]) for g in ("numpy", "mlx"))
+        assert a.shape == b.shape == shape and not np.array_equal(a, b)
+        assert abs(a.mean() - b.mean()) < 0.02 and abs(a.std() - b.std()) < 0.1 * a.std()
+    q = np.array(by_gen["mlx"]["model.layers.0.self_attn.q_proj.weight"])
+    assert math.isclose(q.std(), 1 / 16, rel_tol=0.05)

@@ -1,0 +1,218 @@
+"""moebench selfcheck: honest platform report, parity table, dispatch and greedy checks, exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import moebench
+from moebench.cli import main
+from moebench.execution import attention as attention_kernel
+from moebench.execution import moe as fused_kernel
+from moebench.execution import norms as norm_kernels
+from moebench.tools import selfcheck
+
+ARGS = ["--prompt-tokens", "3", "--gen-tokens", "4", "--repeats", "1", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def small_reference_shape(monkeypatch):
+    """The A2.7B expert shapes cost ~20 s of CPU per run: unit tests check behaviour at a small shape."""
+    monkeypatch.setattr(selfcheck, "A27B_SHAPE", ("small experts", 128, 256, 2))
+    monkeypatch.setattr(selfcheck, "A27B_SHARED", 192)
+
+
+def test_selfcheck_passes_and_reports_the_reference_backend_honestly(quantized_checkpoint, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["selfcheck", str(quantized_checkpoint), "--json", str(out), *ARGS]) == 0
+    text = capsys.readouterr().out
+    assert "fused backend 'reference'" in text and "no GPU kernel was tested" in text
+    assert "parity class" in text and text.rstrip().splitlines()[-1].startswith("PASS")
+    record = json.loads(out.read_text())
+    assert record["schema"] == "moebench.tools.selfcheck/1" and record["passed"] and record["failures"] == []
+    assert record["platform"]["backend"] == "reference" and record["platform"]["mlx"] == mx.__version__
+    ran = [r for r in record["parity"] if r["status"] == "ran"]
+    combos = {(r["case"], r["bits"], r["group_size"]) for r in ran}
+    # every supported bits / group-size combination at both shapes, the model's own experts, the shared expert
+    assert len(combos) == 2 * 3 * 2 * 3 + 1 + 1
+    assert "small experts + shared expert Dffs 192" in {r["case"] for r in ran}
+    assert [r["status"] for r in record["router"]] == ["not applicable"] * len(selfcheck.ROUTER_CASES)
+    assert {r["status"] for r in record["attention"]} == {"not applicable"} and record["attention"]
+    assert [r["status"] for r in record["norm_kernels"]] == ["not applicable"] * 2
+    for r in ran:
+        assert r["fused_nrms"] < selfcheck.FUSED_NRMS and r["deterministic"] and r["vs_reference_nrms"] is None
+    dec = record["decode"]
+    assert dec["dispatch"]["passed"] and dec["dispatch"]["fused"] == {"reference": 2 * 3}
+    assert dec["dispatch"]["attention_passed"] and dec["dispatch"]["attention"]["fused"] == {"reference": 2 * 3}
+    assert dec["greedy"]["parity_class"] == "byte-identical" or dec["greedy"]["margin"] <= selfcheck.CLEAR_DIVERGENCE
+    assert set(dec["speed"]["off_tps"]) >= {"median", "min", "max"}
+
+
+def test_the_model_shape_is_checked_once_when_it_is_the_reference_shape(quantized_checkpoint, monkeypatch):
+    monkeypatch.setattr(selfcheck, "A27B_SHAPE", ("same as the model", 128, 128, 2))  # the tiny model's D, Dff, K
+    record = selfcheck.selfcheck(quantized_checkpoint, prompt_tokens=2, gen_tokens=2, repeats=1, progress=False)
+    assert {r["case"] for r in record["parity"]} == {"same as the model D128 Dff128 K2", "model layer 0 experts",
+                                                     "same as the model + shared expert Dffs 192"}
+    assert len(record["parity"]) == 18 + 1 + 1 and record["passed"]
+
+
+def test_selfcheck_exits_nonzero_when_the_kernel_is_wrong(quantized_checkpoint, tmp_path, monkeypatch, capsys):
+    real = fused_kernel.routed
+
+    def off_by_one_percent(*args, **kwargs):
+        out, y, ys = real(*args, **kwargs)
+        return out * 1.01, y * 1.01, ys
+
+    monkeypatch.setattr(fused_kernel, "routed", off_by_one_percent)
+    out = tmp_path / "s.json"
+    assert main(["selfcheck", str(quantized_checkpoint), "--json", str(out), *ARGS]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert not record["passed"] and any(f.startswith("parity") for f in record["failures"])
+    assert all(not r["passed"] for r in record["parity"] if r["status"] == "ran")
+    assert record["parity"][0]["fused_nrms"] == pytest.approx(1e-2, rel=0.05)
+
+
+def test_selfcheck_fails_when_the_kernel_never_dispatches(make_checkpoint, capsys):
+    folder = make_checkpoint("float")  # float experts: the fused kernel declines every layer
+    assert main(["selfcheck", str(folder), *ARGS]) == 1
+    text = capsys.readouterr().out
+    assert "declined: float experts" in text and "FAIL" in text and "dispatch" in text.splitlines()[-1]
+
+
+def test_selfcheck_fails_when_the_fused_decode_cannot_run(quantized_checkpoint, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel did not build")
+
+    monkeypatch.setattr(fused_kernel, "routed", broken)
+    assert main(["selfcheck", str(quantized_checkpoint), *ARGS]) == 1
+    text = capsys.readouterr().out
+    assert "error: RuntimeError: kernel did not build" in text
+    assert "decode: FAIL: moebench fused (reference): warm-up failed: RuntimeError: kernel did not build" in text
+
+
+def test_selfcheck_names_a_missing_model(tmp_path, capsys):
+    assert main(["selfcheck", str(tmp_path / "nowhere"), *ARGS]) == 2
+    assert "nowhere" in capsys.readouterr().err
+
+
+def test_parity_metrics_and_bitwise_equality():
+    truth = np.array([1.0, -2.0, 3.0])
+    assert selfcheck.nrms(truth * 1.01, truth) == pytest.approx(0.01)
+    assert selfcheck.nmax(truth + np.array([0, 0.3, 0]), truth) == pytest.approx(0.1)
+    a = mx.array([0.0, 1.5], dtype=mx.bfloat16)
+    assert selfcheck.same_bits(a, mx.array([0.0, 1.5], dtype=mx.bfloat16))
+    assert not selfcheck.same_bits(a, mx.array([-0.0, 1.5], dtype=mx.bfloat16))  # equal values, other bits
+    assert not selfcheck.same_bits(a, a.astype(mx.float32))
+
+
+def _case_inputs(d=128, f=256, k=2, bits=4, gs=64):
+    keys = mx.random.split(mx.random.key(1), 4)
+    parts = [selfcheck.random_parts(key, k + 1, out_f, in_f, bits, gs, mx.float32)
+             for key, out_f, in_f in ((keys[0], f, d), (keys[1], f, d), (keys[2], d, f))]
+    x = mx.random.normal((d,), key=keys[3])
+    return x, mx.array([2, 0], dtype=mx.uint32), mx.array([0.6, 0.3]), parts
+
+
+def test_a_gpu_backend_that_cannot_run_here_is_a_failed_row():
+    x, idx, scores, parts = _case_inputs()
+    row = selfcheck.parity_case("metal", "case", x, idx, scores, *parts)
+    assert row["status"] == "error" and not row["passed"] and "metal" in row["reason"]
+
+
+def test_a_gpu_backend_is_compared_with_the_cpu_reference(monkeypatch):
+    real = fused_kernel.routed
+    seen = []
+
+    def as_if_cuda(backend, *args):
+        seen.append(backend)
+        return real("reference", *args)
+
+    monkeypatch.setattr(fused_kernel, "routed", as_if_cuda)
+    x, idx, scores, parts = _case_inputs()
+    row = selfcheck.parity_case("cuda", "case", x, idx, scores, *parts)
+    assert row["passed"] and row["vs_reference_nrms"] == 0.0
+    assert seen == ["cuda"] * selfcheck.determinism_runs("cuda") + ["reference"]
+
+
+@pytest.mark.parametrize("error,passes", [(0.0, True), (1e-3, False)])
+def test_a_gpu_router_kernel_is_compared_with_the_cpu_reference(monkeypatch, error, passes):
+    def as_if_cuda(backend, logits, *args):
+        probs, inds, scores, gate = fused_kernel.reference_select(logits, *args)
+        return probs + error, inds, scores, gate
+
+    monkeypatch.setattr(fused_kernel, "select", as_if_cuda)
+    rows = selfcheck.router_parity("cuda", mx.float32)
+    assert len(rows) == len(selfcheck.ROUTER_CASES) and all(r["status"] == "ran" for r in rows)
+    assert all(r["passed"] == passes and r["same_experts"] for r in rows)
+
+
+# (output error, slot the emulated in-place write lands on past the token's, whether the rows pass)
+@pytest.mark.parametrize("error,shift,passes", [(0.0, 0, True), (1e-2, 0, False), (0.0, 1, False)])
+def test_a_gpu_attention_kernel_is_compared_with_the_cpu_reference(quantized_checkpoint, monkeypatch, error, shift,
+                                                                   passes):
+    def as_if_cuda(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=False):
+        out, k, v = attention_kernel.reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads,
+                                                                 block)
+        if write:  # as the kernel stores them, into the caller's arrays
+            keys[block, :, slots[0].item() + shift] = k[0, :, 0]
+            values[block, :, slots[0].item() + shift] = v[0, :, 0]
+        return out * (1 + error), k, v
+
+    monkeypatch.setattr(attention_kernel, "gpu_decode_attention", as_if_cuda)
+    rows = selfcheck.attention_parity("cuda", moebench.load(quantized_checkpoint)[0])
+    assert len(rows) == 2 * len(selfcheck.ATTENTION_POSITIONS) and all(r["status"] == "ran" for r in rows)
+    assert all(r["passed"] == passes for r in rows)
+
+
+def test_the_shared_expert_case_fails_when_the_kernel_drops_the_shared_term(monkeypatch):
+    real = fused_kernel.routed
+
+    def without_shared(backend, x, indices, scores, gate, up, down, shared=None, residual=None):
+        return real("reference", x, indices, scores, gate, up, down)
+
+    monkeypatch.setattr(fused_kernel, "routed", without_shared)
+    row = selfcheck.shared_expert_parity("reference", mx.float32)
+    assert row["status"] == "ran" and not row["passed"] and row["fused_nrms"] > selfcheck.FUSED_NRMS
+
+
+@pytest.mark.parametrize("switched_on,error,status,passes", [
+    (False, 0.0, "off", True), (True, 0.0, "ran", True), (True, 1e-2, "ran", False)])
+def test_the_opt_in_norm_kernels_are_compared_with_the_cpu_reference_when_on(quantized_checkpoint, monkeypatch,
+                                                                              switched_on, error, status, passes):
+    if switched_on:
+        monkeypatch.setenv(norm_kernels.ENV_SWITCH, "1")
+    else:
+        monkeypatch.delenv(norm_kernels.ENV_SWITCH, raising=False)
+    real_router, real_matvec = norm_kernels.norm_router, norm_kernels.norm_matvec
+
+    def router_as_if_cuda(backend, *args):
+        h, xn, logits, *rest = real_router("reference", *args)
+        return (h, xn, logits * (1 + error), *rest) if backend == "cuda" else (h, xn, logits, *rest)
+
+    def matvec_as_if_cuda(backend, *args):
+        y = real_matvec("reference", *args)
+        return y * (1 + error) if backend == "cuda" else y
+
+    monkeypatch.setattr(norm_kernels, "norm_router", router_as_if_cuda)
+    monkeypatch.setattr(norm_kernels, "norm_matvec", matvec_as_if_cuda)
+    model = moebench.load(quantized_checkpoint)[0]
+    rows = selfcheck.norm_kernel_parity("cuda", model)
+    assert [r["case"].split(" (")[0] for r in rows] == ["entry kernel", "input-norm projection"]
+    assert all(r["status"] == status and r["passed"] == passes for r in rows)
+    assert all(r["status"] == "not applicable" for r in selfcheck.norm_kernel_parity("reference", model))
+
+
+@pytest.mark.parametrize("error,passes", [(2.0**-9, True), (2.0**-5, False)])
+def test_bfloat16_projection_outputs_are_held_to_one_rounding_unit(make_checkpoint, monkeypatch, error, passes):
+    monkeypatch.setenv(norm_kernels.ENV_SWITCH, "1")
+    real = norm_kernels.norm_matvec
+    monkeypatch.setattr(norm_kernels, "norm_matvec", lambda backend, *args: real("reference", *args).astype(
+        mx.float32) * (1 + (error if backend == "cuda" else 0.0)))
+    model = moebench.load(make_checkpoint("bf16", bits=4, dtype=mx.bfloat16), dtype=mx.bfloat16)[0]
+    assert model.norm.weight.dtype == mx.bfloat16
+    row = selfcheck.norm_kernel_parity("cuda", model)[-1]
+    assert row["case"].startswith("input-norm projection") and row["status"] == "ran" and row["passed"] == passes

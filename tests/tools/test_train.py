@@ -1,0 +1,155 @@
+import json
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import moebench
+from moebench.checkpoint.files import read_safetensors_header
+from moebench.checkpoint.loader import SHIPPED_MODEL
+from moebench.inspect import stats
+from moebench.tools.corpus import Document, split_documents
+from moebench.tools.train import (
+    LOG_FILE,
+    RouterTap,
+    TrainSettings,
+    balance_loss,
+    checkpoint_tensors,
+    export_quantized,
+    init_model,
+    train,
+)
+from moebench.tools.writer import qwen2_moe_config, save_checkpoint
+
+TINY = qwen2_moe_config(vocab_size=64, num_experts=4, num_experts_per_tok=2)
+
+# Held-out text of each domain (Julius Caesar is a validation play; difflib a validation module).
+PROSE = """Antony.
+Friends, Romans, countrymen, lend me your ears;
+I come to bury Caesar, not to praise him.
+The evil that men do lives after them;
+The good is oft interred with their bones:
+So let it be with Caesar. The noble Brutus
+Hath told you Caesar was ambitious.
+If it were so, it was a grievous fault;
+And grievously hath Caesar answer'd it.
+"""
+
+
+def test_balance_loss_is_one_for_even_routing_and_num_experts_for_collapse():
+    even_probs = mx.full((8, 4), 0.25)
+    even_ids = mx.array([[0, 1], [2, 3]] * 4)
+    assert balance_loss(even_probs, even_ids, 4).item() == pytest.approx(1.0)
+    collapsed = mx.array([[1.0, 0, 0, 0]] * 8)
+    assert balance_loss(collapsed, mx.zeros((8, 1), dtype=mx.uint32), 4).item() == pytest.approx(4.0)
+
+
+def test_a_few_steps_reduce_the_loss():
+    model = init_model(TINY, seed=0)
+    stream = np.tile(np.arange(1, 40, dtype=np.int32), 50)  # a repeating, learnable sequence
+    settings = TrainSettings(steps=12, batch=4, seq_len=32, peak_lr=1e-2, warmup=2, eval_every=100)
+    records = []
+    losses = train(model, [stream, stream[::-1].copy()], settings, log=records.append)
+    assert len(losses) == len(records) == 12
+    assert np.mean(losses[-3:]) < losses[0] - 1.0
+    assert all(0.5 < r["balance"] < TINY["num_experts"] for r in records)
+
+
+def test_checkpoint_tensors_round_trip_the_float_model_exactly(tmp_path):
+    config = qwen2_moe_config(vocab_size=128)
+    model = init_model(config, seed=1)
+    save_checkpoint(tmp_path, config, checkpoint_tensors(model))
+    again, _ = moebench.load(tmp_path)
+    tokens = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]])
+    assert mx.allclose(again(tokens), model(tokens), atol=1e-5).item()
+
+
+def test_export_writes_per_expert_4bit_weights_near_the_float_model(tmp_path):
+    config = qwen2_moe_config(vocab_size=128)
+    model = init_model(config, seed=1)
+    export_quantized(model, config, tmp_path)
+    header = read_safetensors_header(tmp_path / "model.safetensors")
+    assert "model.layers.0.mlp.experts.7.down_proj.scales" in header
+    assert not any("switch_mlp" in name for name in header)
+    qmodel, _ = moebench.load(tmp_path)
+    assert qmodel.load_info.bits["mlp.switch_mlp.gate_proj"] == "4-bit g64"
+    assert qmodel.load_info.bits["mlp.gate"] == "8-bit g64"
+    tokens = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]])
+    ref, got = model(tokens), qmodel(tokens)
+    # Names are checked exactly by the float round trip; here 4-bit noise on random weights gives ~0.37.
+    assert (mx.linalg.norm(got - ref) / mx.linalg.norm(ref)).item() < 0.6
+
+
+def test_validation_split_holds_out_whole_documents_by_position():
+    docs = [Document(f"d{i}", str(i)) for i in range(10)]
+    split = split_documents("x", docs, every=4)
+    assert [d.name for d in split.valid] == ["d3", "d7"]
+    assert len(split.train) == 8 and not {d.name for d in split.train} & {"d3", "d7"}
+
+
+# --- the shipped model -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return moebench.load(SHIPPED_MODEL)
+
+
+def test_shipped_model_has_the_promised_architecture(shipped):
+    model, tok = shipped
+    a = model.args
+    assert a.num_hidden_layers >= 4 and all(a.is_moe_layer(i) for i in range(a.num_hidden_layers))
+    assert a.num_key_value_heads < a.num_attention_heads
+    assert a.num_experts >= 16 and a.num_experts_per_tok == 4 and a.norm_topk_prob is False
+    assert a.shared_expert_intermediate_size > 0
+    for width in (a.hidden_size, a.moe_intermediate_size, a.shared_expert_intermediate_size, a.intermediate_size):
+        assert width % 128 == 0
+    assert all(block.shared_expert_gate is not None for block in model.moe_blocks().values())
+    assert model.load_info.bits["mlp.switch_mlp.down_proj"] == "4-bit g64"
+    assert 4096 <= tok.vocab_size <= 8192 and a.vocab_size == tok.vocab_size
+
+
+def test_shipped_files_are_small_per_expert_and_logged():
+    size = sum(f.stat().st_size for f in SHIPPED_MODEL.iterdir())
+    assert size < 12 * 1024 * 1024
+    names = read_safetensors_header(SHIPPED_MODEL / "model.safetensors")
+    assert any(re.fullmatch(r"model\.layers\.\d+\.mlp\.experts\.\d+\.up_proj\.weight", n) for n in names)
+    config = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 64
+    records = [json.loads(line) for line in (SHIPPED_MODEL / LOG_FILE).read_text().splitlines()]
+    steps = [r for r in records if "ce" in r]
+    assert len(steps) == records[0]["settings"]["steps"]
+    assert steps[-1]["ce"] < steps[0]["ce"] - 2
+    # Below the unigram baseline of data/README.md (6.88 nats on code, 6.53 on prose).
+    assert all(ce < 6.3 for ce in records[-1]["final_float_valid_ce"].values())
+
+
+def test_shipped_tokenizer_round_trips_both_domains(shipped):
+    _, tok = shipped
+    code = "def f(x):\n    return x + 1\n"
+    assert tok.decode(tok.encode(code)) == code
+    assert tok.decode(tok.encode(PROSE)) == PROSE
+
+
+def test_shipped_experts_are_all_used_and_differ_between_code_and_prose(shipped):
+    model, tok = shipped
+    import difflib
+
+    code = open(difflib.__file__, encoding="utf-8").read()
+    usage = {}
+    for name, text in (("code", code), ("prose", PROSE * 3)):
+        tap = RouterTap()
+        model.recorder = tap
+        try:
+            model(mx.array(tok.encode(text)[:512])[None])
+        finally:
+            model.recorder = None
+        usage[name] = {i: np.asarray(ids[0]) for i, ids in tap.ids.items()}
+    e = model.args.num_experts
+    for layer in usage["code"]:
+        both = np.concatenate([usage["code"][layer], usage["prose"][layer]])
+        assert (stats.expert_counts(both, e) > 0).all(), f"layer {layer} leaves an expert unused"
+    js = [stats.js_divergence(stats.expert_counts(usage["code"][i], e), stats.expert_counts(usage["prose"][i], e))
+          for i in usage["code"]]
+    assert max(js) > 0.2  # measured 0.06 to 0.63 bits per layer
