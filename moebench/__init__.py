@@ -6,7 +6,8 @@
 
 from .checkpoint.config import ModelArgs
 from .checkpoint.loader import load
-from .decode.loop import Sampling, generate
+from .decode.loop import generate
+from .decode.sampling import Sampling
 from .errors import CheckpointError, ConfigError, MoebenchError, UnsupportedKernelConfig
 from .execution.dispatch import available_backend, fused_moe, fused_moe_enabled, set_fused_moe
 from .models.routing import Intervention

@@ -32,7 +32,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _run_generate(a: argparse.Namespace) -> int:
     from .checkpoint.loader import load
-    from .decode.loop import Sampling, generate, use_compiled
+    from .decode.loop import generate, use_compiled
+    from .decode.sampling import Sampling
     from .execution.dispatch import set_fused_moe
 
     if a.fused is not None:

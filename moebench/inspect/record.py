@@ -26,7 +26,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..decode.cache import make_cache
-from ..decode.loop import GenerationResult, Sampling, sample
+from ..decode.loop import GenerationResult
+from ..decode.sampling import Sampling, sample
 from ..errors import MoebenchError
 from ..execution.dispatch import Decision, fused_moe, fused_moe_enabled
 from ..models.routing import Intervention

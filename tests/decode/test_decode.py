@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import moebench
-from moebench.decode.loop import DecodeError, GenerationResult, Sampling, generate, generate_tokens, sample
+from moebench.decode.loop import GenerationResult, generate, generate_tokens
+from moebench.decode.sampling import DecodeError, Sampling, sample
 
 PROMPT = [12, 200, 7, 7, 31, 90]
 

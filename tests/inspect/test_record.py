@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import moebench
-from moebench.decode.loop import Sampling, generate
+from moebench.decode.loop import generate
+from moebench.decode.sampling import Sampling
 from moebench.errors import MoebenchError
 from moebench.execution.dispatch import fused_moe
 from moebench.inspect.interventions import clear_interventions, set_interventions
