@@ -6,7 +6,8 @@ Unknown keys are ignored; a missing required key or an invalid value raises Conf
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,13 @@ AFFINE_GROUP_SIZES = (32, 64, 128)
 DEFAULT_ROPE_THETA = 10_000.0
 # MLX's fixed (group size, bits) for the bias-free floating point modes.
 FP_MODES = {"mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}
+# mlx.nn's (group size, bits) for a quantization entry that leaves them out or null, per mode.
+MODE_DEFAULTS = {"affine": (64, 4), **FP_MODES}
+# Entry keys mlx-lm can write that change the arithmetic in ways moebench does not reproduce.
+UNSUPPORTED_ENTRY_FLAGS = {
+    "global_scale": "nvfp4 with a per-tensor global scale is not supported",
+    "quantize_input": "quantized activations (QQLinear) are not supported",
+}
 
 
 @dataclass(frozen=True)
@@ -168,8 +176,6 @@ class ModelArgs:
         ):
             raise ConfigError(f"{source}: field 'mlp_only_layers' must list layer indices below {layers}")
 
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
 
         return cls(
             model_type=str(cfg.get("model_type", "qwen2_moe")),
@@ -194,47 +200,145 @@ class ModelArgs:
             vocab_size=integer("vocab_size", need("vocab_size")),
             qkv_bias=flag("qkv_bias", optional("qkv_bias", optional("attention_bias", True))),
             quantization=_parse_quantization(cfg.get("quantization"), source),
-            eos_token_id=eos_ids,
+            eos_token_id=token_ids(cfg.get("eos_token_id"), f"{source}: field 'eos_token_id'"),
         )
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelArgs:
+        """config.json, with the stop ids of generation_config.json beside it added (as mlx-lm stops on both)."""
         path = Path(path)
         try:
-            cfg = json.loads(path.read_text())
+            cfg = read_json_object(path)
         except FileNotFoundError as e:
             raise ConfigError(f"{path}: no config.json here") from e
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: cannot read JSON: {e}") from e
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"{path}: top level must be a JSON object")
-        return cls.from_dict(cfg, source=str(path))
+        args = cls.from_dict(cfg, source=str(path))
+        generation = GenerationConfig.from_file(path.with_name(GENERATION_CONFIG))
+        eos = tuple(dict.fromkeys(args.eos_token_id + generation.eos_token_id))
+        return replace(args, eos_token_id=eos)
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """generation_config.json: the stop ids and sampling settings a checkpoint's authors publish.
+
+    Values keep transformers' meaning: a setting left out is None (not applied), and without
+    `do_sample: true` decoding is greedy (the repetition penalty still applies).
+    """
+
+    eos_token_id: tuple[int, ...] = ()
+    do_sample: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> GenerationConfig:
+        """Read one; a folder without the file has no settings (every field at its default)."""
+        path = Path(path)
+        try:
+            cfg = read_json_object(path)
+        except FileNotFoundError:
+            return cls()
+
+        return cls(
+            eos_token_id=token_ids(cfg.get("eos_token_id"), f"{path}: field 'eos_token_id'"),
+            do_sample=bool(_setting(cfg, path, "do_sample")),
+            temperature=_setting(cfg, path, "temperature"),
+            top_p=_setting(cfg, path, "top_p"),
+            top_k=_setting(cfg, path, "top_k"),
+            repetition_penalty=_setting(cfg, path, "repetition_penalty"),
+        )
+
+
+# generation_config.json settings moebench applies: the JSON types accepted, the valid range, and its wording.
+_SETTINGS = {
+    "do_sample": ((bool,), lambda v: True, "true or false"),
+    "temperature": ((int, float), lambda v: math.isfinite(v) and v >= 0, "a number >= 0"),
+    "top_p": ((int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": ((int,), lambda v: v >= 0, "an integer >= 0"),
+    "repetition_penalty": ((int, float), lambda v: math.isfinite(v) and v > 0, "a positive number"),
+}
+
+
+def _setting(cfg: dict[str, Any], path: Path, key: str) -> Any:
+    """One sampling setting, None when absent or null; a wrong type or range names the file and field."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    kinds, valid, wanted = _SETTINGS[key]
+    if isinstance(value, bool) is not (bool in kinds) or not isinstance(value, kinds) or not valid(value):
+        raise ConfigError(f"{path}: field {key!r} must be {wanted}, got {value!r}")
+    return value
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file whose top level is an object; FileNotFoundError passes through for the caller to word."""
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: top level must be a JSON object")
+    return cfg
+
+
+def token_ids(value: Any, where: str) -> tuple[int, ...]:
+    """An `eos_token_id` as config files write it: one id, a list of ids, or null."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ConfigError(f"{where} must be a token id or a list of them, got {value!r}")
+    return tuple(values)
 
 
 def _parse_quantization(block: Any, source: str) -> Quantization | None:
+    """config.json's `quantization` block, read with mlx-lm's meaning (mlx_lm.utils.load_model).
+
+    mlx-lm hands each per-module entry to MLX's `to_quantized` as written, so an entry never inherits
+    from the block's top level: a missing `mode` is affine, and a missing or null `group_size` or `bits`
+    is that mode's own default (affine 64 / 4, mxfp4 32 / 4, mxfp8 32 / 8, nvfp4 16 / 4). mlx-lm 0.31+
+    writes its mixed recipes (`--quant-predicate mixed_3_6`) as per-module entries with `"group_size": null`.
+    An entry `false` keeps the module float.
+    """
     if block is None or block is False:
         return None
     if not isinstance(block, dict):
         raise ConfigError(f"{source}: field 'quantization' must be an object")
-
-    def spec(obj: dict, where: str, base: QuantSpec | None) -> QuantSpec:
-        gs = obj.get("group_size", base.group_size if base else 64)
-        bits = obj.get("bits", base.bits if base else 4)
-        mode = obj.get("mode", base.mode if base else "affine")
-        for key, value in (("group_size", gs), ("bits", bits)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{source}: {where}.{key} must be an integer, got {value!r}")
-        if not isinstance(mode, str):
-            raise ConfigError(f"{source}: {where}.mode must be a string, got {mode!r}")
-        result = QuantSpec(group_size=gs, bits=bits, mode=mode)
-        result.validate(f"{source}: {where}")
-        return result
-
-    default = spec(block, "quantization", None)
+    default = _quant_spec(block, f"{source}: quantization")
     overrides: dict[str, QuantSpec | bool] = {}
     for key, value in block.items():
         if isinstance(value, dict):
-            overrides[key] = spec(value, f"quantization[{key!r}]", default)
+            overrides[key] = _quant_spec(value, f"{source}: quantization[{key!r}]")
         elif value is False:
             overrides[key] = False
     return Quantization(default=default, overrides=overrides)
+
+
+def _quant_spec(entry: dict, where: str) -> QuantSpec:
+    """One entry (the top level or a module's) as MLX's `to_quantized` reads it; `where` names it in errors."""
+    mode = entry.get("mode", "affine")
+    if not isinstance(mode, str):
+        raise ConfigError(f"{where}.mode must be a string, got {mode!r}")
+    if mode not in MODE_DEFAULTS:
+        raise ConfigError(f"{where}: quantization mode {mode!r} is not one of {QUANT_MODES}")
+    for flag in UNSUPPORTED_ENTRY_FLAGS:
+        if entry.get(flag):
+            raise ConfigError(f"{where}.{flag} is set: {UNSUPPORTED_ENTRY_FLAGS[flag]}")
+    values = {}
+    for key, fallback in zip(("group_size", "bits"), MODE_DEFAULTS[mode], strict=True):
+        value = entry.get(key)
+        if value is None:
+            value = fallback
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}.{key} must be an integer or null, got {value!r}")
+        values[key] = value
+    result = QuantSpec(group_size=values["group_size"], bits=values["bits"], mode=mode)
+    result.validate(where)
+    return result

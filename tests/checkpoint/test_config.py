@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from moebench.checkpoint.config import DEFAULT_ROPE_THETA, ModelArgs, QuantSpec
+from moebench.checkpoint.config import DEFAULT_ROPE_THETA, GenerationConfig, ModelArgs, QuantSpec
 from moebench.errors import ConfigError
 from moebench.tools.writer import qwen2_moe_config
 
@@ -94,6 +94,7 @@ def test_missing_required_field_is_named(key):
         (dict(rms_norm_eps=-1.0), "rms_norm_eps"),
         (dict(rope_theta=True), "rope_theta"),
         (dict(vocab_size=2.5), "vocab_size"),
+        (dict(eos_token_id="<|im_end|>"), "eos_token_id"),
         (dict(quantization={"group_size": 16, "bits": 4}), "group_size"),
         (dict(quantization={"group_size": 64, "bits": 7}), "bits"),
         (dict(quantization={"group_size": 64, "bits": 4, "mode": "int4"}), "mode"),
@@ -138,3 +139,62 @@ def test_from_file_names_the_file(tmp_path):
         ModelArgs.from_file(bad)
     bad.write_text(json.dumps(qwen2_moe_config()))
     assert ModelArgs.from_file(bad).hidden_size == 128
+
+
+def test_mixed_recipe_null_group_size_is_the_mode_default():
+    """mlx-lm 0.31+ writes `--quant-predicate mixed_3_6` entries with "group_size": null: MLX's affine default, 64."""
+    block = {"group_size": 64, "bits": 4, "mode": "affine",
+             "model.embed_tokens": {"group_size": None, "bits": 3, "mode": "affine"},
+             "lm_head": {"group_size": None, "bits": 6, "mode": "affine"}}
+    q = ModelArgs.from_dict(qwen2_moe_config(quantization=block)).quantization
+    assert q.for_module("model.embed_tokens") == QuantSpec(64, 3)
+    assert q.for_module("lm_head") == QuantSpec(64, 6)
+
+
+def test_entries_never_inherit_the_top_level():
+    """mlx-lm passes an entry to MLX's to_quantized as written: no mode is affine, no group size the mode's default."""
+    block = {"group_size": 32, "bits": 4, "mode": "mxfp4", "model.layers.0.mlp.gate": {"group_size": 64, "bits": 8},
+             "model.layers.1.mlp.gate": {"bits": 8}, "model.layers.2.mlp.gate": {"mode": "mxfp8"}}
+    q = ModelArgs.from_dict(qwen2_moe_config(quantization=block)).quantization
+    assert q.default == QuantSpec(32, 4, "mxfp4")
+    assert q.for_module("model.layers.0.mlp.gate") == QuantSpec(64, 8)
+    assert q.for_module("model.layers.1.mlp.gate") == QuantSpec(64, 8)
+    assert q.for_module("model.layers.2.mlp.gate") == QuantSpec(32, 8, "mxfp8")
+    nulls = ModelArgs.from_dict(qwen2_moe_config(quantization={"group_size": None, "bits": None, "mode": "nvfp4"}))
+    assert nulls.quantization.default == QuantSpec(16, 4, "nvfp4")
+
+
+@pytest.mark.parametrize("flag", ["global_scale", "quantize_input"])
+def test_entry_flags_moebench_cannot_compute_are_refused(flag):
+    block = {"group_size": 16, "bits": 4, "mode": "nvfp4", "model.layers.0.mlp.switch_mlp.up_proj": {
+        "group_size": 16, "bits": 4, "mode": "nvfp4", flag: True}}
+    with pytest.raises(ConfigError, match=rf"quantization\['model.layers.0.mlp.switch_mlp.up_proj'\].{flag}"):
+        ModelArgs.from_dict(qwen2_moe_config(quantization=block), source="c/config.json")
+
+
+def test_stop_ids_are_config_and_generation_config_together(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(qwen2_moe_config(eos_token_id=151645)))
+    assert ModelArgs.from_file(tmp_path / "config.json").eos_token_id == (151645,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    assert ModelArgs.from_file(tmp_path / "config.json").eos_token_id == (151645, 151643)
+
+
+def test_generation_config_sampling_settings(tmp_path):
+    path = tmp_path / "generation_config.json"
+    assert GenerationConfig.from_file(path) == GenerationConfig()
+    path.write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                "repetition_penalty": 1.05, "eos_token_id": [151645, 151643], "bos_token_id": 1}))
+    assert GenerationConfig.from_file(path) == GenerationConfig((151645, 151643), True, 0.7, 0.8, 20, 1.05)
+
+
+@pytest.mark.parametrize("field,value", [("top_k", 2.5), ("top_k", -1), ("top_p", 0), ("temperature", "hot"),
+                                         ("repetition_penalty", 0), ("do_sample", 1), ("eos_token_id", "2"),
+                                         ("eos_token_id", [1, True])])
+def test_bad_generation_config_field_is_named(tmp_path, field, value):
+    path = tmp_path / "generation_config.json"
+    path.write_text(json.dumps({field: value}))
+    with pytest.raises(ConfigError, match=rf"{path}.*'{field}'"):
+        GenerationConfig.from_file(path)
+    (tmp_path / "config.json").write_text(json.dumps(qwen2_moe_config()))
+    with pytest.raises(ConfigError, match=str(path)):
+        ModelArgs.from_file(tmp_path / "config.json")
