@@ -1,19 +1,21 @@
 """moebench: look inside Mixture-of-Experts decoding on MLX.
 
     model, tokenizer = moebench.load()          # the shipped tiny Qwen2-MoE, or a folder
-    with moebench.fused_moe(False): ...         # the fused decode-MoE kernel off for a block
+    with moebench.fused_moe(False): ...         # the fused decode kernels off for a block of code
+    moebench.dispatch(model)                    # what ran, per layer: fused kernels or fallback, and why
 """
 
 from .checkpoint.config import ModelArgs
-from .checkpoint.loader import load
+from .checkpoint.loader import default_model_path, load
 from .decode.loop import generate
 from .decode.sampling import Sampling
 from .errors import CheckpointError, ConfigError, MoebenchError, UnsupportedKernelConfig
-from .execution.dispatch import available_backend, fused_moe, fused_moe_enabled, set_fused_moe
+from .execution.executor import dispatch, fused_moe, fused_moe_enabled, set_fused_moe
+from .execution.kernel import available_backend
 from .models.routing import Intervention
 
 __all__ = [
     "CheckpointError", "ConfigError", "Intervention", "ModelArgs", "MoebenchError", "Sampling",
-    "UnsupportedKernelConfig", "available_backend", "fused_moe", "fused_moe_enabled", "generate", "load",
-    "set_fused_moe",
+    "UnsupportedKernelConfig", "available_backend", "default_model_path", "dispatch", "fused_moe",
+    "fused_moe_enabled", "generate", "load", "set_fused_moe",
 ]

@@ -34,7 +34,7 @@ def _run_generate(a: argparse.Namespace) -> int:
     from .checkpoint.loader import load
     from .decode.loop import generate, use_compiled
     from .decode.sampling import Sampling
-    from .execution.dispatch import set_fused_moe
+    from .execution.executor import set_fused_moe
 
     if a.fused is not None:
         set_fused_moe(a.fused == "on")

@@ -145,6 +145,13 @@ class TensorStore:
     def take_optional(self, name: str) -> mx.array | None:
         return self._tensors.pop(name, None)
 
+    def put(self, name: str, array: mx.array, where: str | Path) -> None:
+        """Add a tensor made from stored ones (experts stacked), with the file it came from."""
+        if name in self._tensors:
+            raise CheckpointError(f"{where}: tensor {name!r} is stored twice")
+        self._tensors[name] = array
+        self._file_of[name] = Path(where)
+
     def check_all_used(self) -> None:
         """Leftover tensors mean the checkpoint does not match the config (e.g. an extra layer)."""
         leftover = sorted(n for n in self._tensors if not n.endswith("rotary_emb.inv_freq"))

@@ -14,11 +14,11 @@ import mlx.nn as nn
 
 from ..errors import ConfigError
 from ..models import family
-from ..models.layers import Linear
-from ..models.switch import SwitchLinear
+from ..models.layers import QuantizedWeight
 from .config import ModelArgs
 from .files import TensorStore
 from .tokenizer import Tokenizer
+from .weights import load_weights
 
 SHIPPED_MODEL = Path(str(resources.files("moebench") / "shipped" / "tiny-qwen2-moe"))  # data/, in the wheel too
 ENV_MODEL = "MOEBENCH_MODEL"
@@ -55,8 +55,8 @@ def bits_report(model: nn.Module) -> dict[str, str]:
     """Module kind (layer index dropped) -> the quantization found, e.g. {'mlp.switch_mlp.down_proj': '8-bit g64'}."""
     found: dict[str, set[str]] = defaultdict(set)
     for path, module in model.named_modules():
-        if isinstance(module, (Linear, SwitchLinear)):
-            kind = re.sub(r"^layers\.\d+\.", "", path).replace("experts.", "switch_mlp.")
+        if isinstance(module, QuantizedWeight):
+            kind = re.sub(r"^model\.(layers\.\d+\.)?", "", path)
             if module.quant is None:
                 found[kind].add(f"float {module.weight.dtype}".replace("mlx.core.", ""))
             else:
@@ -76,9 +76,9 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a checkpoint folder")
     args = ModelArgs.from_file(folder / "config.json")
-    build = family(args.model_type, str(folder / "config.json")).build
+    model = family(args.model_type, str(folder / "config.json")).Model(args)
     store = TensorStore(folder, progress=progress)
-    model = build(args, store, dtype or default_dtype() or _checkpoint_dtype(store))
+    load_weights(model, store, dtype or default_dtype() or _checkpoint_dtype(store), args.quantization)
     store.check_all_used()
     model.load_info = LoadInfo(folder, bits_report(model))
     if verbose:

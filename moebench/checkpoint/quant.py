@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from ..errors import CheckpointError
 from .config import AFFINE_BITS, AFFINE_GROUP_SIZES, QuantSpec
@@ -103,34 +102,3 @@ def make_parts(
             raise CheckpointError(f"{name}.scales: mode {spec.mode} needs uint8 scales, got {scales.dtype}")
     bits = infer_bits(name, weight, scales, spec)
     return QuantizedParts(weight, scales, biases, spec.group_size, bits, spec.mode)
-
-
-class QuantizedWeight(nn.Module):
-    """A module holding one weight (or expert stack), float or quantized: Linear and SwitchLinear.
-
-    group_size / bits / mode are plain attributes (None for a float weight) and calls read arrays as
-    items: both skip nn.Module's attribute fallback, which costs at every call of every decode step.
-    """
-
-    def __init__(self, weight: mx.array, parts: QuantizedParts | None = None):
-        super().__init__()
-        self.weight = weight if parts is None else parts.weight
-        if parts is not None:
-            self.scales = parts.scales
-            if parts.biases is not None:
-                self.biases = parts.biases
-        self.group_size = None if parts is None else parts.group_size
-        self.bits = None if parts is None else parts.bits
-        self.mode = None if parts is None else parts.mode
-
-    @property
-    def quant(self) -> tuple[int, int, str] | None:
-        """(group size, bits, mode), or None for a float weight."""
-        return None if self.mode is None else (self.group_size, self.bits, self.mode)
-
-    def quantized_parts(self) -> QuantizedParts | None:
-        """The quantized pieces (what the fused kernel reads), or None for a float weight."""
-        if self.mode is None:
-            return None
-        return QuantizedParts(self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
-                              self.mode)

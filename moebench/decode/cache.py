@@ -6,13 +6,15 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..execution.moe import GPU_BACKENDS
-
 GROW_STEP = 256
 
 
 class KVCache:
-    """Keys and values [B, kv_heads, T, head_dim] of one attention layer."""
+    """Keys and values [B, kv_heads, T, head_dim] of one attention layer. A fused decode step writes the new
+    token's key and value as an update MLX sees (`write`), so arrays of this cache that a caller holds
+    (recording, a notebook) keep what they held."""
+
+    static = False  # not a compiled step's static cache (moebench.execution.plan.Shape)
 
     def __init__(self) -> None:
         self.keys: mx.array | None = None
@@ -52,13 +54,6 @@ class KVCache:
         block of the buffers that holds this layer (0: the buffers are this layer's alone)."""
         self._reserve(1, 1, heads, head_dim, head_dim, dtype)
         return self.keys, self.values, slots_array(self.offset, self.keys.shape[2]), 0
-
-    def kernel_writes(self, backend: str) -> bool:
-        """Whether the decode-attention kernel should store the token's key and value in place: never here.
-        `write` does it as an update MLX sees, so an array of this cache that a caller holds (recording,
-        a notebook) keeps what it held; only CompiledForward's StaticCache, which nobody else sees, is
-        written in place."""
-        return False
 
     def attention_mask(self, length: int) -> str | None:
         return "causal" if length > 1 else None
@@ -111,7 +106,7 @@ class StaticCache:
     write position is an array, so a decode step has constant shapes and can be traced once by mx.compile.
 
     A decode step on a GPU writes in place: each layer's decode-attention kernel stores its token's key
-    and value at slot P of its own block of the buffers itself (StaticLayerCache.kernel_writes), and the
+    and value at slot P of its own block of the buffers itself (StaticLayerCache.written_in_place), and the
     step hands the same buffers on. No kernel of the step reads slot P (they read slots < P, each layer
     its own block), but MLX does not see these writes: it orders GPU work by the buffers each kernel
     declares it reads and writes (its CUDA graphs run kernels with no such edge at once), and here the
@@ -179,7 +174,10 @@ class StaticCache:
 
 
 class StaticLayerCache:
-    """One layer's view of a StaticCache, with the interface the attention layers use."""
+    """One layer's view of a StaticCache, with the interface the attention layers use. On a GPU the
+    decode-attention kernel stores its token's key and value here in place (`written_in_place`)."""
+
+    static = True
 
     def __init__(self, cache: StaticCache, layer: int):
         self.cache, self.layer = cache, layer
@@ -207,11 +205,6 @@ class StaticLayerCache:
         """Every layer's buffers as before this forward, int32 [P, CAP], and this layer's block in them
         (see KVCache.decode_buffers)."""
         return self.cache.keys, self.cache.values, self.cache.position.slots, self.layer
-
-    def kernel_writes(self, backend: str) -> bool:
-        """Whether the decode-attention kernel on `backend` should store the token's key and value in place
-        (a GPU kernel can; see StaticCache); the layer then calls `written_in_place` instead of `write`."""
-        return backend in GPU_BACKENDS
 
     def written_in_place(self, keys: mx.array, values: mx.array) -> None:
         """The kernel that output these (its k_new / v_new) stored them in the buffers itself: the commit

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import UnsupportedKernelConfig
-from . import moe as fused_kernel
-from .moe import GPU_BACKENDS, LANES, Stage
+from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend
 
 ATTENTION = Stage("moebench_attn_decode", "attn_decode.body",
                   ("qkv", "bias", "inv_freq", "pos", "keys", "values", "block"), ("out", "k_new", "v_new"))
@@ -44,20 +43,19 @@ class Heads:
         return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
 
 
-# Warps a query head's positions are split over (one threadgroup per head). One warp walking a head's
-# positions alone took 17.6 us a layer at 8-72 positions and 39.5 us at 64-160 on the H200 (step 9 of
-# docs/benchmarks/h200.md): the walk, not the bytes, set the time.
+# Warps a query head's positions are split over (one threadgroup per head; docs/benchmarks/h200.md, step 9).
 WARPS_PER_HEAD = 8
 # Past this many positions a step runs MLX's attention instead (MLX's SDPA splits long contexts over many
 # threadgroups; an engineering bound from the kernel's design, not a measured crossover).
 MAX_POSITIONS = 1024
 
 
-def span_reason(positions: int) -> str | None:
-    """Why a decode step that may attend to `positions` positions should not use the kernel, or None."""
-    if positions > MAX_POSITIONS:
-        return f"{positions} positions (the kernel's one threadgroup per head is for up to {MAX_POSITIONS})"
-    return None
+SPAN_REASON = f"past {MAX_POSITIONS} positions (the kernel's one threadgroup per head is for up to {MAX_POSITIONS})"
+
+
+def span_fits(positions: int) -> bool:
+    """Whether a decode step that may attend to `positions` positions can use the kernel."""
+    return positions <= MAX_POSITIONS
 
 
 def support_reason(heads: Heads) -> str | None:
@@ -77,17 +75,9 @@ def rope_frequencies(head_dim: int, base: float) -> mx.array:
     return freqs
 
 
-_checked: set[tuple] = set()
-
-
-def check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
-                 values: mx.array, heads: Heads, block: int) -> None:
-    """Shapes and dtypes the kernel assumes, checked in Python (a bad launch would abort the process); a
-    combination seen before is not checked again (decode repeats one)."""
-    key = (qkv.shape, qkv.dtype, bias is not None and (bias.shape, bias.dtype), inv_freq.shape, inv_freq.dtype,
-           slots.shape, slots.dtype, keys.shape, keys.dtype, values.shape, values.dtype, heads, block)
-    if key in _checked:
-        return
+def _check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
+                  values: mx.array, heads: Heads, block: int) -> None:
+    """Shapes and dtypes the kernel assumes (a bad launch would abort the process)."""
     reason = support_reason(heads)
     if reason:
         raise UnsupportedKernelConfig(reason)
@@ -111,7 +101,17 @@ def check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots
                                       "one shape under 2**31 elements")
     if not 0 <= block < keys.shape[0]:
         raise UnsupportedKernelConfig(f"cache block {block} is outside the {keys.shape[0]} blocks of the buffers")
-    _checked.add(key)
+
+
+_check = CheckedOnce(_check_inputs)
+
+
+def check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
+                 values: mx.array, heads: Heads, block: int) -> None:
+    """_check_inputs, once per combination of shapes and dtypes (decode repeats one)."""
+    key = (qkv.shape, qkv.dtype, bias is not None and (bias.shape, bias.dtype), inv_freq.shape, inv_freq.dtype,
+           slots.shape, slots.dtype, keys.shape, keys.dtype, values.shape, values.dtype, heads, block)
+    _check(key, qkv, bias, inv_freq, slots, keys, values, heads, block)
 
 
 _blocks: dict[int, mx.array] = {}
@@ -130,7 +130,7 @@ def gpu_decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv
     """The kernel on `backend` (see decode_attention)."""
     kv, hd = heads.n_kv_heads, heads.head_dim
     lead = tuple(qkv.shape[:-1])
-    return tuple(fused_kernel.built_kernel(backend, ATTENTION)(
+    return tuple(built_kernel(backend, ATTENTION)(
         inputs=[qkv, bias if bias is not None else qkv, inv_freq, slots, keys, values, block_array(block)],
         template=[("T", qkv.dtype), ("H", heads.n_heads), ("KV", kv), ("HD", hd), ("BIAS", bias is not None),
                   ("W", WARPS_PER_HEAD), ("WRITE", write)],
@@ -190,11 +190,10 @@ def decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_fre
     and its buffers must be whole row-contiguous arrays (MLX hands a kernel a copy of any other input, and
     the write would land in the copy): a StaticCache's are (zeros, then its updates' outputs).
     """
+    check_backend(backend)
     check_inputs(qkv, bias, inv_freq, slots, keys, values, heads, block)
     if backend in GPU_BACKENDS:
         return gpu_decode_attention(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=write)
-    if backend != "reference":
-        raise UnsupportedKernelConfig(f"unknown fused backend {backend!r} (metal, cuda or reference)")
     if write:
         raise UnsupportedKernelConfig("the reference attention returns new arrays: it cannot write the cache in place")
     return reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads, block)

@@ -1,50 +1,28 @@
 """The fused single-token decode-MoE arithmetic: router top-k, routed experts and the shared expert.
 
-Backends: 'reference' (MLX ops on any device, the test oracle), 'metal' and 'cuda' (JIT kernels
-built from one shared kernel body per stage in kernels/, behind a thin per-backend prelude). All
-share one arithmetic: dequantize in float32 with float32 scales and biases, accumulate in float32,
-SwiGLU in float32, float32 unweighted outputs per routed expert y [K, D] and of the shared expert
-ys [D]; the combine sum_k score_k * y_k + sigmoid_gate * ys runs in float32 and casts once to the
-activation dtype.
+All backends share one arithmetic: dequantize in float32 with float32 scales and biases, accumulate in
+float32, SwiGLU in float32, float32 unweighted outputs per routed expert y [K, D] and of the shared
+expert ys [D]; the combine sum_k score_k * y_k + sigmoid_gate * ys (+ the residual) runs in float32 and
+casts once to the activation dtype.
 
 The GPU path of one MoE layer is three launches: the router kernel (softmax, top-k and the shared
 expert's sigmoid gate from one row of logits), kernel A (gate and up of every routed slot and of the
-shared expert in one pass over x, SwiGLU) writing act [K * Dff + Dffs] in float32, and kernel B
-(down of every slot and of the shared expert, and the combine) writing y, ys and the output.
+shared expert in one pass over x, SwiGLU) writing act [K * Dff + Dffs] in float32, and kernel B (down
+of every slot and of the shared expert, and the combine) writing y, ys and the output.
 """
 
 from __future__ import annotations
 
-import os
-import weakref
+import functools
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 
 import mlx.core as mx
 
 from ..checkpoint.quant import QuantizedParts
 from ..errors import ConfigError, UnsupportedKernelConfig
-
-KERNEL_DIR = Path(str(resources.files("moebench") / "kernel_sources"))  # the top-level kernels/, in the wheel too
-ENV_ROWS = "MOEBENCH_FUSED_MOE_ROWS"
-DEFAULT_ROWS = 8
-MAX_ROWS = 32
-LANES = 32
-GPU_BACKENDS = ("metal", "cuda")
-# Per backend: the header part of the prelude (helpers) and the source part (thread indices).
-PRELUDES = {"metal": ("metal_header.h", "metal_indices.inc"), "cuda": ("cuda_header.cuh", "cuda_indices.inc")}
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One of the two kernels: its body file and its parameter names (MLX writes the signature)."""
-
-    name: str
-    body: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-
+from ..models.routing import route
+from ..models.switch import SwitchGLU, weighted_sum
+from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend, round_up
 
 ROUTER = Stage("moebench_moe_router", "moe_router.body", ("logits",), ("probs", "inds", "scores", "sgate"))
 GATE_UP = Stage("moebench_moe_gate_up", "moe_gate_up.body",
@@ -54,54 +32,44 @@ DOWN = Stage("moebench_moe_down", "moe_down.body",
              ("indices", "scores", "down_w", "down_s", "down_b", "act", "sdown_w", "sdown_s", "sdown_b", "sgate",
               "resid"), ("y", "ys", "out"))
 STAGES = (ROUTER, GATE_UP, DOWN)
-COMMON = "moe_common.inc"  # helpers every body uses, after the backend's header part
+DEFAULT_ROWS = 8  # simdgroups (output rows) per threadgroup
+MAX_ROWS = 32
+DEFAULT_MAX_DFF = {"metal": 4096, "cuda": 8192}  # expert width above which the GPU kernel lost to gather_qmm
+GATE_UP_BITS = (4, 8)
+DOWN_BITS = (4, 6, 8)
+GROUP_SIZES = (32, 64, 128)
 
 
-def kernel_source(backend: str, stage: Stage) -> tuple[str, str]:
-    """(header, source) for `stage` on `backend`: the backend's prelude around the shared body."""
-    if backend not in PRELUDES:
-        raise UnsupportedKernelConfig(f"no kernel prelude for backend {backend!r} (have {sorted(PRELUDES)})")
-    header_file, indices_file = PRELUDES[backend]
-    header = (KERNEL_DIR / header_file).read_text() + (KERNEL_DIR / COMMON).read_text()
-    source = (KERNEL_DIR / indices_file).read_text() + (KERNEL_DIR / stage.body).read_text()
-    return header, source
-
-
-_kernels: dict[tuple[str, str], object] = {}
-
-
-def built_kernel(backend: str, stage: Stage):
-    """The MLX kernel object of `stage` on `backend`, built once; MLX compiles once per template."""
-    key = (backend, stage.name)
-    if key not in _kernels:
-        header, source = kernel_source(backend, stage)
-        if backend == "metal" and mx.metal.is_available():
-            factory = mx.fast.metal_kernel
-        elif backend == "cuda" and mx.cuda.is_available():
-            factory = mx.fast.cuda_kernel
-        else:
-            raise UnsupportedKernelConfig(f"the {backend} back-end is not available in this MLX build")
-        _kernels[key] = factory(name=stage.name, input_names=list(stage.inputs), output_names=list(stage.outputs),
-                                source=source, header=header)
-    return _kernels[key]
-
-
-def rows_per_threadgroup() -> int:
-    """Simdgroups (output rows) per threadgroup from MOEBENCH_FUSED_MOE_ROWS (default 8, 1..32)."""
-    raw = os.environ.get(ENV_ROWS, "").strip()
-    if not raw:
-        return DEFAULT_ROWS
-    try:
-        rows = int(raw)
-    except ValueError:
-        raise ConfigError(f"{ENV_ROWS}={raw!r}: expected an integer from 1 to {MAX_ROWS}") from None
-    if not 1 <= rows <= MAX_ROWS:
-        raise ConfigError(f"{ENV_ROWS}={rows}: expected an integer from 1 to {MAX_ROWS}")
-    return rows
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def support_reason(experts: SwitchGLU, backend: str, max_dff: int | None = None) -> str | None:
+    """Why the fused kernels cannot run these experts on `backend`, or None when they can. `max_dff`: the
+    expert-width cap (None: the backend's default; the reference has none)."""
+    parts = [p.quantized_parts() for p in (experts.gate_proj, experts.up_proj, experts.down_proj)]
+    if any(p is None for p in parts):
+        return "float experts (the kernel needs quantized weights)"
+    gate, up, down = parts
+    modes = {p.mode for p in parts}
+    if modes != {"affine"}:
+        return f"quantization mode {sorted(modes)} (the kernel needs affine)"
+    if any(p.biases is None for p in parts):
+        return "affine without biases"
+    if gate.bits != up.bits:
+        return f"gate bits {gate.bits} != up bits {up.bits}"
+    if gate.bits not in GATE_UP_BITS:
+        return f"gate/up bits {gate.bits} not in {GATE_UP_BITS}"
+    if down.bits not in DOWN_BITS:
+        return f"down bits {down.bits} not in {DOWN_BITS}"
+    sizes = {p.group_size for p in parts}
+    if len(sizes) != 1:
+        return f"group sizes differ {sorted(sizes)}"
+    if gate.group_size not in GROUP_SIZES:
+        return f"group size {gate.group_size} not in {GROUP_SIZES}"
+    dff = gate.out_features
+    if down.bits == 6 and dff % 16:
+        return f"6-bit down needs Dff % 16 == 0 (Dff {dff})"
+    cap = max_dff if max_dff is not None else DEFAULT_MAX_DFF.get(backend)
+    if backend in DEFAULT_MAX_DFF and dff > cap:
+        return f"Dff {dff} above the {backend} cap {cap} (MOEBENCH_FUSED_MOE_MAX_DFF)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -115,9 +83,23 @@ class SharedExpert:
     sigmoid_gate: mx.array
 
 
-def check_inputs(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
-                 down: QuantizedParts, shared: SharedExpert | None = None, residual: mx.array | None = None) -> None:
-    """Shapes and dtypes the kernels assume, checked in Python: a bad launch would abort the process."""
+def _signature(a: mx.array | None) -> tuple | None:
+    return None if a is None else (tuple(a.shape), a.dtype)
+
+
+def _parts_signature(p: QuantizedParts) -> tuple:
+    return (p.weight.shape, p.scales.shape, p.scales.dtype, p.biases is not None and p.biases.dtype, p.bits,
+            p.group_size, p.mode)
+
+
+def _check_pair(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
+                down: QuantizedParts, shared: SharedExpert | None, residual: mx.array | None, rows: int) -> None:
+    """Shapes and dtypes the kernel pair assumes (a bad launch would abort the process)."""
+    if not 1 <= rows <= MAX_ROWS:
+        raise ConfigError(f"rows per threadgroup {rows}: expected 1 to {MAX_ROWS}")
+    parts = (gate, up, down) + ((shared.gate, shared.up, shared.down) if shared is not None else ())
+    if any(p.mode != "affine" or p.biases is None for p in parts):
+        raise UnsupportedKernelConfig("the fused kernels need affine quantization with biases")
     d, dff, n_exp = gate.in_features, gate.out_features, gate.weight.shape[0]
     if x.shape[-1:] != (d,) or any(n != 1 for n in x.shape[:-1]):
         raise UnsupportedKernelConfig(f"x has shape {tuple(x.shape)}, the experts expect ({d},) (one token)")
@@ -153,9 +135,20 @@ def check_inputs(x: mx.array, indices: mx.array, scores: mx.array, gate: Quantiz
                                       f"expected {(*x.shape[:-1], 1)}")
 
 
+check_pair = CheckedOnce(_check_pair)
+
+
+def pair_signature(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
+                   down: QuantizedParts, shared: SharedExpert | None, residual: mx.array | None, rows: int) -> tuple:
+    """Everything the pair's checks and launch geometry depend on (shapes, dtypes, bits; no values)."""
+    return (_signature(x), _signature(indices), _signature(scores), *map(_parts_signature, (gate, up, down)),
+            shared is not None and (*map(_parts_signature, (shared.gate, shared.up, shared.down)),
+                                    _signature(shared.sigmoid_gate)), _signature(residual), rows)
+
+
 @dataclass(frozen=True)
-class LaunchPlan:
-    """Everything about one layer's kernel pair that depends only on shapes, dtypes and geometry."""
+class PairLaunch:
+    """The kernel pair's templates, grids and output shapes for one signature."""
 
     gate_up_template: list
     gate_up_grid: tuple[int, int, int]
@@ -165,63 +158,40 @@ class LaunchPlan:
     act_shape: list
     down_shapes: list
     down_dtypes: list
-    parts: tuple  # weak references to the QuantizedParts it was planned for (the key holds their ids)
 
 
-_plans: dict[tuple, LaunchPlan] = {}
-
-
-def _plan(x, indices, scores, gate, up, down, shared: SharedExpert | None, residual: mx.array | None,
-          rows: int) -> LaunchPlan:
-    """The launch plan, validated once per layer and distinct shape/dtype/geometry (decode repeats one key).
-
-    The weights enter the key by identity (a layer's parts are built once and reused at every step), so
-    a hit costs a few comparisons; the plan keeps weak references to them, so a reused id cannot match
-    parts that are gone, and a plan never keeps a model's weights alive."""
-    parts = (gate, up, down) + ((shared.gate, shared.up, shared.down) if shared is not None else ())
-    key = (x.shape, x.dtype, indices.shape, indices.dtype, scores.shape, scores.dtype, rows, *map(id, parts),
-           shared is not None and shared.sigmoid_gate.shape, residual is not None and (residual.shape, residual.dtype))
-    plan = _plans.get(key)
-    if plan is None or not all(ref() is p for ref, p in zip(plan.parts, parts, strict=True)):
-        if any(p.biases is None for p in parts):
-            raise UnsupportedKernelConfig("the fused kernels need affine quantization with biases")
-        check_inputs(x, indices, scores, gate, up, down, shared, residual)
-        if not 1 <= rows <= MAX_ROWS:
-            raise ConfigError(f"rows per threadgroup {rows}: expected 1 to {MAX_ROWS}")
-        k, d, dff, n_exp = indices.shape[-1], gate.in_features, gate.out_features, gate.weight.shape[0]
-        dffs = shared.gate.out_features if shared is not None else 0
-        lead = tuple(x.shape[:-1])  # (), (1,), (1, 1), ...: outputs keep the caller's layout, no reshapes
-        shape = [("E", n_exp), ("K", k), ("DIN", d), ("DFF", dff), ("DFFS", dffs), ("GS", gate.group_size)]
-        plan = LaunchPlan(
-            gate_up_template=[("T", x.dtype), ("ST", gate.scales.dtype), *shape, ("BITS", gate.bits)],
-            gate_up_grid=(LANES, _round_up(k * dff + dffs, rows), 1),
-            down_template=[("T", x.dtype), ("ST", gate.scales.dtype), ("S", scores.dtype), *shape,
-                           ("BITS", down.bits), ("RESID", residual is not None)],
-            down_grid=(LANES, _round_up(d, rows), 1),
-            threadgroup=(LANES, rows, 1),
-            act_shape=[(k * dff + dffs,)],
-            down_shapes=[(*lead, k, d), (*lead, d) if dffs else (1,), x.shape],
-            down_dtypes=[mx.float32, mx.float32, x.dtype],
-            parts=tuple(map(weakref.ref, parts)),
-        )
-        _plans[key] = plan
-    return plan
+@functools.lru_cache(maxsize=64)
+def _pair_launch(lead: tuple, x_dtype: mx.Dtype, scale_dtype: mx.Dtype, scores_dtype: mx.Dtype,
+                 e: int, k: int, d: int, dff: int, dffs: int, gs: int, bits: int, down_bits: int, resid: bool,
+                 rows: int) -> PairLaunch:
+    shape = [("E", e), ("K", k), ("DIN", d), ("DFF", dff), ("DFFS", dffs), ("GS", gs)]
+    return PairLaunch(
+        gate_up_template=[("T", x_dtype), ("ST", scale_dtype), *shape, ("BITS", bits)],
+        gate_up_grid=(LANES, round_up(k * dff + dffs, rows), 1),
+        down_template=[("T", x_dtype), ("ST", scale_dtype), ("S", scores_dtype), *shape, ("BITS", down_bits),
+                       ("RESID", resid)],
+        down_grid=(LANES, round_up(d, rows), 1),
+        threadgroup=(LANES, rows, 1),
+        act_shape=[(k * dff + dffs,)],
+        down_shapes=[(*lead, k, d), (*lead, d) if dffs else (1,), (*lead, d)],
+        down_dtypes=[mx.float32, mx.float32, x_dtype],
+    )
 
 
 def gpu_routed(
     backend: str, x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
     down: QuantizedParts, shared: SharedExpert | None = None, residual: mx.array | None = None,
-    rows: int | None = None,
+    rows: int = DEFAULT_ROWS,
 ) -> tuple[mx.array, mx.array, mx.array | None]:
-    """The kernel pair on `backend`: (output [D] in x.dtype, unweighted y [K, D] f32, shared ys [D] f32 or None).
-
-    `rows` simdgroups per threadgroup (default MOEBENCH_FUSED_MOE_ROWS). Kept lean: at decode the
-    Python cost of building a layer's graph is of the same order as the GPU work. A kernel's inputs
-    are fixed, so without a shared expert the routed arrays stand in for its (unread) inputs, and
-    without a residual x does.
-    """
-    plan = _plan(x, indices, scores, gate, up, down, shared, residual,
-                 rows_per_threadgroup() if rows is None else rows)
+    """The kernel pair on `backend` (see routed). Kept lean: at decode the Python cost of building a layer's
+    graph is of the same order as the GPU work. A kernel's inputs are fixed, so without a shared expert the
+    routed arrays stand in for its (unread) inputs, and without a residual x does."""
+    signature = pair_signature(x, indices, scores, gate, up, down, shared, residual, rows)
+    check_pair(signature, x, indices, scores, gate, up, down, shared, residual, rows)
+    launch = _pair_launch(tuple(x.shape[:-1]), x.dtype, gate.scales.dtype, scores.dtype,
+                          gate.weight.shape[0], indices.shape[-1], gate.in_features, gate.out_features,
+                          shared.gate.out_features if shared is not None else 0, gate.group_size, gate.bits,
+                          down.bits, residual is not None, rows)
     indices = indices.astype(mx.uint32)
     st = gate.scales.dtype  # scales and biases of every projection in one dtype (a no-op cast in practice)
     s_gate, s_up, s_down = (shared.gate, shared.up, shared.down) if shared is not None else (gate, up, down)
@@ -229,28 +199,33 @@ def gpu_routed(
         inputs=[x, indices, gate.weight, gate.scales, gate.biases.astype(st), up.weight,
                 up.scales.astype(st), up.biases.astype(st), s_gate.weight, s_gate.scales.astype(st),
                 s_gate.biases.astype(st), s_up.weight, s_up.scales.astype(st), s_up.biases.astype(st)],
-        template=plan.gate_up_template, grid=plan.gate_up_grid, threadgroup=plan.threadgroup,
-        output_shapes=plan.act_shape, output_dtypes=[mx.float32],
+        template=launch.gate_up_template, grid=launch.gate_up_grid, threadgroup=launch.threadgroup,
+        output_shapes=launch.act_shape, output_dtypes=[mx.float32],
     )[0]
     y, ys, out = built_kernel(backend, DOWN)(
         inputs=[indices, scores, down.weight, down.scales.astype(st), down.biases.astype(st), act, s_down.weight,
                 s_down.scales.astype(st), s_down.biases.astype(st),
                 shared.sigmoid_gate if shared is not None else scores, residual if residual is not None else x],
-        template=plan.down_template, grid=plan.down_grid, threadgroup=plan.threadgroup,
-        output_shapes=plan.down_shapes, output_dtypes=plan.down_dtypes,
+        template=launch.down_template, grid=launch.down_grid, threadgroup=launch.threadgroup,
+        output_shapes=launch.down_shapes, output_dtypes=launch.down_dtypes,
     )
     return out, y, ys if shared is not None else None
 
 
-def gpu_select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
-               gate_row: bool) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """The router kernel on `backend`: one token's logits [..., E (+1)] -> (probs [..., E] f32, ids [..., K]
-    uint32, scores [..., K] f32, shared sigmoid gate [..., 1] f32, 0 without `gate_row`), the leading axes
-    all 1 and kept. `gate_row`: the last logit is the shared expert gate's."""
+def _check_select(logits: mx.array, num_experts: int, top_k: int, gate_row: bool) -> None:
     lead = tuple(logits.shape[:-1])
     if logits.shape[-1:] != (num_experts + gate_row,) or any(n != 1 for n in lead) or not 1 <= top_k <= num_experts:
         raise UnsupportedKernelConfig(f"router logits {tuple(logits.shape)} with top-{top_k}: expected one token's "
                                       f"{num_experts + gate_row} logits and 1 <= top_k <= {num_experts}")
+
+
+check_select = CheckedOnce(_check_select)
+
+
+def gpu_select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
+               gate_row: bool) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The router kernel on `backend` (see select)."""
+    lead = tuple(logits.shape[:-1])
     return tuple(built_kernel(backend, ROUTER)(
         inputs=[logits],
         template=[("LT", logits.dtype), ("E", num_experts), ("K", top_k), ("NORM", norm_topk_prob),
@@ -263,20 +238,21 @@ def gpu_select(backend: str, logits: mx.array, num_experts: int, top_k: int, nor
 
 def reference_select(logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
                      gate_row: bool) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """The router kernel's arithmetic with MLX ops (highest probability first)."""
+    """The router kernel's arithmetic: moebench's router (models.routing.route) with the selection ordered
+    highest probability first, as the kernel returns it, and the shared expert's sigmoid gate."""
     lf = logits.astype(mx.float32)
-    probs = mx.softmax(lf[..., :num_experts], axis=-1, precise=True)
-    inds = mx.argsort(-probs, axis=-1)[..., :top_k].astype(mx.uint32)
-    scores = mx.take_along_axis(probs, inds, axis=-1)
-    if norm_topk_prob:
-        scores = scores / scores.sum(axis=-1, keepdims=True)
+    probs, inds, scores = route(lf[..., :num_experts], top_k, norm_topk_prob, ordered=True)
     sgate = mx.sigmoid(lf[..., num_experts:]) if gate_row else mx.zeros((*lf.shape[:-1], 1), mx.float32)
     return probs, inds, scores, sgate
 
 
 def select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
            gate_row: bool) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """One token's router selection on `backend` (see gpu_select)."""
+    """One token's router selection on `backend`: logits [..., E (+1)] -> (probs [..., E] f32, ids [..., K]
+    uint32, scores [..., K] f32, shared sigmoid gate [..., 1] f32, 0 without `gate_row`), the leading axes
+    all 1 and kept. `gate_row`: the last logit is the shared expert gate's."""
+    check_backend(backend)
+    check_select((tuple(logits.shape), num_experts, top_k, gate_row), logits, num_experts, top_k, gate_row)
     if backend in GPU_BACKENDS:
         return gpu_select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row)
     return reference_select(logits, num_experts, top_k, norm_topk_prob, gate_row)
@@ -293,7 +269,8 @@ def matmul_f32(p: QuantizedParts, v: mx.array, indices: mx.array | None = None) 
                          transpose=True, group_size=p.group_size, bits=p.bits)
 
 
-def _swiglu_f32(g: mx.array, u: mx.array) -> mx.array:
+def swiglu_f32(g: mx.array, u: mx.array) -> mx.array:
+    """silu(g) * u in float32, written out as the kernels compute it."""
     return g / (1.0 + mx.exp(-g)) * u
 
 
@@ -302,14 +279,14 @@ def reference_expert_outputs(
 ) -> mx.array:
     """x [D], indices [K] -> unweighted expert outputs [K, D] in float32, with MLX ops."""
     xf = x.astype(mx.float32)
-    act = _swiglu_f32(matmul_f32(gate, xf, indices), matmul_f32(up, xf, indices))
+    act = swiglu_f32(matmul_f32(gate, xf, indices), matmul_f32(up, xf, indices))
     return matmul_f32(down, act, indices)[:, 0]
 
 
 def reference_shared_output(x: mx.array, shared: SharedExpert) -> mx.array:
     """x [D] -> the shared expert's unweighted output [D] in float32, with MLX ops."""
     xf = x.astype(mx.float32)
-    return matmul_f32(shared.down, _swiglu_f32(matmul_f32(shared.gate, xf), matmul_f32(shared.up, xf)))
+    return matmul_f32(shared.down, swiglu_f32(matmul_f32(shared.gate, xf), matmul_f32(shared.up, xf)))
 
 
 def combine(expert_out: mx.array, scores: mx.array) -> mx.array:
@@ -320,19 +297,20 @@ def combine(expert_out: mx.array, scores: mx.array) -> mx.array:
 def routed(
     backend: str, x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
     down: QuantizedParts, shared: SharedExpert | None = None, residual: mx.array | None = None,
+    rows: int = DEFAULT_ROWS,
 ) -> tuple[mx.array, mx.array, mx.array | None]:
     """One token's expert output on `backend`: ((residual +) sum_k score_k y_k (+ gate * ys) [D] in x.dtype,
     unweighted routed outputs y [K, D] f32, unweighted shared output ys [D] f32 or None without a shared
-    expert).
+    expert). `rows`: output rows per threadgroup of the GPU kernels.
 
     x [D] with indices and scores [K], or with leading axes of 1 (x [1, 1, D] with [1, 1, K], as a decode
     step holds it): the outputs keep them, without reshape ops on the GPU path.
     """
+    check_backend(backend)
     if backend in GPU_BACKENDS:
-        return gpu_routed(backend, x, indices, scores, gate, up, down, shared, residual)
-    if backend != "reference":
-        raise UnsupportedKernelConfig(f"unknown fused backend {backend!r} (metal, cuda or reference)")
-    check_inputs(x, indices, scores, gate, up, down, shared, residual)
+        return gpu_routed(backend, x, indices, scores, gate, up, down, shared, residual, rows)
+    signature = pair_signature(x, indices, scores, gate, up, down, shared, residual, rows)
+    check_pair(signature, x, indices, scores, gate, up, down, shared, residual, rows)
     lead = tuple(x.shape[:-1])
     flat_x = x.reshape(-1)
     y = reference_expert_outputs(flat_x, indices.reshape(-1), gate, up, down)
@@ -345,3 +323,18 @@ def routed(
     if residual is not None:
         out = residual.reshape(-1).astype(mx.float32) + out
     return out.astype(x.dtype).reshape(x.shape), y.reshape(*lead, *y.shape), ys
+
+
+def routed_experts(path: str, experts: SwitchGLU, x: mx.array, indices: mx.array, scores: mx.array,
+                   rows: int = DEFAULT_ROWS) -> tuple[mx.array, mx.array]:
+    """The routed part of a MoE block on one token x [1, D] with indices and scores [1, K], by `path` (a
+    backend, or 'fallback'): (weighted sum [1, D], unweighted per-expert outputs [1, K, D]).
+
+    Fused: the kernel pair, per-expert outputs in float32, weighted and summed over K in float32, one final
+    cast. Fallback: SwitchGLU (gather_qmm) in the activation dtype and the weighted sum in that dtype."""
+    if path == "fallback":
+        y = experts(x, indices)
+        return weighted_sum(y, scores), y
+    parts = [p.quantized_parts() for p in (experts.gate_proj, experts.up_proj, experts.down_proj)]
+    out, y, _ = routed(path, x, indices, scores, *parts, rows=rows)
+    return out, y

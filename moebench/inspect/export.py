@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import MoebenchError
-from . import hooks
+from ..models import hooks
 from .record import Trace
 
 FORMATS = ("parquet", "json")

@@ -4,59 +4,51 @@
     for step in stepper: ...                  # prompt records, then one record per generated token
     trace = Stepper(model, tokenizer, ids).run(16)   # the synchronous twin, for scripts and CI
 
-What a record holds is what the forward pass computed: the model hands its internals to a Recorder
-(names from moebench.inspect.hooks) while the graph is built, and they are evaluated together with the
-logits, never recomputed. With recording off the model does no extra work.
+What a record holds is what the forward pass computed: the forward hands its internals to a Recorder
+(names from moebench.models.hooks) while the graph is built, and they are evaluated together with the
+logits, never recomputed. With recording off the forward does no extra work.
 
-The stepper builds step n+1 while step n evaluates (like `decode.generate`). Changes a caller makes
-between tokens (fused switch, interventions, `record`) still apply to the very next token: the
-speculative step remembers the state it was built under and is rolled back (KV cache, sampling key,
-dispatch counters) and rebuilt when that state changed or the caller feeds a different token.
+The stepper decodes in a moebench.decode.loop.Session and builds step n+1 while step n evaluates.
+Changes a caller makes between tokens (fused switch, interventions, `record`) still apply to the very
+next token: the speculative step remembers the state it was built under and is rolled back (cache
+position, sampling key; it was never counted) and rebuilt when that state changed or the caller feeds a
+different token.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
-from ..decode.cache import make_cache
-from ..decode.loop import GenerationResult
-from ..decode.sampling import Sampling, sample
+from ..decode.loop import GenerationResult, Session, Step, check_prompt
+from ..decode.sampling import Sampling
 from ..errors import MoebenchError
-from ..execution.dispatch import Decision, fused_moe, fused_moe_enabled
+from ..execution.plan import Decision
+from ..execution.settings import KernelSettings
+from ..models import hooks
 from ..models.routing import Intervention
-from . import hooks
 
 
 class Recorder:
-    """Collects the named internals of one forward pass; attach with `recording(model)`."""
+    """Collects the named internals of one forward pass (the models' Record): `values` by full hook name."""
 
-    def __init__(self) -> None:
-        self.values: dict[str, object] = {}
+    def __init__(self, values: dict[str, object] | None = None, prefix: str = "") -> None:
+        self.values = {} if values is None else values
+        self._prefix = prefix
 
     def __call__(self, name: str, value: object) -> None:
-        self.values[name] = value
+        self.values[self._prefix + name] = value
+
+    def scope(self, child: str) -> Recorder:
+        return Recorder(self.values, f"{self._prefix}{child}.")
 
     def arrays(self) -> list[mx.array]:
         return [v for v in self.values.values() if isinstance(v, mx.array)]
-
-
-@contextmanager
-def recording(model, recorder: Recorder | None = None) -> Iterator[Recorder]:
-    """Attach a recorder for the forward calls inside the block (graph building), then detach it."""
-    recorder = recorder if recorder is not None else Recorder()
-    before = model.recorder
-    model.recorder = recorder
-    try:
-        yield recorder
-    finally:
-        model.recorder = before
 
 
 def _numpy(value: mx.array | None) -> np.ndarray | None:
@@ -69,7 +61,7 @@ def _numpy(value: mx.array | None) -> np.ndarray | None:
 
 @dataclass
 class LayerRecord:
-    """One MoE layer at one token position. Fields are named after the hook names (moebench.inspect.hooks).
+    """One MoE layer at one token position. Fields are named after the hook names (moebench.models.hooks).
 
     topk_ids, topk_scores and expert_out are ordered by score, highest first (the router itself
     returns them unordered). expert_out is each selected expert's own output before weighting,
@@ -175,15 +167,11 @@ class _Pending:
     """A step whose graph is built (and possibly evaluating) but not yet handed to the caller."""
 
     inputs: list[int] | None  # None while the fed token is still the lazy choice of the step before
-    tokens: mx.array
+    step: Step
     position: int
-    next_token: mx.array
-    logits: mx.array
     top: tuple[mx.array, mx.array] | None
     recorded: dict[str, object] | None
     state: tuple
-    key_before: mx.array | None
-    decisions: tuple[Decision, ...]
 
 
 class Stepper:
@@ -191,10 +179,10 @@ class Stepper:
 
     prompt: text (needs the tokenizer) or token ids. sampling: as decode.generate (greedy by default).
     top: how many next-token candidates each record lists. keep_logits: store each record's full
-    next-token logits. fused: force the fused switch on/off for this stepper's forward calls (None
-    follows the global switch). max_tokens: stop after this many generated tokens (None: only at a
-    stop id). pipeline: build the next step while the current one evaluates.
-    `record`, the global fused switch and the blocks' interventions may change between any two steps.
+    next-token logits. fused: force the fused kernels on/off for this stepper's forward calls (None
+    follows the model's switch, moebench.set_fused_moe). max_tokens: stop after this many generated
+    tokens (None: only at a stop id). pipeline: build the next step while the current one evaluates.
+    `record`, the fused switch and the blocks' interventions may change between any two steps.
     """
 
     def __init__(self, model, tokenizer=None, prompt: str | list[int] = "", *, record: bool = False,
@@ -207,12 +195,8 @@ class Stepper:
             prompt_ids = tokenizer.encode(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]
-        if not prompt_ids:
-            raise MoebenchError("the prompt is empty: give at least one token")
+        prompt_ids = check_prompt(model, prompt_ids)
         vocab = model.args.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise MoebenchError(f"prompt token id {bad[0]} is outside the model's vocabulary 0..{vocab - 1}")
         if top < 0 or top > vocab:
             raise MoebenchError(f"top must be between 0 and the vocabulary size {vocab}, got {top}")
         self.model, self.tokenizer = model, tokenizer
@@ -222,9 +206,7 @@ class Stepper:
         self.stop_ids = tuple(model.args.eos_token_id if stop_ids is None else stop_ids)
         self.trace = Trace(prompt_ids)
         self._blocks = model.moe_blocks()
-        self._counters = model.dispatch_counters()
-        self._cache = make_cache(len(model.layers))
-        self._key = mx.random.key(sampling.seed) if sampling.seed is not None else None
+        self.session = Session(model, sampling, compiled=False)
         self._pending: _Pending | None = None
         self._last_token: int | None = None
         self._generated = 0
@@ -232,57 +214,46 @@ class Stepper:
         self.done = False
 
     # -- the state a built step depends on -------------------------------------------------------
-    def _switch(self) -> bool:
-        return fused_moe_enabled() if self.fused is None else self.fused
+    def _settings(self) -> KernelSettings:
+        settings = self.session.executor.settings
+        return settings if self.fused is None or settings.fused == self.fused else replace(settings, fused=self.fused)
 
     def _state(self) -> tuple:
-        return self._switch(), self.record, tuple(b.intervention for b in self._blocks.values())
+        return self._settings(), self.record, tuple(b.intervention for b in self._blocks.values())
 
     def _text(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     # -- building, rolling back and finishing steps -----------------------------------------------
     def _build(self, tokens: mx.array, inputs: list[int] | None) -> _Pending:
-        key_before, sub = self._key, None
-        if self._key is not None:
-            self._key, sub = mx.random.split(self._key)
         recorder = Recorder() if self.record else None
-        position = self._cache[0].offset
-        # Context managers only where they change something: this is the per-token hot path.
-        with fused_moe(self.fused) if self.fused is not None else nullcontext():
-            with recording(self.model, recorder) if recorder is not None else nullcontext():
-                logits = self.model(tokens[None], self._cache)[0]
-        next_token = sample(logits[-1:], self.sampling, sub)[0]
+        position = self.session.position
+        state = self._state()
+        step = self.session.build(tokens, recorder, state[0], every_position=True)
+        logits = step.logits
         top = None
         if self.top:
             ids = mx.argpartition(-logits, kth=self.top - 1, axis=-1)[:, : self.top]
             picked = mx.take_along_axis(logits, ids, axis=-1).astype(mx.float32)
             top = ids, mx.exp(picked - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True))
-        # Each block and attention layer decided once in this forward; a rollback takes exactly those
-        # decisions back out of the counters (another stepper on the same model may have counted since).
-        decisions = tuple(c.last for c in self._counters)
-        pending = _Pending(inputs, tokens, position, next_token, logits, top,
-                           recorder.values if recorder else None, self._state(), key_before, decisions)
-        mx.async_eval(next_token, logits, *(top or ()), *(recorder.arrays() if recorder else ()))
-        return pending
+            mx.async_eval(*top)
+        if recorder is not None:
+            mx.async_eval(*recorder.arrays())
+        return _Pending(inputs, step, position, top, recorder.values if recorder else None, state)
 
     def _rollback(self, pending: _Pending) -> None:
-        """Undo a speculative step: rewind the KV cache, the sampling key and the dispatch counters."""
-        for c in self._cache:
-            c.offset -= pending.tokens.size
-        self._key = pending.key_before
-        for counter, decision in zip(self._counters, pending.decisions, strict=True):
-            counter.uncount(decision)
+        """Undo a speculative step (the cache position and the sampling key); it was never counted."""
+        self.session.rollback(pending.step)
 
     def _speculate(self, pending: _Pending) -> _Pending | None:
         """Build the step after `pending` from its (still lazy) chosen token."""
         if not self.pipeline or (self.max_tokens is not None and self._generated + 1 >= self.max_tokens):
             return None
-        return self._build(pending.next_token.reshape(1).astype(mx.uint32), None)
+        return self._build(pending.step.token.reshape(1).astype(mx.uint32), None)
 
     def _finish(self, pending: _Pending, phase: str) -> list[StepRecord]:
         """Wait for a step and turn what it computed into records, one per input position."""
-        token_id = pending.next_token.item()
+        token_id = self.session.take(pending.step)
         if self._pending is not None:
             self._pending.inputs = [token_id]
         inputs = pending.inputs
@@ -290,9 +261,9 @@ class Stepper:
         top_ids = top_probs = None
         if pending.top is not None:
             top_ids, top_probs = pending.top[0].tolist(), pending.top[1].tolist()
-        logits = _numpy(pending.logits) if self.keep_logits else None
+        logits = _numpy(pending.step.logits) if self.keep_logits else None
         layers = _layer_records(pending.recorded) if pending.recorded is not None else [{}] * len(inputs)
-        switch = pending.state[0]
+        switch = pending.state[0].fused
         interventions = {i: v for i, v in zip(self._blocks, pending.state[2], strict=True) if v is not None}
         records = []
         for j, input_id in enumerate(inputs):
@@ -389,7 +360,7 @@ class Stepper:
         return self.trace
 
     def close(self) -> None:
-        """Drop a speculative step (restoring the dispatch counters) and end the decode."""
+        """Drop a speculative step and end the decode."""
         if self._pending is not None:
             self._rollback(self._pending)
             self._pending = None

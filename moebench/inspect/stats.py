@@ -1,6 +1,6 @@
 """Routing statistics over recorded router outputs (numpy or MLX arrays in, numpy / floats out).
 
-Inputs are what the model records (moebench.inspect.hooks): top-k expert ids [..., K] and router
+Inputs are what the model records (moebench.models.hooks): top-k expert ids [..., K] and router
 probabilities [..., E]. Leading axes (batch, position) are flattened, so a [B, L, K] array and its
 [B*L, K] reshape give the same answer. Entropies are in bits unless `base` says otherwise.
 """

@@ -1,29 +1,81 @@
-"""Dense building blocks built straight from checkpoint tensors: Linear and Embedding, float or quantized.
+"""The dense building blocks: Linear, Embedding and RMSNorm, each holding one weight, float or quantized.
 
-They are built from the loaded weights rather than initialised and overwritten, so a real-size
-checkpoint is never quantized at random first, and every shape is checked against the config.
+A model is built from its ModelArgs with placeholder weights of the right shapes (lazy zeros, never
+computed) and the checkpoint loader (moebench.checkpoint.weights) fills them, checking every tensor
+against the placeholder's shape; a real-size checkpoint is never initialised at random first.
 """
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable
-
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..checkpoint.config import Quantization
-from ..checkpoint.quant import QuantizedParts, QuantizedWeight, make_parts
-from ..errors import CheckpointError
+from ..checkpoint.quant import QuantizedParts
+
+
+class QuantizedWeight(nn.Module):
+    """A module holding one weight (or one stack of expert weights), float or quantized.
+
+    group_size / bits / mode are plain attributes (None for a float weight) and calls read arrays as
+    items: both skip nn.Module's attribute fallback, which costs at every call of every decode step.
+    """
+
+    def __init__(self, shape: tuple[int, ...], bias: bool = False):
+        super().__init__()
+        self.weight = mx.zeros(shape)  # a placeholder of the right shape until the checkpoint fills it
+        if bias:
+            self.bias = mx.zeros(shape[-2:-1])
+        self.group_size = self.bits = self.mode = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The float shape: (out, in), or (E, out, in) for an expert stack."""
+        if self.mode is None:
+            return tuple(self["weight"].shape)
+        *lead, packed = self["weight"].shape
+        return (*lead, packed * 32 // self.bits)
+
+    def set_weight(self, weight: mx.array, parts: QuantizedParts | None = None, bias: mx.array | None = None) -> None:
+        """Hold `weight` (float), or the quantized `parts`; and the bias when the module has one."""
+        for name in ("scales", "biases"):
+            if name in self:
+                del self[name]
+        self.weight = weight if parts is None else parts.weight
+        if parts is not None:
+            self.scales = parts.scales
+            if parts.biases is not None:
+                self.biases = parts.biases
+        self.group_size, self.bits, self.mode = (None, None, None) if parts is None else (
+            parts.group_size, parts.bits, parts.mode)
+        if bias is not None:
+            self.bias = bias
+
+    @property
+    def quant(self) -> tuple[int, int, str] | None:
+        """(group size, bits, mode), or None for a float weight."""
+        return None if self.mode is None else (self.group_size, self.bits, self.mode)
+
+    def quantized_parts(self) -> QuantizedParts | None:
+        """The quantized pieces (what the fused kernels read), or None for a float weight."""
+        if self.mode is None:
+            return None
+        return QuantizedParts(self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                              self.mode)
+
+
+def _matmul(w: QuantizedWeight, x: mx.array) -> mx.array:
+    """x W^T for a 2-D weight, float or quantized."""
+    if w.mode is None:
+        return x @ w["weight"].T
+    return mx.quantized_matmul(x, w["weight"], w["scales"], w.get("biases"), transpose=True, group_size=w.group_size,
+                               bits=w.bits, mode=w.mode)
 
 
 class Linear(QuantizedWeight):
-    """y = x W^T (+ b); W float [out, in] or quantized parts."""
+    """y = x W^T (+ b); W [out, in], float or quantized."""
 
-    def __init__(self, weight: mx.array, bias: mx.array | None = None, parts: QuantizedParts | None = None):
-        super().__init__(weight, parts)
-        if bias is not None:
-            self.bias = bias
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__((out_features, in_features), bias)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.matmul(x)
@@ -32,164 +84,33 @@ class Linear(QuantizedWeight):
         return y
 
     def matmul(self, x: mx.array) -> mx.array:
-        """x W^T without the bias (a kernel that adds it itself takes this)."""
-        if self.mode is None:
-            return x @ self["weight"].T
-        return mx.quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), transpose=True,
-                                   group_size=self.group_size, bits=self.bits, mode=self.mode)
+        """x W^T without the bias (a kernel that adds the bias itself takes this)."""
+        return _matmul(self, x)
 
 
-PARTS = ("weight", "scales", "biases", "bias")
+class Embedding(QuantizedWeight):
+    """Token embedding [vocab, dims]; also the tied output projection."""
 
-
-def stack_rows(*linears: Linear) -> Linear | None:
-    """One Linear whose outputs are the given Linears' in order (one matmul instead of several), or None when
-    they are stored differently (float vs quantized, bits, group size, dtypes, bias on some only)."""
-    first = linears[0]
-    if any(m.quant != first.quant or set(m) != set(first) for m in linears):
-        return None
-    names = [n for n in PARTS if n in first]
-    if any(m[n].dtype != first[n].dtype for m in linears for n in names):
-        return None
-    stacked = {n: mx.concatenate([m[n] for m in linears]) for n in names}
-    parts = None
-    if first.mode is not None:
-        parts = QuantizedParts(stacked["weight"], stacked["scales"], stacked.get("biases"), first.group_size,
-                               first.bits, first.mode)
-    return Linear(stacked["weight"], stacked.get("bias"), parts)
-
-
-class Derived:
-    """A value computed from some modules' arrays (weight, scales, biases, bias), recomputed only when one
-    of those modules or arrays was replaced (weights loaded, trained, swapped). It is asked for at every
-    decode step of every layer, so the check is a few identity comparisons, not a rebuild."""
-
-    def __init__(self, build: Callable[..., object]):
-        self._build = build
-        self._modules: tuple = ()
-        self._slots: list[tuple[nn.Module, str]] = []
-        self._arrays: list[mx.array] | None = None
-        self._value = None
-
-    def get(self, *modules: nn.Module):
-        """build(*modules), from the last call's result when nothing was replaced since."""
-        if len(modules) != len(self._modules) or not all(map(operator.is_, modules, self._modules)):
-            self._modules, self._arrays = modules, None
-            self._slots = [(m, n) for m in modules for n in PARTS if n in m]
-        arrays = [m[n] for m, n in self._slots]
-        if self._arrays is None or not all(map(operator.is_, arrays, self._arrays)):
-            self._value, self._arrays = self._build(*modules), arrays
-        return self._value
-
-    @property
-    def value(self):
-        """The value of the last get(), or None before the first."""
-        return self._value
-
-    def adopt(self) -> None:
-        """Take the modules' current arrays as the ones the value was built from (they were re-pointed)."""
-        self._arrays = [m[n] for m, n in self._slots]
-
-
-def _evaluated_stack(*linears: Linear) -> Linear | None:
-    stacked = stack_rows(*linears)
-    if stacked is not None:
-        mx.eval(stacked.parameters())  # built once and read by every later call (never traced into one)
-    return stacked
-
-
-class RowStack:
-    """The stacked Linear of several (see stack_rows), kept in step with them (Derived). A plain object
-    rather than a child module, so the model's parameters and checkpoint names stay those of the
-    separate Linears."""
-
-    def __init__(self, *linears: Linear):
-        self.linears = linears
-        self._stacked = Derived(_evaluated_stack)
-
-    def get(self) -> Linear | None:
-        """The stacked Linear, or None when the Linears cannot be stacked."""
-        return self._stacked.get(*self.linears)
-
-    def share_storage(self) -> None:
-        """Point each Linear's arrays at its rows of the stacked ones, so both cost the memory of one."""
-        stacked = self.get()
-        if stacked is None:
-            return
-        start = 0
-        for m in self.linears:
-            rows = m["weight"].shape[0]
-            for n in PARTS:
-                if n in m:
-                    m[n] = stacked[n][start:start + rows]
-            start += rows
-        mx.eval([m.parameters() for m in self.linears])
-        self._stacked.adopt()
-
-
-class Embedding(nn.Module):
-    """Token embedding; can also act as the tied output projection."""
-
-    def __init__(self, table: Linear):
-        super().__init__()
-        self.table = table
+    def __init__(self, vocab: int, dims: int):
+        super().__init__((vocab, dims))
 
     def __call__(self, ids: mx.array) -> mx.array:
-        t = self.table
-        if t.quant is None:
-            return t.weight[ids]
-        gs, bits, mode = t.quant
+        if self.mode is None:
+            return self["weight"][ids]
         return mx.dequantize(
-            t.weight[ids], t.scales[ids], t.get("biases")[ids] if "biases" in t else None,
-            group_size=gs, bits=bits, mode=mode,
-        ).astype(t.scales.dtype if mode == "affine" else mx.float32)
+            self["weight"][ids], self["scales"][ids], self["biases"][ids] if "biases" in self else None,
+            group_size=self.group_size, bits=self.bits, mode=self.mode,
+        ).astype(self["scales"].dtype if self.mode == "affine" else mx.float32)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return self.table(x)
+        """x E^T: logits through the tied embedding table."""
+        return _matmul(self, x)
 
 
-def load_linear(
-    store,
-    name: str,
-    out_features: int,
-    in_features: int,
-    dtype: mx.Dtype,
-    quantization: Quantization | None,
-    bias: bool = False,
-) -> Linear:
-    """Take `{name}.weight` (+ scales/biases, + bias) from the store and check its shape."""
-    weight = store.take(f"{name}.weight")
-    scales = store.take_optional(f"{name}.scales")
-    biases = store.take_optional(f"{name}.biases")
-    b = store.take(f"{name}.bias") if bias else None
-    if b is not None and tuple(b.shape) != (out_features,):
-        raise CheckpointError(f"{store.where(name + '.bias')}: {name}.bias has shape {tuple(b.shape)}, "
-                              f"expected ({out_features},)")
-    if b is not None and not mx.issubdtype(b.dtype, mx.floating):
-        raise CheckpointError(f"{store.where(name + '.bias')}: {name}.bias is {b.dtype}, expected floating point")
-    if b is not None:
-        b = b.astype(dtype)
-    if scales is None:
-        if biases is not None:
-            raise CheckpointError(f"{store.where(name + '.biases')}: {name}.biases present without scales")
-        if tuple(weight.shape) != (out_features, in_features):
-            raise CheckpointError(
-                f"{store.where(name + '.weight')}: {name}.weight has shape {tuple(weight.shape)}, "
-                f"expected ({out_features}, {in_features})"
-            )
-        if not mx.issubdtype(weight.dtype, mx.floating):
-            raise CheckpointError(f"{store.where(name + '.weight')}: {name}.weight is {weight.dtype} "
-                                  "without scales (unquantized weights must be floating point)")
-        return Linear(weight.astype(dtype), b)
-    spec = quantization.for_module(name) if quantization else None
-    if spec is None:
-        raise CheckpointError(
-            f"{store.where(name + '.scales')}: {name} is quantized but config.json has no quantization for it"
-        )
-    parts = make_parts(f"{store.where(name + '.weight')}: {name}", weight, scales, biases, spec, scale_dtype=dtype)
-    if weight.ndim != 2 or (parts.out_features, parts.in_features) != (out_features, in_features):
-        raise CheckpointError(
-            f"{store.where(name + '.weight')}: {name} holds a {parts.bits}-bit matrix of "
-            f"{tuple(weight.shape[:-1])} x {parts.in_features}, expected ({out_features}, {in_features})"
-        )
-    return Linear(parts.weight, b, parts)
+class RMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = mx.ones((dims,)), eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self["weight"], self.eps)

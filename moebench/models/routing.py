@@ -46,8 +46,9 @@ class Intervention:
             object.__setattr__(self, "force_experts", tuple(self.force_experts))
         object.__setattr__(self, "ablate", tuple(self.ablate))
 
-    def validate(self, num_experts: int) -> None:
-        """Raise InterventionError when this intervention cannot apply to a layer of `num_experts`."""
+    def validate(self, num_experts: int, top_k: int) -> None:
+        """Raise InterventionError when this intervention cannot apply to a layer of `num_experts` that selects
+        `top_k` (the intervention's own top_k, when set, replaces it)."""
         ids = list(self.force_experts or ()) + list(self.ablate)
         bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_experts]
         if bad:
@@ -65,14 +66,19 @@ class Intervention:
         k = self.top_k
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= selectable):
             raise InterventionError(f"top_k {k!r} must be between 1 and the {selectable} selectable experts")
+        if self.force_experts is None and k is None and top_k > selectable:
+            raise InterventionError(f"ablating {len(set(self.ablate))} of {num_experts} experts leaves {selectable}, "
+                                    f"fewer than the layer's top-{top_k}")
         if not math.isfinite(self.shared_gate_scale):
             raise InterventionError(f"shared_gate_scale must be finite, got {self.shared_gate_scale}")
 
 
 def route(
-    router_logits: mx.array, top_k: int, norm_topk_prob: bool, intervention: Intervention | None = None
+    router_logits: mx.array, top_k: int, norm_topk_prob: bool, intervention: Intervention | None = None,
+    ordered: bool = False,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """router logits [N, E] -> (probabilities [N, E] f32, expert ids [N, K] uint32, scores [N, K] f32)."""
+    """router logits [N, E] -> (probabilities [N, E] f32, expert ids [N, K] uint32, scores [N, K] f32); the
+    ids in no particular order (argpartition, as mlx-lm), or highest probability first when `ordered`."""
     logits = router_logits.astype(mx.float32)
     probs = mx.softmax(logits, axis=-1, precise=True)
     select_from = probs
@@ -88,7 +94,8 @@ def route(
     else:
         k = intervention.top_k if intervention is not None and intervention.top_k else top_k
         # Selection is discrete: stop_gradient so autodiff (training) flows through the scores only.
-        inds = mx.stop_gradient(mx.argpartition(-select_from, kth=k - 1, axis=-1)[..., :k].astype(mx.uint32))
+        order = mx.argsort(-select_from, axis=-1) if ordered else mx.argpartition(-select_from, kth=k - 1, axis=-1)
+        inds = mx.stop_gradient(order[..., :k].astype(mx.uint32))
     scores = mx.take_along_axis(probs, inds, axis=-1)
     if norm_topk_prob:
         scores = scores / scores.sum(axis=-1, keepdims=True)

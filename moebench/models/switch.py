@@ -1,21 +1,18 @@
-"""The shared expert layer every MoE family reuses: SwitchLinear, SwitchGLU and their checkpoint loader.
+"""The expert layer every MoE family shares: SwitchLinear (E stacked matrices) and SwitchGLU (SwiGLU experts).
 
-Experts are stored stacked `[E, out, in]` (quantized or float). The loader prefers the pre-stacked
-`{root}.switch_mlp.{proj}` tensors and otherwise stacks `{root}.experts.{i}.{proj}` from index 0,
-checking the expert count against the config and inferring each tensor's bit width from its shape.
+Experts are held stacked `[E, out, in]`, float or quantized (moebench.checkpoint.weights stacks
+checkpoints that store them one by one).
 """
 
 from __future__ import annotations
 
-import re
 from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..checkpoint.config import Quantization
-from ..checkpoint.quant import QuantizedParts, QuantizedWeight, make_parts
-from ..errors import CheckpointError
+from ..checkpoint.quant import QuantizedParts
+from .layers import QuantizedWeight
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 SORT_THRESHOLD = 64  # indices.size at or above which tokens are sorted by expert (prefill)
@@ -29,6 +26,9 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
 
 class SwitchLinear(QuantizedWeight):
     """E stacked linear maps; each (token, slot) multiplies by the expert its index names."""
+
+    def __init__(self, in_features: int, out_features: int, num_experts: int):
+        super().__init__((num_experts, out_features, in_features))
 
     @property
     def num_experts(self) -> int:
@@ -47,9 +47,11 @@ class SwitchLinear(QuantizedWeight):
 class SwitchGLU(nn.Module):
     """SwiGLU experts: down_e(silu(gate_e(x)) * up_e(x)) for each selected expert e."""
 
-    def __init__(self, gate_proj: SwitchLinear, up_proj: SwitchLinear, down_proj: SwitchLinear):
+    def __init__(self, in_features: int, hidden_features: int, num_experts: int):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.gate_proj = SwitchLinear(in_features, hidden_features, num_experts)
+        self.up_proj = SwitchLinear(in_features, hidden_features, num_experts)
+        self.down_proj = SwitchLinear(hidden_features, in_features, num_experts)
 
     @property
     def num_experts(self) -> int:
@@ -82,104 +84,3 @@ class SwitchGLU(nn.Module):
 def weighted_sum(expert_out: mx.array, scores: mx.array) -> mx.array:
     """Sum over the top-k axis of expert outputs [N, K, D] weighted by scores [N, K], in the output dtype."""
     return (expert_out * scores[..., None].astype(expert_out.dtype)).sum(axis=-2)
-
-
-def _stack_per_expert(store, root: str, proj: str, num_experts: int) -> dict[str, mx.array]:
-    """Stack `{root}.experts.{i}.{proj}.*` for i in 0..E-1; a hole, an extra or a ragged expert is an error."""
-    pattern = re.compile(re.escape(f"{root}.experts.") + r"(\d+)\." + re.escape(proj) + r"\.(\w+)$")
-    found: dict[str, dict[int, str]] = {}
-    for name in list(store.names()):
-        m = pattern.match(name)
-        if m:
-            found.setdefault(m.group(2), {})[int(m.group(1))] = name
-    if "weight" not in found:
-        raise CheckpointError(
-            f"{store.folder}: missing tensor {root}.switch_mlp.{proj}.weight "
-            f"(and no per-expert {root}.experts.0.{proj}.weight)"
-        )
-    stacked = {}
-    for suffix, by_index in sorted(found.items()):
-        for i in range(num_experts):
-            if i not in by_index:
-                raise CheckpointError(f"{store.folder}: missing tensor {root}.experts.{i}.{proj}.{suffix} "
-                                      f"(config has {num_experts} experts)")
-        extra = sorted(set(by_index) - set(range(num_experts)))
-        if extra:
-            raise CheckpointError(
-                f"{store.where(by_index[extra[0]])}: unexpected tensor {by_index[extra[0]]} "
-                f"(config has {num_experts} experts)"
-            )
-        parts = [store.take(by_index[i]) for i in range(num_experts)]
-        for i, p in enumerate(parts):
-            if p.shape != parts[0].shape or p.dtype != parts[0].dtype:
-                raise CheckpointError(
-                    f"{store.where(by_index[i])}: ragged expert {by_index[i]}: {tuple(p.shape)} {p.dtype}, "
-                    f"expert 0 has {tuple(parts[0].shape)} {parts[0].dtype}"
-                )
-        stacked[suffix] = mx.stack(parts)
-        del parts
-    return stacked
-
-
-def load_switch_linear(
-    store,
-    root: str,
-    proj: str,
-    num_experts: int,
-    out_features: int,
-    in_features: int,
-    dtype: mx.Dtype,
-    quantization: Quantization | None,
-) -> SwitchLinear:
-    """One projection of the experts of MoE block `root`, pre-stacked or per-expert."""
-    prefix = f"{root}.switch_mlp.{proj}"
-    if f"{prefix}.weight" in store:
-        tensors = {s: store.take_optional(f"{prefix}.{s}") for s in ("weight", "scales", "biases")}
-        extras = [n for n in store.names() if n.startswith(f"{root}.experts.") and f".{proj}." in n]
-        if extras:
-            raise CheckpointError(f"{store.where(extras[0])}: {extras[0]} duplicates the stacked {prefix}")
-    else:
-        tensors = _stack_per_expert(store, root, proj, num_experts)
-    unknown = sorted(set(tensors) - {"weight", "scales", "biases"})
-    if unknown:
-        raise CheckpointError(f"{store.folder}: unexpected expert tensor {prefix}.{unknown[0]}")
-    weight, scales, biases = tensors["weight"], tensors.get("scales"), tensors.get("biases")
-    if weight.ndim != 3 or weight.shape[0] != num_experts:
-        raise CheckpointError(
-            f"{store.where(prefix + '.weight')}: {prefix}.weight has shape {tuple(weight.shape)}, "
-            f"expected {num_experts} stacked experts [E, out, in]"
-        )
-    if scales is None:
-        if biases is not None:
-            raise CheckpointError(f"{store.folder}: {prefix}.biases present without scales")
-        if tuple(weight.shape[1:]) != (out_features, in_features):
-            raise CheckpointError(
-                f"{store.where(prefix + '.weight')}: {prefix}.weight has shape {tuple(weight.shape)}, "
-                f"expected ({num_experts}, {out_features}, {in_features})"
-            )
-        if not mx.issubdtype(weight.dtype, mx.floating):
-            raise CheckpointError(f"{store.folder}: {prefix}.weight is {weight.dtype} without scales")
-        return SwitchLinear(weight.astype(dtype))
-    spec = quantization.for_module(prefix) if quantization else None
-    if spec is None:
-        raise CheckpointError(f"{store.folder}: {prefix} is quantized but config.json has no quantization block")
-    parts = make_parts(f"{store.where(prefix + '.weight')}: {prefix}", weight, scales, biases, spec,
-                       scale_dtype=dtype)
-    if (parts.out_features, parts.in_features) != (out_features, in_features):
-        raise CheckpointError(
-            f"{store.where(prefix + '.weight')}: {prefix} holds {parts.bits}-bit experts of "
-            f"{parts.out_features} x {parts.in_features}, expected {out_features} x {in_features}"
-        )
-    return SwitchLinear(parts.weight, parts)
-
-
-def load_switch_glu(
-    store, root: str, num_experts: int, hidden: int, expert_dim: int, dtype: mx.Dtype,
-    quantization: Quantization | None,
-) -> SwitchGLU:
-    """The gate/up/down expert stacks of MoE block `root`."""
-    shapes = {"gate_proj": (expert_dim, hidden), "up_proj": (expert_dim, hidden), "down_proj": (hidden, expert_dim)}
-    projs = [
-        load_switch_linear(store, root, p, num_experts, *shapes[p], dtype, quantization) for p in PROJECTIONS
-    ]
-    return SwitchGLU(*projs)

@@ -31,7 +31,8 @@ from tqdm.auto import tqdm
 from ..checkpoint.loader import default_model_path, load
 from ..decode.loop import COMPILED_BY_DEFAULT, STEPS_AHEAD, GenerationResult, generate_tokens
 from ..errors import MoebenchError
-from ..execution.dispatch import available_backend, fused_moe
+from ..execution.executor import fused_moe
+from ..execution.kernel import available_backend
 
 SCHEMA = "moebench.tools.bench/1"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")

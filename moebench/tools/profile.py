@@ -37,7 +37,8 @@ from ..checkpoint.loader import default_model_path, load
 from ..decode.cache import make_cache
 from ..decode.loop import generate
 from ..errors import MoebenchError
-from ..execution.dispatch import available_backend, fused_moe
+from ..execution.executor import fused_moe
+from ..execution.kernel import available_backend
 from .bench import mlx_lm_model, platform_info, prompt_token_ids, summary
 
 SCHEMA = "moebench.tools.profile/1"

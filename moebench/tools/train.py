@@ -34,7 +34,7 @@ from ..checkpoint.loader import load
 from ..checkpoint.tokenizer import Tokenizer
 from ..decode.loop import generate
 from ..errors import MoebenchError
-from ..inspect import hooks, stats
+from ..models import hooks, stats
 from .corpus import DEFAULT_CACHE, DOMAINS, Document, load_corpus
 from .writer import quantize_tensors, qwen2_moe_config, save_checkpoint, tensor_shapes, write_random_checkpoint
 

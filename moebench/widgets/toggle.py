@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import ipywidgets as widgets
 
-from ..execution.dispatch import fused_moe_enabled, set_fused_moe
+from ..execution.executor import fused_moe_enabled, set_fused_moe
 
 
 def describe_paths(record) -> str:

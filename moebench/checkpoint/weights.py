@@ -1,0 +1,163 @@
+"""Filling a model's placeholder weights from a checkpoint's tensors: the one loader, and the layouts it reads.
+
+A module's path in the model is its tensors' name in the checkpoint (`model.layers.0.self_attn.q_proj`
+holds `model.layers.0.self_attn.q_proj.weight`, `.scales`, `.biases`, `.bias`), with one difference
+of layout: routed experts are held stacked (`mlp.switch_mlp.{proj}`, [E, out, in]) and a checkpoint
+may store them that way or one by one (`mlp.experts.{i}.{proj}`, as the Qwen1.5-MoE exports do).
+`stack_experts` turns the second into the first; `per_expert_names` goes the other way, for writers.
+
+Every tensor is checked against the placeholder's shape and the config's quantization (each tensor's
+bit width inferred from its shape, so mixed-precision exports load right) and raises a CheckpointError
+naming it; nothing reaches MLX unchecked.
+"""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..checkpoint.config import Quantization
+from ..errors import CheckpointError
+from ..models.layers import QuantizedWeight, RMSNorm
+from ..models.switch import PROJECTIONS, SwitchGLU
+from .files import TensorStore
+from .quant import make_parts
+
+PARTS = ("weight", "scales", "biases")
+EXPERTS = re.compile(r"^(?P<root>.+)\.switch_mlp\.(?P<proj>\w+)\.(?P<part>\w+)$")
+
+
+def load_weights(model: nn.Module, store: TensorStore, dtype: mx.Dtype, quantization: Quantization | None) -> None:
+    """Fill every weight of `model` from `store` in `dtype` (float weights, scales, biases, norms): decoder
+    layer by layer, each evaluated before the next is read (a bounded peak of memory), then the rest. A tied
+    output projection's stored copy is dropped, as transformers and mlx-lm drop it; leftover tensors are the
+    caller's to report (TensorStore.check_all_used)."""
+    for i, layer in enumerate(model.layers):
+        _load_tree(layer, f"model.layers.{i}", store, dtype, quantization)
+        mx.eval(layer.parameters())
+    for path, module in model.named_modules():
+        if isinstance(module, (QuantizedWeight, RMSNorm)) and not path.startswith("model.layers."):
+            _load_tree(module, path, store, dtype, quantization)
+    if "lm_head" not in model:
+        for part in (*PARTS, "bias"):
+            store.take_optional(f"lm_head.{part}")
+    mx.eval(model.parameters())
+
+
+def _load_tree(tree: nn.Module, prefix: str, store: TensorStore, dtype: mx.Dtype,
+               quantization: Quantization | None) -> None:
+    """Every weight under `tree`, whose path in the model is `prefix`; expert stacks are made first."""
+    modules = [(f"{prefix}.{path}" if path else prefix, m) for path, m in tree.named_modules()]
+    for path, module in modules:
+        if isinstance(module, SwitchGLU):
+            stack_experts(store, path, module.gate_proj.shape[0])
+    for path, module in modules:
+        if isinstance(module, RMSNorm):
+            load_norm(store, path, module, dtype)
+        elif isinstance(module, QuantizedWeight):
+            load_weight(store, path, module, dtype, quantization)
+
+
+def load_weight(store: TensorStore, name: str, module: QuantizedWeight, dtype: mx.Dtype,
+                quantization: Quantization | None) -> None:
+    """`{name}.weight` (+ scales/biases when quantized, + bias when the module has one) into `module`, checked
+    against its shape; float weights in `dtype`, quantized ones with scales and biases in `dtype`."""
+    expected = module.shape
+    where = store.where(f"{name}.weight")
+    weight, scales, biases = (store.take(f"{name}.weight"), store.take_optional(f"{name}.scales"),
+                              store.take_optional(f"{name}.biases"))
+    bias = store.take(f"{name}.bias") if "bias" in module else None
+    if bias is not None:
+        if tuple(bias.shape) != expected[-2:-1]:
+            raise CheckpointError(f"{store.where(name + '.bias')}: {name}.bias has shape {tuple(bias.shape)}, "
+                                  f"expected {expected[-2:-1]}")
+        if not mx.issubdtype(bias.dtype, mx.floating):
+            raise CheckpointError(f"{store.where(name + '.bias')}: {name}.bias is {bias.dtype}, expected floating point")
+        bias = bias.astype(dtype)
+    if scales is None:
+        if biases is not None:
+            raise CheckpointError(f"{where}: {name}.biases present without scales")
+        if tuple(weight.shape) != expected:
+            raise CheckpointError(f"{where}: {name}.weight has shape {tuple(weight.shape)}, expected {expected}")
+        if not mx.issubdtype(weight.dtype, mx.floating):
+            raise CheckpointError(f"{where}: {name}.weight is {weight.dtype} without scales (unquantized weights "
+                                  "must be floating point)")
+        module.set_weight(weight.astype(dtype), bias=bias)
+        return
+    spec = quantization.for_module(name) if quantization else None
+    if spec is None:
+        raise CheckpointError(f"{store.where(name + '.scales')}: {name} is quantized but config.json has no "
+                              "quantization for it")
+    if weight.ndim != len(expected):
+        raise CheckpointError(f"{where}: {name}.weight has {weight.ndim} axes {tuple(weight.shape)}, expected "
+                              f"{len(expected)} ({expected} before packing)")
+    parts = make_parts(f"{where}: {name}", weight, scales, biases, spec, scale_dtype=dtype)
+    found = (*weight.shape[:-1], parts.in_features)
+    if found != expected:
+        raise CheckpointError(f"{where}: {name} holds {parts.bits}-bit weights of {found}, expected {expected}")
+    module.set_weight(parts.weight, parts, bias)
+
+
+def load_norm(store: TensorStore, name: str, module: RMSNorm, dtype: mx.Dtype) -> None:
+    """`{name}.weight` into an RMSNorm, checked against its size."""
+    w = store.take(f"{name}.weight")
+    where, size = store.where(f"{name}.weight"), module.weight.shape
+    if tuple(w.shape) != tuple(size):
+        raise CheckpointError(f"{where}: {name}.weight has shape {tuple(w.shape)}, expected {tuple(size)}")
+    if not mx.issubdtype(w.dtype, mx.floating):
+        raise CheckpointError(f"{where}: {name}.weight is {w.dtype}, expected floating point")
+    module.weight = w.astype(dtype)
+
+
+def stack_experts(store: TensorStore, root: str, num_experts: int) -> None:
+    """Make `{root}.switch_mlp.{proj}.*` available in the store: stored so already, or stacked from
+    `{root}.experts.{i}.{proj}.*` for i in 0..E-1 (a hole, an extra or a ragged expert is an error; an
+    expert stored both ways too)."""
+    block = root.removesuffix(".switch_mlp")
+    for proj in PROJECTIONS:
+        stacked = f"{block}.switch_mlp.{proj}"
+        pattern = re.compile(re.escape(f"{block}.experts.") + r"(\d+)\." + re.escape(proj) + r"\.(\w+)$")
+        found: dict[str, dict[int, str]] = {}
+        for name in list(store.names()):
+            m = pattern.match(name)
+            if m:
+                found.setdefault(m.group(2), {})[int(m.group(1))] = name
+        if f"{stacked}.weight" in store:
+            if found:
+                first = next(iter(next(iter(found.values())).values()))
+                raise CheckpointError(f"{store.where(first)}: {first} duplicates the stacked {stacked}")
+            continue
+        if "weight" not in found:
+            raise CheckpointError(f"{store.folder}: missing tensor {stacked}.weight (and no per-expert "
+                                  f"{block}.experts.0.{proj}.weight)")
+        for suffix, by_index in sorted(found.items()):
+            if suffix not in PARTS:
+                raise CheckpointError(f"{store.where(by_index[min(by_index)])}: unexpected expert tensor "
+                                      f"{by_index[min(by_index)]}")
+            missing = [i for i in range(num_experts) if i not in by_index]
+            if missing:
+                raise CheckpointError(f"{store.folder}: missing tensor {block}.experts.{missing[0]}.{proj}.{suffix} "
+                                      f"(config has {num_experts} experts)")
+            extra = sorted(set(by_index) - set(range(num_experts)))
+            if extra:
+                raise CheckpointError(f"{store.where(by_index[extra[0]])}: unexpected tensor {by_index[extra[0]]} "
+                                      f"(config has {num_experts} experts)")
+            parts = [store.take(by_index[i]) for i in range(num_experts)]
+            for i, p in enumerate(parts):
+                if p.shape != parts[0].shape or p.dtype != parts[0].dtype:
+                    raise CheckpointError(
+                        f"{store.where(by_index[i])}: ragged expert {by_index[i]}: {tuple(p.shape)} {p.dtype}, "
+                        f"expert 0 has {tuple(parts[0].shape)} {parts[0].dtype}")
+            store.put(f"{stacked}.{suffix}", mx.stack(parts), store.where(by_index[0]))
+            del parts
+
+
+def per_expert_names(name: str, num_experts: int) -> list[str]:
+    """A stacked expert tensor's names in the per-expert layout (`...switch_mlp.gate_proj.weight` ->
+    `...experts.{i}.gate_proj.weight`), or [name] for any other tensor."""
+    m = EXPERTS.match(name)
+    if m is None:
+        return [name]
+    return [f"{m['root']}.experts.{i}.{m['proj']}.{m['part']}" for i in range(num_experts)]

@@ -1,0 +1,192 @@
+"""The one place that decides how a forward call of a model runs, runs it, and counts what ran.
+
+Each model gets one Executor (`executor(model)`), holding its kernel settings (KernelSettings, from the
+environment when first asked for), the arrays its kernels read (execution.steps.LayerWeights), the
+plans decided so far (one per settings, backend, shape class and where interventions are set) and the
+count of every decision taken. The decode loops (moebench.decode) build their steps with `forward`,
+the compiled step traces it, and each counts a step once it is taken (`count`): nothing is counted
+twice, nothing taken back.
+
+The user-facing switch: `set_fused_moe(on)` / `with fused_moe(on):` for one model (`model=`) or, without
+one, for every model of this process and the ones opened later; it covers every fused decode kernel.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..models.qwen2_moe import SparseMoeBlock
+from ..models.hooks import Record, layer_scope, scope
+from . import attention, moe
+from .kernel import GPU_BACKENDS, available_backend
+from .plan import SWITCHED_OFF, Counts, Decision, LayerPlan, Plan, Shape, tokens_decision
+from .settings import KernelSettings, parse_switch
+from .steps import AttentionKernel, LayerWeights, MoeKernel, attention_reason, moe_note
+
+_live: weakref.WeakSet[Executor] = weakref.WeakSet()
+_process: dict[str, bool] = {}  # what set_fused_moe() without a model set, for every model
+
+
+def default_settings() -> KernelSettings:
+    """The environment's settings, with what set_fused_moe() set for every model."""
+    return replace(KernelSettings.from_env(), **_process)
+
+
+class Executor:
+    """How `model`'s forward calls run (see the module docstring)."""
+
+    def __init__(self, model, settings: KernelSettings | None = None):
+        self.model = model
+        self.settings = settings or default_settings()
+        self.weights = [LayerWeights(layer) for layer in model.layers]
+        self.blocks = model.moe_blocks()
+        self.attention_counts = [Counts() for _ in model.layers]
+        self.moe_counts = {i: Counts() for i in self.blocks}
+        self._plans: dict[tuple, Plan] = {}
+        self.compiled: dict[tuple, object] = {}  # traced steps per plan (moebench.decode.compiled)
+        self._fingerprint = self._weights_fingerprint()
+        _live.add(self)
+
+    # -- plans -------------------------------------------------------------------------------------
+    def _weights_fingerprint(self) -> tuple[int, ...]:
+        return tuple(id(a) for _, a in tree_flatten(self.model.parameters()))
+
+    def refresh(self) -> None:
+        """Drop the plans (and traced steps) when a weight array was replaced since they were made: what a
+        kernel can run depends on how the weights are stored. Called when a decode starts."""
+        fingerprint = self._weights_fingerprint()
+        if fingerprint != self._fingerprint:
+            self._plans.clear()
+            self.compiled.clear()
+            self._fingerprint = fingerprint
+
+    def plan(self, tokens: int, cache: list, settings: KernelSettings | None = None) -> Plan:
+        """The plan of a forward call over `tokens` tokens continuing `cache` (a list of layer caches)."""
+        settings = settings or self.settings
+        first = cache[0]
+        shape = Shape(tokens, first.static, tokens == 1 and attention.span_fits(first.span))
+        key = (settings, available_backend(), shape, tuple(b.intervention is not None for b in self.blocks.values()))
+        plan = self._plans.get(key)
+        if plan is None:
+            if tokens > 1 and sum(k[2].tokens > 1 for k in self._plans) >= 8:  # prefill plans: a few lengths kept
+                self._plans = {k: p for k, p in self._plans.items() if k[2].tokens == 1}
+            plan = self._plans[key] = Plan(key, tuple(self._layer_plan(i, shape, settings, key[1])
+                                                      for i in range(len(self.model.layers))))
+        return plan
+
+    def _layer_plan(self, i: int, shape: Shape, settings: KernelSettings, backend: str) -> LayerPlan:
+        layer, weights = self.model.layers[i], self.weights[i]
+        base = tokens_decision(shape.tokens) if shape.tokens != 1 else None if settings.fused else SWITCHED_OFF
+        reason = base.reason if base else attention_reason(layer.self_attn, weights)
+        if reason is None and not shape.span_fits:
+            reason = attention.SPAN_REASON
+        attn = Decision("fallback", reason) if reason else Decision(backend)
+        attention_step = AttentionKernel(layer.self_attn, weights, backend, shape.static and backend in GPU_BACKENDS) \
+            if attn.fused else None
+        block = layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else None
+        if block is None:
+            return LayerPlan(attn, None, attention_step)
+        reason = base.reason if base else moe.support_reason(block.switch_mlp, backend, settings.max_dff)
+        if reason:
+            return LayerPlan(attn, Decision("fallback", reason), attention_step)
+        return LayerPlan(attn, Decision(backend, note=moe_note(block, weights)), attention_step,
+                         MoeKernel(block, weights, backend, settings.rows))
+
+    # -- running and counting ----------------------------------------------------------------------
+    def forward(self, tokens: mx.array, cache: list, plan: Plan, record: Record | None = None,
+                every_position: bool = False) -> mx.array:
+        """Next-token logits [B, vocab] after `tokens` [B, L] continuing `cache` ([B, L, vocab] of every
+        position with `every_position`), each layer as `plan` says; with `record`, the internals of every
+        position (moebench.models.hooks) and each layer's decisions."""
+        m = self.model
+        x = m.model.embed_tokens(tokens)
+        for i, (layer, layer_plan) in enumerate(zip(m.layers, plan.layers, strict=True)):
+            x = layer_plan.run(layer, x, cache[i], scope(record, layer_scope(i)))
+        return m.unembed(m.model.norm(x if every_position else x[:, -1]))
+
+    def count(self, plan: Plan) -> None:
+        """Count one forward call that ran `plan` (a decode loop calls it once per step it takes)."""
+        for counts, layer_plan in zip(self.attention_counts, plan.layers, strict=True):
+            counts.add(layer_plan.attention)
+        for i, counts in self.moe_counts.items():
+            counts.add(plan.layers[i].moe)
+
+    def reset_counts(self) -> None:
+        for counts in (*self.attention_counts, *self.moe_counts.values()):
+            counts.reset()
+
+    def dispatch(self) -> dict:
+        """Per layer, what ran: {'moe': {layer: counts}, 'attention': {layer: counts}} (Counts.as_dict)."""
+        return {"moe": {i: c.as_dict() for i, c in self.moe_counts.items()},
+                "attention": {i: c.as_dict() for i, c in enumerate(self.attention_counts)}}
+
+    def summary(self) -> dict:
+        """The counts summed over layers: MoE fused runs per backend, fallbacks, decline reasons and notes, and
+        the same of the attention layers under 'attention'."""
+        return {"moe_layers": len(self.moe_counts), **_summed(self.moe_counts.values()),
+                "attention": {"layers": len(self.attention_counts), **_summed(self.attention_counts)}}
+
+
+def _summed(counts) -> dict:
+    total = Counts()
+    for c in counts:
+        total.fused.update(c.fused)
+        total.reasons.update(c.reasons)
+        total.notes.update(c.notes)
+    return total.as_dict()
+
+
+def executor(model) -> Executor:
+    """The model's Executor, made on first use."""
+    ex = getattr(model, "executor", None)
+    if ex is None:
+        ex = model.executor = Executor(model)
+    return ex
+
+
+def dispatch(model) -> dict:
+    """What ran in `model`'s forward calls so far, per layer (Executor.dispatch)."""
+    return executor(model).dispatch()
+
+
+# -- the user-facing switch --------------------------------------------------------------------------
+def fused_moe_enabled(model=None) -> bool:
+    """Whether the fused decode kernels are on for `model` (or, without one, for every model)."""
+    return executor(model).settings.fused if model is not None else default_settings().fused
+
+
+def set_fused_moe(enabled: object, model=None) -> None:
+    """Switch the fused decode kernels on or off from the next forward call on: for `model`, or without one
+    for every model of this process and those opened later. `enabled`: a bool or one of the words
+    MOEBENCH_FUSED_MOE takes ('on', 'off', ...); anything else is a ConfigError."""
+    on = parse_switch(enabled, "set_fused_moe")
+    if model is None:
+        _process["fused"] = on
+        targets = list(_live)
+    else:
+        targets = [executor(model)]
+    for ex in targets:
+        ex.settings = replace(ex.settings, fused=on)
+
+
+@contextmanager
+def fused_moe(enabled: object, model=None) -> Iterator[None]:
+    """Run a block of code with the fused kernels switched on or off (see set_fused_moe), then restore
+    exactly the settings there were."""
+    on = parse_switch(enabled, "fused_moe")
+    before_process = dict(_process)
+    before = {ex: ex.settings for ex in ([executor(model)] if model is not None else list(_live))}
+    set_fused_moe(on, model)
+    try:
+        yield
+    finally:
+        _process.clear()
+        _process.update(before_process)
+        for ex, settings in before.items():
+            ex.settings = settings

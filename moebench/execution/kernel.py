@@ -1,0 +1,98 @@
+"""What every kernel wrapper shares: the backend this machine offers, the kernel sources (one body per stage
+behind a thin per-backend prelude), the built kernel objects, and input checks run once per signature.
+
+Backends: 'metal' and 'cuda' build JIT kernels from the sources in the top-level kernels/ folder (carried
+inside the installed package as moebench/kernel_sources); 'reference' is the same arithmetic in MLX ops,
+on any device: the test oracle and the CPU path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..errors import UnsupportedKernelConfig
+
+KERNEL_DIR = Path(str(resources.files("moebench") / "kernel_sources"))
+LANES = 32  # threads of a simdgroup (Metal) or warp (CUDA)
+GPU_BACKENDS = ("metal", "cuda")
+BACKENDS = (*GPU_BACKENDS, "reference")
+# Per backend: the header part of the prelude (helpers) and the source part (thread indices).
+PRELUDES = {"metal": ("metal_header.h", "metal_indices.inc"), "cuda": ("cuda_header.cuh", "cuda_indices.inc")}
+COMMON = "moe_common.inc"  # helpers every body uses, after the backend's header part
+
+
+def available_backend() -> str:
+    """'metal' or 'cuda' when the default device is a GPU with that back-end, else 'reference' (CPU)."""
+    if mx.default_device() == mx.gpu:
+        if mx.metal.is_available():
+            return "metal"
+        if mx.cuda.is_available():
+            return "cuda"
+    return "reference"
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise UnsupportedKernelConfig(f"unknown fused backend {backend!r} (metal, cuda or reference)")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One kernel: its body file and its parameter names (MLX writes the signature)."""
+
+    name: str
+    body: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def kernel_source(backend: str, stage: Stage) -> tuple[str, str]:
+    """(header, source) for `stage` on `backend`: the backend's prelude around the shared body."""
+    if backend not in PRELUDES:
+        raise UnsupportedKernelConfig(f"no kernel prelude for backend {backend!r} (have {sorted(PRELUDES)})")
+    header_file, indices_file = PRELUDES[backend]
+    header = (KERNEL_DIR / header_file).read_text() + (KERNEL_DIR / COMMON).read_text()
+    source = (KERNEL_DIR / indices_file).read_text() + (KERNEL_DIR / stage.body).read_text()
+    return header, source
+
+
+_kernels: dict[tuple[str, str], object] = {}
+
+
+def built_kernel(backend: str, stage: Stage):
+    """The MLX kernel object of `stage` on `backend`, built once; MLX compiles once per template."""
+    key = (backend, stage.name)
+    if key not in _kernels:
+        header, source = kernel_source(backend, stage)
+        if backend == "metal" and mx.metal.is_available():
+            factory = mx.fast.metal_kernel
+        elif backend == "cuda" and mx.cuda.is_available():
+            factory = mx.fast.cuda_kernel
+        else:
+            raise UnsupportedKernelConfig(f"the {backend} back-end is not available in this MLX build")
+        _kernels[key] = factory(name=stage.name, input_names=list(stage.inputs), output_names=list(stage.outputs),
+                                source=source, header=header)
+    return _kernels[key]
+
+
+class CheckedOnce:
+    """Input checks of one kernel, run in Python before MLX sees the inputs (a bad launch aborts the process),
+    and once per signature: a decode repeats one, and a check costs more than the launch's Python."""
+
+    def __init__(self, check: Callable[..., None]):
+        self._check = check
+        self._seen: set[Hashable] = set()
+
+    def __call__(self, key: Hashable, *args) -> None:
+        if key not in self._seen:
+            self._check(*args)
+            self._seen.add(key)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

@@ -1,0 +1,139 @@
+"""The fused steps a plan runs in place of a layer's modules, for one decode token.
+
+AttentionKernel: the stacked q/k/v matmul, then the decode-attention kernel (bias, RoPE, attention over
+the cache and the new token in one launch); the new key and value go into the cache, stored by the
+kernel itself in place where the plan says the cache allows it (a compiled step's static cache on a GPU).
+
+MoeKernel: the router's and the shared gate's logits from one matmul over their stacked rows, the router
+kernel, and the kernel pair with the shared expert and the residual add inside, everything after the
+matmul in float32. With an intervention set, routing runs through moebench.models.routing.route instead
+of the router kernel; a shared expert stored unlike the routed experts runs beside the kernels.
+Recording keeps the same launches and adds the recorded parts beside them.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..models import hooks
+from ..models.hooks import Record
+from ..models.qwen2_moe import SparseMoeBlock
+from ..models.routing import route
+from ..models.switch import weighted_sum
+from . import attention, moe
+from .attention import Heads, rope_frequencies
+from .weights import Derived, FusedWeights, RowStack
+
+QK_NORM_REASON = "per-head q/k RMSNorm before RoPE (not in the decode-attention kernel)"
+ROUTE_NOTE = "routing by moebench.models.routing.route (an intervention is set), not the router kernel"
+
+
+class LayerWeights:
+    """What one decoder layer's kernels read, derived from its modules: the stacked q/k/v rows (the module's
+    own arrays become views of them, so both cost the memory of one), the router's rows stacked with the
+    shared expert gate's, and the experts' quantized parts; each rebuilt when a weight is replaced."""
+
+    def __init__(self, layer):
+        attn = layer.self_attn
+        self.qkv = RowStack(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.qkv.share_storage()
+        block = layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else None
+        self.router = RowStack(block.gate, block.shared_expert_gate) if block is not None and "shared_expert" in block \
+            else None
+        self.experts = Derived(FusedWeights.build) if block is not None else None
+
+    def fused(self, block: SparseMoeBlock) -> FusedWeights:
+        e = block.switch_mlp
+        shared = (block.shared_expert.gate_proj, block.shared_expert.up_proj, block.shared_expert.down_proj) \
+            if "shared_expert" in block else ()
+        return self.experts.get(e.gate_proj, e.up_proj, e.down_proj, *shared)
+
+
+def attention_reason(attn, weights: LayerWeights) -> str | None:
+    """Why the decode-attention kernel cannot run this layer's attention, whatever the token, or None."""
+    if "q_norm" in attn:
+        return QK_NORM_REASON
+    if weights.qkv.get() is None:
+        return "q, k and v are stored differently (no stacked projection for the kernel)"
+    return attention.support_reason(Heads(attn.n_heads, attn.n_kv_heads, attn.head_dim))
+
+
+class AttentionKernel:
+    """One layer's attention for one token through the decode-attention kernel on `backend`; with `write`
+    the kernel stores the token's key and value in the cache buffers in place."""
+
+    def __init__(self, attn, weights: LayerWeights, backend: str, write: bool):
+        self.o_proj, self.qkv, self.backend, self.write = attn.o_proj, weights.qkv, backend, write
+        self.heads = Heads(attn.n_heads, attn.n_kv_heads, attn.head_dim)
+        self.inv_freq = rope_frequencies(attn.head_dim, attn.rope_theta)
+
+    def __call__(self, xn: mx.array, cache) -> mx.array:
+        stacked = self.qkv.get()
+        keys, values, slots, block = cache.decode_buffers(self.heads.n_kv_heads, self.heads.head_dim, xn.dtype)
+        out, k, v = attention.decode_attention(self.backend, stacked.matmul(xn), stacked.get("bias"), self.inv_freq,
+                                               slots, keys, values, self.heads, block, self.write)
+        if self.write:
+            cache.written_in_place(k, v)
+        else:
+            cache.write(k, v)
+        return self.o_proj(out)
+
+
+class MoeKernel:
+    """One MoE block for one token through the router kernel and the kernel pair on `backend`:
+    residual + block(xn)."""
+
+    def __init__(self, block: SparseMoeBlock, weights: LayerWeights, backend: str, rows: int):
+        self.block, self.weights, self.backend, self.rows = block, weights, backend, rows
+
+    def __call__(self, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
+        b, recording = self.block, record is not None
+        shape = xn.shape
+        if recording:  # one token as [1, D]: the same launches, the recorded parts [1, ...] like the fallback's
+            xn, residual = xn.reshape(1, -1), residual.reshape(1, -1)
+        w = self.weights.fused(b)
+        shared_on, intervention = b.shared_on, b.intervention
+        if intervention is None:
+            stacked = self.weights.router.get() if self.weights.router is not None else None
+            logits = (stacked or b.gate)(xn)
+            probs, inds, scores, gate = moe.select(self.backend, logits, b.num_experts, b.top_k, b.norm_topk_prob,
+                                                   stacked is not None)
+            if stacked is not None:
+                logits = logits[..., : b.num_experts] if recording else None
+            elif shared_on:
+                gate = b.shared_sigmoid_gate(xn).astype(mx.float32)
+        else:
+            logits = b.gate(xn)
+            probs, inds, scores = route(logits, b.top_k, b.norm_topk_prob, intervention)
+            gate = b.shared_sigmoid_gate(xn).astype(mx.float32) if shared_on else None
+        if not shared_on:
+            gate = None
+        folded = moe.SharedExpert(*w.shared, gate) if shared_on and w.shared is not None else None
+        block_out = None
+        if shared_on and folded is None:  # the shared expert beside the kernels (the plan's note says why)
+            shared = b.shared_expert(xn)
+            out, expert_out, _ = moe.routed(self.backend, xn, inds, scores, *w.experts, rows=self.rows)
+            out = block_out = out + gate.astype(out.dtype) * shared
+            out = residual + out
+        else:
+            out, expert_out, shared = moe.routed(self.backend, xn, inds, scores, *w.experts, folded, residual,
+                                                 self.rows)
+        if recording:
+            weighted = weighted_sum(expert_out, scores)  # float32, as inside kernel B
+            if block_out is None:
+                block_out = (weighted if shared is None else weighted + gate * shared).astype(xn.dtype)
+            hooks.record_moe(record, logits, probs, inds, scores, expert_out, weighted.astype(xn.dtype), shared, gate,
+                             block_out)
+            out = out.reshape(shape)
+        return out
+
+
+def moe_note(block: SparseMoeBlock, weights: LayerWeights) -> str | None:
+    """What a fused MoE block runs beside the kernels, and why (None: nothing)."""
+    notes = []
+    shared_note = weights.fused(block).shared_note
+    if shared_note:
+        notes.append(f"shared expert beside the kernels: {shared_note}")
+    if block.intervention is not None:
+        notes.append(ROUTE_NOTE)
+    return "; ".join(notes) or None
