@@ -1,0 +1,237 @@
+"""Chat prompts and published tokenizer folders: moebench's prompt ids equal mlx-lm's (transformers') for a
+Qwen1.5-Chat and a Qwen3 tokenizer folder, with and without a system message, over several turns.
+
+The folders are written here the way the published ones are laid out: tokenizer.json with the control
+tokens, tokenizer_config.json (added_tokens_decoder, eos_token, the Qwen1.5 template inline),
+special_tokens_map.json, added_tokens.json, and Qwen3's template in chat_template.jinja. The templates
+(chat_templates/) reproduce the published ones' structure: Qwen1.5's default system prompt, Qwen3's
+tool-call and <think> handling and its enable_thinking switch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from moebench.checkpoint.chat import ChatError, builtin_chat_template, chat_messages, prompt_ids
+from moebench.checkpoint.tokenizer import Tokenizer as MoebenchTokenizer
+from moebench.checkpoint.tokenizer import stop_ids
+from moebench.errors import CheckpointError, ConfigError
+
+TEMPLATES = Path(__file__).parent / "chat_templates"
+BYTES = 256
+# Control tokens after the byte alphabet, in Qwen's order; <think> and </think> are not special in Qwen3.
+CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN3_EXTRA = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
+SPECIAL = set(CONTROL)
+
+
+def added_token_entry(content: str) -> dict:
+    return {"content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+            "special": content in SPECIAL}
+
+
+def write_tokenizer_folder(folder: Path, family: str, lacking: tuple[str, ...] = ()) -> Path:
+    """A byte-level tokenizer folder laid out like the published Qwen1.5-Chat or Qwen3 ones.
+
+    `lacking` tokens are left out of tokenizer.json (the other files still declare them, at their ids).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = CONTROL + (QWEN3_EXTRA if family == "qwen3" else [])
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    for text in tokens:
+        if text not in lacking:
+            tok.add_tokens([AddedToken(text, special=text in SPECIAL, normalized=False)])
+    tok.save(str(folder / "tokenizer.json"))
+    ids = {text: BYTES + i for i, text in enumerate(tokens)}
+    config = {
+        "added_tokens_decoder": {str(i): added_token_entry(t) for t, i in ids.items()},
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "bos_token": None,
+        "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
+        "model_max_length": 32768, "pad_token": "<|endoftext|>", "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
+    }
+    if family == "qwen1.5":
+        config["chat_template"] = (TEMPLATES / "qwen1.5-chat.jinja").read_text()
+    else:
+        (folder / "chat_template.jinja").write_text((TEMPLATES / "qwen3.jinja").read_text())
+        (folder / "added_tokens.json").write_text(json.dumps(ids, indent=2))
+        (folder / "special_tokens_map.json").write_text(json.dumps({
+            "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+            "eos_token": {k: v for k, v in added_token_entry("<|im_end|>").items() if k != "special"},
+            "pad_token": {k: v for k, v in added_token_entry("<|endoftext|>").items() if k != "special"},
+        }, indent=2))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("chat")
+    return {"qwen1.5": write_tokenizer_folder(root / "qwen1.5", "qwen1.5"),
+            "qwen3": write_tokenizer_folder(root / "qwen3", "qwen3", lacking=("</think>",))}
+
+
+QUESTION = [{"role": "user", "content": "What is 2+2?"}]
+SYSTEM = [{"role": "system", "content": "You are terse."}, *QUESTION]
+TURNS = [*SYSTEM, {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3? (ünïcode)"}]
+QWEN3_THINKING = [*QUESTION, {"role": "assistant", "content": "<think>\n2 and 2\n</think>\n\n4"},
+                  {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes.",
+                                                         "reasoning_content": "Check: 2+2=4."},
+                  {"role": "user", "content": "Thanks"}]
+QWEN3_TOOLS = [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [
+    {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": "ü"}}}]},
+    {"role": "tool", "content": "4"}, {"role": "assistant", "content": "It is 4."}, {"role": "user", "content": "ok"}]
+# After the last user turn the reasoning is rendered; "thinking" is an older name transformers reads as
+# reasoning_content.
+QWEN3_AGENT = [*SYSTEM, {"role": "assistant", "content": "Let me add.", "thinking": "Use the tool.", "tool_calls": [
+    {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}]},
+    {"role": "tool", "content": "4"}]
+CASES = [("qwen1.5", QUESTION, {}), ("qwen1.5", SYSTEM, {}), ("qwen1.5", TURNS, {}),
+         ("qwen3", QUESTION, {}), ("qwen3", SYSTEM, {}), ("qwen3", TURNS, {}),
+         ("qwen3", TURNS, {"enable_thinking": False}), ("qwen3", QUESTION, {"enable_thinking": True}),
+         ("qwen3", QWEN3_THINKING, {}), ("qwen3", QWEN3_TOOLS, {}), ("qwen3", QWEN3_AGENT, {})]
+
+
+@pytest.mark.parametrize("family,messages,variables", CASES,
+                         ids=[f"{f}-{len(m)}msg-{v or 'default'}" for f, m, v in CASES])
+def test_chat_prompt_ids_equal_mlx_lm(folders, family, messages, variables):
+    from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
+
+    expected = load_mlx_lm_tokenizer(folders[family]).apply_chat_template(
+        messages, add_generation_prompt=True, **variables)
+    tok = MoebenchTokenizer.from_folder(folders[family])
+    assert prompt_ids(messages, tok, **variables) == list(expected)
+    assert not tok.chat_template.builtin
+
+
+def test_what_the_templates_render(folders):
+    """The fixtures say what the published templates say: Qwen1.5's default system prompt, Qwen3's empty think."""
+    qwen15 = MoebenchTokenizer.from_folder(folders["qwen1.5"])
+    assert qwen15.decode(prompt_ids("What is 2+2?", qwen15, chat=True), skip_special_tokens=False) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    qwen3 = MoebenchTokenizer.from_folder(folders["qwen3"])
+    ids = prompt_ids("What is 2+2?", qwen3, chat=True, system="Be brief.", enable_thinking=False)
+    assert qwen3.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert qwen3.token_to_id("</think>") in ids  # declared by added_tokens.json, absent from tokenizer.json
+    agent = qwen3.decode(prompt_ids(QWEN3_AGENT, qwen3))
+    assert "assistant\n<think>\nUse the tool.\n</think>\n\nLet me add.\n<tool_call>\n{\"name\": \"add\"" in agent
+
+
+def test_published_folder_special_tokens_and_stop_ids(folders):
+    tok = MoebenchTokenizer.from_folder(folders["qwen3"])
+    assert tok.special_tokens == {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    assert tok.special_ids == {256, 257, 258}
+    assert tok.eos_token_ids == (258,)
+    assert stop_ids((256,), tok) == (256, 258)
+    ids = tok.encode("<|im_start|>assistant\n<think>\nhm\n</think>\n\n4<|im_end|>")
+    assert tok.decode(ids) == "assistant\n<think>\nhm\n</think>\n\n4"  # control tokens dropped, <think> kept
+    assert tok.decode(ids, skip_special_tokens=False).startswith("<|im_start|>")
+
+
+def test_declared_id_disagreeing_with_tokenizer_json_is_named(folders, tmp_path):
+    folder = write_tokenizer_folder(tmp_path / "bad", "qwen3")
+    (folder / "added_tokens.json").write_text(json.dumps({"<|im_end|>": 300}))
+    with pytest.raises(CheckpointError, match=r"added_tokens.json: token '<\|im_end\|>' has id 300 but 258"):
+        MoebenchTokenizer.from_folder(folder)
+    folder = write_tokenizer_folder(tmp_path / "gap", "qwen3", lacking=("<think>", "</think>"))
+    (folder / "added_tokens.json").write_text(json.dumps({"</think>": 262}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {}}))
+    with pytest.raises(CheckpointError, match="'</think>' has id 262, but tokenizer.json lacks it.*free id is 261"):
+        MoebenchTokenizer.from_folder(folder)
+
+
+@pytest.mark.parametrize("file,content,field", [
+    ("tokenizer_config.json", {"chat_template": 7}, "chat_template"),
+    ("tokenizer_config.json", {"chat_template": [{"name": "tool_use", "template": "x"}]}, "chat_template"),
+    ("tokenizer_config.json", {"eos_token": 5}, "eos_token"),
+    ("tokenizer_config.json", {"added_tokens_decoder": {"x": {"content": "a"}}}, "added_tokens_decoder"),
+    ("special_tokens_map.json", {"additional_special_tokens": "<|im_end|>"}, "additional_special_tokens"),
+    ("added_tokens.json", {"<x>": "5"}, "'<x>'"),
+    ("added_tokens.json", [1], "JSON object"),
+])
+def test_bad_tokenizer_files_are_named(tmp_path, file, content, field):
+    folder = write_tokenizer_folder(tmp_path / "t", "qwen1.5")
+    (folder / file).write_text(json.dumps(content))
+    with pytest.raises(ConfigError, match=rf"{file}.*{field}"):
+        MoebenchTokenizer.from_folder(folder)
+
+
+def test_template_errors_name_the_file(folders, tmp_path):
+    folder = write_tokenizer_folder(tmp_path / "t", "qwen3")
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    with pytest.raises(ConfigError, match=r"chat_template.jinja: chat template line 1"):
+        prompt_ids(QUESTION, MoebenchTokenizer.from_folder(folder))
+    (folder / "chat_template.jinja").write_text("{{ raise_exception('Conversation roles must alternate') }}")
+    with pytest.raises(ChatError, match="chat_template.jinja.*roles must alternate"):
+        prompt_ids(QUESTION, MoebenchTokenizer.from_folder(folder))
+    (folder / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ChatError, match="chat_template.jinja"):  # the sandbox refuses
+        prompt_ids(QUESTION, MoebenchTokenizer.from_folder(folder))
+
+
+def test_named_templates_use_default(tmp_path):
+    folder = write_tokenizer_folder(tmp_path / "t", "qwen1.5")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": "D{{ messages[0].content }}"},
+                               {"name": "tool_use", "template": "T"}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = MoebenchTokenizer.from_folder(folder)
+    assert tok.decode(prompt_ids(QUESTION, tok)) == "DWhat is 2+2?"
+
+
+def test_folder_without_template_uses_builtin_chatml_and_says_so(tmp_path):
+    from conftest import write_byte_tokenizer
+
+    write_byte_tokenizer(tmp_path)
+    tok = MoebenchTokenizer.from_folder(tmp_path)
+    assert tok.chat_template.builtin and "has no chat_template.jinja" in tok.chat_template.source
+    with pytest.warns(UserWarning, match="built-in ChatML"):
+        ids = prompt_ids("Hi", tok, chat=True, system="S")
+    assert tok.decode(ids) == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token_ids == ()  # <|im_end|> is no single token here
+
+
+def test_prompt_forms():
+    """Wherever a prompt is accepted: ids as they are, text encoded, messages or chat=True through the template."""
+
+    class Echo:
+        def encode(self, text):
+            return [len(text)]
+
+        def apply_chat_template(self, messages, **variables):
+            return [len(messages), *sorted(variables)]
+
+    import numpy as np
+
+    assert prompt_ids([3, 4]) == prompt_ids(np.array([3, 4])) == [3, 4]
+    assert prompt_ids("abc", Echo()) == [3]
+    assert prompt_ids("abc", Echo(), chat=True, system="s") == [2]
+    assert prompt_ids(QUESTION, Echo(), enable_thinking=False) == [1, "enable_thinking"]
+    assert chat_messages("q", system="s") == [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    for bad, kwargs in [("abc", dict(system="s")), ([1, 2], dict(enable_thinking=False)), ([1.5], {}),
+                        ([1, 2], dict(chat=True)), (SYSTEM, dict(system="again"))]:
+        with pytest.raises(ChatError):
+            prompt_ids(bad, Echo(), **kwargs)
+    with pytest.raises(ChatError, match="needs the checkpoint's tokenizer"):
+        prompt_ids(QUESTION)
+    with pytest.raises(ChatError, match="message 0 needs a 'role'"):
+        builtin_chat_template(Path(".")).render([{"content": "x"}])
+    with pytest.raises(ChatError, match="not JSON data"):
+        builtin_chat_template(Path(".")).render([{"role": "user", "content": object()}])
+
+
+def test_vocab_larger_or_smaller_than_the_model_is_reported(folders, capsys):
+    with pytest.warns(UserWarning, match=r"ids up to 262 but the model's vocabulary is 256"):
+        MoebenchTokenizer.from_folder(folders["qwen3"], model_vocab=256)
+    MoebenchTokenizer.from_folder(folders["qwen3"], model_vocab=300, verbose=True)
+    assert "the model's last 37 ids" in capsys.readouterr().out
+    MoebenchTokenizer.from_folder(folders["qwen3"], model_vocab=263, verbose=True)
+    assert capsys.readouterr().out == ""
