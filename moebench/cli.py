@@ -34,6 +34,7 @@ def _run_generate(a: argparse.Namespace) -> int:
     from .checkpoint.loader import load
     from .decode.loop import generate, use_compiled
     from .decode.sampling import Sampling
+    from .execution.executor import dispatch as dispatch_counts
     from .execution.executor import set_fused_moe
 
     if a.fused is not None:
@@ -46,8 +47,9 @@ def _run_generate(a: argparse.Namespace) -> int:
     compiled = use_compiled(model, None if a.compiled is None else a.compiled == "on")
     result = generate(model, ids, a.max_tokens, sampling, stop_ids=model.args.eos_token_id, compiled=compiled)
     text = tok.decode(result.token_ids)
-    dispatch = {str(i): b.dispatch.as_dict() for i, b in model.moe_blocks().items()}
-    attention = {str(i): layer.self_attn.dispatch.as_dict() for i, layer in enumerate(model.layers)}
+    counts = dispatch_counts(model)
+    dispatch = {str(i): d for i, d in counts["moe"].items()}
+    attention = {str(i): d for i, d in counts["attention"].items()}
     if a.json:
         print(json.dumps({
             "model": str(model.load_info.source), "prompt": a.prompt, "prompt_ids": result.prompt_ids,

@@ -9,14 +9,10 @@
 micro: 200 calls built, then evaluated at once (per-call time with launches amortised), at positions
 64, 128 and 192 of a 256-slot cache, Qwen1.5-MoE-A2.7B attention (16 heads of 128), bf16.
 ARMS (comma-separated): fused, fused-compiled, fused-noattn, fused-noattn-compiled, off, off-compiled,
-mlxlm (mlx-lm's model under moebench's loop); noattn declines the decode-attention kernel only, noproj
-the input-norm projection kernel, noentry the MoE block's entry kernel (they combine: fused-noproj-
-noentry-compiled; both kernels are opt-in, so run these arms with MOEBENCH_NORM_KERNELS=1); nowrite
-drops the static cache's commit (wrong tokens: it prices the commit where one runs; the attention
-kernel's in-place writes stay); aheadN
-queues N steps ahead of the token read instead of generate's default (ahead1: mlx-lm's depth; mlxlm-
-ahead1 too). Run it
-under different MLX_* settings (say MLX_MAX_OPS_PER_BUFFER) in separate processes: MLX reads them once.
+mlxlm (mlx-lm's model under moebench's loop); noattn keeps the decode-attention kernel off while the MoE
+kernels run (KernelSettings.attention_kernel); aheadN queues N steps ahead of the token read instead of
+generate's default (ahead1: mlx-lm's depth; mlxlm-ahead1 too). Run it under different MLX_* settings
+(say MLX_MAX_OPS_PER_BUFFER) in separate processes: MLX reads them once.
 kernels: torch.profiler (CUPTI) records every CUDA kernel of the process, MLX's included, over 64
 compiled fused decode steps after a 64-token prompt (an 8-token one until step 10: it hid how the
 attention kernel's time grew with the positions): GPU time per token by kernel name against the loop's
@@ -45,13 +41,11 @@ import time
 import mlx.core as mx
 
 from moebench.checkpoint.loader import load
-from moebench.decode.cache import StaticCache
-from moebench.decode.compiled import CompiledForward, CompiledSteps
+from moebench.decode.compiled import CompiledForward
 from moebench.decode.loop import STEPS_AHEAD, generate, generate_tokens
-from moebench.execution import norms as norm_kernels
 from moebench.execution.attention import Heads, decode_attention, rope_frequencies
-from moebench.execution.dispatch import RowsSupport, fused_moe
-from moebench.models.qwen2_moe import Attention
+from moebench.execution.executor import executor, fused_moe
+from moebench.execution.settings import KernelSettings
 from moebench.tools.bench import mlx_lm_model
 
 CALLS = 200
@@ -102,29 +96,13 @@ def decode(ckpt: str, arms: list[str]) -> None:
     other = mlx_lm_model(ckpt)[0] if any(a.startswith("mlxlm") for a in arms) else None
     prompt = list(range(100, 164))
 
-    real = {f: getattr(norm_kernels, f) for f in ("projection_reason", "support_reason")}
-    real_commit = StaticCache.commit
-
-    def drop_writes(cache: StaticCache) -> None:
-        cache.pending = [None] * len(cache.pending)
-
-    traced: dict[str, CompiledSteps] = {}  # one per arm: a declined kernel changes the traced graph
+    ex = executor(model)
 
     def run(name: str) -> float:
         if name.startswith("mlxlm"):
             return generate(other, prompt, 128, ahead=ahead(name)).decode_tps
-        Attention.kernel_decline = "diag: attention kernel off" if "noattn" in name else None
-        for flag, f in (("noproj", "projection_reason"), ("noentry", "support_reason")):
-            setattr(norm_kernels, f, (lambda *a, flag=flag: f"diag: {flag}") if flag in name else real[f])
-        for layer in model.layers:
-            layer.self_attn.dispatch._support.clear()
-            layer.self_attn._projection_support = RowsSupport()
-            if hasattr(layer.mlp, "_entry_support"):
-                layer.mlp._entry_support = RowsSupport()
-        StaticCache.commit = drop_writes if "nowrite" in name else real_commit
-        model.compiled_steps = traced.setdefault(name, CompiledSteps(model))
-        with fused_moe(not name.startswith("off")):
-            return generate(model, prompt, 128, compiled="compiled" in name, ahead=ahead(name)).decode_tps
+        ex.settings = KernelSettings(fused=not name.startswith("off"), attention_kernel="noattn" not in name)
+        return generate(model, prompt, 128, compiled="compiled" in name, ahead=ahead(name)).decode_tps
 
     for a in arms:
         run(a)  # warm-up (traces a compiled step)
@@ -170,7 +148,12 @@ def kernels(ckpt: str, steps: int = 64) -> None:
 def dispatch(model, prompt: list[int], steps: int) -> None:
     """CPU time a compiled step takes to build and to hand to the GPU, against the wall time per token: a
     step whose CPU side takes most of the wall time is bound by the CPU, however fast its kernels."""
-    forward = CompiledForward(model, len(prompt) + 2 * steps + 1)
+    ex = executor(model)
+    compiled = CompiledForward(ex, len(prompt) + 2 * steps + 1)
+
+    def forward(tokens: mx.array) -> mx.array:
+        return compiled(tokens, ex.settings)[0]
+
     token = mx.argmax(forward(mx.array(prompt, dtype=mx.uint32)))
     mx.eval(token)
     build, handed = [], []
@@ -210,9 +193,9 @@ def timeline(ckpt: str, trace: str | None, tokens: int = 96) -> None:
     prompt = list(range(100, 164))
     real_call, real_async = CompiledForward.__call__, mx.async_eval
 
-    def traced_call(self: CompiledForward, tokens: mx.array) -> mx.array:
+    def traced_call(self: CompiledForward, tokens: mx.array, settings: KernelSettings):
         with record_function("host.build"):
-            return real_call(self, tokens)
+            return real_call(self, tokens, settings)
 
     def traced_async(*arrays: mx.array) -> None:
         with record_function("host.async_eval"):

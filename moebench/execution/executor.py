@@ -21,8 +21,8 @@ from dataclasses import replace
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..models.qwen2_moe import SparseMoeBlock
 from ..models.hooks import Record, layer_scope, scope
+from ..models.qwen2_moe import SparseMoeBlock
 from . import attention, moe
 from .kernel import GPU_BACKENDS, available_backend
 from .plan import SWITCHED_OFF, Counts, Decision, LayerPlan, Plan, Shape, tokens_decision
@@ -84,6 +84,8 @@ class Executor:
         layer, weights = self.model.layers[i], self.weights[i]
         base = tokens_decision(shape.tokens) if shape.tokens != 1 else None if settings.fused else SWITCHED_OFF
         reason = base.reason if base else attention_reason(layer.self_attn, weights)
+        if reason is None and not settings.attention_kernel:
+            reason = "the attention kernel switched off (KernelSettings.attention_kernel)"
         if reason is None and not shape.span_fits:
             reason = attention.SPAN_REASON
         attn = Decision("fallback", reason) if reason else Decision(backend)

@@ -48,14 +48,18 @@ def _env_int(name: str, low: int, high: int | None) -> int | None:
 @dataclass(frozen=True)
 class KernelSettings:
     """fused: run the fused decode kernels where they can; rows: output rows per threadgroup of the MoE
-    kernels; max_dff: the expert-width cap above which the GPU MoE kernels decline (None: the backend's)."""
+    kernels; max_dff: the expert-width cap above which the GPU MoE kernels decline (None: the backend's);
+    attention_kernel: False keeps the decode-attention kernel off while the MoE kernels run (to see what
+    each part of the fused path is worth)."""
 
     fused: bool = True
     rows: int = DEFAULT_ROWS
     max_dff: int | None = None
+    attention_kernel: bool = True
 
     def __post_init__(self) -> None:
         parse_switch(self.fused, "KernelSettings.fused")
+        parse_switch(self.attention_kernel, "KernelSettings.attention_kernel")
         if isinstance(self.rows, bool) or not isinstance(self.rows, int) or not 1 <= self.rows <= MAX_ROWS:
             raise ConfigError(f"KernelSettings.rows: expected an integer from 1 to {MAX_ROWS}, got {self.rows!r}")
         if self.max_dff is not None and (isinstance(self.max_dff, bool) or not isinstance(self.max_dff, int)

@@ -23,25 +23,21 @@ import mlx.core as mx
 import numpy as np
 import pandas as pd
 
-from ..checkpoint.quant import QuantizedParts
 from ..errors import MoebenchError, UnsupportedKernelConfig
-from ..execution import moe as fused_kernel
-from ..execution.dispatch import DispatchCounter, fused_moe, routed_experts
-from ..models.switch import SwitchGLU
+from ..execution import moe
+from ..execution.executor import executor
+from ..execution.kernel import available_backend
 from .interventions import active_interventions, set_interventions
 from .record import Stepper, StepRecord, Trace
+from .truth import expert_outputs, f64, nrms
 
 PAIRS = (("fused", "truth"), ("fallback", "truth"), ("fused", "fallback"))
-
-
-def activation_dtype(model) -> mx.Dtype:
-    return model.norm.weight.dtype
 
 
 def with_dtype(model, dtype: mx.Dtype | None):
     """The model itself when it already runs `dtype` (or dtype is None), else a copy loaded from its
     checkpoint with that activation dtype, carrying the same interventions."""
-    if dtype is None or dtype == activation_dtype(model):
+    if dtype is None or dtype == model.dtype:
         return model
     from ..checkpoint.loader import load
 
@@ -51,54 +47,6 @@ def with_dtype(model, dtype: mx.Dtype | None):
     copy, _ = load(info.source, dtype=dtype)
     set_interventions(copy, active_interventions(model))
     return copy
-
-
-# -- the dense truth -------------------------------------------------------------------------------
-def unpack(weight: np.ndarray, bits: int) -> np.ndarray:
-    """Packed uint32 words [..., packed] -> integer levels [..., packed * 32 / bits] (LSB-first bitstream)."""
-    stream = np.unpackbits(np.ascontiguousarray(weight, dtype="<u4").view(np.uint8), axis=-1, bitorder="little")
-    stream = stream.reshape(*weight.shape[:-1], -1, bits).astype(np.int64)
-    return (stream << np.arange(bits)).sum(axis=-1)
-
-
-def dequantize_f64(parts: QuantizedParts, ids: np.ndarray | None = None) -> np.ndarray:
-    """The selected experts' matrices [K, out, in] (or, without ids, the one matrix) in float64 from the
-    packed weights; scales and biases are upcast (from whatever float they are stored in) before the
-    affine map."""
-    if parts.mode != "affine" or parts.biases is None:
-        raise UnsupportedKernelConfig(f"the dense truth handles affine quantization with biases, not {parts.mode}")
-    take = (lambda a: a[mx.array(ids)]) if ids is not None else (lambda a: a)
-    levels = unpack(np.array(take(parts.weight)), parts.bits)
-    scales = np.array(take(parts.scales).astype(mx.float32)).astype(np.float64)
-    biases = np.array(take(parts.biases).astype(mx.float32)).astype(np.float64)
-    gs = parts.group_size
-    return levels * np.repeat(scales, gs, axis=-1) + np.repeat(biases, gs, axis=-1)
-
-
-def _swiglu_f64(parts: list[QuantizedParts | None], x: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
-    """Unweighted SwiGLU output(s) of gate/up/down `parts` on one token x [D], all in float64."""
-    if any(p is None for p in parts):
-        raise UnsupportedKernelConfig("float weights: the fused kernels need quantized weights")
-    gate, up, down = (dequantize_f64(p, ids) for p in parts)
-    xf = x.astype(np.float64)
-    g, u = gate @ xf, up @ xf
-    return (down @ (g / (1.0 + np.exp(-g)) * u)[..., None])[..., 0]
-
-
-def dense_truth(experts: SwitchGLU, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Unweighted SwiGLU outputs [K, D] of experts `ids` on one token x [D], all in float64."""
-    return _swiglu_f64(experts.quantized_parts(), x, ids)
-
-
-def nrms(a: np.ndarray, ref: np.ndarray) -> float:
-    """RMS of (a - ref) over RMS of ref."""
-    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    denom = np.sqrt(np.mean(ref**2))
-    return float(np.sqrt(np.mean((a - ref) ** 2)) / denom) if denom else float(np.sqrt(np.mean(a**2)))
-
-
-def _f64(a: mx.array) -> np.ndarray:
-    return np.array(a.astype(mx.float32)).astype(np.float64)
 
 
 # -- (a) one step, identical inputs and routing ---------------------------------------------------
@@ -116,7 +64,7 @@ def compare_step(model, step: StepRecord, layers: list[int] | None = None, dtype
     if missing:
         raise MoebenchError(f"layer {missing[0]} was not recorded (recorded MoE layers: {sorted(step.layers)})")
     m = with_dtype(model, dtype)
-    act = activation_dtype(m)
+    act, backend = m.dtype, available_backend()
     rows = []
     for layer in layers:
         rec = step.layers[layer]
@@ -125,16 +73,16 @@ def compare_step(model, step: StepRecord, layers: list[int] | None = None, dtype
         x = m.layers[layer].post_attention_layernorm(mx.array(rec.resid_mid)[None].astype(act))
         ids = mx.array(rec.topk_ids.astype(np.uint32))[None]
         scores = mx.array(rec.topk_scores.astype(np.float32))[None]
+        reason = moe.support_reason(block.switch_mlp, backend, executor(m).settings.max_dff)
+        if reason:
+            raise UnsupportedKernelConfig(f"layer {layer}: the fused kernel declines: {reason}")
         outputs = {}
-        for name, switch in (("fused", True), ("fallback", False)):
-            with fused_moe(switch):
-                routed, per_expert, decision = routed_experts(block.experts, x, ids, scores, DispatchCounter())
-            if switch and not decision.fused:
-                raise UnsupportedKernelConfig(f"layer {layer}: the fused kernel declines: {decision.reason}")
-            outputs[name] = (_f64(routed[0]), _f64(per_expert[0]), decision.path)
+        for name, path in (("fused", backend), ("fallback", "fallback")):
+            routed, per_expert = moe.routed_experts(path, block.switch_mlp, x, ids, scores)
+            outputs[name] = (f64(routed[0]), f64(per_expert[0]), path)
         s64 = rec.topk_scores.astype(np.float64)
-        truth = dense_truth(block.experts, _f64(x[0]), rec.topk_ids)
-        shared = _shared_outputs(block, x, ids, scores, outputs["fused"][2])
+        truth = expert_outputs(_parts(block.switch_mlp), f64(x[0]), rec.topk_ids)
+        shared = _shared_outputs(m, layer, x, ids, scores, backend)
         outputs["truth"] = ((s64[:, None] * truth).sum(axis=0), truth, "numpy float64")
         for a, b in PAIRS:
             routed_a, experts_a, _ = outputs[a]
@@ -156,23 +104,25 @@ def compare_step(model, step: StepRecord, layers: list[int] | None = None, dtype
     return frame.astype({"slot": "Int64", "expert": "Int64", "score": "Float64"})
 
 
-def _shared_outputs(block, x: mx.array, ids: mx.array, scores: mx.array, backend: str) -> dict | None:
+def _parts(module) -> list:
+    return [p.quantized_parts() for p in (module.gate_proj, module.up_proj, module.down_proj)]
+
+
+def _shared_outputs(model, layer: int, x: mx.array, ids: mx.array, scores: mx.array, backend: str) -> dict | None:
     """The shared expert's unweighted output [D] three ways: inside the fused kernel pair (or beside it,
     as the fused path runs it when it cannot fold), as the fallback's MLP, and in float64."""
-    mlp = block.shared_expert
-    if mlp is None:
+    block = model.moe_blocks()[layer]
+    if "shared_expert" not in block:
         return None
-    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    fallback = _f64(mlp(x)[0])
-    w = block.dispatch.fused_weights(block.experts, projections)
+    mlp = block.shared_expert
+    fallback = f64(mlp(x)[0])
+    w = executor(model).weights[layer].fused(block)
     fused = fallback
     if w.shared is not None:
         unit_gate = mx.ones((*x.shape[:-1], 1), mx.float32)  # the output is unweighted: the gate does not enter it
-        _, _, ys = fused_kernel.routed(backend, x, ids, scores, *w.experts,
-                                       fused_kernel.SharedExpert(*w.shared, unit_gate))
-        fused = _f64(ys[0])
-    truth = _swiglu_f64([p.quantized_parts() for p in projections], _f64(x[0]))
-    return {"fused": fused, "fallback": fallback, "truth": truth}
+        _, _, ys = moe.routed(backend, x, ids, scores, *w.experts, moe.SharedExpert(*w.shared, unit_gate))
+        fused = f64(ys[0])
+    return {"fused": fused, "fallback": fallback, "truth": expert_outputs(_parts(mlp), f64(x[0]))}
 
 
 # -- (b) whole decode, switch on vs off ------------------------------------------------------------
@@ -242,4 +192,4 @@ def compare_decode(model, prompt: str | list[int], n: int, tokenizer=None, dtype
         if first is None and a.token_id != b.token_id:
             first, margins = i, {"on": _margin(a.logits), "off": _margin(b.logits)}
     return DecodeComparison(on.trace, off.trace, first, margins, np.array(kl),
-                            pd.DataFrame(jaccard, columns=["step", "layer", "jaccard"]), str(activation_dtype(m)))
+                            pd.DataFrame(jaccard, columns=["step", "layer", "jaccard"]), str(m.dtype))

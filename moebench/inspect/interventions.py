@@ -25,7 +25,7 @@ def _per_layer(model, interventions: Interventions) -> dict[int, Intervention]:
         if not isinstance(intervention, Intervention):
             kind = type(intervention).__name__
             raise InterventionError(f"layer {layer}: expected a moebench.Intervention, got {kind}")
-        intervention.validate(blocks[layer].experts.num_experts)
+        intervention.validate(blocks[layer].num_experts, blocks[layer].top_k)
     return chosen
 
 

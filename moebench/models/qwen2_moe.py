@@ -77,7 +77,8 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         d = args.hidden_size
-        self.num_experts, self.top_k, self.norm_topk_prob = args.num_experts, args.num_experts_per_tok, args.norm_topk_prob
+        self.num_experts, self.top_k = args.num_experts, args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
         self.gate = Linear(d, args.num_experts)
         self.switch_mlp = SwitchGLU(d, args.moe_intermediate_size, args.num_experts)
         if args.shared_expert_intermediate_size:

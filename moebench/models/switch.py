@@ -53,6 +53,14 @@ class SwitchGLU(nn.Module):
         self.up_proj = SwitchLinear(in_features, hidden_features, num_experts)
         self.down_proj = SwitchLinear(hidden_features, in_features, num_experts)
 
+    @classmethod
+    def from_parts(cls, gate: QuantizedParts, up: QuantizedParts, down: QuantizedParts) -> SwitchGLU:
+        """Experts holding these quantized stacks (a kernel test or benchmark without a checkpoint)."""
+        experts = cls(gate.in_features, gate.out_features, gate.weight.shape[0])
+        for proj, p in zip((experts.gate_proj, experts.up_proj, experts.down_proj), (gate, up, down), strict=True):
+            proj.set_weight(p.weight, p)
+        return experts
+
     @property
     def num_experts(self) -> int:
         return self.gate_proj.num_experts

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
 import statistics
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from ..checkpoint.loader import default_model_path, load
 from ..decode.loop import COMPILED_BY_DEFAULT, STEPS_AHEAD, GenerationResult, generate_tokens
 from ..errors import MoebenchError
-from ..execution.executor import fused_moe
+from ..execution.executor import executor, fused_moe
 from ..execution.kernel import available_backend
 
 SCHEMA = "moebench.tools.bench/1"
@@ -49,7 +49,7 @@ class Arm:
     experts: str  # what computes the routed experts: a fused backend or 'gather_qmm'
     dtype: str
     stream: TokenStream
-    model: object = None  # a moebench model, whose dispatch counters are read per run
+    model: object = None  # a moebench model, whose dispatch counts are read per run
     note: str = ""
 
 
@@ -82,25 +82,6 @@ def summary(values: list[float]) -> dict:
             "median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
 
 
-def moebench_dispatch(model) -> dict:
-    """MoE dispatch counts summed over the layers: fused runs per backend, fallbacks, decline reasons, and
-    what the fused path ran beside the kernels (notes, layers per note); under 'attention' the same counts
-    of the decode-attention kernel."""
-    fused, reasons, notes, fallback = Counter(), Counter(), Counter(), 0
-    blocks = model.moe_blocks()
-    for block in blocks.values():
-        fused.update(block.dispatch.fused)
-        reasons.update(block.dispatch.reasons)
-        notes.update(block.dispatch.notes)
-        fallback += block.dispatch.fallback
-    attention = [layer.self_attn.dispatch for layer in model.layers]
-    return {"moe_layers": len(blocks), "fused": dict(fused), "fallback": fallback, "reasons": dict(reasons),
-            "notes": dict(notes),
-            "attention": {"layers": len(attention), "fused": dict(sum((c.fused for c in attention), Counter())),
-                          "fallback": sum(c.fallback for c in attention),
-                          "reasons": dict(sum((c.reasons for c in attention), Counter()))}}
-
-
 def float_dtype(model) -> str:
     """The dtype of a model's first floating-point parameter (its activation dtype in both engines)."""
     for _, value in tree_flatten(model.parameters()):
@@ -109,15 +90,10 @@ def float_dtype(model) -> str:
     return "none"
 
 
-def _reset_dispatch(model) -> None:
-    for counter in model.dispatch_counters():
-        counter.reset()
-
-
 def timed_run(arm: Arm, prompt_ids: list[int], gen_tokens: int, keep_logits: bool = False) -> Run:
     """Decode once and time it; with keep_logits (the untimed trace pass) keep every step's logits."""
     if arm.model is not None:
-        _reset_dispatch(arm.model)
+        executor(arm.model).reset_counts()
     mx.synchronize()
     mx.reset_peak_memory()
     start_bytes = mx.get_active_memory()
@@ -133,7 +109,7 @@ def timed_run(arm: Arm, prompt_ids: list[int], gen_tokens: int, keep_logits: boo
     mx.synchronize()
     first = end if first is None else first
     return Run(list(prompt_ids), tokens, first - start, end - first, mx.get_peak_memory(), start_bytes,
-               moebench_dispatch(arm.model) if arm.model is not None else None, logits)
+               executor(arm.model).summary() if arm.model is not None else None, logits)
 
 
 def run_arms(arms: list[Arm], prompt_ids: list[int], gen_tokens: int, repeats: int,
@@ -194,7 +170,7 @@ def moebench_arms(model, fused: str, compiled: str = "off") -> list[Arm]:
 
     def stream(on: bool, compile_step: bool) -> TokenStream:
         def run(ids: list[int], n: int) -> Iterator[tuple[int, mx.array]]:
-            with fused_moe(on):
+            with fused_moe(on, model):
                 yield from generate_tokens(model, ids, n, compiled=compile_step)
         return run
 
@@ -205,6 +181,38 @@ def moebench_arms(model, fused: str, compiled: str = "off") -> list[Arm]:
             name, experts = (f"moebench fused ({backend})", backend) if on else ("moebench fallback", "gather_qmm")
             arms.append(Arm(name + suffix, "moebench", loop, experts, dtype, stream(on, compile_step), model))
     return arms
+
+
+SNAPSHOT = "moebench_snapshot"  # the module name an earlier revision's package is imported under
+
+
+def snapshot_arms(root: Path, path: Path, fused: str) -> list[Arm]:
+    """Arms of an earlier revision of moebench (`root`/moebench, with its kernels/ beside it, as `git archive
+    REV moebench kernels` writes them) on the same checkpoint, decoding through its own top-level API (load,
+    fused_moe, decode.generate_tokens) with its defaults, so a change is measured side by side with the code
+    before it in one interleaved run. Imported as SNAPSHOT: its imports inside the package are relative."""
+    init = Path(root) / "moebench" / "__init__.py"
+    if not init.is_file():
+        raise MoebenchError(f"--snapshot {root}: no moebench/__init__.py there (git archive REV moebench kernels)")
+    spec = importlib.util.spec_from_file_location(SNAPSHOT, init, submodule_search_locations=[str(init.parent)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[SNAPSHOT] = package
+    spec.loader.exec_module(package)
+    decode = importlib.import_module(f"{SNAPSHOT}.decode")
+    generate_tokens_before = getattr(decode, "generate_tokens", None) or importlib.import_module(
+        f"{SNAPSHOT}.decode.loop").generate_tokens
+    model, _ = package.load(path)
+    dtype = float_dtype(model)
+
+    def stream(on: bool) -> TokenStream:
+        def run(ids: list[int], n: int) -> Iterator[tuple[int, mx.array]]:
+            with package.fused_moe(on):
+                yield from generate_tokens_before(model, ids, n)
+        return run
+
+    return [Arm(f"snapshot {'fused' if on else 'fallback'}", "moebench snapshot", "moebench snapshot",
+                package.available_backend() if on else "gather_qmm", dtype, stream(on), note=f"{root}, its defaults")
+            for on in (False, True) if fused == "both" or fused == ("on" if on else "off")]
 
 
 def mlx_lm_model(path: Path) -> tuple[object | None, str | None]:
@@ -313,6 +321,22 @@ def arm_record(result: ArmResult, reference: ArmResult) -> dict:
     }
 
 
+def snapshot_ratios(results: list[ArmResult]) -> list[dict]:
+    """Per snapshot arm, this revision's arm decoding the same way by default (fused or not; compiled where
+    generate compiles by default) over it, round by round (the two ran back to back in each round)."""
+    compiled = available_backend() in COMPILED_BY_DEFAULT
+    rows = []
+    for snap in (r for r in results if r.arm.engine == "moebench snapshot"):
+        fused = snap.arm.experts != "gather_qmm"
+        loop = "moebench compiled" if fused and compiled else "moebench"
+        head = next((r for r in results if r.arm.engine == "moebench" and r.arm.loop == loop
+                     and (r.arm.experts != "gather_qmm") == fused), None)
+        if head is not None:
+            rows.append({"arm": head.arm.name, "snapshot": snap.arm.name, "ratio": summary(
+                [h.decode_tps / s.decode_tps for h, s in zip(head.runs, snap.runs, strict=True) if s.decode_tps])})
+    return rows
+
+
 def bench_record(results: list[ArmResult], model, prompt_ids: list[int], gen_tokens: int, repeats: int,
                  skipped: list[dict], arguments: dict) -> dict:
     reference = reference_arm(results)
@@ -328,6 +352,7 @@ def bench_record(results: list[ArmResult], model, prompt_ids: list[int], gen_tok
         "reference_arm": reference.arm.name,
         "moebench_loop": {"steps_ahead": STEPS_AHEAD},  # the 'moebench' loops queue this many steps ahead
         "arms": [arm_record(r, reference) for r in results], "skipped": skipped,
+        "snapshot_ratios": snapshot_ratios(results),
     }
 
 
@@ -378,7 +403,9 @@ def format_table(record: dict) -> str:
                        ("moebench_environment", "moebench settings")):
         if p.get(key):
             head += f"; {label}: " + ", ".join(f"{k}={v}" for k, v in p[key].items())
-    tail = [f"skipped {s['arm']}: {s['reason']}" for s in record["skipped"]]
+    tail = [f"{s['arm']} / {s['snapshot']}, round by round: {s['ratio']['median']:.3f}x "
+            f"({s['ratio']['min']:.3f}-{s['ratio']['max']:.3f})" for s in record.get("snapshot_ratios", [])]
+    tail += [f"skipped {s['arm']}: {s['reason']}" for s in record["skipped"]]
     return "\n".join([head, *lines, *tail])
 
 
@@ -393,6 +420,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="moebench arms through the mx.compile'd decode step (on), eager (off) or both; auto: "
                         "both on CUDA, where generate decodes compiled by default, else off")
     p.add_argument("--compare", choices=("mlx-lm",), default=None, help="also run mlx-lm on the same checkpoint")
+    p.add_argument("--snapshot", metavar="DIR", default=None,
+                   help="also run an earlier revision of moebench on the same checkpoint, interleaved: DIR holds "
+                        "its moebench/ and kernels/ (git archive REV moebench kernels | tar -x -C DIR)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt's token ids")
     p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
     p.add_argument("--no-progress", action="store_true")
@@ -411,6 +441,8 @@ def _run(a: argparse.Namespace) -> int:
         if reason:
             skipped.append({"arm": "mlx-lm", "reason": reason})
             print(f"skipping mlx-lm: {reason}", file=sys.stderr)
+    if a.snapshot:
+        arms += snapshot_arms(Path(a.snapshot), path, a.fused)
     results, failures = run_arms(arms, prompt_ids, a.gen_tokens, a.repeats, progress=not a.no_progress)
     skipped += failures
     if not results:

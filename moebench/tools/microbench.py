@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -25,9 +24,9 @@ import mlx.core as mx
 
 from ..checkpoint.quant import QuantizedParts
 from ..errors import ConfigError
-from ..execution.dispatch import DispatchCounter, available_backend, fused_moe, routed_experts
-from ..execution.moe import ENV_ROWS, GPU_BACKENDS
-from ..models.switch import SwitchGLU, SwitchLinear
+from ..execution import moe
+from ..execution.kernel import GPU_BACKENDS, available_backend
+from ..models.switch import SwitchGLU
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ def build_stack(shape: StackShape) -> list[SwitchGLU]:
     for _ in range(shape.layers):
         gate, up = (_random_parts(shape, shape.dff, shape.hidden, dtype) for _ in range(2))
         down = _random_parts(shape, shape.hidden, shape.dff, dtype)
-        stack.append(SwitchGLU(*(SwitchLinear(p.weight, p) for p in (gate, up, down))))
+        stack.append(SwitchGLU.from_parts(gate, up, down))
     return stack
 
 
@@ -87,50 +86,38 @@ def random_routing(shape: StackShape, tokens: int) -> tuple[mx.array, mx.array]:
 
 @dataclass
 class Arm:
-    """One way of running the stack: the production dispatch (fused on/off, rows, compiled or not)."""
+    """One way of running the stack: `path` a fused backend or 'fallback', rows per threadgroup, compiled or not."""
 
     name: str
-    fused: bool
-    rows: int | None = None
+    path: str
+    rows: int = moe.DEFAULT_ROWS
     compiled: bool = False
     _traced: object = None
 
-    def step(self, stack: list[SwitchGLU], counters: list[DispatchCounter], x: mx.array, ids: mx.array,
-             scores: mx.array) -> mx.array:
+    def step(self, stack: list[SwitchGLU], x: mx.array, ids: mx.array, scores: mx.array) -> mx.array:
         """One decode step through the stack; `compiled` replays an mx.compile trace (no Python graph build)."""
         if not self.compiled:
-            return self._layers(stack, counters, x, ids, scores)
+            return self._layers(stack, x, ids, scores)
         if self._traced is None:
-            self._traced = mx.compile(lambda x, ids, scores: self._layers(stack, counters, x, ids, scores))
+            self._traced = mx.compile(lambda x, ids, scores: self._layers(stack, x, ids, scores))
         return self._traced(x, ids, scores)
 
-    def _layers(self, stack: list[SwitchGLU], counters: list[DispatchCounter], x: mx.array, ids: mx.array,
-                scores: mx.array) -> mx.array:
+    def _layers(self, stack: list[SwitchGLU], x: mx.array, ids: mx.array, scores: mx.array) -> mx.array:
         for layer, experts in enumerate(stack):
-            x, _, _ = routed_experts(experts, x, ids[layer], scores[layer], counters[layer])
+            x, _ = moe.routed_experts(self.path, experts, x, ids[layer], scores[layer], self.rows)
         return x
 
 
-def _time_arm(arm: Arm, stack, counters, x0, ids, scores) -> tuple[float, float]:
+def _time_arm(arm: Arm, stack, x0, ids, scores) -> tuple[float, float]:
     """(ms per decode step, of which ms building the graph in Python), one evaluation per step."""
-    saved = os.environ.get(ENV_ROWS)
-    if arm.rows is not None:
-        os.environ[ENV_ROWS] = str(arm.rows)
-    try:
-        with fused_moe(arm.fused):
-            build = total = 0.0
-            for t in range(ids.shape[0]):
-                start = time.perf_counter()
-                out = arm.step(stack, counters, x0, ids[t], scores[t])
-                built = time.perf_counter()
-                mx.eval(out)
-                build += built - start
-                total += time.perf_counter() - start
-    finally:
-        if saved is None:
-            os.environ.pop(ENV_ROWS, None)
-        else:
-            os.environ[ENV_ROWS] = saved
+    build = total = 0.0
+    for t in range(ids.shape[0]):
+        start = time.perf_counter()
+        out = arm.step(stack, x0, ids[t], scores[t])
+        built = time.perf_counter()
+        mx.eval(out)
+        build += built - start
+        total += time.perf_counter() - start
     return total * 1e3 / ids.shape[0], build * 1e3 / ids.shape[0]
 
 
@@ -148,27 +135,27 @@ def run(shape: StackShape, tokens: int = 16, repeats: int = 7, rows: list[int] |
     stack = build_stack(shape)
     ids, scores = random_routing(shape, tokens)
     x0 = (mx.random.normal((1, shape.hidden)) * 0.5).astype(getattr(mx, shape.dtype))
-    arms = [Arm("fallback", fused=False)]
+    reason = moe.support_reason(stack[0], backend)
+    fused = backend if reason is None else "fallback"  # the fused arms say so in their path when declined
+    arms = [Arm("fallback", "fallback")]
     for r in (rows or [None]) if backend in GPU_BACKENDS else [None]:
         label = f"fused {backend}" + (f" rows={r}" if r is not None else "")
-        arms.append(Arm(label, fused=True, rows=r))
+        arms.append(Arm(label, fused, r or moe.DEFAULT_ROWS))
     if compiled:
-        arms += [Arm("fallback compiled", fused=False, compiled=True),
-                 Arm(f"fused {backend} compiled", fused=True, compiled=True)]
-    counters = {a.name: [DispatchCounter() for _ in stack] for a in arms}
+        arms += [Arm("fallback compiled", "fallback", compiled=True),
+                 Arm(f"fused {backend} compiled", fused, compiled=True)]
     for arm in arms:  # warm up: JIT compiles, allocator pools
-        _time_arm(arm, stack, counters[arm.name], x0, ids[:2], scores[:2])
+        _time_arm(arm, stack, x0, ids[:2], scores[:2])
     samples: dict[str, list[tuple[float, float]]] = {a.name: [] for a in arms}
     for rep in range(repeats):
         for i in range(len(arms)):
             arm = arms[(i + rep) % len(arms)]
-            samples[arm.name].append(_time_arm(arm, stack, counters[arm.name], x0, ids, scores))
+            samples[arm.name].append(_time_arm(arm, stack, x0, ids, scores))
     base = statistics.median(t for t, _ in samples["fallback"])
     results = []
     for arm in arms:
         total = [t for t, _ in samples[arm.name]]
-        paths = sorted({p for c in counters[arm.name] for p in c.fused} | ({"fallback"} if any(
-            c.fallback for c in counters[arm.name]) else set()))
+        paths = [arm.path if arm.path != "fallback" or arm.name.startswith("fallback") else f"fallback: {reason}"]
         results.append(ArmResult(arm.name, statistics.median(total), min(total), max(total),
                                  statistics.median(b for _, b in samples[arm.name]), total,
                                  base / statistics.median(total), paths))

@@ -37,7 +37,7 @@ from ..checkpoint.loader import default_model_path, load
 from ..decode.cache import make_cache
 from ..decode.loop import generate
 from ..errors import MoebenchError
-from ..execution.executor import fused_moe
+from ..execution.executor import executor, fused_moe
 from ..execution.kernel import available_backend
 from .bench import mlx_lm_model, platform_info, prompt_token_ids, summary
 
@@ -75,10 +75,16 @@ def graph_nodes(*outputs: mx.array) -> dict:
 
 
 def greedy_step(model) -> Step:
-    """A greedy one-step function over a fresh KV cache, moebench's model (last_logits) or mlx-lm's."""
-    if hasattr(model, "last_logits"):
-        cache = make_cache(len(model.layers))
-        return lambda ids: mx.argmax(model.last_logits(ids[None], cache), axis=-1)
+    """A greedy one-step function over a fresh KV cache: moebench's model through its executor (each step's
+    plan counted), or mlx-lm's."""
+    if hasattr(model, "moe_blocks"):
+        cache, ex = make_cache(len(model.layers)), executor(model)
+
+        def step(ids: mx.array) -> mx.array:
+            plan = ex.plan(ids.size, cache)
+            ex.count(plan)
+            return mx.argmax(ex.forward(ids[None], cache, plan), axis=-1)
+        return step
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
@@ -94,11 +100,10 @@ def _paths(counters: list) -> dict:
 def moe_path(model) -> dict | None:
     """The paths the MoE blocks and the attention layers took on the last call (fused backend or 'fallback')
     and why; None for mlx-lm."""
-    blocks = getattr(model, "moe_blocks", None)
-    if blocks is None:
+    if not hasattr(model, "moe_blocks"):
         return None
-    return {**_paths([b.dispatch for b in blocks().values()]),
-            "attention": _paths([layer.self_attn.dispatch for layer in model.layers])}
+    ex = executor(model)
+    return {**_paths(list(ex.moe_counts.values())), "attention": _paths(ex.attention_counts)}
 
 
 def profile_steps(model, prompt_ids: list[int], steps: int, warmup: int = 3) -> dict:
@@ -140,7 +145,7 @@ def pipelined_ms(model, prompt_ids: list[int], gen_tokens: int) -> dict:
 
 def profile_arm(arm: ProfileArm, prompt_ids: list[int], steps: int, gen_tokens: int, warmup: int = 3) -> dict:
     """The steps profile and the pipelined time of one arm, its fused switch set for both."""
-    switch = fused_moe(arm.fused) if arm.fused is not None else contextlib.nullcontext()
+    switch = fused_moe(arm.fused, arm.model) if arm.fused is not None else contextlib.nullcontext()
     with switch:
         record = profile_steps(arm.model, prompt_ids, steps, warmup)
         pipelined = pipelined_ms(arm.model, prompt_ids, gen_tokens)
