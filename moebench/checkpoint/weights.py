@@ -5,6 +5,8 @@ holds `model.layers.0.self_attn.q_proj.weight`, `.scales`, `.biases`, `.bias`), 
 of layout: routed experts are held stacked (`mlp.switch_mlp.{proj}`, [E, out, in]) and a checkpoint
 may store them that way or one by one (`mlp.experts.{i}.{proj}`, as the Qwen1.5-MoE exports do).
 `stack_experts` turns the second into the first; `per_expert_names` goes the other way, for writers.
+`checkpoint_tensors` / `tensor_shapes` say what a checkpoint of a model holds, so its layout is
+described by the model alone.
 
 Every tensor is checked against the placeholder's shape and the config's quantization (each tensor's
 bit width inferred from its shape, so mixed-precision exports load right) and raises a CheckpointError
@@ -14,19 +16,26 @@ naming it; nothing reaches MLX unchecked.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from itertools import groupby
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
-from ..checkpoint.config import Quantization
+from ..checkpoint.config import ModelArgs, Quantization
 from ..errors import CheckpointError
+from ..models import family
 from ..models.layers import QuantizedWeight, RMSNorm
 from ..models.switch import PROJECTIONS, SwitchGLU
 from .files import TensorStore
 from .quant import make_parts
 
 PARTS = ("weight", "scales", "biases")
+LAYOUTS = ("per-expert", "stacked")
 EXPERTS = re.compile(r"^(?P<root>.+)\.switch_mlp\.(?P<proj>\w+)\.(?P<part>\w+)$")
+PER_EXPERT = re.compile(r"^(?P<root>.+)\.experts\.(?P<i>\d+)\.(?P<proj>\w+)\.(?P<part>\w+)$")
+LAYER_CHILD = re.compile(r"^(?P<layer>model\.layers\.\d+)\.(?P<child>\w+)\.")
 
 
 def load_weights(model: nn.Module, store: TensorStore, dtype: mx.Dtype, quantization: Quantization | None) -> None:
@@ -74,7 +83,8 @@ def load_weight(store: TensorStore, name: str, module: QuantizedWeight, dtype: m
             raise CheckpointError(f"{store.where(name + '.bias')}: {name}.bias has shape {tuple(bias.shape)}, "
                                   f"expected {expected[-2:-1]}")
         if not mx.issubdtype(bias.dtype, mx.floating):
-            raise CheckpointError(f"{store.where(name + '.bias')}: {name}.bias is {bias.dtype}, expected floating point")
+            raise CheckpointError(f"{store.where(name + '.bias')}: {name}.bias is {bias.dtype}, expected floating "
+                                  "point")
         bias = bias.astype(dtype)
     if scales is None:
         if biases is not None:
@@ -161,3 +171,52 @@ def per_expert_names(name: str, num_experts: int) -> list[str]:
     if m is None:
         return [name]
     return [f"{m['root']}.experts.{i}.{m['proj']}.{m['part']}" for i in range(num_experts)]
+
+
+def stacked_name(name: str) -> tuple[str, int] | None:
+    """A per-expert tensor's stacked name and expert index (`...experts.3.up_proj.weight` ->
+    (`...switch_mlp.up_proj.weight`, 3)), or None for any other tensor."""
+    m = PER_EXPERT.match(name)
+    if m is None:
+        return None
+    return f"{m['root']}.switch_mlp.{m['proj']}.{m['part']}", int(m["i"])
+
+
+def checkpoint_tensors(model: nn.Module, layout: str = "per-expert") -> Iterator[tuple[str, mx.array]]:
+    """The model's arrays under their checkpoint names, in file order: routed experts stacked, or split
+    expert by expert (each its gate, up and down, as transformers saves them) in the per-expert layout.
+
+    Each decoder layer's norms come first: the order moebench's writers have always used, which the
+    random draws of seeded checkpoints (and the shipped model's training start) depend on."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    first: dict[str, int] = {}  # each layer's first position in the model's order
+
+    def file_order(item: tuple[int, tuple[str, mx.array]]) -> tuple[int, int, int]:
+        i, (name, _) = item
+        m = LAYER_CHILD.match(name)
+        if m is None:
+            return i, 0, i
+        return first.setdefault(m["layer"], i), 0 if m["child"].endswith("_layernorm") else 1, i
+
+    ordered = [item for _, item in sorted(enumerate(tree_flatten(model.parameters())), key=file_order)]
+    if layout == "stacked":
+        yield from ordered
+        return
+    for root, group in groupby(ordered, key=lambda item: (m := EXPERTS.match(item[0])) and m["root"]):
+        group = list(group)
+        if not root:
+            yield from group
+            continue
+        num_experts = group[0][1].shape[0]
+        names = [per_expert_names(name, num_experts) for name, _ in group]
+        for e in range(num_experts):
+            for (_, value), split in zip(group, names, strict=True):
+                yield split[e], value[e]
+
+
+def tensor_shapes(args: ModelArgs, layout: str = "per-expert") -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a float checkpoint of `args`, with its shape, in file order (checkpoint_tensors of the
+    model built from args: its placeholders are never computed)."""
+    model = family(args.model_type).Model(args)
+    return [(name, tuple(value.shape)) for name, value in checkpoint_tensors(model, layout)]

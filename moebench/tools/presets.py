@@ -19,8 +19,9 @@ import mlx.core as mx
 from tqdm.auto import tqdm
 
 from ..checkpoint.config import AFFINE_BITS, AFFINE_GROUP_SIZES, ModelArgs
+from ..checkpoint.weights import tensor_shapes
 from ..errors import ConfigError
-from .writer import quantize_tensors, qwen2_moe_config, random_tensors, save_checkpoint, tensor_shapes
+from .writer import quantize_tensors, qwen2_moe_config, random_tensors, save_checkpoint
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 DEFAULT_SHARD_GB = 5.0  # mlx-lm's shard size
@@ -108,7 +109,7 @@ def write_random(
         raise ConfigError(f"{out}: exists and is not empty (choose a new folder)")
     config = {**p.config, "torch_dtype": dtype}
     args = ModelArgs.from_dict(config, source=f"preset {preset}")
-    count = sum(1 for _ in tensor_shapes(args))
+    count = len(tensor_shapes(args))
     tensors = tqdm(random_tensors(args, seed, DTYPES[dtype], generator), total=count, unit="tensor",
                    desc=f"make-random {preset}", disable=not progress, mininterval=2.0)
     quantized = quantize_tensors(tensors, group_size, bits, "per-expert", args.num_experts)

@@ -4,7 +4,7 @@ Steps: a byte-level BPE tokenizer on the training documents of both domains; a r
 checkpoint written by moebench.tools.writer and opened by moebench.load(), so training runs the very
 model code the workbench inspects; AdamW with linear warmup and cosine decay on next-token cross
 entropy plus the Switch-style load-balancing loss (router probabilities and top-k ids come through
-the model's recorder hook); every batch half code, half prose. The float weights are then
+a Record passed to the model's forward); every batch half code, half prose. The float weights are then
 quantized to 4-bit group-64 per-expert tensors (router and shared-expert gate 8-bit, as mlx-lm's
 qwen2_moe conversion keeps them) and written with config.json, tokenizer.json and the loss log.
 Seeds are fixed and file lists sorted, so a rerun reproduces the files up to float nondeterminism.
@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,16 +27,18 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
 from tqdm.auto import tqdm
 
 from ..checkpoint.loader import load
 from ..checkpoint.tokenizer import Tokenizer
+from ..checkpoint.weights import checkpoint_tensors
 from ..decode.loop import generate
 from ..errors import MoebenchError
-from ..models import hooks, stats
+from ..inspect import stats
+from ..models import hooks
+from ..models.hooks import Record
 from .corpus import DEFAULT_CACHE, DOMAINS, Document, load_corpus
-from .writer import quantize_tensors, qwen2_moe_config, save_checkpoint, tensor_shapes, write_random_checkpoint
+from .writer import quantize_tensors, qwen2_moe_config, save_checkpoint, write_random_checkpoint
 
 EOS = "<|endoftext|>"
 GROUP_SIZE = 64
@@ -130,18 +132,21 @@ def init_model(config: dict, seed: int):
 
 
 class RouterTap:
-    """A recorder keeping each MoE layer's router probabilities and top-k ids, one entry per forward call."""
+    """A Record (moebench.models.hooks) keeping each MoE layer's router probabilities and top-k ids, one entry
+    per forward call: the balance loss and the routing statistics read nothing else."""
 
-    def __init__(self) -> None:
-        self.probs: dict[int, list[mx.array]] = defaultdict(list)
-        self.ids: dict[int, list[mx.array]] = defaultdict(list)
+    def __init__(self, probs: dict | None = None, ids: dict | None = None, prefix: str = "") -> None:
+        self.probs: dict[int, list[mx.array]] = defaultdict(list) if probs is None else probs
+        self.ids: dict[int, list[mx.array]] = defaultdict(list) if ids is None else ids
+        self._prefix = prefix
 
     def __call__(self, name: str, value: object) -> None:
-        layer, hook = hooks.parse(name) if name.startswith("layers.") else (-1, "")
-        if hook == hooks.ROUTER_PROBS:
-            self.probs[layer].append(value)
-        elif hook == hooks.TOPK_IDS:
-            self.ids[layer].append(value)
+        if name in (hooks.ROUTER_PROBS, hooks.TOPK_IDS):
+            layer, _ = hooks.parse(self._prefix + name)
+            (self.probs if name == hooks.ROUTER_PROBS else self.ids)[layer].append(value)
+
+    def scope(self, child: str) -> RouterTap:
+        return RouterTap(self.probs, self.ids, f"{self._prefix}{child}.")
 
 
 def balance_loss(probs: mx.array, ids: mx.array, num_experts: int) -> mx.array:
@@ -154,16 +159,12 @@ def balance_loss(probs: mx.array, ids: mx.array, num_experts: int) -> mx.array:
 
 
 def make_loss(model, balance_coef: float) -> Callable:
-    """loss(model, x, y) -> (total, (cross entropy, mean balance loss)); taps the router via the recorder."""
+    """loss(model, x, y) -> (total, (cross entropy, mean balance loss)); the router tapped by a RouterTap."""
     num_experts = model.args.num_experts
 
     def loss_fn(m, x: mx.array, y: mx.array):
         tap = RouterTap()
-        m.recorder = tap
-        try:
-            ce = nn.losses.cross_entropy(m(x), y, reduction="mean")
-        finally:
-            m.recorder = None
+        ce = nn.losses.cross_entropy(m(x, record=tap), y, reduction="mean")
         bal = [balance_loss(tap.probs[i][0], tap.ids[i][0], num_experts) for i in sorted(tap.probs)]
         balance = mx.stack(bal).mean() if bal else mx.array(0.0)
         return ce + balance_coef * balance, (ce, balance)
@@ -178,19 +179,15 @@ def lr_schedule(s: TrainSettings) -> Callable:
 
 
 def heldout_loss(model, stream: np.ndarray, seq_len: int, max_tokens: int, batch: int = 16,
-                 recorder: Callable[[str, object], None] | None = None) -> float:
-    """Mean next-token cross entropy (nats) over consecutive validation windows; `recorder` sees internals."""
+                 record: Record | None = None) -> float:
+    """Mean next-token cross entropy (nats) over consecutive validation windows; `record` sees internals."""
     rows = windows(stream, seq_len, max_tokens)
     total, count = 0.0, 0
-    model.recorder = recorder
-    try:
-        for i in range(0, len(rows), batch):
-            block = mx.array(rows[i : i + batch])
-            ce = nn.losses.cross_entropy(model(block[:, :-1]), block[:, 1:], reduction="sum")
-            total += ce.item()
-            count += block[:, 1:].size
-    finally:
-        model.recorder = None
+    for i in range(0, len(rows), batch):
+        block = mx.array(rows[i : i + batch])
+        ce = nn.losses.cross_entropy(model(block[:, :-1], record=record), block[:, 1:], reduction="sum")
+        total += ce.item()
+        count += block[:, 1:].size
     return total / count
 
 
@@ -225,32 +222,6 @@ def train(model, train_streams: list[np.ndarray], s: TrainSettings,
 
 
 # --- export ------------------------------------------------------------------------------------------
-
-
-def checkpoint_tensors(model) -> Iterator[tuple[str, mx.array]]:
-    """The model's parameters under Hugging Face qwen2_moe names, experts split per expert, in file order."""
-    params = dict(tree_flatten(model.parameters()))
-    named: dict[str, mx.array] = {}
-    for path, value in params.items():
-        if path == "embed_tokens.table.weight":
-            named["model.embed_tokens.weight"] = value
-        elif path == "lm_head.weight":
-            named[path] = value
-        elif ".mlp.experts." in path:
-            root, proj = path.split(".mlp.experts.")
-            for e in range(value.shape[0]):
-                named[f"model.{root}.mlp.experts.{e}.{proj}"] = value[e]
-        else:
-            named[f"model.{path}"] = value
-    expected = dict(tensor_shapes(model.args))
-    if set(named) != set(expected):
-        missing, extra = sorted(set(expected) - set(named)), sorted(set(named) - set(expected))
-        raise MoebenchError(f"model parameters do not map onto checkpoint names: missing {missing[:3]}, "
-                            f"unexpected {extra[:3]}")
-    for name, shape in expected.items():
-        if tuple(named[name].shape) != shape:
-            raise MoebenchError(f"{name}: parameter shape {tuple(named[name].shape)}, checkpoint expects {shape}")
-        yield name, named[name]
 
 
 def quantization_block(config: dict) -> dict:
@@ -368,7 +339,7 @@ def measure(model_dir: str | Path | None = None, float_dir: str | Path | None = 
         valid = streams[d]["valid"]
         targets = windows(valid, seq_len, max_tokens)[:, 1:].ravel()
         tap = RouterTap()
-        ppl = {"model": math.exp(heldout_loss(model, valid, seq_len, max_tokens, recorder=tap)),
+        ppl = {"model": math.exp(heldout_loss(model, valid, seq_len, max_tokens, record=tap)),
                "unigram": math.exp(unigram_loss([streams[k]["train"] for k in DOMAINS], targets, vocab))}
         if float_model is not None:
             ppl["float"] = math.exp(heldout_loss(float_model, valid, seq_len, max_tokens))

@@ -6,7 +6,6 @@ the stacked or per-expert layout, and sharded safetensors with an index. Used by
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,16 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..checkpoint.config import ModelArgs
-
-# Matrices that stay float even in a quantized checkpoint (norms and biases are 1-D and never quantized).
-EXPERT_RE = re.compile(r"^(?P<root>.+\.mlp)\.experts\.(?P<i>\d+)\.(?P<proj>\w+_proj)\.weight$")
-
-
-def tensor_shapes(args: ModelArgs) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Every tensor of a checkpoint of args' family in the HF float layout (per-expert), with its shape."""
-    from ..models import family
-
-    return family(args.model_type).tensor_shapes(args)
+from ..checkpoint.weights import LAYOUTS, stacked_name, tensor_shapes
 
 
 def _scaled(name: str, shape: tuple[int, ...], z):
@@ -72,18 +62,21 @@ def quantize_tensors(
     `bits` may be a function of the tensor name (mixed precision). layout 'stacked' gathers each
     layer's experts into `mlp.switch_mlp.{proj}` (needs num_experts); 'per-expert' keeps `experts.{i}`.
     """
-    if layout not in ("stacked", "per-expert"):
-        raise ValueError(f"layout must be 'stacked' or 'per-expert', got {layout!r}")
-    pending: dict[str, list] = {}
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    pending: dict[str, dict[int, mx.array]] = {}
     for name, w in tensors:
         quantizable = w.ndim == 2 and w.shape[-1] % group_size == 0 and not skip(name)
-        m = EXPERT_RE.match(name)
-        if layout == "stacked" and m:
-            key = f"{m['root']}.switch_mlp.{m['proj']}"
-            pending.setdefault(key, []).append(w)
-            if len(pending[key]) < num_experts:
+        expert = stacked_name(name) if layout == "stacked" else None
+        if expert is not None:
+            name, index = expert
+            pending.setdefault(name, {})[index] = w
+            if len(pending[name]) < num_experts:
                 continue
-            w, name = mx.stack(pending.pop(key)), f"{key}.weight"
+            by_index = pending.pop(name)
+            if sorted(by_index) != list(range(num_experts)):
+                raise ValueError(f"{name}: experts {sorted(by_index)}, expected 0..{num_experts - 1}")
+            w = mx.stack([by_index[i] for i in range(num_experts)])  # by index: files list expert 10 before 2
         if not quantizable:
             yield name, w
             continue
