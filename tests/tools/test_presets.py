@@ -12,9 +12,10 @@ import pytest
 from moebench import load
 from moebench.checkpoint.config import ModelArgs
 from moebench.checkpoint.files import checkpoint_files, read_safetensors_header
+from moebench.checkpoint.weights import tensor_shapes
 from moebench.cli import main
 from moebench.tools.presets import PRESETS, get_preset, parameter_counts, write_random
-from moebench.tools.writer import random_tensors, tensor_shapes
+from moebench.tools.writer import random_tensors
 
 
 def test_a27b_preset_is_qwen15_moe_a27b():

@@ -8,6 +8,7 @@ import pytest
 import moebench
 from moebench.checkpoint.files import read_safetensors_header
 from moebench.checkpoint.loader import SHIPPED_MODEL
+from moebench.checkpoint.weights import checkpoint_tensors
 from moebench.inspect import stats
 from moebench.tools.corpus import Document, split_documents
 from moebench.tools.train import (
@@ -15,7 +16,6 @@ from moebench.tools.train import (
     RouterTap,
     TrainSettings,
     balance_loss,
-    checkpoint_tensors,
     export_quantized,
     init_model,
     train,
@@ -140,11 +140,7 @@ def test_shipped_experts_are_all_used_and_differ_between_code_and_prose(shipped)
     usage = {}
     for name, text in (("code", code), ("prose", PROSE * 3)):
         tap = RouterTap()
-        model.recorder = tap
-        try:
-            model(mx.array(tok.encode(text)[:512])[None])
-        finally:
-            model.recorder = None
+        model(mx.array(tok.encode(text)[:512])[None], record=tap)
         usage[name] = {i: np.asarray(ids[0]) for i, ids in tap.ids.items()}
     e = model.args.num_experts
     for layer in usage["code"]:

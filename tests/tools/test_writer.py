@@ -10,12 +10,12 @@ import pytest
 
 from moebench.checkpoint.config import ModelArgs
 from moebench.checkpoint.files import INDEX_FILE, read_safetensors_header
+from moebench.checkpoint.weights import tensor_shapes
 from moebench.tools.writer import (
     quantize_tensors,
     qwen2_moe_config,
     random_tensors,
     save_checkpoint,
-    tensor_shapes,
     write_random_checkpoint,
 )
 
@@ -31,6 +31,24 @@ def test_tensor_shapes_follow_the_config():
     assert not any(n.startswith("model.layers.3.mlp.experts") for n in shapes)
     assert shapes["model.layers.0.self_attn.k_proj.bias"] == (64,)
     assert len([n for n in shapes if ".experts." in n]) == 8 * 3 * 1
+    stacked = dict(tensor_shapes(args, layout="stacked"))
+    assert stacked["model.layers.1.mlp.switch_mlp.down_proj.weight"] == (8, 128, 128)
+    assert not any(".experts." in n for n in stacked)
+    assert {n: s for n, s in stacked.items() if "switch_mlp" not in n} == {
+        n: s for n, s in shapes.items() if ".experts." not in n}
+
+
+def test_tensor_shapes_are_in_file_order_experts_one_by_one():
+    """The order random draws follow (seeded checkpoints depend on it): each layer's norms, attention, then the
+    router, the experts one by one (gate, up, down), the shared expert."""
+    names = [n for n, _ in tensor_shapes(ModelArgs.from_dict(qwen2_moe_config(num_hidden_layers=1)))]
+    layer = [n.removeprefix("model.layers.0.") for n in names if n.startswith("model.layers.0.")]
+    assert layer[:4] == ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                         "self_attn.q_proj.bias"]
+    assert layer[layer.index("mlp.gate.weight") + 1:][:4] == [
+        "mlp.experts.0.gate_proj.weight", "mlp.experts.0.up_proj.weight", "mlp.experts.0.down_proj.weight",
+        "mlp.experts.1.gate_proj.weight"]
+    assert names[0] == "model.embed_tokens.weight" and names[-2:] == ["model.norm.weight", "lm_head.weight"]
 
 
 def test_random_tensors_are_reproducible():
@@ -71,6 +89,18 @@ def test_quantize_rejects_bad_layouts_and_incomplete_stacks():
     with pytest.raises(ValueError, match="incomplete expert stacks"):
         list(quantize_tensors(named(**{"l.mlp.experts.0.up_proj.weight": mx.zeros((4, 64))}),
                               layout="stacked", num_experts=2))
+    with pytest.raises(ValueError, match=r"experts \[0, 2\], expected 0..1"):
+        list(quantize_tensors(named(**{f"l.mlp.experts.{i}.up_proj.weight": mx.zeros((4, 64)) for i in (0, 2)}),
+                              layout="stacked", num_experts=2))
+
+
+def test_stacked_quantization_stacks_experts_by_index_not_by_arrival():
+    """Tensors sorted by name list expert 10 before expert 2: each still lands at its own index."""
+    experts = {f"l.mlp.experts.{i}.up_proj.weight": mx.full((4, 64), float(i)) for i in range(12)}
+    stacked = dict(quantize_tensors(iter(sorted(experts.items())), 64, 8, layout="stacked", num_experts=12))
+    values = mx.dequantize(*(stacked[f"l.mlp.switch_mlp.up_proj.{part}"] for part in ("weight", "scales", "biases")),
+                           group_size=64, bits=8)
+    assert np.allclose(np.array(values[:, 0, 0]), np.arange(12), atol=0.05)
 
 
 def test_sharded_save_writes_an_index_that_covers_every_tensor(tmp_path):
