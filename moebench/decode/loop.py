@@ -73,7 +73,7 @@ def check_prompt(model, prompt_ids: list[int]) -> list[int]:
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     bad = [t for t in ids if not 0 <= t < (vocab or float("inf"))]
     if bad:
-        raise DecodeError(f"prompt token id {bad[0]} is outside the model's vocabulary 0..{vocab - 1}")
+        raise DecodeError(f"prompt token id {bad[0]} is outside the model's vocabulary of {vocab} (ids 0..{vocab - 1})")
     return ids
 
 

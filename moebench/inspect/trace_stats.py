@@ -105,10 +105,10 @@ def expert_logit_lens(model, trace: Trace, tokenizer=None, top: int = 5, phase: 
             keys.append((layer, e, len(outs)))
             vectors.append(np.mean(outs, axis=0))
     rows = []
-    dtype = model.norm.weight.dtype
+    dtype = model.dtype
     for start in range(0, len(vectors), chunk):
         h = mx.array(np.stack(vectors[start : start + chunk])).astype(dtype)
-        logits = model.unembed(model.norm(h)).astype(mx.float32)
+        logits = model.unembed(model.model.norm(h)).astype(mx.float32)
         ids = mx.argpartition(-logits, kth=top - 1, axis=-1)[:, :top]
         values = np.array(mx.take_along_axis(logits, ids, axis=-1))
         ids = np.array(ids)

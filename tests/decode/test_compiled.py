@@ -8,24 +8,24 @@ import pytest
 import moebench
 from moebench.decode.compiled import CompiledForward, compile_blocker
 from moebench.decode.loop import generate
+from moebench.execution.executor import executor
 from moebench.models.routing import Intervention
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 
 
-def _counts(model) -> list[dict]:
-    return [c.as_dict() for c in model.dispatch_counters()]  # attention and MoE of every layer
+def _counts(model) -> dict:
+    return moebench.dispatch(model)  # attention and MoE of every layer
 
 
 def _reset(model) -> None:
-    for c in model.dispatch_counters():
-        c.reset()
+    executor(model).reset_counts()
 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_compiled_decode_matches_eager_tokens_logits_and_counters(quantized_checkpoint, fused):
     model, _ = moebench.load(quantized_checkpoint)
-    with moebench.fused_moe(fused):
+    with moebench.fused_moe(fused, model):
         _reset(model)
         eager = generate(model, PROMPT, 12)
         eager_counts = _counts(model)
@@ -41,7 +41,8 @@ def test_compiled_decode_matches_eager_tokens_logits_and_counters(quantized_chec
 def test_new_weights_are_traced_again(quantized_checkpoint):
     model, _ = moebench.load(quantized_checkpoint)
     before = generate(model, PROMPT, 8, compiled=True).token_ids
-    model.norm.weight = mx.linspace(-1.0, 1.0, model.norm.weight.size)  # edited weights: a new array
+    norm = model.model.norm
+    norm.weight = mx.linspace(-1.0, 1.0, norm.weight.size)  # edited weights: a new array
     eager = generate(model, PROMPT, 8).token_ids
     assert eager != before  # the edit changes what the model decodes ...
     assert generate(model, PROMPT, 8, compiled=True).token_ids == eager  # ... and the compiled step sees it
@@ -51,28 +52,27 @@ def test_compiled_step_logits_match_eager_cache(quantized_checkpoint):
     from moebench.decode.cache import make_cache
 
     model, _ = moebench.load(quantized_checkpoint)
-    fast = CompiledForward(model, 32)
+    ex = executor(model)
+    fast = CompiledForward(ex, 32)
     cache = make_cache(len(model.layers))
     tokens = mx.array(PROMPT, dtype=mx.uint32)
-    a, b = fast(tokens), model(tokens[None], cache)[0, -1]
+    a, b = fast(tokens, ex.settings)[0], model(tokens[None], cache)[0, -1]
     for tok in (7, 8, 9):
         assert mx.allclose(a, b, atol=1e-5).item()
         t = mx.array([tok], dtype=mx.uint32)
-        a, b = fast(t), model(t[None], cache)[0, -1]
+        a, b = fast(t, ex.settings)[0], model(t[None], cache)[0, -1]
     assert fast.position == len(PROMPT) + 3
     with pytest.raises(ValueError, match="exceeds the compiled cache"):
-        fast(mx.zeros((fast.capacity,), dtype=mx.uint32))
+        fast(mx.zeros((fast.capacity,), dtype=mx.uint32), ex.settings)
 
 
 def test_recording_and_interventions_run_eagerly(quantized_checkpoint):
     model, _ = moebench.load(quantized_checkpoint)
-    assert compile_blocker(model) is None
-    model.recorder = lambda name, value: None
-    assert "recorder" in compile_blocker(model)
-    model.recorder = None
+    assert compile_blocker(model, False) is None
+    assert "recording" in compile_blocker(model, True)
     block = next(iter(model.moe_blocks().values()))
     block.intervention = Intervention(top_k=1)
-    assert "intervention" in compile_blocker(model)
+    assert "intervention" in compile_blocker(model, False)
     eager = generate(model, PROMPT, 6)
     assert generate(model, PROMPT, 6, compiled=True).token_ids == eager.token_ids
 
@@ -83,9 +83,10 @@ def test_each_call_schedules_the_previous_call_first(quantized_checkpoint, monke
     model, _ = moebench.load(quantized_checkpoint)
     scheduled, real = [], mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *arrays: (scheduled.append(arrays), real(*arrays)))
-    forward = CompiledForward(model, 16)
-    first = forward(mx.array(PROMPT, dtype=mx.uint32))
+    ex = executor(model)
+    forward = CompiledForward(ex, 16)
+    first = forward(mx.array(PROMPT, dtype=mx.uint32), ex.settings)[0]
     assert scheduled == []
-    second = forward(mx.array([4], dtype=mx.uint32))
-    forward(mx.array([5], dtype=mx.uint32))
+    second = forward(mx.array([4], dtype=mx.uint32), ex.settings)[0]
+    forward(mx.array([5], dtype=mx.uint32), ex.settings)
     assert len(scheduled) == 2 and scheduled[0][0] is first and scheduled[1][0] is second

@@ -116,16 +116,13 @@ def test_bad_sampling_settings_are_named(kwargs, message):
 def test_the_compiled_step_is_the_default_only_for_fused_decoding_on_cuda(monkeypatch):
     from moebench.decode import loop as decode
 
-    class Moebench:
-        def dispatch_counters(self):
-            return []
-
-    assert decode.use_compiled(Moebench(), None) is (decode.available_backend() == "cuda")
+    model, _ = moebench.load()
+    assert decode.use_compiled(model, None) is (decode.available_backend() == "cuda")
     monkeypatch.setattr(decode, "available_backend", lambda: "cuda")
-    assert decode.use_compiled(Moebench(), None)
+    assert decode.use_compiled(model, None)
     assert not decode.use_compiled(object(), None)  # another engine's model: eager
-    with moebench.fused_moe(False):
-        assert not decode.use_compiled(Moebench(), None)
+    with moebench.fused_moe(False, model):
+        assert not decode.use_compiled(model, None)
     monkeypatch.setattr(decode, "available_backend", lambda: "metal")
-    assert not decode.use_compiled(Moebench(), None)
-    assert decode.use_compiled(object(), True) and not decode.use_compiled(Moebench(), False)
+    assert not decode.use_compiled(model, None)
+    assert decode.use_compiled(object(), True) and not decode.use_compiled(model, False)

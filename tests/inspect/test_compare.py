@@ -1,4 +1,4 @@
-"""Fused vs fallback: the dense truth is right, fused is closer to it, and the decode comparison is consistent."""
+"""Fused vs fallback: fused is closer to the float64 truth, and the decode comparison is consistent."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 import moebench
-from moebench.checkpoint.quant import QuantizedParts
 from moebench.errors import MoebenchError, UnsupportedKernelConfig
-from moebench.inspect.compare import compare_decode, compare_step, dense_truth, dequantize_f64, nrms
+from moebench.inspect.compare import compare_decode, compare_step
 from moebench.inspect.record import Stepper
 
 PROMPT = [11, 200, 45, 3, 77, 130]
@@ -33,29 +32,6 @@ def model(bf16_checkpoint):
 @pytest.fixture(scope="module")
 def step(model):
     return Stepper(model, None, PROMPT, record=True).run(3).steps[-1]
-
-
-@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_numpy_dequantization_matches_mlx(bits, group_size):
-    w = mx.random.normal((3, 8, 256), key=mx.random.key(bits))
-    q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
-    parts = QuantizedParts(q, scales, biases, group_size, bits, "affine")
-    ids = np.array([2, 0])
-    expected = np.array(mx.dequantize(q, scales, biases, group_size=group_size, bits=bits))[ids]
-    np.testing.assert_allclose(dequantize_f64(parts, ids), expected, rtol=0, atol=1e-6)
-
-
-def test_dense_truth_agrees_with_a_float32_swiglu(model):
-    experts = model.moe_blocks()[0].experts
-    x = np.random.default_rng(0).standard_normal(model.args.hidden_size).astype(np.float32)
-    ids = np.array([1, 4])
-    truth = dense_truth(experts, x, ids)
-    w = [dequantize_f64(p.quantized_parts(), ids).astype(np.float32)
-         for p in (experts.gate_proj, experts.up_proj, experts.down_proj)]
-    g, u = w[0] @ x, w[1] @ x
-    f32 = np.einsum("kdf,kf->kd", w[2], g / (1 + np.exp(-g)) * u)
-    assert truth.shape == (2, model.args.hidden_size) and nrms(f32, truth) < 1e-6
 
 
 def test_fused_is_closer_to_the_truth_than_the_fallback_in_bfloat16(model, step):

@@ -10,9 +10,9 @@ import moebench
 from moebench.decode.loop import generate
 from moebench.decode.sampling import Sampling
 from moebench.errors import MoebenchError
-from moebench.execution.dispatch import fused_moe
+from moebench.execution.executor import executor, fused_moe
 from moebench.inspect.interventions import clear_interventions, set_interventions
-from moebench.inspect.record import Recorder, Stepper, decode, recording
+from moebench.inspect.record import Recorder, Stepper, decode
 
 PROMPT = [5, 17, 99, 3, 42]
 
@@ -27,8 +27,7 @@ def tiny(quantized_checkpoint):
 @pytest.fixture(autouse=True)
 def clean(tiny):
     model, _ = tiny
-    for b in model.moe_blocks().values():
-        b.dispatch.reset()
+    executor(model).reset_counts()
     clear_interventions(model)
     yield
     clear_interventions(model)
@@ -41,14 +40,13 @@ def all_logits(trace) -> np.ndarray:
 @pytest.mark.parametrize("fused", [True, False])
 def test_recording_on_or_off_gives_bitwise_identical_tokens_and_logits(tiny, fused):
     model, tok = tiny
-    with fused_moe(fused):
+    with fused_moe(fused, model):
         plain = Stepper(model, tok, PROMPT, keep_logits=True).run(8)
         recorded = Stepper(model, tok, PROMPT, keep_logits=True, record=True).run(8)
         reference = generate(model, PROMPT, 8)
     assert recorded.token_ids == plain.token_ids == reference.token_ids
     assert np.array_equal(all_logits(recorded), all_logits(plain))
     assert recorded.steps[-1].layers and not plain.steps[-1].layers
-    assert model.recorder is None
 
 
 def test_sampled_decode_matches_generate_with_the_same_seed(tiny):
@@ -117,10 +115,10 @@ def test_dispatch_counters_count_each_token_once_despite_speculation(tiny):
     stopper = Stepper(model, None, PROMPT, stop_ids=tuple(range(model.args.vocab_size)))
     stopper.run(5)  # every token is a stop token: only prefill runs, the speculative step is taken back
     assert len(stopper.trace.token_ids) == 1
-    for b in model.moe_blocks().values():
-        assert b.dispatch.as_dict() == {
+    for counts in moebench.dispatch(model)["moe"].values():
+        assert counts == {
             "fused": {"reference": 6}, "fallback": 2,
-            "reasons": {f"{len(PROMPT)} tokens (the kernel runs single-token decode)": 2}, "notes": [],
+            "reasons": {f"{len(PROMPT)} tokens (the kernel runs single-token decode)": 2}, "notes": {},
         }
 
 
@@ -131,12 +129,11 @@ def test_changes_between_tokens_apply_to_the_next_token(tiny):
     last = max(model.moe_blocks())
     results = []
     for pipeline in (True, False):
-        for b in model.moe_blocks().values():
-            b.dispatch.reset()
+        executor(model).reset_counts()
         stepper = Stepper(model, None, PROMPT, record=True, keep_logits=True, pipeline=pipeline)
         stepper.prefill()
         stepper.step()
-        with fused_moe(False):
+        with fused_moe(False, model):
             off = stepper.step()
         set_interventions(model, {last: moebench.Intervention(force_experts=(0, 1))})
         forced = stepper.step()
@@ -148,7 +145,7 @@ def test_changes_between_tokens_apply_to_the_next_token(tiny):
         assert sorted(forced.layers[last].topk_ids) == [0, 1] and forced.layers[last].path.fused
         assert forced.interventions == {last: moebench.Intervention(force_experts=(0, 1))}
         assert plain.layers == {} and plain.interventions == {}
-        dispatch = {i: b.dispatch.as_dict() for i, b in model.moe_blocks().items()}
+        dispatch = moebench.dispatch(model)
         results.append((stepper.trace.token_ids, all_logits(stepper.trace), dispatch))
     (tokens_a, logits_a, dispatch_a), (tokens_b, logits_b, dispatch_b) = results
     assert tokens_a == tokens_b and np.array_equal(logits_a, logits_b) and dispatch_a == dispatch_b
@@ -171,13 +168,14 @@ def test_iteration_yields_prompt_then_generated_records_until_max_tokens(tiny):
     assert [r.index for r in records] == list(range(len(records)))
 
 
-def test_recorder_context_manager_detaches(tiny):
+def test_a_recorder_passed_to_the_model_gets_its_internals_under_the_hook_names(tiny):
     model, _ = tiny
-    with recording(model) as rec:
-        logits = model(mx.array([PROMPT]))
-    assert isinstance(rec, Recorder) and model.recorder is None
+    rec = Recorder()
+    logits = model(mx.array([PROMPT]), record=rec)
     mx.eval(logits, *rec.arrays())
     assert "layers.0.moe.topk_ids" in rec.values and rec.values["layers.0.moe.topk_ids"].shape[0] == len(PROMPT)
+    assert rec.values["layers.1.resid_post"].shape == (1, len(PROMPT), model.args.hidden_size)
+    assert np.array_equal(np.array(model(mx.array([PROMPT]))), np.array(logits))  # recording changes nothing
 
 
 def test_bad_input_raises_moebench_errors(tiny):

@@ -73,7 +73,7 @@ def test_expert_logit_lens_projects_the_mean_expert_output(tiny, forced):
     lens = table[(table["layer"] == 1) & (table["expert"] == 2)].sort_values("rank")
     assert lens["selections"].tolist() == [len(forced.steps)] * 3
     mean = np.mean([s.layers[1].expert_out[list(s.layers[1].topk_ids).index(2)] for s in forced.steps], axis=0)
-    logits = np.array(model.unembed(model.norm(mx.array(mean)[None]))[0])
+    logits = np.array(model.unembed(model.model.norm(mx.array(mean)[None]))[0])
     assert lens["token_id"].tolist() == np.argsort(-logits, kind="stable")[:3].tolist()
     np.testing.assert_allclose(lens["logit"], np.sort(logits)[::-1][:3], rtol=1e-5)
     assert lens["text"].tolist() == [tok.decode([t]) for t in lens["token_id"]]

@@ -10,7 +10,8 @@ import pytest
 from moebench.checkpoint.loader import load
 from moebench.cli import main
 from moebench.errors import MoebenchError
-from moebench.execution.dispatch import available_backend, fused_moe_enabled
+from moebench.execution.executor import fused_moe_enabled
+from moebench.execution.kernel import available_backend
 from moebench.tools import profile
 from moebench.tools.profile import ProfileArm, count_primitives, graph_nodes, moebench_profile_arms, run_profile
 

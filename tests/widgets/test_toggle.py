@@ -1,7 +1,7 @@
 from types import SimpleNamespace
 
 import moebench
-from moebench.execution.dispatch import Decision
+from moebench.execution.plan import Decision
 from moebench.inspect.record import Stepper
 from moebench.widgets.toggle import FusedToggle, describe_paths
 

@@ -1,0 +1,223 @@
+"""How a forward call runs: the plan's decisions and their reasons, counted once per step taken, the switch
+per model and for every model, and the fused steps against the model's own modules."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import moebench
+from moebench.checkpoint.loader import load
+from moebench.checkpoint.quant import QuantizedParts
+from moebench.decode.cache import make_cache
+from moebench.decode.loop import generate, generate_tokens
+from moebench.errors import ConfigError
+from moebench.execution import moe
+from moebench.execution.executor import executor, fused_moe, fused_moe_enabled, set_fused_moe
+from moebench.execution.settings import KernelSettings
+from moebench.inspect.record import Recorder
+from moebench.models.routing import Intervention
+from moebench.models.switch import SwitchGLU
+from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
+
+PREFILL = "4 tokens (the kernel runs single-token decode)"
+
+
+@pytest.fixture(autouse=True)
+def restore_switch():
+    with fused_moe(fused_moe_enabled()):
+        yield
+
+
+def _parts(out_f: int, in_f: int, bits: int, group: int = 64, mode: str = "affine", n_exp: int = 4,
+           seed: int = 0) -> QuantizedParts:
+    w = mx.array(np.random.default_rng(seed).standard_normal((n_exp, out_f, in_f)).astype(np.float32) * 0.1)
+    q, scales, *biases = mx.quantize(w, group_size=group, bits=bits, mode=mode)
+    return QuantizedParts(q, scales, biases[0] if biases else None, group, bits, mode)
+
+
+def _experts(d: int = 128, dff: int = 64, gate=(4, 64), up=(4, 64), down=(4, 64), mode: str = "affine") -> SwitchGLU:
+    return SwitchGLU.from_parts(_parts(dff, d, *gate, mode=mode), _parts(dff, d, *up, mode=mode, seed=1),
+                                _parts(d, dff, *down, mode=mode, seed=2))
+
+
+DECLINES = {
+    "float experts": lambda: SwitchGLU(128, 64, 4),
+    "quantization mode": lambda: _experts(gate=(4, 32), up=(4, 32), down=(4, 32), mode="mxfp4"),
+    "gate bits 4 != up bits 8": lambda: _experts(up=(8, 64)),
+    "gate/up bits 3 not in": lambda: _experts(gate=(3, 64), up=(3, 64)),
+    "gate/up bits 2 not in": lambda: _experts(gate=(2, 64), up=(2, 64)),
+    "down bits 3 not in": lambda: _experts(down=(3, 64)),
+    "group sizes differ": lambda: _experts(down=(4, 32)),
+}
+
+
+@pytest.mark.parametrize("reason", sorted(DECLINES))
+def test_each_unsupported_layout_declines_with_its_reason(reason):
+    experts = DECLINES[reason]()
+    for backend in ("reference", "cuda", "metal"):
+        assert reason in (moe.support_reason(experts, backend) or "")
+
+
+def test_affine_without_biases_declines():
+    experts = _experts()
+    del experts.down_proj.biases
+    assert moe.support_reason(experts, "reference") == "affine without biases"
+
+
+def test_six_bit_down_needs_dff_divisible_by_16():
+    """MLX group sizes keep real Dff a multiple of 32; a gate of 40 rows stands in for a shape the 6-bit
+    byte addressing could not handle."""
+    experts = SwitchGLU.from_parts(_parts(40, 128, 4), _parts(40, 128, 4, seed=1), _parts(128, 64, 6, seed=2))
+    assert moe.support_reason(experts, "cuda") == "6-bit down needs Dff % 16 == 0 (Dff 40)"
+    assert moe.support_reason(_experts(down=(6, 64)), "cuda") is None
+
+
+def test_dff_above_the_gpu_cap_declines():
+    experts = _experts(dff=128)
+    assert moe.support_reason(experts, "cuda") is None and moe.support_reason(experts, "metal") is None
+    assert "Dff 128 above the cuda cap 64" in moe.support_reason(experts, "cuda", max_dff=64)
+    assert moe.support_reason(experts, "reference", max_dff=64) is None  # the CPU reference has no cap
+
+
+def test_fused_and_fallback_routed_experts_agree_in_float32():
+    experts = _experts()
+    x = mx.array(np.random.default_rng(3).standard_normal((1, 128)).astype(np.float32))
+    idx, sc = mx.array([[3, 1]], dtype=mx.uint32), mx.array([[0.7, 0.3]])
+    fused_out, fused_y = moe.routed_experts("reference", experts, x, idx, sc)
+    fb_out, fb_y = moe.routed_experts("fallback", experts, x, idx, sc)
+    assert fused_y.dtype == mx.float32 and fused_y.shape == (1, 2, 128)
+    assert np.allclose(np.array(fused_y), np.array(fb_y), rtol=1e-4, atol=1e-5)
+    assert np.allclose(np.array(fused_out), np.array(fb_out), rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    cfg = qwen2_moe_config(num_hidden_layers=3, mlp_only_layers=[1])
+    return write_random_checkpoint(tmp_path_factory.mktemp("fused") / "ckpt", cfg, seed=5, bits=4)
+
+
+@pytest.fixture
+def model(folder):
+    return load(folder)[0]
+
+
+def test_decode_steps_run_fused_and_prefill_falls_back_with_the_reason(model):
+    assert sorted(model.moe_blocks()) == [0, 2]
+    result = generate(model, [5, 6, 7, 8], max_tokens=9)
+    assert len(result.token_ids) == 9
+    counts = moebench.dispatch(model)
+    for part in ("moe", "attention"):
+        for d in counts[part].values():  # 8 single-token decode steps after the prefill
+            assert d["fused"] == {"reference": 8} and d["reasons"] == {PREFILL: 1} and d["fallback"] == 1, d
+    assert sorted(counts["moe"]) == [0, 2] and sorted(counts["attention"]) == [0, 1, 2]
+
+
+def test_steps_queued_and_never_taken_are_not_counted(model):
+    steps = generate_tokens(model, [5, 6, 7, 8], max_tokens=20)
+    for _ in range(3):
+        next(steps)
+    steps.close()  # two more steps were built ahead and are dropped
+    assert moebench.dispatch(model)["moe"][0]["fused"] == {"reference": 2}
+
+
+def test_the_compiled_step_runs_the_same_plan_and_counts_the_same(model):
+    eager = generate(model, [5, 6, 7, 8], 8, compiled=False)
+    counts = executor(model).summary()
+    executor(model).reset_counts()
+    compiled = generate(model, [5, 6, 7, 8], 8, compiled=True)
+    assert compiled.token_ids == eager.token_ids
+    assert executor(model).summary() == counts
+
+
+def test_a_plan_is_decided_once_per_settings_and_shape(model):
+    ex = executor(model)
+    cache = make_cache(len(model.layers))
+    first = ex.plan(1, cache)
+    assert ex.plan(1, cache) is first
+    off = ex.plan(1, cache, KernelSettings(fused=False))
+    assert off is not first and all(not lp.attention.fused and "switched off" in lp.attention.reason
+                                    for lp in off.layers)
+    assert [lp.moe is None for lp in first.layers] == [False, True, False]  # layer 1 is a dense MLP
+    assert ex.plan(3, cache).layers[0].moe.reason == "3 tokens (the kernel runs single-token decode)"
+
+
+def test_the_switch_per_model_and_for_every_model(model, folder):
+    other = load(folder)[0]
+    set_fused_moe("off", model)
+    assert not fused_moe_enabled(model) and fused_moe_enabled(other)
+    with fused_moe(True, model):
+        assert fused_moe_enabled(model)
+    assert not fused_moe_enabled(model)
+    with fused_moe(False):
+        assert not fused_moe_enabled(other) and not fused_moe_enabled()
+        assert not fused_moe_enabled(load(folder)[0])  # a model opened meanwhile follows the switch
+    assert fused_moe_enabled(other) and not fused_moe_enabled(model)
+    generate(model, [5, 6, 7, 8], 4)
+    assert moebench.dispatch(model)["moe"][0]["reasons"] == {PREFILL: 1, "switched off (MOEBENCH_FUSED_MOE / "
+                                                                      "set_fused_moe)": 3}
+
+
+@pytest.mark.parametrize("value", ["disabled", 1, None])
+def test_the_switch_refuses_values_it_does_not_understand(model, value):
+    with pytest.raises(ConfigError, match="expected True or False"):
+        set_fused_moe(value)
+    with pytest.raises(ConfigError, match="expected True or False"):
+        set_fused_moe(value, model)
+
+
+def test_the_attention_kernel_can_be_kept_off_alone(model):
+    executor(model).settings = KernelSettings(attention_kernel=False)
+    generate(model, [5, 6, 7, 8], 4)
+    counts = moebench.dispatch(model)
+    assert counts["moe"][0]["fused"] == {"reference": 3}
+    assert "attention kernel switched off" in " ".join(counts["attention"][0]["reasons"])
+
+
+def _block_step(model, layer: int, x: mx.array, residual: mx.array, fused: bool) -> np.ndarray:
+    """residual + the MoE block of `layer` on x, through the plan's fused step or the block itself."""
+    plan = executor(model).plan(1, make_cache(len(model.layers)), KernelSettings(fused=fused))
+    step = plan.layers[layer].moe_step
+    block = model.layers[layer].mlp
+    return np.array(step(x, residual, None) if fused else residual + block(x)), plan.layers[layer].moe
+
+
+def test_fused_block_with_the_shared_expert_and_residual_inside_matches_the_fallback(model):
+    rng = np.random.default_rng(12)
+    x = mx.array(rng.standard_normal((1, 1, 128)).astype(np.float32))
+    residual = mx.array(rng.standard_normal((1, 1, 128)).astype(np.float32))
+    fused, decision = _block_step(model, 0, x, residual, True)
+    fallback, _ = _block_step(model, 0, x, residual, False)
+    assert decision.path == "reference" and decision.note is None and fused.shape == (1, 1, 128)
+    assert np.allclose(fused, fallback, rtol=1e-4, atol=1e-4)
+
+
+def test_a_shared_expert_stored_unlike_the_routed_ones_runs_beside_the_kernels_and_says_why(model):
+    down = model.layers[2].mlp.shared_expert.down_proj
+    dense = mx.dequantize(down.weight, down.scales, down.biases, group_size=64, bits=4)
+    q, s, b = mx.quantize(dense, group_size=64, bits=8)
+    down.set_weight(q, QuantizedParts(q, s, b, 64, 8, "affine"))
+    executor(model).refresh()  # weights replaced: the plans are decided again
+    x = mx.array(np.random.default_rng(13).standard_normal((1, 1, 128)).astype(np.float32))
+    fused, decision = _block_step(model, 2, x, mx.zeros_like(x), True)
+    fallback, _ = _block_step(model, 2, x, mx.zeros_like(x), False)
+    assert np.allclose(fused, fallback, rtol=1e-4, atol=1e-4)
+    assert decision.path == "reference" and decision.note == (
+        "shared expert beside the kernels: its down_proj is 8-bit g64 affine (float32 scales), the routed experts' "
+        "4-bit g64 affine (float32 scales)")
+    recorder = Recorder()
+    executor(model).forward(mx.array([[5]]), make_cache(len(model.layers)),
+                            executor(model).plan(1, make_cache(len(model.layers))), recorder)
+    assert recorder.values["layers.2.moe.path"] == decision and recorder.values["layers.0.moe.path"].note is None
+
+
+def test_an_intervention_keeps_the_kernels_and_notes_that_routing_left_the_router_kernel(model):
+    block = model.moe_blocks()[0]
+    block.intervention = Intervention(ablate=(0,))
+    try:
+        plan = executor(model).plan(1, make_cache(len(model.layers)))
+    finally:
+        block.intervention = None
+    assert plan.layers[0].moe.fused and "routing by moebench.models.routing.route" in plan.layers[0].moe.note
+    assert plan.layers[2].moe.note is None
