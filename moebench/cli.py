@@ -19,9 +19,22 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="decode a prompt and report tokens, text, timings and dispatch counts")
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
     p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user turn through the checkpoint's chat template (chat_template.jinja or "
+                        "tokenizer_config.json; moebench's built-in ChatML where the folder has none)")
+    p.add_argument("--system", default=None, help="a system message first (implies --chat)")
+    p.add_argument("--thinking", choices=("on", "off"), default=None,
+                   help="the template's enable_thinking switch (Qwen3; implies --chat; default: the template's)")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sampling", choices=("flags", "model"), default="flags",
+                   help="model: start from the checkpoint's generation_config.json (do_sample, temperature, top_p, "
+                        "top_k, repetition_penalty); flags given still win. flags (default): greedy unless set")
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="keep the k likeliest tokens (0: all)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages tokens already seen")
+    p.add_argument("--repetition-context", type=int, default=None,
+                   help="how many recent tokens the penalty looks at (default: all, as transformers; mlx-lm uses 20)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--fused", choices=("on", "off"), default=None, help="override MOEBENCH_FUSED_MOE")
     p.add_argument("--compiled", choices=("on", "off"), default=None,
@@ -31,7 +44,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(a: argparse.Namespace) -> int:
+    import warnings
+    from dataclasses import asdict, replace
+
+    from .checkpoint.chat import prompt_ids
+    from .checkpoint.config import GENERATION_CONFIG, GenerationConfig
     from .checkpoint.loader import load
+    from .checkpoint.tokenizer import stop_ids
     from .decode.loop import generate, use_compiled
     from .decode.sampling import Sampling
     from .execution.executor import dispatch as dispatch_counts
@@ -42,24 +61,37 @@ def _run_generate(a: argparse.Namespace) -> int:
     model, tok = load(a.model, verbose=not a.json)
     if tok is None:
         raise MoebenchError(f"{model.load_info.source}: no tokenizer.json, so a text prompt cannot be encoded")
-    ids = tok.encode(a.prompt)
-    sampling = Sampling(a.temperature, a.top_p, a.seed)
+    chat = a.chat or a.system is not None or a.thinking is not None
+    variables = {} if a.thinking is None else {"enable_thinking": a.thinking == "on"}
+    with warnings.catch_warnings():  # the built-in template's warning: the line below names the template
+        warnings.simplefilter("ignore")
+        ids = prompt_ids(a.prompt, tok, chat=chat, system=a.system, **variables)
+    template = tok.chat_template.source if chat else None
+    # --sampling model: the checkpoint's generation_config.json, under any sampling flag given
+    sampling = Sampling(seed=a.seed) if a.sampling == "flags" else Sampling.from_generation_config(
+        GenerationConfig.from_file(model.load_info.source / GENERATION_CONFIG), a.seed)
+    flags = ("temperature", "top_p", "top_k", "repetition_penalty", "repetition_context")
+    sampling = replace(sampling, **{k: getattr(a, k) for k in flags if getattr(a, k) is not None})
+    stops = stop_ids(model.args.eos_token_id, tok)
     compiled = use_compiled(model, None if a.compiled is None else a.compiled == "on")
-    result = generate(model, ids, a.max_tokens, sampling, stop_ids=model.args.eos_token_id, compiled=compiled)
-    text = tok.decode(result.token_ids)
+    result = generate(model, ids, a.max_tokens, sampling, stop_ids=stops, compiled=compiled)
+    text = tok.decode(result.token_ids)  # control tokens (<|im_end|>, ...) left out; token_ids keep them
     counts = dispatch_counts(model)
     dispatch = {str(i): d for i, d in counts["moe"].items()}
     attention = {str(i): d for i, d in counts["attention"].items()}
     if a.json:
         print(json.dumps({
-            "model": str(model.load_info.source), "prompt": a.prompt, "prompt_ids": result.prompt_ids,
-            "token_ids": result.token_ids, "text": text,
+            "model": str(model.load_info.source), "prompt": a.prompt, "system": a.system, "chat_template": template,
+            "prompt_ids": result.prompt_ids, "token_ids": result.token_ids, "text": text, "stop_ids": list(stops),
+            "sampling": asdict(sampling),
             "timings": {"prompt_seconds": result.prompt_seconds, "decode_seconds": result.decode_seconds,
                         "prompt_tps": result.prompt_tps, "decode_tps": result.decode_tps},
             "decode_loop": "compiled" if compiled else "eager", "dispatch": dispatch, "attention_dispatch": attention,
         }, indent=2))
     else:
-        print(a.prompt + text)
+        if template is not None:
+            print(f"[chat template: {template}]", file=sys.stderr)
+        print(text if chat else a.prompt + text)
         print(f"\n[prompt {len(ids)} tokens, {result.prompt_tps:.1f} tok/s | decode {len(result.token_ids)} tokens, "
               f"{result.decode_tps:.1f} tok/s, {'compiled' if compiled else 'eager'} decode loop]", file=sys.stderr)
         for what, counts in (("MoE", dispatch), ("attention", attention)):

@@ -83,6 +83,6 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
     model.load_info = LoadInfo(folder, bits_report(model))
     if verbose:
         print(f"loaded {folder}: " + "; ".join(f"{k}: {v}" for k, v in model.load_info.bits.items()))
-    tok_path = folder / "tokenizer.json"
-    tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
+    tok_path = folder / "tokenizer.json"  # plus the other tokenizer files; ids checked against the vocabulary
+    tokenizer = Tokenizer.from_folder(folder, args.vocab_size, verbose) if tok_path.exists() else None
     return model, tokenizer

@@ -102,8 +102,9 @@ class Tokenizer:
         """A sentence when the tokenizer's ids and the model's vocabulary (config.json vocab_size) differ."""
         n = self.id_count
         if n > model_vocab:
+            extra = f"id {model_vocab}" if n - 1 == model_vocab else f"ids {model_vocab}..{n - 1}"
             return (f"{self.path}: the tokenizer has ids up to {n - 1} but the model's vocabulary is {model_vocab}: "
-                    f"ids {model_vocab}..{n - 1} cannot be embedded and the model never predicts them")
+                    f"{extra} cannot be embedded and the model never predicts them")
         if n < model_vocab:
             return (f"{self.path}: the tokenizer has {n} ids, the model's vocabulary {model_vocab}: the model's "
                     f"last {model_vocab - n} ids (padding in published Qwen checkpoints) decode to no text")

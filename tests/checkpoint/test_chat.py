@@ -235,3 +235,72 @@ def test_vocab_larger_or_smaller_than_the_model_is_reported(folders, capsys):
     assert "the model's last 37 ids" in capsys.readouterr().out
     MoebenchTokenizer.from_folder(folders["qwen3"], model_vocab=263, verbose=True)
     assert capsys.readouterr().out == ""
+
+
+# -- `moebench generate --chat` ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_chat_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Qwen3-MoE with the Qwen3 tokenizer folder and a generation_config.json like the published one."""
+    from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
+
+    config = qwen2_moe_config(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=64,
+                              shared_expert_intermediate_size=0, qkv_bias=False, norm_topk_prob=True,
+                              vocab_size=272, eos_token_id=258)
+    folder = write_random_checkpoint(tmp_path_factory.mktemp("qwen3chat") / "ckpt", config, seed=7, bits=4)
+    write_tokenizer_folder(folder, "qwen3")
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 256, "do_sample": True, "eos_token_id": [258, 256], "pad_token_id": 256,
+         "temperature": 0.6, "top_k": 20, "top_p": 0.95}))
+    return folder
+
+
+def generate_json(capsys, *argv: str) -> dict:
+    from moebench.cli import main
+
+    assert main(["generate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_chat_on_qwen3(qwen3_chat_checkpoint, capsys):
+    from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
+
+    folder = str(qwen3_chat_checkpoint)
+    out = generate_json(capsys, folder, "--chat", "--prompt", "What is 2+2?", "--max-tokens", "6")
+    reference = load_mlx_lm_tokenizer(qwen3_chat_checkpoint)
+    assert out["prompt_ids"] == reference.apply_chat_template(QUESTION, add_generation_prompt=True)
+    assert out["chat_template"].endswith("chat_template.jinja")
+    assert out["stop_ids"] == [258, 256]  # config.json's, then generation_config.json's
+    tok = MoebenchTokenizer.from_folder(qwen3_chat_checkpoint)
+    assert out["text"] == tok.decode(out["token_ids"]) and "<|im_end|>" not in out["text"]
+    out = generate_json(capsys, folder, "--system", "Be brief.", "--thinking", "off", "--prompt", "2+2?",
+                        "--max-tokens", "2")
+    assert out["prompt_ids"] == reference.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+        add_generation_prompt=True, enable_thinking=False)
+
+
+def test_generate_sampling_model_takes_generation_config(qwen3_chat_checkpoint, capsys):
+    folder = str(qwen3_chat_checkpoint)
+    out = generate_json(capsys, folder, "--chat", "--prompt", "Hi", "--sampling", "model", "--seed", "3",
+                        "--max-tokens", "4")
+    assert out["sampling"] == {"temperature": 0.6, "top_p": 0.95, "seed": 3, "top_k": 20, "repetition_penalty": 1.0,
+                               "repetition_context": None}
+    again = generate_json(capsys, folder, "--chat", "--prompt", "Hi", "--sampling", "model", "--seed", "3",
+                          "--max-tokens", "4")
+    assert again["token_ids"] == out["token_ids"]
+    greedy = generate_json(capsys, folder, "--chat", "--prompt", "Hi", "--sampling", "model", "--temperature", "0")
+    assert greedy["sampling"]["temperature"] == 0 and greedy["sampling"]["top_k"] == 20
+
+
+def test_generate_chat_on_the_shipped_model_uses_builtin_chatml(capsys):
+    out = generate_json(capsys, "--chat", "--prompt", "What is 2+2?", "--max-tokens", "4")
+    assert "built-in ChatML" in out["chat_template"] and "has no chat_template.jinja" in out["chat_template"]
+    tok = MoebenchTokenizer.from_folder(out["model"])
+    assert out["prompt_ids"] == tok.encode("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    from moebench.cli import main
+
+    assert main(["generate", "--chat", "--system", "Be brief.", "--prompt", "Hi", "--max-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "[chat template: moebench's built-in ChatML" in err and "UserWarning" not in err

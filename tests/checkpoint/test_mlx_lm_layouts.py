@@ -24,10 +24,11 @@ pytest.importorskip("mlx_lm", reason="the layouts are written and checked by mlx
 
 TOKENS = [1, 17, 200, 5, 99, 42, 7, 128]
 TOLERANCE = 1e-4
-# Widths chosen so every group size (32/64/128) divides every input width, except Qwen3's experts: their
-# width 64 leaves down_proj float under group 128 (mlx-lm skips a module whose input width does not divide),
-# one more layout moebench must read.
-COMMON = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+# The vocabulary is larger than the byte tokenizer's 256 ids plus the eos token transformers adds when mlx-lm
+# saves it (published Qwen checkpoints pad theirs too). Every group size (32/64/128) divides every input width,
+# except under Qwen3's experts: their width 64 leaves down_proj float at group 128 (mlx-lm skips a module whose
+# input width does not divide), one more layout moebench must read.
+COMMON = dict(vocab_size=320, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               num_experts=8, num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-6,
               tie_word_embeddings=False, intermediate_size=128)
 FAMILIES = {
