@@ -16,7 +16,7 @@ from hf_reference import save_hf_checkpoint
 
 import moebench
 from moebench.decode.cache import make_cache
-from moebench.decode.loop import generate
+from moebench.decode.loop import Session, generate
 from moebench.tools.writer import qwen2_moe_config
 
 PROMPT_LEN = 16
@@ -136,7 +136,8 @@ def fused_off():
 
 
 def assert_matches_mlx_lm(folder: Path, fused: bool = False) -> None:
-    """Prompt logits, then 8 cached single-token steps, against mlx-lm's qwen2_moe on the same folder.
+    """Prompt logits, then 8 cached single-token steps of a decode Session, against mlx-lm's qwen2_moe on the
+    same folder.
 
     With the fused switch off every MoE call runs gather_qmm; on, the decode steps run the fused path.
     """
@@ -149,18 +150,22 @@ def assert_matches_mlx_lm(folder: Path, fused: bool = False) -> None:
     assert np.abs(np.array(ours(mx.array([ids]))) - np.array(reference(mx.array([ids])))).max() <= TOLERANCE
 
     moebench.set_fused_moe(fused)
-    ref_cache, our_cache = make_prompt_cache(reference), make_cache(len(ours.layers))
+    ref_cache, session = make_prompt_cache(reference), Session(ours)
     ref_step = reference(mx.array([ids]), cache=ref_cache)[0, -1]
-    our_step = ours(mx.array([ids]), our_cache)[0, -1]
+    step = session.build(mx.array(ids, dtype=mx.uint32))
     for _ in range(8):
-        assert np.abs(np.array(our_step) - np.array(ref_step)).max() <= TOLERANCE
+        session.take(step)
+        assert np.abs(np.array(step.logits) - np.array(ref_step)).max() <= TOLERANCE
         tok = int(mx.argmax(ref_step))
         ref_step = reference(mx.array([[tok]]), cache=ref_cache)[0, -1]
-        our_step = ours(mx.array([[tok]]), our_cache)[0, -1]
-    for block in ours.moe_blocks().values():
-        counts = block.dispatch.as_dict()
+        step = session.build(mx.array([tok], dtype=mx.uint32))
+    session.take(step)
+    assert np.abs(np.array(step.logits) - np.array(ref_step)).max() <= TOLERANCE
+    moe_counts = moebench.dispatch(ours)["moe"]
+    assert sorted(moe_counts) == sorted(ours.moe_blocks())
+    for counts in moe_counts.values():
         assert sum(counts["fused"].values()) == (8 if fused else 0)
-        assert counts["fallback"] == (2 if fused else 10)  # the two prompts, and every step when off
+        assert counts["fallback"] == (1 if fused else 9)  # the prompt, and every step when off
 
 
 @pytest.mark.parametrize("bits,group_size", MLX_LM_QUANT)

@@ -81,8 +81,9 @@ def test_interventions_compare_by_value_and_lists_become_tuples():
     (Intervention(top_k=0), "top_k"),
     (Intervention(ablate=tuple(range(E - 1)), top_k=2), "top_k"),
     (Intervention(shared_gate_scale=math.nan), "finite"),
+    (Intervention(ablate=tuple(range(E - 1))), "fewer than the layer's top-2"),
 ])
 def test_validation_names_the_problem(bad, message):
     with pytest.raises(InterventionError, match=message) as info:
-        bad.validate(E)
+        bad.validate(E, K)
     assert isinstance(info.value, MoebenchError) and isinstance(info.value, ValueError)

@@ -1,4 +1,5 @@
-"""The shared expert layer: SwitchGLU against a per-expert dense loop, and its checkpoint loader."""
+"""The shared expert layer: SwitchGLU against a per-expert dense loop, and how the checkpoint loader fills it
+(stack_experts, then load_weight on each stacked projection)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import pytest
 
 from moebench.checkpoint.config import Quantization, QuantSpec
 from moebench.checkpoint.files import TensorStore
+from moebench.checkpoint.quant import make_parts
+from moebench.checkpoint.weights import load_weight, stack_experts
 from moebench.errors import CheckpointError
 from moebench.models import switch
-from moebench.models.switch import SwitchGLU, SwitchLinear, load_switch_glu, weighted_sum
+from moebench.models.switch import SwitchGLU, SwitchLinear, weighted_sum
 
 E, D, F, K = 6, 128, 64, 2
 ROOT = "model.layers.0.mlp"
@@ -35,6 +38,13 @@ def dense_reference(stacks: dict[str, np.ndarray], x: np.ndarray, inds: np.ndarr
     return out
 
 
+def float_glu(stacks: dict[str, mx.array]) -> SwitchGLU:
+    glu = SwitchGLU(D, F, E)
+    for p in switch.PROJECTIONS:
+        getattr(glu, p).set_weight(stacks[p])
+    return glu
+
+
 def routing(n: int, seed: int = 1) -> mx.array:
     rng = np.random.default_rng(seed)
     return mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.uint32))
@@ -43,7 +53,7 @@ def routing(n: int, seed: int = 1) -> mx.array:
 @pytest.mark.parametrize("n", [1, 5, 40])  # 40 tokens x 2 slots = 80 >= 64: the sorted (prefill) path
 def test_float_switch_glu_matches_dense(n):
     stacks = random_experts()
-    glu = SwitchGLU(*(SwitchLinear(stacks[p]) for p in switch.PROJECTIONS))
+    glu = float_glu(stacks)
     x, inds = mx.random.normal((n, D), key=mx.random.key(n)), routing(n)
     got = glu(x, inds)
     assert got.shape == (n, K, D)
@@ -55,8 +65,7 @@ def test_float_switch_glu_matches_dense(n):
 def test_quantized_switch_glu_sorted_and_unsorted_paths_agree(monkeypatch, bits, gs):
     stacks = random_experts(bits)
     quantized = {p: mx.quantize(w, group_size=gs, bits=bits) for p, w in stacks.items()}
-    glu = SwitchGLU(*(SwitchLinear(q[0], switch.make_parts(p, *q, QuantSpec(gs, bits)))
-                      for p, q in quantized.items()))
+    glu = SwitchGLU.from_parts(*(make_parts(p, *quantized[p], QuantSpec(gs, bits)) for p in switch.PROJECTIONS))
     x, inds = mx.random.normal((40, D), key=mx.random.key(3)), routing(40)
     expected = dense_reference(
         {p: np.array(mx.dequantize(*q, group_size=gs, bits=bits)) for p, q in quantized.items()},
@@ -96,7 +105,12 @@ def per_expert_tensors(stacks, quantize=None):
 
 
 def load(store, quantization=None):
-    return load_switch_glu(store, ROOT, E, D, F, mx.float32, quantization)
+    """What the loader does for a model's experts: stack them when stored one by one, then fill each projection."""
+    glu = SwitchGLU(D, F, E)
+    stack_experts(store, f"{ROOT}.switch_mlp", E)
+    for p in switch.PROJECTIONS:
+        load_weight(store, f"{ROOT}.switch_mlp.{p}", getattr(glu, p), mx.float32, quantization)
+    return glu
 
 
 def test_per_expert_and_stacked_load_identically(tmp_path):
@@ -140,7 +154,8 @@ def test_stacking_takes_the_tensors_out_of_the_store(tmp_path):
         (lambda t: t.pop(f"{ROOT}.experts.0.up_proj.weight"), f"missing tensor {ROOT}.experts.0.up_proj.weight"),
         (lambda t: t.update({f"{ROOT}.experts.6.up_proj.weight": t[f"{ROOT}.experts.0.up_proj.weight"]}),
          f"unexpected tensor {ROOT}.experts.6.up_proj.weight"),
-        (lambda t: t.update({f"{ROOT}.experts.0.up_proj.bias": mx.zeros((F,))}), "missing tensor"),
+        (lambda t: t.update({f"{ROOT}.experts.0.up_proj.bias": mx.zeros((F,))}),
+         f"unexpected expert tensor {ROOT}.experts.0.up_proj.bias"),
         (lambda t: t.update({f"{ROOT}.experts.4.up_proj.weight": mx.zeros((F, D + 1))}), "ragged expert"),
         (lambda t: t.update({f"{ROOT}.experts.4.down_proj.weight": mx.zeros((D, F), mx.int32)}), "ragged expert"),
         (lambda t: [t.update({f"{ROOT}.experts.{e}.down_proj.weight": mx.zeros((D, F + 2))}) for e in range(E)],
@@ -159,7 +174,7 @@ def test_per_expert_errors_name_the_tensor(tmp_path, edit, message):
 def test_full_block_uses_silu_gating():
     # one expert, one token: the layer is exactly down(silu(gate x) * up x)
     stacks = random_experts()
-    glu = SwitchGLU(*(SwitchLinear(stacks[p]) for p in switch.PROJECTIONS))
+    glu = float_glu(stacks)
     x = mx.random.normal((1, D), key=mx.random.key(9))
     e = 4
     g, u = x @ stacks["gate_proj"][e].T, x @ stacks["up_proj"][e].T
@@ -171,7 +186,7 @@ def test_full_block_uses_silu_gating():
 @pytest.mark.parametrize("n,expect_sorted", [(1, False), (31, False), (32, True), (40, True)])
 def test_tokens_are_sorted_by_expert_from_64_indices(monkeypatch, n, expect_sorted):
     stacks = random_experts()
-    glu = SwitchGLU(*(SwitchLinear(stacks[p]) for p in switch.PROJECTIONS))
+    glu = float_glu(stacks)
     seen = []
     original = SwitchLinear.__call__
 
