@@ -108,6 +108,16 @@ def sampling_logits(logits: mx.array, sampling: Sampling, history: mx.array | No
     return logits
 
 
+def seen_tokens(history: mx.array | None, tokens: mx.array, sampling: Sampling) -> mx.array | None:
+    """The ids the repetition penalty looks at once `tokens` [n] are fed (the prompt, then each chosen token):
+    what a decode loop passes to `sample` as `history`. None when the settings need none, so a loop without a
+    penalty keeps nothing; rolling a step of n tokens back is `history[:-n]`."""
+    if not sampling.uses_history:
+        return None
+    tokens = tokens.reshape(-1).astype(mx.uint32)
+    return tokens if history is None else mx.concatenate([history, tokens])
+
+
 def sample(logits: mx.array, sampling: Sampling, key: mx.array | None = None,
            history: mx.array | None = None) -> mx.array:
     """logits [B, V] -> token ids [B]. `history` (ids seen so far, prompt included) is needed only when

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moebench.checkpoint.config import GenerationConfig
-from moebench.decode.sampling import DecodeError, Sampling, sample, sampling_logits
+from moebench.decode.sampling import DecodeError, Sampling, sample, sampling_logits, seen_tokens
 
 VOCAB = 64
 HISTORY = [[3, 7, 7, 60, 12, 3], [0, 1, 2, 3, 4, 5]]
@@ -91,3 +91,26 @@ def test_generation_config_read_as_transformers_reads_it():
     greedy = GenerationConfig(temperature=0.7, top_k=20, repetition_penalty=1.1)  # no do_sample: greedy
     assert Sampling.from_generation_config(greedy) == Sampling(repetition_penalty=1.1)
     assert Sampling.from_generation_config(GenerationConfig()) == Sampling()
+
+
+def test_a_loop_keeping_seen_tokens_penalizes_as_transformers_generate():
+    """A decode loop that feeds the prompt, then each chosen token, through seen_tokens picks the tokens greedy
+    transformers picks with the same penalty (a bigram table stands in for the model)."""
+    table = np.random.default_rng(4).normal(0, 1, (VOCAB, VOCAB)).astype(np.float32)
+    table[:, 9] += 3.0  # one token every row likes: without the penalty greedy repeats it
+    s = Sampling(repetition_penalty=1.8)
+    prompt, steps = [5, 9, 2], 12
+
+    history, fed, got = None, mx.array(prompt), []
+    for _ in range(steps):
+        history = seen_tokens(history, fed, s)
+        token = sample(mx.array(table[int(fed[-1].item())])[None], s, history=history)
+        got.append(token.item())
+        fed = token
+    ids, want = list(prompt), []
+    for _ in range(steps):
+        scores = transformers_logits(table[ids[-1]][None], [ids], Sampling(temperature=1.0, repetition_penalty=1.8))
+        want.append(int(np.argmax(scores[0])))
+        ids.append(want[-1])
+    assert got == want and len(set(got)) > 2
+    assert seen_tokens(None, mx.array(prompt), Sampling()) is None
