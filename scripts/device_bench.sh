@@ -13,7 +13,9 @@
 #            on local disk; reused when an earlier call on this machine wrote them (always made when missing)
 # bench      moebench bench: 64-token prompt, 128 generated tokens, $REPEATS repeats; moebench fused on and off,
 #            each eager and through the compiled decode step; mlx-lm generate_step and mlx-lm's model under
-#            moebench's loop; all on the same weights, interleaved
+#            moebench's loop; with SNAPSHOT=DIR (e.g. .snap/before: git archive REV moebench kernels, carried) an
+#            earlier revision's fused and fallback arms too, and HEAD/snapshot per round; all on the same
+#            weights, interleaved
 # selfcheck  moebench selfcheck on that checkpoint, and on the shipped model when data/ has it
 # gputests   the CUDA-only tests (tests/gpu: kernel parity against the reference and a float64 truth)
 # profile    moebench profile (one decode token: build / eval ms, graph nodes by primitive), fused on and off and
@@ -120,7 +122,7 @@ fi
 if [[ " $stages " == *" bench "* ]]; then
   run_stage bench 360 "bench-$PRESET.txt" \
     python3 -m moebench.cli bench "$CKPT" --prompt-tokens 64 --gen-tokens 128 --repeats "$REPEATS" --fused both \
-    --compiled "${COMPILED:-both}" --compare mlx-lm --json "$OUT/bench-$PRESET.json"
+    --compiled "${COMPILED:-both}" --compare mlx-lm ${SNAPSHOT:+--snapshot "$SNAPSHOT"} --json "$OUT/bench-$PRESET.json"
 fi
 
 if [[ " $stages " == *" selfcheck "* ]]; then
@@ -133,7 +135,7 @@ if [[ " $stages " == *" selfcheck "* ]]; then
 fi
 
 echo; echo "== results (full logs, tables and JSON in $OUT) =="
-[ -f "$OUT/bench-$PRESET.txt" ] && grep -E "^(model |\||skipped)" "$OUT/bench-$PRESET.txt"
+[ -f "$OUT/bench-$PRESET.txt" ] && grep -E "^(model |\||skipped|moebench .* / snapshot)" "$OUT/bench-$PRESET.txt"
 for f in "$OUT"/kernels-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^kernels:|us/token" "$f" | head -14; }; done
 for f in "$OUT"/timeline-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^timeline:|us/token" "$f" | head -12; }; done
 for f in "$OUT"/profile-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^\| (per token|MoE|attention|build|eval|sync|pipelined|graph|nodes)" "$f"; }; done

@@ -113,11 +113,8 @@ class StaticCache:
     buffers are only read. So a reader must come after the step by data (the next decode step is built
     on this step's token) or by the step having been scheduled first (CompiledForward schedules each step
     before it builds the next); the buffers hold a step's keys and values once its logits are evaluated.
-    mx.depends on the buffers adds no such order (on the H200 a copy of the buffers made right after the
-    last step saw some layers' writes and not others). The alternative, an update MLX sees, cannot be
-    done in place here (the step's kernels still hold the buffers), so MLX copies them whole: that and
-    the 48 copies into its concatenation were 2 x 62 us and a quarter of the launches of a token on the
-    H200 (docs/benchmarks/h200.md, step 10).
+    (mx.depends adds no such order, and an update MLX sees would copy both whole buffers a step: both
+    measured, docs/benchmarks/h200.md, step 10.)
 
     Otherwise (prefill, the reference attention, MLX's SDPA) the layers hand their new keys and values
     over and `commit` writes them, one update per buffer for all layers. Nothing reads a layer's new

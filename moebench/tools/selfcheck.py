@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from ..checkpoint.loader import default_model_path, load
@@ -29,6 +28,7 @@ from ..execution.attention import Heads, rope_frequencies
 from ..execution.kernel import available_backend
 from ..execution.moe import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES, SharedExpert
 from ..inspect.truth import expert_outputs, f64, nmax, nrms
+from ..models.qwen2_moe import MLP
 from ..models.switch import SwitchGLU, weighted_sum
 from .bench import compare_traces, moebench_arms, platform_info, prompt_token_ids, reference_arm, run_arms, summary
 
@@ -215,9 +215,10 @@ def shared_expert_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> dict:
                 ref = moe.routed("reference", x, indices, scores, gate, up, down, shared)[0]
                 row["vs_reference_nrms"] = nrms(out, f64(ref))
         experts = SwitchGLU.from_parts(gate, up, down)
-        s_out = [mx.quantized_matmul(x[None], p.weight, p.scales, p.biases, group_size=64, bits=4) for p in one[:2]]
-        s_y = mx.quantized_matmul(nn.silu(s_out[0]) * s_out[1], one[2].weight, one[2].scales, one[2].biases,
-                                  group_size=64, bits=4)
+        mlp = MLP(d, A27B_SHARED)  # the shared expert as the fallback runs it
+        for proj, p in zip((mlp.gate_proj, mlp.up_proj, mlp.down_proj), one, strict=True):
+            proj.set_weight(p.weight, p)
+        s_y = mlp(x[None])
         unfused = weighted_sum(experts(x[None], indices[None]), scores[None]) + shared.sigmoid_gate.astype(dtype) * s_y
         row["fallback_nrms"] = nrms(f64(unfused[0]), truth_rounded)
     except Exception as e:  # a kernel that cannot run here is a failed check, reported with its reason
