@@ -23,7 +23,7 @@ from ..execution.settings import KernelSettings
 from ..models.hooks import Record
 from .cache import make_cache
 from .compiled import CompiledForward, compile_blocker
-from .sampling import GREEDY, DecodeError, Sampling, sample
+from .sampling import GREEDY, DecodeError, Sampling, sample, seen_tokens
 
 # Steps queued ahead of the token being read (mlx-lm's generate_step queues one): a step stays queued
 # behind the running one while the host reads a token and builds the next (docs/benchmarks/h200.md,
@@ -80,13 +80,14 @@ def check_prompt(model, prompt_ids: list[int]) -> list[int]:
 @dataclass
 class Step:
     """A built (and scheduled) forward call: the token it chose, its logits, the plan it ran, how many tokens
-    it fed, and the sampling key before it (to roll it back)."""
+    it fed, and the sampling key and token history before it (to roll it back)."""
 
     token: mx.array
     logits: mx.array
     plan: Plan | None
     tokens: int
     key_before: mx.array | None
+    history_before: mx.array | None
 
 
 class Session:
@@ -98,6 +99,7 @@ class Session:
                  recording: bool = False):
         self.model, self.sampling = model, sampling
         self.key = mx.random.key(sampling.seed) if sampling.seed is not None else None
+        self.history: mx.array | None = None  # the ids fed so far, when the repetition penalty needs them
         self.executor = executor(model) if is_moebench_model(model) else None
         if self.executor is not None:
             self.executor.refresh()
@@ -129,12 +131,13 @@ class Session:
             plan, logits = None, self.model(tokens[None], self.cache)[0]
             last = logits[-1]
             logits = logits if every_position else last
-        key_before, sub = self.key, None
+        key_before, sub, history_before = self.key, None, self.history
         if self.key is not None:
             self.key, sub = mx.random.split(self.key)
-        token = sample(last[None], self.sampling, sub)[0]
+        self.history = seen_tokens(self.history, tokens, self.sampling)
+        token = sample(last[None], self.sampling, sub, self.history)[0]
         mx.async_eval(token, logits)
-        return Step(token, logits, plan, tokens.size, key_before)
+        return Step(token, logits, plan, tokens.size, key_before, history_before)
 
     def take(self, step: Step) -> int:
         """The step's token id, once it is evaluated; the step is counted as run."""
@@ -144,13 +147,14 @@ class Session:
         return tid
 
     def rollback(self, step: Step) -> None:
-        """Undo the last built step, which will not be taken: the cache position and the sampling key."""
+        """Undo the last built step, which will not be taken: the cache position, the sampling key and the
+        token history."""
         if self.compiled is not None:
             self.compiled.rewind(step.tokens)
         else:
             for c in self.cache:
                 c.offset -= step.tokens
-        self.key = step.key_before
+        self.key, self.history = step.key_before, step.history_before
 
 
 def generate_tokens(

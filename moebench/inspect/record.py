@@ -25,6 +25,8 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from ..checkpoint.chat import prompt_ids as chat_prompt_ids
+from ..checkpoint.tokenizer import stop_ids as default_stop_ids
 from ..decode.loop import GenerationResult, Session, Step, check_prompt
 from ..decode.sampling import Sampling
 from ..errors import MoebenchError
@@ -135,6 +137,7 @@ class Trace:
     steps: list[StepRecord] = field(default_factory=list)
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
+    special_ids: frozenset[int] = frozenset()  # the tokenizer's control tokens: in the records, not in `text`
 
     @property
     def prefill(self) -> list[StepRecord]:
@@ -151,7 +154,8 @@ class Trace:
 
     @property
     def text(self) -> str:
-        return "".join(s.token_text or "" for s in self.generated)
+        """The generated text as a reader sees it: control tokens (<|im_end|>, ...) left out."""
+        return "".join(s.token_text or "" for s in self.generated if s.token_id not in self.special_ids)
 
     def result(self) -> GenerationResult:
         """The trace as decode.generate reports a decode, with the same tok/s definitions."""
@@ -177,7 +181,10 @@ class _Pending:
 class Stepper:
     """Decode a prompt one token at a time, recording internals when `record` is set.
 
-    prompt: text (needs the tokenizer) or token ids. sampling: as decode.generate (greedy by default).
+    prompt: token ids, text (needs the tokenizer), or chat messages ([{'role': ..., 'content': ...}], through the
+    checkpoint's chat template; `chat` sends text as one user turn, `system` adds a system message, and
+    template variables such as enable_thinking=False pass through). sampling: as decode.generate (greedy
+    by default). stop_ids: default the model's eos ids and the tokenizer's end of turn.
     top: how many next-token candidates each record lists. keep_logits: store each record's full
     next-token logits. fused: force the fused kernels on/off for this stepper's forward calls (None
     follows the model's switch, moebench.set_fused_moe). max_tokens: stop after this many generated
@@ -185,17 +192,13 @@ class Stepper:
     `record`, the fused switch and the blocks' interventions may change between any two steps.
     """
 
-    def __init__(self, model, tokenizer=None, prompt: str | list[int] = "", *, record: bool = False,
+    def __init__(self, model, tokenizer=None, prompt: str | list[int] | list[dict] = "", *, record: bool = False,
                  sampling: Sampling | None = None, top: int = 5, keep_logits: bool = False,
                  fused: bool | None = None, max_tokens: int | None = None,
-                 stop_ids: tuple[int, ...] | None = None, pipeline: bool = True):
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise MoebenchError("a text prompt needs a tokenizer; pass token ids instead")
-            prompt_ids = tokenizer.encode(prompt)
-        else:
-            prompt_ids = [int(t) for t in prompt]
-        prompt_ids = check_prompt(model, prompt_ids)
+                 stop_ids: tuple[int, ...] | None = None, pipeline: bool = True, chat: bool = False,
+                 system: str | None = None, **template_variables):
+        prompt_ids = check_prompt(model, chat_prompt_ids(prompt, tokenizer, chat=chat, system=system,
+                                                         **template_variables))
         vocab = model.args.vocab_size
         if top < 0 or top > vocab:
             raise MoebenchError(f"top must be between 0 and the vocabulary size {vocab}, got {top}")
@@ -203,8 +206,8 @@ class Stepper:
         sampling = sampling or Sampling()
         self.record, self.sampling, self.top, self.keep_logits = record, sampling, top, keep_logits
         self.fused, self.max_tokens, self.pipeline = fused, max_tokens, pipeline
-        self.stop_ids = tuple(model.args.eos_token_id if stop_ids is None else stop_ids)
-        self.trace = Trace(prompt_ids)
+        self.stop_ids = default_stop_ids(model.args.eos_token_id, tokenizer) if stop_ids is None else tuple(stop_ids)
+        self.trace = Trace(prompt_ids, special_ids=tokenizer.special_ids if tokenizer is not None else frozenset())
         self._blocks = model.moe_blocks()
         self.session = Session(model, sampling, compiled=False)
         self._pending: _Pending | None = None
@@ -222,7 +225,8 @@ class Stepper:
         return self._settings(), self.record, tuple(b.intervention for b in self._blocks.values())
 
     def _text(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+        """One token as it is, a control token's name included (Trace.text leaves those out)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else None
 
     # -- building, rolling back and finishing steps -----------------------------------------------
     def _build(self, tokens: mx.array, inputs: list[int] | None) -> _Pending:

@@ -197,3 +197,39 @@ def test_bad_input_raises_moebench_errors(tiny):
     with pytest.raises(MoebenchError, match="vocabulary"):
         stepper.step(feed=-1)
     stepper.close()
+
+
+def test_chat_messages_are_a_prompt_and_the_text_leaves_control_tokens_out(tiny):
+    model, tok = tiny
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    with pytest.warns(UserWarning, match="built-in ChatML"):
+        stepper = Stepper(model, tok, messages, max_tokens=2)
+        expected = tok.apply_chat_template(messages)
+    assert stepper.trace.prompt_ids == expected
+    trace = stepper.run(2)
+    special = sorted(tok.special_ids)[0] if tok.special_ids else None
+    assert trace.text == "".join(s.token_text for s in trace.generated if s.token_id != special)
+
+
+def test_a_repetition_penalty_rolls_back_with_the_speculative_step(tiny):
+    """The penalty sees every fed token; a step built ahead and rebuilt (teacher forcing) does not leave its
+    token in the history: the pipelined stepper matches an unpipelined one."""
+    model, _ = tiny
+    sampling = Sampling(repetition_penalty=1.3)
+    runs = []
+    for pipeline in (True, False):
+        stepper = Stepper(model, None, PROMPT, sampling=sampling, pipeline=pipeline, keep_logits=True)
+        stepper.prefill()
+        stepper.step()
+        stepper.step(feed=9)  # the speculative step (fed the chosen token) is rolled back
+        for _ in range(4):
+            stepper.step()
+        runs.append((stepper.trace.token_ids, all_logits(stepper.trace)))
+    assert runs[0][0] == runs[1][0] and np.array_equal(runs[0][1], runs[1][1])
+
+
+def test_generate_applies_the_repetition_penalty_as_the_stepper_does(tiny):
+    model, _ = tiny
+    sampling = Sampling(repetition_penalty=1.5, top_k=20)
+    stepped = Stepper(model, None, PROMPT, sampling=sampling, pipeline=False, stop_ids=()).run(12).token_ids
+    assert generate(model, PROMPT, 12, sampling).token_ids == stepped
