@@ -46,7 +46,7 @@ def load_weights(model: nn.Module, store: TensorStore, dtype: mx.Dtype, quantiza
     for i, layer in enumerate(model.layers):
         _load_tree(layer, f"model.layers.{i}", store, dtype, quantization)
         mx.eval(layer.parameters())
-    for path, module in model.named_modules():
+    for path, module in _in_model_order(model):
         if isinstance(module, (QuantizedWeight, RMSNorm)) and not path.startswith("model.layers."):
             _load_tree(module, path, store, dtype, quantization)
     if "lm_head" not in model:
@@ -58,7 +58,7 @@ def load_weights(model: nn.Module, store: TensorStore, dtype: mx.Dtype, quantiza
 def _load_tree(tree: nn.Module, prefix: str, store: TensorStore, dtype: mx.Dtype,
                quantization: Quantization | None) -> None:
     """Every weight under `tree`, whose path in the model is `prefix`; expert stacks are made first."""
-    modules = [(f"{prefix}.{path}" if path else prefix, m) for path, m in tree.named_modules()]
+    modules = [(f"{prefix}.{path}" if path else prefix, m) for path, m in _in_model_order(tree)]
     for path, module in modules:
         if isinstance(module, SwitchGLU):
             stack_experts(store, path, module.gate_proj.shape[0])
@@ -69,6 +69,12 @@ def _load_tree(tree: nn.Module, prefix: str, store: TensorStore, dtype: mx.Dtype
             load_weight(store, path, module, dtype, quantization)
 
 
+def _in_model_order(tree: nn.Module) -> list[tuple[str, nn.Module]]:
+    """tree.named_modules() with each module's children in the model's order (MLX lists the last first), so that
+    a bad checkpoint is reported at its first bad tensor (q_proj before o_proj, gate_proj before down_proj)."""
+    return tree.named_modules()[::-1]
+
+
 def load_weight(store: TensorStore, name: str, module: QuantizedWeight, dtype: mx.Dtype,
                 quantization: Quantization | None) -> None:
     """`{name}.weight` (+ scales/biases when quantized, + bias when the module has one) into `module`, checked
@@ -77,6 +83,9 @@ def load_weight(store: TensorStore, name: str, module: QuantizedWeight, dtype: m
     where = store.where(f"{name}.weight")
     weight, scales, biases = (store.take(f"{name}.weight"), store.take_optional(f"{name}.scales"),
                               store.take_optional(f"{name}.biases"))
+    if len(expected) == 3 and weight.ndim == 3 and weight.shape[0] != expected[0]:
+        raise CheckpointError(f"{where}: {name}.weight {tuple(weight.shape)} holds {weight.shape[0]} experts, "
+                              f"config.json has {expected[0]} stacked experts")
     bias = store.take(f"{name}.bias") if "bias" in module else None
     if bias is not None:
         if tuple(bias.shape) != expected[-2:-1]:
