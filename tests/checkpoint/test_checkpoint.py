@@ -11,8 +11,9 @@ import pytest
 from moebench.checkpoint.config import ModelArgs
 from moebench.checkpoint.files import INDEX_FILE, TensorStore, checkpoint_files, read_safetensors_header
 from moebench.checkpoint.tokenizer import Tokenizer
+from moebench.checkpoint.weights import tensor_shapes
 from moebench.errors import CheckpointError
-from moebench.tools.writer import qwen2_moe_config, tensor_shapes
+from moebench.tools.writer import qwen2_moe_config
 
 
 @pytest.fixture
