@@ -42,7 +42,7 @@ class Executor:
     """How `model`'s forward calls run (see the module docstring)."""
 
     def __init__(self, model, settings: KernelSettings | None = None):
-        self.model = model
+        self._model = weakref.ref(model)  # the model holds its executor: no cycle, so `del model` frees it
         self.settings = settings or default_settings()
         self.weights = [LayerWeights(layer) for layer in model.layers]
         self.blocks = model.moe_blocks()
@@ -52,6 +52,10 @@ class Executor:
         self.compiled: dict[tuple, object] = {}  # traced steps per plan (moebench.decode.compiled)
         self._fingerprint = self._weights_fingerprint()
         _live.add(self)
+
+    @property
+    def model(self):
+        return self._model()
 
     # -- plans -------------------------------------------------------------------------------------
     def _weights_fingerprint(self) -> tuple[int, ...]:

@@ -221,3 +221,13 @@ def test_an_intervention_keeps_the_kernels_and_notes_that_routing_left_the_route
         block.intervention = None
     assert plan.layers[0].moe.fused and "routing by moebench.models.routing.route" in plan.layers[0].moe.note
     assert plan.layers[2].moe.note is None
+
+
+def test_a_model_that_decoded_is_freed_when_dropped(folder):
+    import weakref
+
+    model = load(folder)[0]
+    generate(model, [5, 6, 7, 8], 4)
+    dropped = weakref.ref(model)
+    del model
+    assert dropped() is None  # no reference cycle keeps its weights alive until the cycle collector runs

@@ -1,0 +1,75 @@
+"""What the kernels read, derived from the model's weights: stacked rows (one matmul for several Linears) that
+follow replaced weights and share storage with the separate Linears."""
+
+from __future__ import annotations
+
+import gc
+
+import mlx.core as mx
+import numpy as np
+
+from moebench.checkpoint.quant import QuantizedParts
+from moebench.execution.weights import RowStack, stack_rows
+from moebench.models.layers import Linear
+
+KEY = mx.random.key(7)
+
+
+def _quantized_linear(out_f: int, in_f: int, bits: int = 4, bias: bool = False, seed: int = 0) -> Linear:
+    w = mx.random.normal((out_f, in_f), key=mx.random.key(seed))
+    q, s, b = mx.quantize(w, group_size=64, bits=bits)
+    linear = Linear(in_f, out_f, bias=bias)
+    linear.set_weight(q, QuantizedParts(q, s, b, 64, bits, "affine"),
+                      mx.arange(out_f, dtype=mx.float32) if bias else None)
+    return linear
+
+
+def _float_linear(out_f: int, in_f: int) -> Linear:
+    linear = Linear(in_f, out_f)
+    linear.set_weight(mx.zeros((out_f, in_f)))
+    return linear
+
+
+def test_row_stack_is_one_matmul_equal_to_the_separate_ones():
+    parts = [_quantized_linear(n, 128, bias=True, seed=n) for n in (32, 16, 16)]
+    stacked = RowStack(*parts).get()
+    x = mx.random.normal((1, 3, 128), key=KEY)
+    want = np.concatenate([np.array(p(x)) for p in parts], axis=-1)
+    assert stacked.weight.shape[0] == 64 and np.array_equal(np.array(stacked(x)), want)
+
+
+def test_row_stack_declines_linears_stored_differently():
+    assert stack_rows(_quantized_linear(32, 128), _quantized_linear(16, 128, bits=8)) is None
+    assert stack_rows(_quantized_linear(32, 128, bias=True), _quantized_linear(16, 128)) is None
+    assert stack_rows(_float_linear(4, 128), _quantized_linear(16, 128)) is None
+    assert RowStack(_float_linear(4, 128), _quantized_linear(16, 128)).get() is None
+
+
+def test_row_stack_follows_replaced_weights_and_shares_storage():
+    a, b = _quantized_linear(32, 128, seed=1), _quantized_linear(16, 128, seed=2)
+    stack = RowStack(a, b)
+    first = stack.get()
+    assert stack.get() is first  # nothing replaced: the same stacked Linear, no rebuild
+    stack.share_storage()
+    assert stack.get() is first  # the views it points a and b at do not count as replaced
+    x = mx.random.normal((1, 128), key=KEY)
+    before = np.array(a(x))
+    a.weight = _quantized_linear(32, 128, seed=3).weight  # a trained / reloaded weight
+    rebuilt = stack.get()
+    assert rebuilt is not first and not np.array_equal(np.array(rebuilt(x))[:, :32], before)
+
+
+def test_sharing_storage_frees_the_separate_copies():
+    a, b = _quantized_linear(1024, 1024, seed=4), _quantized_linear(1024, 1024, seed=5)
+    stack = RowStack(a, b)
+    mx.eval(stack.get().parameters())
+    x = mx.random.normal((1, 1024), key=KEY)
+    want = np.array(stack.get()(x))
+    gc.collect()
+    before = mx.get_active_memory()
+    stack.share_storage()
+    gc.collect()
+    freed = before - mx.get_active_memory()
+    separate = sum(v.nbytes for m in (a, b) for v in (m.weight, m.scales, m.biases))
+    assert freed >= 0.9 * separate, f"freed {freed} bytes, the separate arrays held {separate}"
+    assert np.array_equal(np.concatenate([np.array(a(x)), np.array(b(x))], axis=-1), want)
