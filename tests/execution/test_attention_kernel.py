@@ -10,8 +10,9 @@ import pytest
 import moebench
 from moebench.decode.loop import generate
 from moebench.errors import UnsupportedKernelConfig
-from moebench.execution import attention as attention_kernel
-from moebench.execution.attention import Heads, decode_attention, rope_frequencies, span_reason, support_reason
+from moebench.execution import attention
+from moebench.execution.attention import Heads, decode_attention, rope_frequencies, span_fits, support_reason
+from moebench.inspect.truth import f64, nrms
 
 BASE = 10000.0
 
@@ -64,29 +65,34 @@ def test_bfloat16_rounds_where_mlx_rounds():
     inputs = _inputs(heads, 20, 32, mx.bfloat16)
     out, k_new, _ = decode_attention("reference", *inputs, heads)
     _, k, _ = _mlx_attention(inputs[0], inputs[1], 20, inputs[4], inputs[5], heads)
-    f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
     assert out.dtype == k_new.dtype == mx.bfloat16
-    assert np.abs(f32(k_new) - f32(k)).max() <= 2**-7 * np.abs(f32(k)).max()  # rope's rounding, one step at most
+    assert np.abs(f64(k_new) - f64(k)).max() <= 2**-7 * np.abs(f64(k)).max()  # rope's rounding, one step at most
     exact = decode_attention("reference", *(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a for a in inputs),
                              heads)[0]  # the same bf16 values, no rounding after them
-    nrms = np.sqrt(np.mean((f32(out) - f32(exact)) ** 2)) / np.sqrt(np.mean(f32(exact) ** 2))
-    assert nrms < 5e-3  # q, k and the output rounded to bf16: a few bf16 steps, no more
+    assert nrms(f64(out), f64(exact)) < 5e-3  # q, k and the output rounded to bf16: a few bf16 steps, no more
 
 
 def test_bad_inputs_are_named_before_any_launch():
+    """Each case differs from a good call in one respect, and raises every time (a failed check is never
+    remembered as passed)."""
     heads = Heads(4, 4, 64)
     qkv, b, inv, slots, cached_k, cached_v = _inputs(heads, 3, 16, mx.float32)
+    decode_attention("reference", qkv, b, inv, slots, cached_k, cached_v, heads)
     cases = {
-        "qkv has shape": (qkv[..., :-1], b, inv, slots, cached_k, cached_v),
-        "qkv bias": (qkv, b.astype(mx.bfloat16), inv, slots, cached_k, cached_v),
-        "inv_freq": (qkv, b, inv[:-1], slots, cached_k, cached_v),
-        "slots": (qkv, b, inv, slots.astype(mx.float32), cached_k, cached_v),
-        "cached keys": (qkv, b, inv, slots, cached_k[:, :2], cached_v),
-        "cached values": (qkv, b, inv, slots, cached_k, cached_v.astype(mx.bfloat16)),
+        "qkv has shape": ((qkv[..., :-1], b, inv, slots, cached_k, cached_v, heads), {}),
+        "qkv bias": ((qkv, b.astype(mx.bfloat16), inv, slots, cached_k, cached_v, heads), {}),
+        "inv_freq": ((qkv, b, inv[:-1], slots, cached_k, cached_v, heads), {}),
+        "slots": ((qkv, b, inv, slots.astype(mx.float32), cached_k, cached_v, heads), {}),
+        "cached keys": ((qkv, b, inv, slots, cached_k[:, :2], cached_v, heads), {}),
+        "cached values": ((qkv, b, inv, slots, cached_k, cached_v.astype(mx.bfloat16), heads), {}),
+        "cache block 1 is outside": ((qkv, b, inv, slots, cached_k, cached_v, heads, 1), {}),
+        "multiple of 32": ((qkv, b, inv, slots, cached_k, cached_v, Heads(4, 4, 48)), {}),
+        "cannot write the cache in place": ((qkv, b, inv, slots, cached_k, cached_v, heads), {"write": True}),
     }
-    for message, args in cases.items():
-        with pytest.raises(UnsupportedKernelConfig, match=message):
-            decode_attention("reference", *args, heads)
+    for message, (args, kwargs) in cases.items():
+        for _ in range(2):
+            with pytest.raises(UnsupportedKernelConfig, match=message):
+                decode_attention("reference", *args, **kwargs)
     with pytest.raises(UnsupportedKernelConfig, match="unknown fused backend"):
         decode_attention("vulkan", qkv, b, inv, slots, cached_k, cached_v, heads)
 
@@ -95,17 +101,22 @@ def test_support_and_span_reasons():
     assert support_reason(Heads(16, 16, 128)) is None and support_reason(Heads(4, 2, 32)) is None
     assert "multiple of 32" in support_reason(Heads(4, 4, 48))
     assert "do not divide" in support_reason(Heads(6, 4, 64))
-    assert span_reason(attention_kernel.MAX_POSITIONS) is None
-    assert "one threadgroup per head" in span_reason(attention_kernel.MAX_POSITIONS + 1)
+    assert span_fits(attention.MAX_POSITIONS) and not span_fits(attention.MAX_POSITIONS + 1)
+    assert f"past {attention.MAX_POSITIONS} positions" in attention.SPAN_REASON
 
 
 def test_long_contexts_run_mlx_attention_and_say_why(quantized_checkpoint, monkeypatch):
+    """A step that attends to more positions than the kernel takes runs MLX's attention, counted with the
+    reason; the MoE blocks of the same steps stay fused."""
     model, _ = moebench.load(quantized_checkpoint)
-    monkeypatch.setattr(attention_kernel, "MAX_POSITIONS", 8)
-    with moebench.fused_moe(True):
-        generate(model, [3, 1, 4, 1, 5], 12, compiled=False)  # steps attend to 6, 7, ..., 16 positions
-    for layer in model.layers:
-        d = layer.self_attn.dispatch
-        assert sum(d.fused.values()) == 3  # spans 6, 7 and 8
-        assert d.reasons["9 positions (the kernel's one threadgroup per head is for up to 8)"] == 1
-        assert d.fallback == 1 + 8  # the prefill and the spans 9-16
+    monkeypatch.setattr(attention, "MAX_POSITIONS", 8)
+    with moebench.fused_moe(True, model):
+        generate(model, [3, 1, 4, 1, 5], 12, compiled=False)  # the prefill, then steps attending to 6, ..., 16
+    backend, counts = moebench.available_backend(), moebench.dispatch(model)
+    assert len(counts["attention"]) == len(model.layers)
+    for d in counts["attention"].values():
+        assert d["fused"] == {backend: 3}  # spans 6, 7 and 8
+        assert d["reasons"][attention.SPAN_REASON] == 8  # spans 9 to 16
+        assert d["fallback"] == 1 + 8  # and the prefill
+    for d in counts["moe"].values():
+        assert d["fused"] == {backend: 11} and d["fallback"] == 1

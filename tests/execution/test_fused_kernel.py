@@ -1,19 +1,26 @@
-"""The fused decode-MoE arithmetic on the CPU: the 'reference' backend against a float64 dense truth,
-against the gather_qmm fallback, its determinism, and the launch settings the GPU kernels read."""
+"""The fused decode-MoE arithmetic on the CPU: the 'reference' backend against the float64 truth
+(moebench.inspect.truth) and against the gather_qmm fallback, its determinism, the checks that stand
+between a bad launch and the process, and the rows per threadgroup the GPU launches get."""
 
 from __future__ import annotations
 
-import gc
-import weakref
+import inspect
+import math
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from moebench.checkpoint.loader import load
 from moebench.checkpoint.quant import QuantizedParts
+from moebench.decode.loop import generate
 from moebench.errors import ConfigError, UnsupportedKernelConfig
-from moebench.execution import moe as fused_kernel
-from moebench.models.switch import SwitchGLU, SwitchLinear, weighted_sum
+from moebench.execution import moe
+from moebench.execution.executor import fused_moe
+from moebench.execution.kernel import LANES
+from moebench.execution.settings import ENV_ROWS
+from moebench.inspect.truth import expert_outputs, f64, nrms
+from moebench.models.switch import SwitchGLU, weighted_sum
 
 
 def make_experts(n_exp: int, d: int, dff: int, bits: tuple[int, int] = (4, 4), group: int = 64, seed: int = 0,
@@ -28,24 +35,10 @@ def make_experts(n_exp: int, d: int, dff: int, bits: tuple[int, int] = (4, 4), g
     return tuple(parts)
 
 
-def dense_truth(x: mx.array, ids: list[int], scores: np.ndarray, parts) -> tuple[np.ndarray, np.ndarray]:
-    """float64 SwiGLU experts, weights dequantized with scales and biases upcast to float32 first."""
-    def dense(p: QuantizedParts) -> np.ndarray:
-        sel = mx.array(ids)
-        w = mx.dequantize(p.weight[sel], p.scales[sel].astype(mx.float32), p.biases[sel].astype(mx.float32),
-                          group_size=p.group_size, bits=p.bits)
-        return np.array(w, dtype=np.float64)
-
-    g_w, u_w, d_w = (dense(p) for p in parts)
-    xf = np.array(x.astype(mx.float32), dtype=np.float64)
-    g, u = g_w @ xf, u_w @ xf
-    y = np.einsum("kdf,kf->kd", d_w, g / (1 + np.exp(-g)) * u)
-    return y, (y * scores[:, None]).sum(0)
-
-
-def nrms(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2)))
+def truth(x: mx.array, ids: list[int], scores: np.ndarray, parts) -> tuple[np.ndarray, np.ndarray]:
+    """float64 unweighted expert outputs y [K, D] and their score-weighted sum [D]."""
+    y = expert_outputs(list(parts), f64(x), ids)
+    return y, (y * scores.astype(np.float64)[:, None]).sum(axis=0)
 
 
 def routing(n_exp: int, k: int, seed: int) -> tuple[list[int], np.ndarray]:
@@ -55,13 +48,14 @@ def routing(n_exp: int, k: int, seed: int) -> tuple[list[int], np.ndarray]:
 
 @pytest.mark.parametrize("bits", [(4, 4), (8, 8), (4, 8), (4, 6)])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_reference_matches_dense_truth_on_small_shapes(bits, group):
+def test_reference_matches_the_float64_truth_on_small_shapes(bits, group):
     parts = make_experts(6, 256, 128, bits, group, seed=group + bits[1])
     ids, scores = routing(6, 3, seed=group)
     x = mx.array(np.random.default_rng(1).standard_normal(256).astype(np.float32))
-    out, y, _ = fused_kernel.routed("reference", x, mx.array(ids, dtype=mx.uint32), mx.array(scores), *parts)
-    truth_y, truth_out = dense_truth(x, ids, scores, parts)
-    assert y.dtype == mx.float32 and y.shape == (3, 256) and out.dtype == x.dtype
+    out, y, ys = moe.routed("reference", x, mx.array(ids, dtype=mx.uint32), mx.array(scores), *parts)
+    truth_y, truth_out = truth(x, ids, scores, parts)
+    assert y.dtype == mx.float32 and y.shape == (3, 256) and out.dtype == x.dtype and out.shape == (256,)
+    assert ys is None
     assert nrms(y, truth_y) < 5e-4 and nrms(out, truth_out) < 5e-4
 
 
@@ -70,15 +64,33 @@ REAL_EXPERT_SHAPES = {"qwen1.5-moe-a2.7b": (2048, 1408, 4), "qwen3-30b-a3b": (20
 
 @pytest.mark.parametrize("model", sorted(REAL_EXPERT_SHAPES))
 @pytest.mark.parametrize("bits,group", [((4, 4), 64), ((8, 8), 128), ((4, 4), 32)])
-def test_reference_matches_dense_truth_at_real_expert_shapes(model, bits, group):
+def test_reference_matches_the_float64_truth_at_real_expert_shapes(model, bits, group):
     """Qwen1.5-MoE-A2.7B (top-4) and Qwen3-30B-A3B (top-8) experts, with 10 experts per stack to stay fast."""
     d, dff, k = REAL_EXPERT_SHAPES[model]
     parts = make_experts(10, d, dff, bits, group, seed=3)
     ids, scores = routing(10, k, seed=4)
     x = mx.array(np.random.default_rng(5).standard_normal(d).astype(np.float32))
-    out, y, _ = fused_kernel.routed("reference", x, mx.array(ids, dtype=mx.uint32), mx.array(scores), *parts)
-    truth_y, truth_out = dense_truth(x, ids, scores, parts)
+    out, y, _ = moe.routed("reference", x, mx.array(ids, dtype=mx.uint32), mx.array(scores), *parts)
+    truth_y, truth_out = truth(x, ids, scores, parts)
     assert nrms(y, truth_y) < 5e-4 and nrms(out, truth_out) < 5e-4
+
+
+def test_shared_expert_and_residual_inside_the_pair_match_the_truth():
+    """out = residual + sum_k s_k y_k + gate * ys, with the unweighted ys handed back; leading axes kept."""
+    parts = make_experts(6, 256, 128, seed=13)
+    shared_parts = [QuantizedParts(p.weight[0], p.scales[0], p.biases[0], p.group_size, p.bits, p.mode)
+                    for p in make_experts(1, 256, 384, seed=14)]
+    ids, scores = routing(6, 3, seed=13)
+    rng = np.random.default_rng(13)
+    x, resid = (mx.array(rng.standard_normal((1, 1, 256)).astype(np.float32)) for _ in range(2))
+    shared = moe.SharedExpert(*shared_parts, mx.array([[[0.3]]], mx.float32))
+    idx, sc = mx.array(ids, dtype=mx.uint32)[None, None], mx.array(scores)[None, None]
+    out, y, ys = moe.routed("reference", x, idx, sc, *parts, shared, resid)
+    assert out.shape == ys.shape == (1, 1, 256) and y.shape == (1, 1, 3, 256)
+    truth_y, truth_routed = truth(x[0, 0], ids, scores, parts)
+    truth_ys = expert_outputs(shared_parts, f64(x[0, 0]))
+    assert nrms(y[0, 0], truth_y) < 5e-4 and nrms(ys[0, 0], truth_ys) < 5e-4
+    assert nrms(out[0, 0], f64(resid[0, 0]) + truth_routed + 0.3 * truth_ys) < 5e-4
 
 
 def test_fused_is_no_farther_from_truth_than_the_fallback_in_bfloat16():
@@ -87,11 +99,10 @@ def test_fused_is_no_farther_from_truth_than_the_fallback_in_bfloat16():
     ids, scores = routing(8, 4, seed=7)
     x = mx.array(np.random.default_rng(8).standard_normal(256).astype(np.float32)).astype(mx.bfloat16)
     idx, sc = mx.array(ids, dtype=mx.uint32), mx.array(scores)
-    out, _, _ = fused_kernel.routed("reference", x, idx, sc, *parts)
-    switch = SwitchGLU(*(SwitchLinear(p.weight, p) for p in parts))
-    fallback = weighted_sum(switch(x[None], idx[None]), sc[None])[0]
-    _, truth_out = dense_truth(x, ids, scores, parts)
-    fused_err, fallback_err = nrms(out.astype(mx.float32), truth_out), nrms(fallback.astype(mx.float32), truth_out)
+    out, _, _ = moe.routed("reference", x, idx, sc, *parts)
+    fallback = weighted_sum(SwitchGLU.from_parts(*parts)(x[None], idx[None]), sc[None])[0]
+    _, truth_out = truth(x, ids, scores, parts)
+    fused_err, fallback_err = nrms(f64(out), truth_out), nrms(f64(fallback), truth_out)
     assert out.dtype == mx.bfloat16
     assert fused_err <= fallback_err, f"fused nRMS {fused_err:.2e} vs fallback {fallback_err:.2e}"
 
@@ -101,68 +112,95 @@ def test_reference_is_bitwise_deterministic():
     ids, scores = routing(6, 3, seed=9)
     x = mx.array(np.random.default_rng(9).standard_normal(256).astype(np.float32))
     args = (x, mx.array(ids, dtype=mx.uint32), mx.array(scores), *parts)
-    first = [np.array(a) for a in fused_kernel.routed("reference", *args)[:2]]
+    first = [np.array(a) for a in moe.routed("reference", *args)[:2]]
     for _ in range(5):
-        again = [np.array(a) for a in fused_kernel.routed("reference", *args)[:2]]
+        again = [np.array(a) for a in moe.routed("reference", *args)[:2]]
         assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
 
 
+def _bad_calls(parts):
+    """(message, routed's arguments after the backend) for inputs the kernel pair must never be launched on;
+    the first is a good call, and each bad one differs from it in one respect."""
+    idx, sc, x = mx.array([0, 1], dtype=mx.uint32), mx.array([0.5, 0.5]), mx.zeros((128,))
+    one = [QuantizedParts(p.weight[0], p.scales[0], p.biases[0], p.group_size, p.bits, p.mode) for p in parts]
+    gate = mx.array([0.5])
+    return {
+        None: (x, idx, sc, *parts, moe.SharedExpert(*one, gate), x),
+        "one token": (mx.zeros((2, 128)), idx, sc, *parts),
+        r"must both be \[K\]": (x, idx, mx.array([1.0]), *parts),
+        "down experts": (x, idx, sc, parts[0], parts[1], parts[0]),
+        "indices must be integers": (x, sc, sc, *parts),
+        "residual": (x, idx, sc, *parts, None, x.astype(mx.bfloat16)),
+        "shared expert gate is": (x, idx, sc, *parts, moe.SharedExpert(*parts, gate)),  # stacks, not one expert
+        "shared expert gate has shape": (x, idx, sc, *parts, moe.SharedExpert(*one, gate[None])),
+    }
+
+
 def test_bad_inputs_raise_named_errors_before_any_launch():
+    """On the reference and on a GPU backend alike (where a bad launch would abort the process), after a good
+    call of nearly the same inputs, and every time: a failed check is never remembered as passed."""
     parts = make_experts(4, 128, 64, seed=10)
-    idx, sc = mx.array([0, 1], dtype=mx.uint32), mx.array([0.5, 0.5])
-    with pytest.raises(UnsupportedKernelConfig, match="one token"):
-        fused_kernel.routed("reference", mx.zeros((2, 128)), idx, sc, *parts)
-    with pytest.raises(UnsupportedKernelConfig, match=r"must both be \[K\]"):
-        fused_kernel.routed("reference", mx.zeros((128,)), idx, mx.array([1.0]), *parts)
-    with pytest.raises(UnsupportedKernelConfig, match="down experts"):
-        fused_kernel.routed("reference", mx.zeros((128,)), idx, sc, parts[0], parts[1], parts[0])
+    calls = _bad_calls(parts)
+    moe.routed("reference", *calls.pop(None))
+    for message, args in calls.items():
+        for _ in range(2):
+            with pytest.raises(UnsupportedKernelConfig, match=message):
+                moe.routed("reference", *args)
+            with pytest.raises(UnsupportedKernelConfig, match=message):  # not "not available": checked first
+                moe.gpu_routed("metal", *args)
     with pytest.raises(UnsupportedKernelConfig, match="unknown fused backend"):
-        fused_kernel.routed("rocm", mx.zeros((128,)), idx, sc, *parts)
+        moe.routed("rocm", mx.zeros((128,)), mx.array([0, 1], dtype=mx.uint32), mx.array([0.5, 0.5]), *parts)
+
+
+@pytest.mark.parametrize("rows", [0, moe.MAX_ROWS + 1, -1])
+def test_rows_per_threadgroup_outside_the_kernels_range_is_a_config_error(rows):
+    parts = make_experts(4, 128, 64, seed=10)
+    args = (mx.zeros((128,)), mx.array([0, 1], dtype=mx.uint32), mx.array([0.5, 0.5]), *parts)
+    with pytest.raises(ConfigError, match=f"rows per threadgroup {rows}"):
+        moe.routed("reference", *args, rows=rows)
+    with pytest.raises(ConfigError, match=f"rows per threadgroup {rows}"):
+        moe.gpu_routed("metal", *args, rows=rows)
 
 
 def test_gpu_backend_without_its_runtime_says_so():
     parts = make_experts(4, 128, 64, seed=11)
     backend = "cuda" if not mx.cuda.is_available() else "metal"
     with pytest.raises(UnsupportedKernelConfig, match="not available"):
-        fused_kernel.gpu_routed(backend, mx.zeros((128,)), mx.array([0, 1], dtype=mx.uint32), mx.array([0.5, 0.5]),
-                                *parts)
+        moe.gpu_routed(backend, mx.zeros((128,)), mx.array([0, 1], dtype=mx.uint32), mx.array([0.5, 0.5]), *parts)
 
 
-@pytest.mark.parametrize("raw,expected", [(None, 8), ("", 8), ("1", 1), (" 16 ", 16), ("32", 32)])
-def test_rows_per_threadgroup_from_the_environment(monkeypatch, raw, expected):
-    if raw is None:
-        monkeypatch.delenv(fused_kernel.ENV_ROWS, raising=False)
-    else:
-        monkeypatch.setenv(fused_kernel.ENV_ROWS, raw)
-    assert fused_kernel.rows_per_threadgroup() == expected
+@pytest.mark.parametrize("rows", [1, 3, moe.DEFAULT_ROWS, moe.MAX_ROWS])
+def test_gpu_launches_take_the_rows_asked_for(monkeypatch, rows):
+    """Both kernels of the pair run threadgroups of `rows` simdgroups over grids rounded up to them; the outputs
+    keep x's leading axes (a decode step's [1, 1, D])."""
+    seen = {}
 
+    def launch(stage, output_shapes, output_dtypes, **kwargs):
+        seen[stage] = kwargs["grid"], kwargs["threadgroup"]
+        return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes, strict=True)]
 
-@pytest.mark.parametrize("raw", ["0", "33", "-2", "eight"])
-def test_bad_rows_per_threadgroup_is_a_config_error(monkeypatch, raw):
-    monkeypatch.setenv(fused_kernel.ENV_ROWS, raw)
-    with pytest.raises(ConfigError, match=fused_kernel.ENV_ROWS):
-        fused_kernel.rows_per_threadgroup()
-
-
-def test_each_backend_gets_its_prelude_around_the_same_body():
-    for stage in fused_kernel.STAGES:
-        body = (fused_kernel.KERNEL_DIR / stage.body).read_text()
-        metal_header, metal_source = fused_kernel.kernel_source("metal", stage)
-        cuda_header, cuda_source = fused_kernel.kernel_source("cuda", stage)
-        assert metal_source.endswith(body) and cuda_source.endswith(body)
-        assert "thread_position_in_grid" in metal_source and "blockIdx" in cuda_source
-        assert "simd_sum" in metal_header and "__shfl_xor_sync" in cuda_header
-    with pytest.raises(UnsupportedKernelConfig, match="no kernel prelude"):
-        fused_kernel.kernel_source("rocm", fused_kernel.GATE_UP)
-
-
-def test_launch_plans_are_reused_per_layer_and_never_keep_weights_alive():
+    monkeypatch.setattr(moe, "built_kernel", lambda backend, stage: lambda **kw: launch(stage, **kw))
     parts = make_experts(4, 128, 64, seed=12, scale_dtype=mx.bfloat16)
     x, idx, sc = mx.zeros((1, 1, 128), mx.bfloat16), mx.array([[[0, 1]]], dtype=mx.uint32), mx.array([[[0.5, 0.5]]])
-    plan = fused_kernel._plan(x, idx, sc, *parts, None, None, 8)
-    assert fused_kernel._plan(x, idx, sc, *parts, None, None, 8) is plan
-    assert plan.down_shapes == [(1, 1, 2, 128), (1,), (1, 1, 128)]
-    watch = weakref.ref(parts[0])
-    del parts
-    gc.collect()
-    assert watch() is None, "a launch plan kept a layer's weights alive"
+    out, y, ys = moe.gpu_routed("metal", x, idx, sc, *parts, rows=rows)
+    assert out.shape == (1, 1, 128) and out.dtype == mx.bfloat16 and y.shape == (1, 1, 2, 128) and ys is None
+    assert seen == {moe.GATE_UP: ((LANES, math.ceil(2 * 64 / rows) * rows, 1), (LANES, rows, 1)),  # K * Dff rows
+                    moe.DOWN: ((LANES, math.ceil(128 / rows) * rows, 1), (LANES, rows, 1))}  # D rows
+
+
+def test_the_rows_variable_reaches_every_fused_moe_launch_of_a_decode(quantized_checkpoint, monkeypatch):
+    """MOEBENCH_FUSED_MOE_ROWS, read when the model's kernel settings are made, is what each fused MoE step
+    launches with."""
+    monkeypatch.setenv(ENV_ROWS, "3")
+    model, _ = load(quantized_checkpoint)
+    asked = []
+    real, signature = moe.routed, inspect.signature(moe.routed)
+
+    def routed(*args, **kwargs):
+        asked.append(signature.bind(*args, **kwargs).arguments.get("rows", "the default"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe, "routed", routed)
+    with fused_moe(True, model):
+        generate(model, [3, 1, 4], 3, compiled=False)  # the prefill falls back, two decode steps fused
+    assert len(asked) == 2 * len(model.moe_blocks()) and set(asked) == {3}
