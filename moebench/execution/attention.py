@@ -186,9 +186,10 @@ def decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_fre
     holds this layer's cache: its first P slots the earlier tokens' rotated keys and values (one pair of
     buffers can hold every layer's cache, moebench.decode.cache.StaticCache). With `write` the GPU kernel also
     stores the key and value at slot P of that block, in place: MLX does not see the buffers change, so
-    only a cache that orders every reader of the slot after this step may ask (StaticCache.kernel_writes),
-    and its buffers must be whole row-contiguous arrays (MLX hands a kernel a copy of any other input, and
-    the write would land in the copy): a StaticCache's are (zeros, then its updates' outputs).
+    only a cache that orders every reader of the slot after this step may ask (a compiled step's static cache,
+    moebench.decode.cache.StaticCache), and its buffers must be whole row-contiguous arrays (MLX hands a
+    kernel a copy of any other input, and the write would land in the copy): a StaticCache's are (zeros,
+    then its updates' outputs).
     """
     check_backend(backend)
     check_inputs(qkv, bias, inv_freq, slots, keys, values, heads, block)

@@ -100,6 +100,17 @@ def _check_pair(x: mx.array, indices: mx.array, scores: mx.array, gate: Quantize
     parts = (gate, up, down) + ((shared.gate, shared.up, shared.down) if shared is not None else ())
     if any(p.mode != "affine" or p.biases is None for p in parts):
         raise UnsupportedKernelConfig("the fused kernels need affine quantization with biases")
+    if gate.bits != up.bits or gate.bits not in GATE_UP_BITS or down.bits not in DOWN_BITS:
+        raise UnsupportedKernelConfig(f"bits {gate.bits}/{up.bits}/{down.bits}: the kernels take gate = up in "
+                                      f"{GATE_UP_BITS} and down in {DOWN_BITS}")
+    if len({p.group_size for p in parts}) != 1 or gate.group_size not in GROUP_SIZES:
+        raise UnsupportedKernelConfig(f"group sizes {sorted({p.group_size for p in parts})}: the kernels take one of "
+                                      f"{GROUP_SIZES}")
+    for p in parts:
+        groups = p.in_features // p.group_size
+        if p.scales.shape != (*p.weight.shape[:-1], groups) or p.biases.shape != p.scales.shape:
+            raise UnsupportedKernelConfig(f"scales {tuple(p.scales.shape)} and biases {tuple(p.biases.shape)} do not "
+                                          f"fit packed weights {tuple(p.weight.shape)} at group size {p.group_size}")
     d, dff, n_exp = gate.in_features, gate.out_features, gate.weight.shape[0]
     if x.shape[-1:] != (d,) or any(n != 1 for n in x.shape[:-1]):
         raise UnsupportedKernelConfig(f"x has shape {tuple(x.shape)}, the experts expect ({d},) (one token)")

@@ -124,6 +124,10 @@ def _bad_calls(parts):
     idx, sc, x = mx.array([0, 1], dtype=mx.uint32), mx.array([0.5, 0.5]), mx.zeros((128,))
     one = [QuantizedParts(p.weight[0], p.scales[0], p.biases[0], p.group_size, p.bits, p.mode) for p in parts]
     gate = mx.array([0.5])
+    g = parts[0]
+    short_scales = QuantizedParts(g.weight, g.scales[..., :1], g.biases[..., :1], g.group_size, g.bits, g.mode)
+    two_bit = [QuantizedParts(*mx.quantize(mx.zeros(shape), group_size=64, bits=2), 64, 2, "affine")
+               for shape in ((4, 64, 128), (4, 64, 128), (4, 128, 64))]
     return {
         None: (x, idx, sc, *parts, moe.SharedExpert(*one, gate), x),
         "one token": (mx.zeros((2, 128)), idx, sc, *parts),
@@ -133,6 +137,8 @@ def _bad_calls(parts):
         "residual": (x, idx, sc, *parts, None, x.astype(mx.bfloat16)),
         "shared expert gate is": (x, idx, sc, *parts, moe.SharedExpert(*parts, gate)),  # stacks, not one expert
         "shared expert gate has shape": (x, idx, sc, *parts, moe.SharedExpert(*one, gate[None])),
+        "do not fit packed weights": (x, idx, sc, short_scales, parts[1], parts[2]),  # reads out of bounds
+        "the kernels take gate = up in": (x, idx, sc, *two_bit),
     }
 
 
