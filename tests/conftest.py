@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from byte_tokenizer import write_byte_tokenizer
 
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
@@ -41,20 +41,6 @@ class RawSafetensors:
     def write(self, path: Path, header_bytes: bytes | None = None) -> None:
         raw = self.header_bytes() if header_bytes is None else header_bytes
         Path(path).write_bytes(struct.pack("<Q", len(raw)) + raw + self.data)
-
-
-def write_byte_tokenizer(folder: Path) -> Path:
-    """A byte-level BPE tokenizer.json with no merges: 256 tokens, one per byte, ids in byte-alphabet order.
-
-    Every id the tiny models can emit decodes, and any text encodes, so CLI tests need no download.
-    """
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    path = Path(folder) / "tokenizer.json"
-    tok.save(str(path))
-    return path
 
 
 @pytest.fixture

@@ -188,7 +188,7 @@ def test_named_templates_use_default(tmp_path):
 
 
 def test_folder_without_template_uses_builtin_chatml_and_says_so(tmp_path):
-    from conftest import write_byte_tokenizer
+    from byte_tokenizer import write_byte_tokenizer
 
     write_byte_tokenizer(tmp_path)
     tok = MoebenchTokenizer.from_folder(tmp_path)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import write_byte_tokenizer
+from byte_tokenizer import write_byte_tokenizer
 
 import moebench
 

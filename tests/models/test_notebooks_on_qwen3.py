@@ -7,7 +7,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from conftest import write_byte_tokenizer
+from byte_tokenizer import write_byte_tokenizer
 from nbclient import NotebookClient
 
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
