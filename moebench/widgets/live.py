@@ -1,18 +1,29 @@
-"""Live decoding into the widgets: an asyncio task that yields between tokens, and its synchronous twin.
+"""Live decoding into the widgets: a synchronous run, an asyncio task that yields between tokens, and
+the fused toggle and 'record internals' acting between tokens in both.
 
-`run(n)` decodes n tokens in the calling cell (what CI executes); `start(n)` returns an asyncio task
-that decodes the same way but gives the notebook's event loop a turn after every token, so buttons
-(the fused toggle, 'record internals') act between tokens. Await the task before reading its result:
-a task keeps running after its cell returns.
+Every token is decoded on the thread that made the LiveDecode (mainthread.Owner): a click that arrives on
+a kernel subshell thread while a decode runs only sets the switch or the recording flag, which the next
+token reads, and queues its chart mark; one that arrives while nothing decodes queues the few tokens that
+show the new path on the decoding thread. A point's rate is 1 / the time since the token before it
+(the whole loop a user waits on: step, views and chart), so arms are compared as they are lived.
+
+`run(n)` decodes n tokens in the calling cell (what CI executes); `start(n)` returns an asyncio task that
+gives the notebook's event loop a turn after every token. Await the task before reading its result.
 """
 
 from __future__ import annotations
 
 import asyncio
+import html
+import time
+from collections import deque
 from collections.abc import Callable
 
 import ipywidgets as widgets
 
+from .mainthread import Owner
+from .static import LiveMark, show
+from .text import error_html
 from .toggle import FusedToggle
 from .tps import TokensPerSecondChart
 
@@ -25,58 +36,89 @@ def instrumented(record) -> bool:
 
 
 class LiveDecode:
-    """Decode with a record.Stepper and feed every token to the chart, the toggle and any `views`.
-
-    Flipping the toggle marks the chart; when no decode is running it also decodes a few tokens so
-    the new path shows up at once in the label and the chart.
-    """
+    """Decode with a record.Stepper and feed every token to the chart, the toggle, the text and any `views`."""
 
     def __init__(self, stepper, chart: TokensPerSecondChart | None = None, toggle: FusedToggle | None = None,
                  views: list[Callable[[object], None]] = ()):
-        self.stepper = stepper
+        self.owner = Owner(on_error=self._failed)
         self.chart = chart or TokensPerSecondChart()
-        self.toggle = toggle or FusedToggle()
+        self.toggle = toggle or FusedToggle()  # every model: the picker may open another
         self.toggle.on_change(self._toggled)
         self.views = list(views)
         self.decoded = 0
         self.running = False
+        self._marks: deque[str] = deque()  # queued by callbacks on any thread, drawn by the decoding thread
+        self._last_end: float | None = None
         self.record_box = widgets.Checkbox(value=stepper.record, description="record internals (slower)",
                                            indent=False)
         self.record_box.add_class("moebench-record-toggle")
         self.record_box.observe(self._record_changed, names="value")
+        self.text = widgets.HTML()
+        self.text.add_class("moebench-live-text")
         self.status = widgets.HTML()
-        self.widget = widgets.VBox([widgets.HBox([self.toggle.widget]), self.record_box, self.chart.figure,
-                                    self.status])
+        self.status.add_class("moebench-live-status")
+        self.count = widgets.BoundedIntText(value=100, min=1, max=10000, description="tokens",
+                                            layout=widgets.Layout(width="170px"))
+        self.button = widgets.Button(description="decode live", icon="play", button_style="primary")
+        self.button.add_class("moebench-live-run")
+        self.button.on_click(lambda _: self.owner.submit(lambda: self.start(self.count.value)))
+        self.task: asyncio.Task | None = None
+        self.widget = widgets.VBox([self.toggle.widget, widgets.HBox([self.record_box, self.count, self.button]),
+                                    self.chart.figure, self.text, self.status, LiveMark()])
+        self.restart(stepper)
+
+    def restart(self, stepper) -> None:
+        """Decode from another Stepper (a new prompt or model) into the same chart; recording as ticked."""
+        if self.running:
+            raise RuntimeError("a live decode is running: wait for it before restarting")
+        stepper.record = self.record_box.value
+        self.stepper = stepper
         if not stepper.prefilled:
             stepper.prefill()
+        self._show_text()
 
+    # -- decoding (always on the owner thread) ---------------------------------------------------------
     def _one(self) -> object:
+        self._draw_marks()
         record = self.stepper.step()
+        now = time.perf_counter()
+        seconds = record.seconds if self._last_end is None else now - self._last_end
+        self._last_end = now
         self.decoded += 1
-        self.chart.add(record.position, record.seconds, instrumented(record))
+        self.chart.add(record.position, seconds, instrumented(record), record.fused_switch)
         self.toggle.show(record)
         for view in self.views:
             view(record)
         return record
 
-    def _finish(self) -> None:
+    def _begin(self) -> None:
+        if not self.owner.here():
+            raise RuntimeError("decode from the thread that made this LiveDecode (its MLX streams live there)")
+        if self.running:
+            raise RuntimeError("a live decode is already running: await its task (or wait) first")
+        self.running = True
+        self._last_end = None
+        self.status.value = "<i>decoding...</i>"
+
+    def _end(self) -> None:
+        self.running = False
+        self._draw_marks()
         self.chart.flush()
-        self.status.value = (f"{self.decoded} tokens decoded. {self.chart.summary(True)}; "
-                             f"{self.chart.summary(False)}")
+        self._show_text()
+        self.status.value = (f"{self.decoded} tokens decoded; over the chart's window: "
+                             + "; ".join(map(html.escape, self.chart.summaries())))
 
     def run(self, n: int) -> list:
         """Decode n tokens now (synchronously); returns their records."""
-        if self.running:
-            raise RuntimeError("a live decode task is running: await it (or wait) before run()")
-        records = [self._one() for _ in range(n) if not self.stepper.done]
-        self._finish()
-        return records
+        self._begin()
+        try:
+            return [self._one() for _ in range(n) if not self.stepper.done]
+        finally:
+            self._end()
 
     def start(self, n: int) -> asyncio.Task:
         """Decode n tokens as an asyncio task that yields to the event loop between tokens."""
-        if self.running:
-            raise RuntimeError("a live decode task is already running")
-        self.running = True
+        self._begin()
 
         async def loop() -> list:
             records = []
@@ -85,27 +127,46 @@ class LiveDecode:
                     if self.stepper.done:
                         break
                     records.append(self._one())
+                    if len(records) % 8 == 0:
+                        self._show_text()
                     await asyncio.sleep(0)
             finally:
-                self.running = False
-                self._finish()
+                self._end()
             return records
 
-        return asyncio.ensure_future(loop())
+        self.task = asyncio.ensure_future(loop())
+        return self.task
 
+    # -- callbacks (any thread) ------------------------------------------------------------------------
     def _toggled(self, enabled: bool) -> None:
-        self.chart.mark(self._next_position(), "fused ON" if enabled else "fused OFF")
+        self._marks.append("fused ON" if enabled else "fused OFF")
+        if not self.running:
+            self.owner.submit(self._after_toggle)
+
+    def _after_toggle(self) -> None:
         if not self.running and not self.stepper.done:
             self.run(AFTER_TOGGLE_TOKENS)
 
     def _record_changed(self, change) -> None:
-        self.stepper.record = change["new"]
-        self.chart.mark(self._next_position(), "recording ON" if change["new"] else "recording OFF")
+        self.stepper.record = change["new"]  # one assignment: the next step reads it
+        self._marks.append("recording ON" if change["new"] else "recording OFF")
+        if not self.running:
+            self.owner.submit(self._draw_marks)
 
-    def _next_position(self) -> int:
-        return self.stepper.trace.steps[-1].position + 1
+    # -- drawing (owner thread) -------------------------------------------------------------------------
+    def _draw_marks(self) -> None:
+        while self._marks:
+            self.chart.mark(self.stepper.trace.steps[-1].position + 1, self._marks.popleft())
+
+    def _show_text(self) -> None:
+        trace = self.stepper.trace
+        prompt = self.stepper.tokenizer.decode(trace.prompt_ids) if self.stepper.tokenizer is not None else ""
+        self.text.value = ("<div style='font-size:13px'><b>text so far</b> (prompt in grey):<pre style='white-space:"
+                           f"pre-wrap;margin:2px 0'><span style='color:#888'>{html.escape(prompt)}</span>"
+                           f"{html.escape(trace.text)}</pre></div>")
+
+    def _failed(self, error: BaseException) -> None:
+        self.status.value = error_html(error)
 
     def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
+        show(self.widget, [self.chart.figure])

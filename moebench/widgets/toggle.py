@@ -1,7 +1,10 @@
 """The fused-kernel toggle: flips moebench's runtime switch between tokens and says which path ran.
 
-The button only sets the switch; what it displays comes from the latest step record, so the label
-reports what the model actually did (a backend name, or 'fallback' with the decline reason).
+The button only sets the switch; what the label reports comes from the latest step record, so it says
+what the model actually did (a backend name, or 'fallback' with the decline reason), and until the next
+token is decoded it also says that the switch was flipped and applies from that token. Clicks may come on
+a kernel subshell thread: the button only sets the switch (one assignment) and calls back; decoding is the
+callbacks' business (see mainthread.Owner).
 """
 
 from __future__ import annotations
@@ -34,12 +37,15 @@ def describe_paths(record) -> str:
 
 
 class FusedToggle:
-    """A toggle button bound to moebench.set_fused_moe, and a label with the path of the last step."""
+    """A toggle button bound to moebench.set_fused_moe (for `model`, or every model), and a label with the
+    path of the last step."""
 
-    def __init__(self, on_change: Callable[[bool], None] | None = None):
+    def __init__(self, on_change: Callable[[bool], None] | None = None, model=None):
         self._callbacks: list[Callable[[bool], None]] = [on_change] if on_change is not None else []
+        self.model = model
+        self._last = ""
         self.button = widgets.ToggleButton(
-            value=fused_moe_enabled(), description="",
+            value=fused_moe_enabled(model), description="",
             tooltip="switch the fused decode-MoE kernel on or off before the next token",
             layout=widgets.Layout(width="190px", flex="0 0 auto"),
         )
@@ -66,11 +72,12 @@ class FusedToggle:
         """Report the path a decoded step took (known only when its internals were recorded)."""
         switch = "on" if record.fused_switch else "off"
         if record.layers:
-            self.label.value = (f"switch {switch}; last token (position {record.position}) ran: "
-                                f"<b>{describe_paths(record)}</b>")
+            self._last = (f"switch {switch}; last token (position {record.position}) ran: "
+                          f"<b>{describe_paths(record)}</b>")
         else:
-            self.label.value = (f"switch {switch}; last token (position {record.position}): path not recorded "
-                                "(turn on recording to see which kernel ran)")
+            self._last = (f"switch {switch}; last token (position {record.position}): path not recorded "
+                          "(turn on recording to see which kernel ran)")
+        self.label.value = self._last
 
     def _describe_button(self) -> None:
         on = self.button.value
@@ -79,8 +86,10 @@ class FusedToggle:
         self.button.button_style = "success" if on else "warning"
 
     def _flip(self, change) -> None:
-        set_fused_moe(change["new"])
+        set_fused_moe(change["new"], self.model)
         self._describe_button()
+        pending = f"switch set {'on' if change['new'] else 'off'}: applies from the next token"
+        self.label.value = f"{pending}; {self._last}" if self._last else pending
         for callback in self._callbacks:
             callback(change["new"])
 

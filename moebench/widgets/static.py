@@ -1,0 +1,73 @@
+"""Static pictures beside live views, so a saved notebook still shows each chart's last state.
+
+A widget view needs its kernel: reopened after the kernel stopped, JupyterLab shows "Error displaying
+widget: model not found". So every live figure also gets an output of its own, a plotly figure as JSON
+(`application/vnd.plotly.v1+json`, drawn by the jupyterlab-plotly renderer that plotly installs, with no
+kernel), updated in place (display_id) whenever the figure changes. While the live view renders, the
+`LiveMark` inside it hides those copies with one stylesheet, so a running notebook shows each chart once.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anywidget
+from IPython.display import display
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+LIVE_CLASS = "moebench-live"
+# In an output area that holds a rendered live view, hide the plotly JSON outputs that follow it.
+HIDE_CSS = (f".jp-OutputArea-child:has(.{LIVE_CLASS}) ~ .jp-OutputArea-child:has(> .jp-OutputArea-output"
+            f"[data-mime-type='{PLOTLY_MIME}']) {{ display: none; }}")
+MARK_ESM = """
+function render({ el }) {
+  if (!document.getElementById("moebench-live-style")) {
+    const style = document.createElement("style");
+    style.id = "moebench-live-style";
+    style.textContent = CSS;
+    document.head.append(style);
+  }
+  el.classList.add("LIVE");
+  el.style.display = "none";
+}
+export default { render };
+""".replace("CSS", repr(HIDE_CSS)).replace("LIVE", LIVE_CLASS)
+
+
+class LiveMark(anywidget.AnyWidget):
+    """An invisible widget: its presence in a rendered view hides that view's static copies."""
+
+    _esm = MARK_ESM
+
+
+class Snapshot:
+    """One figure's static picture, as its own output; `update()` redraws it in place."""
+
+    def __init__(self, figure):
+        self.figure = figure
+        self.handle = None
+        figure._snapshot = self
+
+    def bundle(self) -> dict:
+        fig = json.loads(self.figure.to_json())  # plotly's encoder: numpy arrays become lists
+        return {PLOTLY_MIME: {"data": fig["data"], "layout": fig["layout"], "config": {"displaylogo": False}},
+                "text/plain": f"<static picture: {self.title()}>"}
+
+    def title(self) -> str:
+        title = self.figure.layout.title.text
+        return title or "plotly figure"
+
+    def display(self) -> None:
+        self.handle = display(self.bundle(), raw=True, display_id=True)
+
+    def update(self) -> None:
+        if self.handle is not None:
+            self.handle.update(self.bundle(), raw=True)
+
+
+def show(widget, figures) -> None:
+    """Display a live view, then a static picture of each of its figures (each figure: a LiveFigure)."""
+    display(widget)
+    for figure in figures:
+        snapshot = figure._snapshot or Snapshot(figure)
+        snapshot.display()
