@@ -1,12 +1,19 @@
-"""Notebook widgets: each reads step records (moebench.inspect.record) or their analyses, never model internals.
+"""Notebook widgets: each reads step records (moebench.inspect.record) or their analyses, never model internals;
+those that start decodes run them on the notebook's thread (mainthread.Owner).
 
-    stepper = TokenStepper(trace, on_step=router.show)   # play / previous / next / slider
-    RouterView, ExpertView, DiffView, ExpertLoadMap       # plotly FigureWidget views
-    FusedToggle, TokensPerSecondChart, LiveDecode         # the switch, the tok/s chart, live decoding
+    picker = ModelPicker(); controls = PromptControls(picker, "def add(a, b):", tokens=12)
+    stepper = TokenStepper(controls.trace, on_step=router.show)   # play / previous / next / slider
+    RouterView, ExpertView, DiffView, CompareSteps, ExpertLoadMap   # plotly views (static copies for saved notebooks)
+    FusedToggle, TokensPerSecondChart, LiveDecode, DecodeBenchmark  # the switch, live tok/s, the benchmark
+    InterventionPanel, ExportBar                                    # interventions as controls; export buttons
 """
 
-from .diff import DiffView
+from .bench import DecodeBenchmark
+from .controls import ModelPicker, PromptControls
+from .diff import CompareSteps, DiffView
 from .experts import ExpertView
+from .exportbar import ExportBar
+from .intervene import InterventionPanel
 from .live import LiveDecode
 from .loadmap import ExpertLoadMap
 from .router import RouterView
@@ -14,5 +21,6 @@ from .stepper import TokenStepper, TokenStrip
 from .toggle import FusedToggle
 from .tps import TokensPerSecondChart
 
-__all__ = ["DiffView", "ExpertLoadMap", "ExpertView", "FusedToggle", "LiveDecode", "RouterView", "TokenStepper",
+__all__ = ["CompareSteps", "DecodeBenchmark", "DiffView", "ExpertLoadMap", "ExpertView", "ExportBar", "FusedToggle",
+           "InterventionPanel", "LiveDecode", "ModelPicker", "PromptControls", "RouterView", "TokenStepper",
            "TokenStrip", "TokensPerSecondChart"]

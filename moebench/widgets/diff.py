@@ -8,11 +8,17 @@ routing, `show_decode(compare_decode(...))` for what the two paths did to routin
 from __future__ import annotations
 
 import html
+import math
+import time
 
 import ipywidgets as widgets
 import numpy as np
-import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+from .figure import LiveFigure
+from .mainthread import Owner
+from .static import LiveMark, show
+from .text import error_html, visible
 
 PAIR_NAMES = {
     "fused~truth": "fused kernel vs float64 truth",
@@ -24,10 +30,17 @@ FLOOR = 1e-12  # errors of exactly 0 cannot sit on a log axis
 ROUNDING = 1e-5  # below this normalized RMS, float32 paths differ only by rounding order
 
 
-def decade_ticks(values: np.ndarray) -> int | str:
-    """One tick per power of ten when the errors span two decades or more, else ticks at 1, 2 and 5."""
-    positive = np.maximum(values, FLOOR)
-    return 1 if np.log10(positive.max() / positive.min()) >= 2 else "D2"
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+
+
+def log_ticks(values: np.ndarray) -> list[float]:
+    """Tick values for a log axis over `values`: every power of ten they span, plus 2 and 5 times each
+    when they span less than two decades, so the axis always has several labelled ticks."""
+    positive = np.maximum(np.asarray(values, float), FLOOR)
+    lo, hi = math.floor(math.log10(positive.min())), math.ceil(math.log10(positive.max()))
+    hi = max(hi, lo + 1)
+    steps = (1,) if hi - lo >= 2 else (1, 2, 5)
+    return [m * 10.0 ** e for e in range(lo, hi + 1) for m in steps if m * 10.0 ** e <= 10.0 ** hi]
 
 
 class DiffView:
@@ -53,16 +66,16 @@ class DiffView:
         fig.update_xaxes(title_text="MoE layer", type="category", row=1, col=1)
         fig.update_xaxes(type="category", tickangle=-90, row=1, col=2)
         fig.update_xaxes(title_text="MoE layer", type="category", row=1, col=3)
-        fig.update_layout(barmode="group", height=460, width=880, margin={"l": 70, "r": 20, "t": 90, "b": 120},
-                          legend={"orientation": "h", "y": -0.4})
-        self.figure = go.FigureWidget(fig)
+        fig.update_layout(barmode="group", height=500, width=900, margin={"l": 70, "r": 40, "t": 130, "b": 120},
+                          legend={"orientation": "h", "y": -0.4}, title={"x": 0}, modebar={"orientation": "v"})
+        self.figure = LiveFigure(fig)
         self.summary = widgets.HTML()
-        self.widget = widgets.VBox([self.figure, self.summary])
+        self.widget = widgets.VBox([self.figure, self.summary, LiveMark()])
         self.widget.add_class("moebench-diff-view")
         self._step_text = self._decode_text = ""
 
-    def show_step(self, frame) -> None:
-        """A compare_step frame: one row per (layer, part, pair)."""
+    def show_step(self, frame, seconds: float | None = None) -> None:
+        """A compare_step frame: one row per (layer, part, pair); `seconds`: how long the comparison took."""
         routed = frame[frame["part"] == "routed"]
         experts = frame[frame["part"] == "expert"]
         with self.figure.batch_update():
@@ -75,8 +88,19 @@ class DiffView:
                 trace.x = [f"L{layer} #{slot + 1} e{e}" for layer, slot, e in
                            zip(rows["layer"], rows["slot"], rows["expert"], strict=True)]
                 trace.y = np.maximum(rows["nrms"].to_numpy(float), FLOOR)
+        backend, dtype = frame["backend"].iloc[0], frame["dtype"].iloc[0].replace("mlx.core.", "")
+        rounding = UNIT_ROUNDOFF.get(dtype)
         for col, values in ((1, routed["nrms"]), (2, experts["nrms"])):
-            self.figure.update_yaxes(dtick=decade_ticks(values.to_numpy(float)), row=1, col=col)
+            shown = values.to_numpy(float)
+            if col == 1 and rounding is not None:
+                shown = np.append(shown, rounding)
+            ticks = log_ticks(shown)
+            self.figure.update_yaxes(tickvals=ticks, ticktext=[f"{t:.0e}" for t in ticks], row=1, col=col)
+        self.figure.layout.shapes = [] if rounding is None else [
+            {"type": "line", "xref": "x domain", "yref": "y", "x0": 0, "x1": 1, "y0": rounding, "y1": rounding,
+             "line": {"dash": "dash", "color": "#444", "width": 1}}]
+        self.figure.layout.title.text = (f"fused vs fallback, {dtype} activations (fused backend '{backend}'); "
+                                         f"dashed: one rounding to {dtype}")
         medians = {pair: float(routed[routed["pair"] == pair]["nrms"].median()) for pair in PAIR_NAMES}
         fused, fallback = medians["fused~truth"], medians["fallback~truth"]
         if max(fused, fallback) < ROUNDING:
@@ -84,10 +108,13 @@ class DiffView:
         else:
             closer = ("the fused kernel is closer to the truth" if fused < fallback else
                       "the fallback is closer to the truth" if fallback < fused else "both paths are equally close")
-        backend, dtype = frame["backend"].iloc[0], frame["dtype"].iloc[0].replace("mlx.core.", "")
+        took = f" Compared in {seconds:.2f} s." if seconds is not None else ""
         self._step_text = (f"<b>errors under identical routing</b> ({dtype} activations, fused backend "
                            f"'{html.escape(backend)}'): median over layers, fused {fused:.2e} vs fallback "
-                           f"{fallback:.2e}: {closer}.")
+                           f"{fallback:.2e}: {closer}. The per-layer error (left) is taken after each path casts "
+                           f"its routed sum to {dtype}, which alone costs about one rounding "
+                           f"({rounding or float('nan'):.1e} relative, the dashed line); the per-expert partials "
+                           f"(middle) are compared in float32 before that cast, so they sit lower.{took}")
         shared = frame[frame["part"] == "shared"]
         if len(shared):
             s_fused, s_fallback = (float(shared[shared["pair"] == pair]["nrms"].median())
@@ -96,7 +123,7 @@ class DiffView:
                                 f"fallback {s_fallback:.2e}.")
         self._render()
 
-    def show_decode(self, comparison) -> None:
+    def show_decode(self, comparison, seconds: float | None = None) -> None:
         """A compare_decode result: per-layer mean Jaccard, the first divergent token, KL per token."""
         per_layer = comparison.jaccard.groupby("layer")["jaccard"].mean()
         with self.figure.batch_update():
@@ -112,13 +139,38 @@ class DiffView:
                       f"there: {on['prob']:.3f} probability with fused, {off['prob']:.3f} without)")
         self._decode_text = (f"<b>whole decode</b> ({comparison.dtype.replace('mlx.core.', '')}): {tokens}; "
                              f"largest per-token KL {float(np.max(comparison.kl)):.2e} nats; mean routing "
-                             f"agreement {float(per_layer.mean()):.3f}.")
+                             f"agreement {float(per_layer.mean()):.3f}."
+                             + (f" Both decodes took {seconds:.2f} s." if seconds is not None else ""))
         self._render()
 
     def _render(self) -> None:
         self.summary.value = "<br>".join(t for t in (self._step_text, self._decode_text) if t)
 
     def _ipython_display_(self):
-        from IPython.display import display
+        show(self.widget, [self.figure])
 
-        display(self.widget)
+
+class CompareSteps:
+    """A token picker over a trace's decode steps and a DiffView of the picked one: `compare(step)` (e.g.
+    compare_step on the model) runs on the notebook's thread when the pick changes."""
+
+    def __init__(self, trace, compare, view: DiffView | None = None):
+        self.compare, self.view = compare, view or DiffView()
+        self.owner = Owner(on_error=lambda e: setattr(self.view.summary, "value", error_html(e)))
+        steps = [s for s in trace.generated if s.phase == "decode"] or trace.generated
+        self.steps = {s.index: s for s in steps}
+        self.picker = widgets.Dropdown(options=[(f"position {s.position}: '{visible(s.input_text)}'", s.index)
+                                                for s in steps], value=steps[-1].index, description="token")
+        self.picker.add_class("moebench-compare-picker")
+        self.picker.observe(lambda _: self.owner.submit(self.show), names="value")
+        self.widget = widgets.VBox([self.picker, self.view.widget])
+        self.frame = None
+        self.show()
+
+    def show(self) -> None:
+        start = time.perf_counter()
+        self.frame = self.compare(self.steps[self.picker.value])
+        self.view.show_step(self.frame, seconds=time.perf_counter() - start)
+
+    def _ipython_display_(self):
+        show(self.widget, [self.view.figure])

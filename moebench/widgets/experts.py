@@ -12,10 +12,11 @@ import html
 
 import ipywidgets as widgets
 import numpy as np
-import plotly.graph_objects as go
 
 from ..inspect.record import Trace
 from ..inspect.trace_stats import expert_logit_lens
+from .figure import LiveFigure, go
+from .static import LiveMark, show
 from .text import shown, visible
 
 
@@ -43,14 +44,15 @@ class ExpertView:
         self.rows: list[dict] = []
         self.layer = widgets.Dropdown(description="MoE layer", options=[], layout=widgets.Layout(width="200px"))
         self.layer.observe(lambda _: self._draw(), names="value")
-        self.figure = go.FigureWidget(layout=go.Layout(
-            barmode="group", height=320, margin={"l": 60, "r": 20, "t": 60, "b": 90},
+        self.figure = LiveFigure(layout=go.Layout(
+            barmode="group", height=340, margin={"l": 60, "r": 40, "t": 70, "b": 90}, title={"x": 0},
             yaxis={"title": "vector length (L2 norm)"}, legend={"orientation": "h", "y": -0.3},
+            modebar={"orientation": "v"},
         ))
         self.figure.add_bar(name="expert output |y_e|", marker_color="#9ecae1")
         self.figure.add_bar(name="added to the residual |score x y_e|", marker_color="#08519c")
         self.tokens = widgets.HTML()
-        self.widget = widgets.VBox([self.layer, self.figure, self.tokens])
+        self.widget = widgets.VBox([self.layer, self.figure, self.tokens, LiveMark()])
         self.widget.add_class("moebench-expert-view")
 
     def show(self, record) -> None:
@@ -73,8 +75,9 @@ class ExpertView:
             raw.x, raw.y = names, [r["output_norm"] for r in self.rows]
             added.x, added.y = names, [r["contribution_norm"] for r in self.rows]
             added.text = [f"{'gate' if r['expert'] is None else 'score'} {r['score']:.3f}" for r in self.rows]
-            self.figure.layout.title = (f"token {shown(self.record.input_text)} (position {self.record.position}), "
-                                        f"layer {self.layer.value}: what each chosen expert added")
+            self.figure.layout.title.text = (f"token {shown(self.record.input_text)} (position "
+                                             f"{self.record.position}), layer {self.layer.value}: what each chosen "
+                                             "expert added")
         self.tokens.value = self._token_table() if self.model is not None else ""
 
     def _token_table(self) -> str:
@@ -91,6 +94,4 @@ class ExpertView:
                 "the final norm and the unembedding; logit in brackets):<table>" + "".join(cells) + "</table></div>")
 
     def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
+        show(self.widget, [self.figure])

@@ -1,36 +1,53 @@
 """Expert-load heatmap over a whole prompt: which share of the tokens each layer sent to each expert.
 
-Several named loads (e.g. code and prose) sit side by side on one colour scale, so a difference in
-routing between two kinds of text shows as a difference in colour. Loads are trace_stats.load frames.
+Several named loads (e.g. code and prose) sit side by side on one colour scale with a tick per expert,
+the colour bar marking the uniform share 1/E (every expert equally busy); with exactly two loads a third
+panel shows their difference on a diverging scale centred on zero, so a difference in routing between
+two kinds of text shows as colour. Loads are trace_stats.load frames.
 """
 
 from __future__ import annotations
 
+import ipywidgets as widgets
+import numpy as np
 import pandas as pd
-import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+from .figure import LiveFigure, go
+from .static import LiveMark, show
+
+TITLE = "expert load: share of each layer's top-k selections that went to each expert"
 
 
 class ExpertLoadMap:
     """`ExpertLoadMap({"code": trace_stats.load(code_trace), "prose": trace_stats.load(prose_trace)})`."""
 
-    def __init__(self, loads: dict[str, pd.DataFrame], title: str = "expert load: share of each layer's top-k "
-                 "selections that went to each expert"):
+    def __init__(self, loads: dict[str, pd.DataFrame], title: str = TITLE):
         if not loads:
             raise ValueError("give at least one named load")
         self.names = list(loads)
-        fig = make_subplots(rows=1, cols=len(loads), shared_yaxes=True, horizontal_spacing=0.04,
-                            subplot_titles=self.names)
+        self.difference = len(loads) == 2
+        titles = [*self.names, f"{self.names[0]} minus {self.names[1]}"] if self.difference else self.names
+        fig = make_subplots(rows=1, cols=len(titles), shared_yaxes=True, horizontal_spacing=0.05,
+                            subplot_titles=titles)
         for col, _ in enumerate(self.names, start=1):
             fig.add_trace(go.Heatmap(z=[[0.0]], coloraxis="coloraxis",
                                      hovertemplate="layer %{y}<br>expert %{x}<br>share %{z:.3f}<extra></extra>"),
                           row=1, col=col)
-            fig.update_xaxes(title_text="expert id", row=1, col=col)
+        if self.difference:
+            fig.add_trace(go.Heatmap(z=[[0.0]], coloraxis="coloraxis2",
+                                     hovertemplate="layer %{y}<br>expert %{x}<br>difference %{z:+.3f}<extra></extra>"),
+                          row=1, col=len(titles))
+        for col in range(1, len(titles) + 1):
+            fig.update_xaxes(title_text="expert id", dtick=1, tickfont={"size": 9}, row=1, col=col)
         fig.update_yaxes(title_text="MoE layer", autorange="reversed", type="category", row=1, col=1)
-        fig.update_layout(title=title, coloraxis={"colorscale": "Viridis", "colorbar": {"title": {"text": "share"}}},
-                          margin={"l": 70, "r": 20, "t": 90, "b": 50})
-        self.figure = go.FigureWidget(fig)
+        fig.update_layout(title={"text": title, "x": 0}, margin={"l": 70, "r": 20, "t": 90, "b": 50},
+                          coloraxis={"colorscale": "Viridis", "colorbar": {"title": {"text": "share"}, "x": 1.0}},
+                          coloraxis2={"colorscale": "RdBu", "colorbar": {"title": {"text": "difference"}, "x": 1.08}},
+                          width=420 * len(titles), modebar={"orientation": "v"})
+        self.figure = LiveFigure(fig)
         self.grids: dict[str, pd.DataFrame] = {}
+        self.widget = widgets.VBox([self.figure, LiveMark()])
         self.update(loads)
 
     def update(self, loads: dict[str, pd.DataFrame]) -> None:
@@ -38,17 +55,27 @@ class ExpertLoadMap:
             raise ValueError(f"loads must be named {self.names}, got {list(loads)}")
         self.grids = {name: load.pivot(index="layer", columns="expert", values="fraction").fillna(0.0)
                       for name, load in loads.items()}
+        n_experts = max(grid.shape[1] for grid in self.grids.values())
+        uniform = 1.0 / n_experts
         top = max(float(grid.to_numpy().max()) for grid in self.grids.values())
+        ticks = sorted({0.0, uniform, *np.linspace(0, top, 5)[1:].round(2)})
         with self.figure.batch_update():
-            for trace, grid in zip(self.figure.data, self.grids.values(), strict=True):
+            for trace, grid in zip(self.figure.data, self.grids.values(), strict=False):
                 trace.z = grid.to_numpy()
                 trace.y = [f"L{layer}" for layer in grid.index]
                 trace.x = list(grid.columns)
-            self.figure.layout.coloraxis.cmin = 0
-            self.figure.layout.coloraxis.cmax = top
-            self.figure.layout.height = 180 + 30 * max(len(grid) for grid in self.grids.values())
+            if self.difference:
+                a, b = self.grids.values()
+                diff = a.sub(b, fill_value=0.0)
+                self.figure.data[-1].z, self.figure.data[-1].x = diff.to_numpy(), list(diff.columns)
+                self.figure.data[-1].y = [f"L{layer}" for layer in diff.index]
+                reach = float(np.abs(diff.to_numpy()).max()) or 1.0
+                self.figure.layout.coloraxis2.cmin, self.figure.layout.coloraxis2.cmax = -reach, reach
+            axis = self.figure.layout.coloraxis
+            axis.cmin, axis.cmax = 0, top
+            axis.colorbar.tickvals = ticks
+            axis.colorbar.ticktext = [f"uniform 1/{n_experts}" if t == uniform else f"{t:.2f}" for t in ticks]
+            self.figure.layout.height = 200 + 30 * max(len(grid) for grid in self.grids.values())
 
     def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.figure)
+        show(self.widget, [self.figure])

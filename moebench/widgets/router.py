@@ -6,10 +6,12 @@ gate is drawn in a separate column rather than mixed into the expert probabiliti
 
 from __future__ import annotations
 
+import ipywidgets as widgets
 import numpy as np
-import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from .figure import LiveFigure, go
+from .static import LiveMark, show
 from .text import shown
 
 NO_SHARED = "this model has<br>no shared expert"
@@ -25,16 +27,27 @@ def shared_note(record) -> str | None:
     return SHARED_OFF if off else NO_SHARED
 
 
-class RouterView:
-    """`view.show(record)` draws one step; `view.marked` holds the top-k expert ids drawn per layer."""
+def top_probability(records) -> float:
+    """The largest router probability over the records: one colour scale for all of them."""
+    return max((float(layer.router_probs.max()) for r in records for layer in r.layers.values()), default=1.0)
 
-    def __init__(self, height_per_layer: int = 30):
+
+class RouterView:
+    """`view.show(record)` draws one step; `view.marked` holds the top-k expert ids drawn per layer.
+
+    The colour scale stays fixed while stepping (0..`zmax`, default 1), so colours compare across
+    tokens; `scale_to(records)` sets it to the largest probability among those records.
+    """
+
+    def __init__(self, height_per_layer: int = 30, zmax: float = 1.0, title: str = ""):
         self.height_per_layer = height_per_layer
+        self.zmax = zmax
+        self.prefix = title
         self.marked: dict[int, list[int]] = {}
         fig = make_subplots(rows=1, cols=2, column_widths=[0.84, 0.16], shared_yaxes=True, horizontal_spacing=0.02,
                             subplot_titles=("router probability of each expert<br>(red boxes: the top-k it "
                                             "picked, #1 = highest)", "shared expert<br>gate (0..1)"))
-        fig.add_trace(go.Heatmap(z=[[0.0]], colorscale="Blues", zmin=0,
+        fig.add_trace(go.Heatmap(z=[[0.0]], colorscale="Blues", zmin=0, zmax=zmax,
                                  colorbar={"title": {"text": "router<br>prob"}, "x": 1.0, "xanchor": "left",
                                            "len": 0.9},
                                  hovertemplate="layer %{y}<br>expert %{x}<br>probability %{z:.3f}<extra></extra>"),
@@ -52,24 +65,35 @@ class RouterView:
         fig.update_xaxes(title_text="expert id", dtick=1, row=1, col=1)
         fig.update_xaxes(showticklabels=False, row=1, col=2)
         fig.update_yaxes(title_text="MoE layer", autorange="reversed", type="category", row=1, col=1)
-        fig.update_layout(margin={"l": 70, "r": 90, "t": 110, "b": 70}, width=860,
-                          legend={"orientation": "h", "x": 0, "y": -0.3})
-        self.figure = go.FigureWidget(fig)
+        fig.update_layout(margin={"l": 70, "r": 90, "t": 110, "b": 70}, width=860, title={"x": 0},
+                          legend={"orientation": "h", "x": 0, "y": -0.3}, modebar={"orientation": "v"})
+        self.figure = LiveFigure(fig)
+        self.widget = widgets.VBox([self.figure, LiveMark()])
+        self.widget.add_class("moebench-router-view")
+
+    def scale_to(self, records) -> None:
+        """Fix the colour scale to the largest router probability among `records`."""
+        self.zmax = top_probability(records)
+        self.figure.data[0].zmax = self.zmax
+
+    def blank(self, text: str) -> None:
+        """No routing to draw: empty panels and `text` as the title."""
+        with self.figure.batch_update():
+            for trace in self.figure.data:
+                trace.x, trace.y = [], []
+            self.figure.layout.title.text = self.prefix + text
+        self.marked = {}
 
     def show(self, record) -> None:
         layers = sorted(record.layers)
         if not layers:
-            with self.figure.batch_update():
-                for trace in self.figure.data:
-                    trace.x, trace.y = [], []
-                self.figure.layout.title = f"position {record.position}: internals were not recorded for this token"
-            self.marked = {}
+            self.blank(f"position {record.position}: internals were not recorded for this token")
             return
         probs = np.stack([record.layers[layer].router_probs for layer in layers])
         labels = [f"L{layer}" for layer in layers]
         xs, ys, ranks, colors = [], [], [], []
         self.marked = {}
-        dark = 0.6 * float(probs.max())
+        dark = 0.6 * self.zmax
         for row, (layer, label) in enumerate(zip(layers, labels, strict=True)):
             ids = [int(i) for i in record.layers[layer].topk_ids]
             self.marked[layer] = ids
@@ -97,11 +121,10 @@ class RouterView:
             if note is not None:
                 self.figure.add_annotation(text=note, xref="x2 domain", yref="y2 domain", x=0.5, y=0.5,
                                            showarrow=False, font={"size": 11})
-            self.figure.layout.title = (f"routing of token {shown(record.input_text)} (position {record.position}): "
-                                        f"{'/'.join(map(str, sorted(k)))} experts picked per MoE layer")
+            self.figure.layout.title.text = (f"{self.prefix}routing of token {shown(record.input_text)} (position "
+                                             f"{record.position}): {'/'.join(map(str, sorted(k)))} experts picked "
+                                             "per MoE layer")
             self.figure.layout.height = 200 + self.height_per_layer * len(layers)
 
     def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.figure)
+        show(self.widget, [self.figure])

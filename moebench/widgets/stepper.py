@@ -24,7 +24,11 @@ function render({ model, el }) {
   strip.style.cssText = "font-family: monospace; line-height: 1.9; margin: 4px 0; white-space: normal;";
   const detail = document.createElement("div");
   detail.style.cssText = "font-family: sans-serif; font-size: 13px; min-height: 3.2em;";
-  el.append(strip, detail);
+  const legend = document.createElement("div");
+  legend.style.cssText = "font-family: sans-serif; font-size: 11px; color: #666;";
+  legend.textContent = "token glyphs: \u00b7 = a space, \u23ce = a newline, \u21e5 = a tab (the token's own " +
+    "characters otherwise); grey tokens: the prompt before the first stepped token; click a token to select it";
+  el.append(legend, strip, detail);
   function draw() {
     const before = model.get("before");
     const steps = model.get("steps");
@@ -60,6 +64,12 @@ function render({ model, el }) {
     path.style.color = "#555";
     path.textContent = "MoE path: " + step.path;
     detail.append(head, cand, path);
+    if (step.note) {
+      const note = document.createElement("div");
+      note.style.cssText = "color: #555; font-style: italic;";
+      note.textContent = step.note;
+      detail.append(note);
+    }
   }
   model.on("change:index", draw);
   model.on("change:steps", draw);
@@ -79,6 +89,11 @@ class TokenStrip(anywidget.AnyWidget):
     index = traitlets.Int(0).tag(sync=True)
 
 
+PREFILL_NOTE = ("This position belongs to the prompt, which runs in one forward call for all its tokens "
+                "(prefill). The fused kernels are written for one decode token, so prefill takes the fallback "
+                "(gather_qmm over every prompt token at once) and MLX's attention; decode tokens take the kernels.")
+
+
 def strip_entry(record) -> dict:
     """What the strip needs from one step record: the token read, the token chosen, candidates, the path."""
     return {
@@ -86,6 +101,7 @@ def strip_entry(record) -> dict:
         "chosen": None if record.token_id is None else visible(record.token_text),
         "candidates": [[visible(c.text), c.prob] for c in record.candidates],
         "path": describe_paths(record),
+        "note": PREFILL_NOTE if record.phase == "prefill" else "",
     }
 
 
@@ -100,11 +116,7 @@ class TokenStepper:
     def __init__(self, records, on_step: Callable[[object], None] | None = None, interval_ms: int = 600):
         self.records: list = []
         self._callbacks: list[Callable[[object], None]] = []
-        before = []
-        if isinstance(records, Trace):
-            before = [visible(s.input_text) for s in records.prefill[:-1]]
-            records = records.generated
-        self.strip = TokenStrip(before=before)
+        self.strip = TokenStrip()
         self.play = widgets.Play(value=0, min=0, max=0, step=1, interval=interval_ms, description="play")
         self.slider = widgets.IntSlider(value=0, min=0, max=0, description="step", continuous_update=True,
                                         layout=widgets.Layout(width="420px"))
@@ -119,6 +131,18 @@ class TokenStepper:
         self.widget.add_class("moebench-stepper")
         if on_step is not None:
             self.on_step(on_step)
+        self.reset(records)
+
+    def reset(self, records) -> None:
+        """Step through other records (a new decode): back to the first step, views redrawn."""
+        before = []
+        if isinstance(records, Trace):
+            before = [visible(s.input_text) for s in records.prefill[:-1]]
+            records = records.generated
+        self.records = []
+        with self.strip.hold_sync():
+            self.strip.before, self.strip.steps, self.strip.index = before, [], 0
+        self.play.value = self.slider.value = 0
         self.extend(records)
 
     @property
@@ -159,6 +183,8 @@ class TokenStepper:
         self._notify()
 
     def _notify(self) -> None:
+        if not self.records:
+            return
         for callback in self._callbacks:
             callback(self.current)
 

@@ -15,6 +15,8 @@ def test_side_by_side_loads_share_one_scale(tiny, trace):
         assert ((grid.sum(axis=1) - 1).abs() < 1e-9).all()
     top = max(g.to_numpy().max() for g in load_map.grids.values())
     assert load_map.figure.layout.coloraxis.cmax == top
-    assert [a.text for a in load_map.figure.layout.annotations] == ["code", "prose"]
+    assert [a.text for a in load_map.figure.layout.annotations] == ["code", "prose", "code minus prose"]
+    reach = abs(load_map.figure.data[2].z).max()
+    assert load_map.figure.layout.coloraxis2.cmin == -reach and load_map.figure.layout.coloraxis2.cmax == reach
     with pytest.raises(ValueError, match="named"):
         load_map.update({"prose": trace_stats.load(prose)})

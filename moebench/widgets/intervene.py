@@ -1,0 +1,196 @@
+"""Interventions as controls: pick a layer (or every MoE layer), experts to force or ablate, top-k, the
+shared expert and its gate scale; decode; see the routing, the tokens and the effect beside the baseline.
+
+The effect is measured two ways. Free-running: the intervened decode's tokens next to the baseline's,
+differing ones marked. Teacher-forced: the intervened model is fed the baseline's tokens, so every position
+compares the same context: KL(baseline || intervened) of the next-token distributions (nats) and the
+change in log-probability of the token the baseline chose. Decodes run on the notebook's thread
+(mainthread.Owner); interventions are set only for the duration of a decode (interventions.intervene).
+"""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as widgets
+import numpy as np
+from plotly.subplots import make_subplots
+
+from ..inspect.interventions import intervene
+from ..models.routing import Intervention
+from .figure import LiveFigure
+from .mainthread import Owner
+from .router import RouterView
+from .static import LiveMark, show
+from .text import error_html, visible
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def effect(baseline, forced) -> dict[str, np.ndarray]:
+    """Per generated position: KL(baseline || intervened) in nats and the change in log-probability of the
+    baseline's token; `forced` is the intervened decode fed the baseline's tokens (both with logits)."""
+    base = np.stack([s.logits for s in baseline.generated])
+    other = np.stack([s.logits for s in forced.generated[: len(base)]])
+    p, q = log_softmax(base), log_softmax(other)
+    kl = (np.exp(p) * (p - q)).sum(axis=-1)
+    ids = np.array(baseline.token_ids)
+    rows = np.arange(len(ids))
+    return {"kl": np.maximum(kl, 0.0), "dlogp": q[rows, ids] - p[rows, ids]}
+
+
+def token_diff(baseline, other) -> str:
+    """Both decodes' tokens as chips, position by position; where the intervened token differs it is red."""
+    def chips(trace, against):
+        out = []
+        for i, s in enumerate(trace.generated):
+            same = i < len(against.generated) and against.generated[i].token_id == s.token_id
+            style = "background:#e3f2fd" if same else "background:#ffcdd2;outline:1px solid #b71c1c"
+            out.append(f"<span style='{style};padding:0 2px;margin:1px;border-radius:3px;display:inline-block;"
+                       f"font-family:monospace'>{html.escape(visible(s.token_text))}</span>")
+        return "".join(out)
+
+    same = sum(a.token_id == b.token_id for a, b in zip(baseline.generated, other.generated, strict=False))
+    first = next((i for i, (a, b) in enumerate(zip(baseline.generated, other.generated, strict=False))
+                  if a.token_id != b.token_id), None)
+    where = "identical tokens" if first is None else f"first differs at generated token {first}"
+    return (f"<div class='moebench-token-diff' style='font-size:13px'><b>tokens</b>: {same} of "
+            f"{len(baseline.generated)} the same, {where} (glyphs: \u00b7 space, \u23ce newline)<br>"
+            f"baseline:&nbsp;&nbsp;&nbsp;{chips(baseline, other)}<br>intervened: {chips(other, baseline)}</div>")
+
+
+class InterventionPanel:
+    """Controls for one Intervention, the routing before/after, the token diff and the per-token effect."""
+
+    def __init__(self, controls):
+        self.controls = controls
+        self.owner = Owner(on_error=self._failed)
+        self.baseline = self.intervened = self.forced = None
+        self.measured: dict[str, np.ndarray] | None = None
+        wide = widgets.Layout(width="420px")
+        self.layer = widgets.Dropdown(description="layer")
+        self.force = widgets.IntsInput(value=[], min=0, layout=wide)
+        self.ablate = widgets.IntsInput(value=[], min=0, layout=wide)
+        self.renormalize = widgets.Checkbox(value=False, description="renormalize over the experts left", indent=False)
+        self.top_k = widgets.IntSlider(min=1, description="top-k")
+        self.model = None
+        self.shared = widgets.Checkbox(value=True, description="shared expert on", indent=False)
+        self.gate_scale = widgets.FloatSlider(value=1.0, min=0.0, max=3.0, step=0.05, description="gate scale",
+                                              readout_format=".2f")
+        self.apply = widgets.Button(description="decode with it", icon="play", button_style="primary")
+        self.apply.add_class("moebench-intervene-run")
+        self.apply.on_click(lambda _: self.owner.submit(self.run))
+        self.reset = widgets.Button(description="clear (back to baseline)", icon="undo")
+        self.reset.on_click(lambda _: self.owner.submit(self.clear))
+        self.step = widgets.IntSlider(value=0, min=0, max=0, description="token", continuous_update=False)
+        self.step.observe(lambda _: self._draw_routing(), names="value")
+        self.status = widgets.HTML()
+        self.status.add_class("moebench-intervene-status")
+        self.diff = widgets.HTML()
+        self.before = RouterView(title="baseline: ")
+        self.after = RouterView(title="intervened: ")
+        self.figure = LiveFigure(make_subplots(specs=[[{"secondary_y": True}]]))
+        self.figure.add_bar(x=[], y=[], name="KL(baseline || intervened), nats", marker_color="#6a51a3")
+        self.figure.add_scatter(x=[], y=[], mode="lines+markers", name="change in log p of the baseline's token",
+                                line={"color": "#d94801"}, secondary_y=True)
+        self.figure.update_layout(title={"text": "effect per generated token (teacher-forced on the baseline's "
+                                                 "tokens)", "x": 0}, height=340, legend={"orientation": "h", "y": -0.3},
+                                  margin={"l": 60, "r": 60, "t": 60, "b": 60}, modebar={"orientation": "v"})
+        self.figure.update_xaxes(title_text="generated token")
+        self.figure.update_yaxes(title_text="KL (nats)", rangemode="tozero", secondary_y=False)
+        self.figure.update_yaxes(title_text="change in log p (nats)", secondary_y=True)
+        labelled = [widgets.HBox([widgets.Label("force experts", layout=widgets.Layout(width="110px")), self.force]),
+                    widgets.HBox([widgets.Label("ablate experts", layout=widgets.Layout(width="110px")), self.ablate])]
+        self.widget = widgets.VBox([
+            widgets.HBox([self.layer, self.top_k]), *labelled, widgets.HBox([self.renormalize, self.shared,
+                                                                             self.gate_scale]),
+            widgets.HBox([self.apply, self.reset]), self.status, self.diff, self.figure, self.step,
+            self.before.figure, self.after.figure, LiveMark()])
+        self.widget.add_class("moebench-interventions")
+        controls.on_decode(self._new_baseline)
+
+    def intervention(self) -> Intervention:
+        """The Intervention the controls describe (force wins over top-k: forcing fixes the count)."""
+        force = tuple(self.force.value) or None
+        top_k = None if force is not None or self.top_k.value == self.default_k else self.top_k.value
+        return Intervention(force_experts=force, ablate=tuple(self.ablate.value),
+                            renormalize_ablation=self.renormalize.value, top_k=top_k,
+                            shared_expert=self.shared.value, shared_gate_scale=float(self.gate_scale.value))
+
+    def _configure(self, model) -> None:
+        """Layers, expert ids and top-k of the model the controls decode with (the picker may change it)."""
+        self.model = model
+        n_experts = model.args.num_experts
+        self.default_k = model.args.num_experts_per_tok
+        self.layer.options = [("every MoE layer", None)] + [(f"layer {i}", i) for i in model.moe_blocks()]
+        self.layer.value = None
+        for box in (self.force, self.ablate):
+            box.value, box.max = [], n_experts - 1
+        self.top_k.max, self.top_k.value = n_experts, self.default_k
+
+    def _new_baseline(self, trace) -> None:
+        if self.controls.picker.model is not self.model:
+            self._configure(self.controls.picker.model)
+        self.baseline = trace
+        self.intervened = self.forced = self.measured = None
+        self.step.max = len(trace.generated) - 1
+        self._draw()
+
+    def run(self) -> None:
+        """Decode with the intervention (free-running, then fed the baseline's tokens) and draw the effect."""
+        intervention = self.intervention()
+        chosen = intervention if self.layer.value is None else {self.layer.value: intervention}
+        self.apply.disabled = True
+        self.status.value = "<i>decoding with the intervention...</i>"
+        try:
+            n = len(self.baseline.generated)
+            with intervene(self.controls.picker.model, chosen):
+                self.intervened = self.controls.stepper(max_tokens=n, keep_logits=False).run(n)
+                forced = self.controls.stepper(keep_logits=True, stop_ids=())
+                forced.prefill()
+                for token in self.baseline.token_ids[:-1]:
+                    forced.step(feed=token)
+                self.forced = forced.trace
+        finally:
+            self.apply.disabled = False
+        self.measured = effect(self.baseline, self.forced)
+        where = "every MoE layer" if self.layer.value is None else f"layer {self.layer.value}"
+        self.status.value = (f"<b>{html.escape(repr(intervention))}</b> on {where}: mean KL "
+                             f"{self.measured['kl'].mean():.3g} nats, largest {self.measured['kl'].max():.3g}; "
+                             f"mean change in log p of the baseline's token {self.measured['dlogp'].mean():+.3g}")
+        self._draw()
+
+    def clear(self) -> None:
+        """Forget the intervened decode: the views show the baseline alone."""
+        self.intervened = self.forced = self.measured = None
+        self.status.value = "cleared: no intervention is set (the model runs its baseline routing)"
+        self._draw()
+
+    def _draw(self) -> None:
+        self.diff.value = token_diff(self.baseline, self.intervened) if self.intervened is not None else ""
+        with self.figure.batch_update():
+            xs = list(range(len(self.measured["kl"]))) if self.measured is not None else []
+            self.figure.data[0].x, self.figure.data[0].y = xs, self.measured["kl"] if xs else []
+            self.figure.data[1].x, self.figure.data[1].y = xs, self.measured["dlogp"] if xs else []
+        self._draw_routing()
+
+    def _draw_routing(self) -> None:
+        i = self.step.value
+        shown = [self.baseline.generated[i]]
+        if self.intervened is not None and i < len(self.intervened.generated):
+            shown.append(self.intervened.generated[i])
+        for view, record in zip((self.before, self.after), shown, strict=False):
+            view.scale_to(shown)
+            view.show(record)
+        if len(shown) == 1:
+            self.after.blank("no intervened decode yet: set an intervention and press 'decode with it'")
+
+    def _failed(self, error: BaseException) -> None:
+        self.status.value = error_html(error)
+
+    def _ipython_display_(self):
+        show(self.widget, [self.figure, self.before.figure, self.after.figure])
