@@ -18,10 +18,14 @@ def f64(a: mx.array) -> np.ndarray:
 
 
 def unpack(weight: np.ndarray, bits: int) -> np.ndarray:
-    """Packed uint32 words [..., packed] -> integer levels [..., packed * 32 / bits] (LSB-first bitstream)."""
-    stream = np.unpackbits(np.ascontiguousarray(weight, dtype="<u4").view(np.uint8), axis=-1, bitorder="little")
-    stream = stream.reshape(*weight.shape[:-1], -1, bits).astype(np.int64)
-    return (stream << np.arange(bits)).sum(axis=-1)
+    """Packed uint32 words [..., packed] -> integer levels [..., packed * 32 / bits] (LSB-first bitstream):
+    value i is the `bits` bits from bit i * bits on, read from the 64-bit window of its word and the next."""
+    words = np.ascontiguousarray(weight, dtype="<u4").astype(np.uint64)
+    words = np.concatenate([words, np.zeros((*words.shape[:-1], 1), np.uint64)], axis=-1)  # the last window
+    start = np.arange(weight.shape[-1] * 32 // bits, dtype=np.int64) * bits
+    first, shift = start // 32, (start % 32).astype(np.uint64)
+    window = words[..., first] | (words[..., first + 1] << np.uint64(32))
+    return ((window >> shift) & np.uint64((1 << bits) - 1)).astype(np.int64)
 
 
 def dequantize_f64(parts: QuantizedParts, ids: np.ndarray | list[int] | None = None) -> np.ndarray:
