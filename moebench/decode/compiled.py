@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..errors import DecodeError
 from ..execution.executor import Executor
 from ..execution.plan import Plan
 from ..execution.settings import KernelSettings
-from .cache import StaticCache, StepPosition
+from .cache import StaticCache, StepPosition, kv_cache_bytes, require_memory
 
 CAPACITY_STEP = 256
 
@@ -54,10 +55,12 @@ class CompiledForward:
 
     def __init__(self, executor: Executor, capacity: int):
         self.executor = executor
-        self.capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
-        a = executor.model.args
-        self.cache = StaticCache.empty(a.num_hidden_layers, a.num_key_value_heads, self.capacity, a.head_dim,
-                                       executor.model.dtype)
+        self.capacity = -(-max(capacity, 1) // CAPACITY_STEP) * CAPACITY_STEP
+        a, dtype = executor.model.args, executor.model.dtype
+        # allocated whole up front: MLX kills the process on CPU when an allocation fails
+        require_memory(kv_cache_bytes(a, self.capacity, dtype), f"the compiled step's static cache of {self.capacity} "
+                       "positions")
+        self.cache = StaticCache.empty(a.num_hidden_layers, a.num_key_value_heads, self.capacity, a.head_dim, dtype)
         self.position = 0
         self.last: mx.array | None = None  # the previous call's logits
 
@@ -65,12 +68,13 @@ class CompiledForward:
         """(logits [vocab], the plan it ran) after `tokens` [n]."""
         n = tokens.size
         if self.position + n > self.capacity:
-            raise ValueError(f"sequence of {self.position + n} tokens exceeds the compiled cache of {self.capacity}")
+            raise DecodeError(f"a sequence of {self.position + n} tokens exceeds the compiled cache of {self.capacity} "
+                              "positions")
         if self.last is not None:
             mx.async_eval(self.last)
         offset = mx.array(self.position, dtype=mx.int32)
         cache, ex = self.cache, self.executor
-        plan = ex.plan(n, cache.layers(), settings)
+        plan = ex.plan_for(n, True, self.capacity, settings)
         if n > 1:
             cache.position = StepPosition.at(offset, self.capacity)
             logits = static_logits(ex, tokens, cache, plan)

@@ -14,6 +14,7 @@ one, for every model of this process and the ones opened later; it covers every 
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -45,9 +46,10 @@ class Executor:
         self._model = weakref.ref(model)  # the model holds its executor: no cycle, so `del model` frees it
         self.settings = settings or default_settings()
         self.weights = [LayerWeights(layer) for layer in model.layers]
-        self.blocks = model.moe_blocks()
-        self.attention_counts = [Counts() for _ in model.layers]
-        self.moe_counts = {i: Counts() for i in self.blocks}
+        blocks = model.moe_blocks()
+        self.blocks, self.moe_layers = list(blocks.values()), list(blocks)
+        self.taken: Counter[Plan] = Counter()  # steps taken, by the plan they ran
+        self.last: Plan | None = None  # the plan of the step taken last
         self._plans: dict[tuple, Plan] = {}
         self.compiled: dict[tuple, object] = {}  # traced steps per plan (moebench.decode.compiled)
         self._fingerprint = self._weights_fingerprint()
@@ -72,14 +74,22 @@ class Executor:
 
     def plan(self, tokens: int, cache: list, settings: KernelSettings | None = None) -> Plan:
         """The plan of a forward call over `tokens` tokens continuing `cache` (a list of layer caches)."""
-        settings = settings or self.settings
         first = cache[0]
-        shape = Shape(tokens, first.static, tokens == 1 and attention.span_fits(first.span))
-        key = (settings, available_backend(), shape, tuple(b.intervention is not None for b in self.blocks.values()))
+        return self.plan_for(tokens, first.static, first.span, settings)
+
+    def plan_for(self, tokens: int, static: bool, span: int, settings: KernelSettings | None = None) -> Plan:
+        """The plan of a forward call over `tokens` tokens whose cache is a compiled step's static one or not and
+        may hold `span` positions with them. Looked up at every step, so the key is a few cheap values: the
+        settings, the backend, the shape class and the interventions set on the blocks (a traced step holds its
+        plan's interventions, so each gets its own plan)."""
+        settings = settings or self.settings
+        key = (settings, available_backend(), tokens, static, tokens == 1 and attention.span_fits(span),
+               tuple(b.intervention for b in self.blocks))
         plan = self._plans.get(key)
         if plan is None:
-            if tokens > 1 and sum(k[2].tokens > 1 for k in self._plans) >= 8:  # prefill plans: a few lengths kept
-                self._plans = {k: p for k, p in self._plans.items() if k[2].tokens == 1}
+            if tokens > 1 and sum(k[2] > 1 for k in self._plans) >= 8:  # prefill plans: a few lengths kept
+                self._plans = {k: p for k, p in self._plans.items() if k[2] == 1}
+            shape = Shape(tokens, static, key[4])
             plan = self._plans[key] = Plan(key, tuple(self._layer_plan(i, shape, settings, key[1])
                                                       for i in range(len(self.model.layers))))
         return plan
@@ -117,26 +127,38 @@ class Executor:
         return m.unembed(m.model.norm(x if every_position else x[:, -1]))
 
     def count(self, plan: Plan) -> None:
-        """Count one forward call that ran `plan` (a decode loop calls it once per step it takes)."""
-        for counts, layer_plan in zip(self.attention_counts, plan.layers, strict=True):
-            counts.add(layer_plan.attention)
-        for i, counts in self.moe_counts.items():
-            counts.add(plan.layers[i].moe)
+        """Count one forward call that ran `plan` (a decode loop calls it once per step it takes): one tally a
+        step, spread over the layers' decisions only when the counts are read."""
+        self.taken[plan] += 1
+        self.last = plan
 
     def reset_counts(self) -> None:
-        for counts in (*self.attention_counts, *self.moe_counts.values()):
-            counts.reset()
+        self.taken.clear()
+        self.last = None
+
+    def counts(self) -> tuple[dict[int, Counts], dict[int, Counts]]:
+        """({layer: its attention's Counts}, {MoE layer: its block's Counts}) of the steps taken."""
+        attention = {i: Counts() for i in range(len(self.weights))}
+        moe_layers = {i: Counts() for i in self.moe_layers}
+        for plan, n in self.taken.items():
+            for i, layer_plan in enumerate(plan.layers):
+                attention[i].add(layer_plan.attention, n)
+                if layer_plan.moe is not None:
+                    moe_layers[i].add(layer_plan.moe, n)
+        return attention, moe_layers
 
     def dispatch(self) -> dict:
         """Per layer, what ran: {'moe': {layer: counts}, 'attention': {layer: counts}} (Counts.as_dict)."""
-        return {"moe": {i: c.as_dict() for i, c in self.moe_counts.items()},
-                "attention": {i: c.as_dict() for i, c in enumerate(self.attention_counts)}}
+        attention, moe_layers = self.counts()
+        return {"moe": {i: c.as_dict() for i, c in moe_layers.items()},
+                "attention": {i: c.as_dict() for i, c in attention.items()}}
 
     def summary(self) -> dict:
         """The counts summed over layers: MoE fused runs per backend, fallbacks, decline reasons and notes, and
         the same of the attention layers under 'attention'."""
-        return {"moe_layers": len(self.moe_counts), **_summed(self.moe_counts.values()),
-                "attention": {"layers": len(self.attention_counts), **_summed(self.attention_counts)}}
+        attention, moe_layers = self.counts()
+        return {"moe_layers": len(self.blocks), **_summed(moe_layers.values()),
+                "attention": {"layers": len(attention), **_summed(attention.values())}}
 
 
 def _summed(counts) -> dict:

@@ -85,7 +85,7 @@ class LayerPlan:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one object per key: hashed and compared by identity, cheaply
 class Plan:
     key: tuple
     layers: tuple[LayerPlan, ...]
@@ -99,26 +99,18 @@ class Counts:
     fused: Counter = field(default_factory=Counter)
     reasons: Counter = field(default_factory=Counter)
     notes: Counter = field(default_factory=Counter)
-    last: Decision | None = None
 
     @property
     def fallback(self) -> int:
         return sum(self.reasons.values())
 
-    def add(self, decision: Decision) -> None:
-        self.last = decision
+    def add(self, decision: Decision, n: int = 1) -> None:
         if decision.fused:
-            self.fused[decision.path] += 1
+            self.fused[decision.path] += n
             if decision.note:
-                self.notes[decision.note] += 1
+                self.notes[decision.note] += n
         else:
-            self.reasons[decision.reason] += 1
-
-    def reset(self) -> None:
-        self.fused.clear()
-        self.reasons.clear()
-        self.notes.clear()
-        self.last = None
+            self.reasons[decision.reason] += n
 
     def as_dict(self) -> dict:
         return {"fused": dict(self.fused), "fallback": self.fallback, "reasons": dict(self.reasons),

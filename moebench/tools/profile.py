@@ -91,8 +91,7 @@ def greedy_step(model) -> Step:
     return lambda ids: mx.argmax(model(ids[None], cache=cache)[:, -1], axis=-1)
 
 
-def _paths(counters: list) -> dict:
-    decisions = [c.last for c in counters if c.last is not None]
+def _paths(decisions: list) -> dict:
     return {"path": ", ".join(sorted({d.path for d in decisions})) or None,
             "reasons": sorted({d.reason for d in decisions if d.reason}), "layers": len(decisions)}
 
@@ -102,8 +101,10 @@ def moe_path(model) -> dict | None:
     and why; None for mlx-lm."""
     if not hasattr(model, "moe_blocks"):
         return None
-    ex = executor(model)
-    return {**_paths(list(ex.moe_counts.values())), "attention": _paths(ex.attention_counts)}
+    last = executor(model).last
+    layers = last.layers if last is not None else ()
+    return {**_paths([lp.moe for lp in layers if lp.moe is not None]),
+            "attention": _paths([lp.attention for lp in layers])}
 
 
 def profile_steps(model, prompt_ids: list[int], steps: int, warmup: int = 3) -> dict:
