@@ -17,3 +17,15 @@ class CheckpointError(MoebenchError):
 
 class UnsupportedKernelConfig(MoebenchError):
     """The fused decode-MoE kernel cannot run this layer; the message says why."""
+
+
+class DecodeError(MoebenchError, ValueError):
+    """A prompt, token id or decode setting that cannot be used: no tokens, ids outside the vocabulary, top_p 0, ..."""
+
+
+class NonFiniteError(MoebenchError, FloatingPointError):
+    """NaN or Inf where a number must be finite: a weight at load, the logits a token would be chosen from."""
+
+
+class DeviceMemoryError(MoebenchError, MemoryError):
+    """A decode would ask for more memory than the device has (MLX would abort or fail mid-way)."""

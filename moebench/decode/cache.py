@@ -1,12 +1,61 @@
-"""Per-layer key/value cache for decoding, grown in fixed steps so a decode step rarely reallocates."""
+"""Per-layer key/value cache for decoding, grown in fixed steps so a decode step rarely reallocates; and the memory a
+decode asks for, checked before MLX is asked (an allocation MLX cannot make kills the process on CPU)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..checkpoint.config import ModelArgs
+from ..errors import DeviceMemoryError
+
 GROW_STEP = 256
+
+
+def available_memory() -> tuple[int, str]:
+    """(bytes arrays may still take, where): on a GPU its working set (Metal's recommended size, else the device's
+    memory) less what MLX holds; on CPU the system's available memory. MLX's cache of freed buffers counts as free."""
+    if mx.default_device() != mx.cpu:
+        info = mx.device_info()
+        total = info.get("max_recommended_working_set_size") or info.get("memory_size")
+        if total:
+            return int(total) - mx.get_active_memory(), f"{info.get('device_name', 'GPU')} memory"
+    return _system_available() + mx.get_cache_memory(), "available system memory"
+
+
+def _system_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):  # not Linux: the physical memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def require_memory(nbytes: int, what: str) -> None:
+    """A DeviceMemoryError when `what` needs more than the memory left (available_memory)."""
+    free, where = available_memory()
+    if nbytes > free:
+        raise DeviceMemoryError(f"{what} needs about {nbytes / 2**30:.2f} GiB, more than the "
+                                f"{max(free, 0) / 2**30:.2f} GiB of {where} left")
+
+
+def kv_cache_bytes(args: ModelArgs, positions: int, dtype: mx.Dtype) -> int:
+    """Every layer's keys and values for `positions` positions."""
+    return 2 * args.num_hidden_layers * args.num_key_value_heads * positions * args.head_dim * dtype.size
+
+
+def forward_bytes(args: ModelArgs, tokens: int, every_position: bool = False) -> int:
+    """A generous estimate of what one forward over `tokens` positions holds beyond the weights and the cache (the
+    check is against asking for far too much, not a budget): the activations of the widest layer, one layer's
+    attention scores where MLX makes them whole (CPU; about 1.3x one layer's, measured), and every position's
+    float32 logits when asked for."""
+    widest = max(4 * args.hidden_size, args.intermediate_size,
+                 args.num_experts_per_tok * args.moe_intermediate_size + args.shared_expert_intermediate_size)
+    scores = 2 * args.num_attention_heads * tokens * tokens * 4 if mx.default_device() == mx.cpu else 0
+    return 3 * tokens * widest * 4 + scores + (2 * tokens * args.vocab_size * 4 if every_position else 0)
 
 
 class KVCache:
@@ -57,11 +106,6 @@ class KVCache:
 
     def attention_mask(self, length: int) -> str | None:
         return "causal" if length > 1 else None
-
-    @property
-    def span(self) -> int:
-        """Positions the next single-token step attends to (the cached ones and its own)."""
-        return self.offset + 1
 
     @property
     def state(self) -> tuple[mx.array, mx.array] | tuple[()]:
@@ -191,8 +235,8 @@ class StaticLayerCache:
         """Hand them over, and return this layer's block [1, kv_heads, CAP, head_dim] with them written in.
 
         The block is a copy (its buffer is shared with every layer's, so it cannot be updated in place):
-        a step that attends with MLX's SDPA (the fused switch off, or a capacity past the kernel's
-        MAX_POSITIONS) copies CAP positions a layer, on top of SDPA reading them over the whole capacity."""
+        a step that attends with MLX's SDPA (the fused switch off, or a layer the kernel declines) copies CAP
+        positions a layer, on top of SDPA reading them over the whole capacity."""
         self.write(keys, values)
         start, i = self.cache.position.start, self.layer
         return tuple(mx.slice_update(buffer[i : i + 1], new, start, axes=(0, 1, 2, 3))
@@ -207,11 +251,6 @@ class StaticLayerCache:
         """The kernel that output these (its k_new / v_new) stored them in the buffers itself: the commit
         writes nothing."""
         self.cache.add(self.layer, keys, values, in_place=True)
-
-    @property
-    def span(self) -> int:
-        """Positions a traced step may attend to: the capacity (its position is an array)."""
-        return self.cache.capacity
 
     def attention_mask(self, length: int) -> mx.array:
         """Query i (at position offset + i) sees cache slots 0..offset + i; the rest is unwritten."""

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Real
 
 import mlx.core as mx
 
 from ..checkpoint.config import GenerationConfig
-from ..errors import MoebenchError
+from ..errors import DecodeError
 
-
-class DecodeError(MoebenchError, ValueError):
-    """A prompt or sampling setting decoding cannot use: no tokens, ids outside the vocabulary, top_p 0, ..."""
+# The smallest temperature and repetition penalty (other than temperature 0, greedy) that keep logits / x finite in
+# float32 for any logit below 1e32: below it a logit overflows to inf and ties with every other one that does.
+MIN_DIVISOR = 1e-6
 
 
 @dataclass(frozen=True)
@@ -36,16 +37,23 @@ class Sampling:
     repetition_context: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            if not _is_real(getattr(self, name)):
+                raise DecodeError(f"Sampling.{name} must be a number, got {getattr(self, name)!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise DecodeError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_DIVISOR:
+            raise DecodeError(f"temperature {self.temperature} is below {MIN_DIVISOR}: logits / temperature would "
+                              "overflow float32 (use 0 for greedy)")
         if not 0 < self.top_p <= 1:
             raise DecodeError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not _is_int(self.seed):
             raise DecodeError(f"seed must be an integer or None, got {self.seed!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise DecodeError(f"top_k must be an integer >= 0 (0 keeps every token), got {self.top_k!r}")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise DecodeError(f"repetition_penalty must be a positive number (1 is off), got {self.repetition_penalty}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty < MIN_DIVISOR:
+            raise DecodeError(f"repetition_penalty must be a finite number >= {MIN_DIVISOR} (1 is off), got "
+                              f"{self.repetition_penalty}")
         if self.repetition_context is not None and (not _is_int(self.repetition_context)
                                                     or self.repetition_context < 1):
             raise DecodeError(f"repetition_context must be an integer >= 1 or None, got {self.repetition_context!r}")
@@ -69,6 +77,10 @@ class Sampling:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
 
 
 def penalize_repetition(logits: mx.array, history: mx.array, penalty: float) -> mx.array:
