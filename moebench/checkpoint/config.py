@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .files import checkpoint_file
 
 QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUP_SIZES = (32, 64, 128)
 # transformers' Qwen2MoeConfig default, used when config.json gives no rope_theta at all.
 DEFAULT_ROPE_THETA = 10_000.0
+FLOAT32_MAX = 3.4028234663852886e38
 # MLX's fixed (group size, bits) for the bias-free floating point modes.
 FP_MODES = {"mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}
 # mlx.nn's (group size, bits) for a quantization entry that leaves them out or null, per mode.
@@ -94,6 +96,7 @@ class ModelArgs:
     qkv_bias: bool = True
     quantization: Quantization | None = None
     eos_token_id: tuple[int, ...] = ()
+    max_position_embeddings: int | None = None  # the longest sequence the model was made for (None: not given)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Qwen2-MoE's rule: MoE unless listed as MLP-only, and only every `decoder_sparse_step`-th layer."""
@@ -116,8 +119,9 @@ class ModelArgs:
             return value
 
         def number(key: str, value: Any) -> float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"{source}: field {key!r} must be a positive number, got {value!r}")
+            """A positive number that stays finite in float32 (JSON's Infinity and 1e39 would not)."""
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= FLOAT32_MAX:
+                raise ConfigError(f"{source}: field {key!r} must be a positive finite number, got {value!r}")
             return float(value)
 
         def optional(key: str, default: Any) -> Any:
@@ -201,6 +205,8 @@ class ModelArgs:
             qkv_bias=flag("qkv_bias", optional("qkv_bias", optional("attention_bias", True))),
             quantization=_parse_quantization(cfg.get("quantization"), source),
             eos_token_id=token_ids(cfg.get("eos_token_id"), f"{source}: field 'eos_token_id'"),
+            max_position_embeddings=None if cfg.get("max_position_embeddings") is None else integer(
+                "max_position_embeddings", cfg["max_position_embeddings"]),
         )
 
     @classmethod
@@ -276,9 +282,10 @@ def _setting(cfg: dict[str, Any], path: Path, key: str) -> Any:
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
-    """A JSON file whose top level is an object; FileNotFoundError passes through for the caller to word."""
+    """A JSON file of a checkpoint folder (a regular file inside it: checkpoint_file) whose top level is an
+    object; FileNotFoundError passes through for the caller to word."""
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(checkpoint_file(path, path.parent, ConfigError).read_text())
     except FileNotFoundError:
         raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -1,22 +1,25 @@
 """Checkpoint folders: safetensors files or shards, header checks, the tensor store.
 
-Every safetensors header is validated in Python (sizes, offsets, dtypes) before MLX touches the
-file, so a truncated or corrupt file raises CheckpointError naming it instead of aborting MLX.
-Tensors load lazily (mx.load), so stacking experts never holds two full copies in memory.
+Every safetensors header is validated in Python (sizes, offsets that neither overlap nor repeat a name,
+dtypes) before MLX touches the file, so a truncated or corrupt file raises CheckpointError naming it
+instead of aborting MLX; no message quotes a file's bytes. Every file read must be a regular file inside
+the checkpoint folder (checkpoint_file): a shard index cannot name a path outside it, and a FIFO cannot
+block the loader. Tensors load lazily (mx.load), so stacking experts never holds two full copies in memory.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import stat
 import struct
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import mlx.core as mx
 from tqdm.auto import tqdm
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, MoebenchError
 
 SAFETENSORS_DTYPES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4, "U32": 4,
@@ -24,6 +27,26 @@ SAFETENSORS_DTYPES = {
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_file(path: Path, folder: Path, error: type[MoebenchError] = CheckpointError) -> Path:
+    """`path`, once it is known to be a regular file inside `folder`: a link may point anywhere inside it, or into
+    the blob store of the Hugging Face cache when `folder` is one of its snapshots (snapshots/REV/x links to
+    ../../blobs/HASH). Anything else (a FIFO would block the read forever, a device, a folder, a file elsewhere)
+    is an `error` naming the path; a missing file raises FileNotFoundError for the caller to word."""
+    try:
+        mode = path.stat().st_mode
+        target, root = path.resolve(), folder.resolve()
+    except FileNotFoundError:
+        raise
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
+        raise error(f"{path}: cannot read: {e}") from e
+    roots = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+    if not any(target.is_relative_to(r) for r in roots):
+        raise error(f"{path}: resolves to {target}, outside the checkpoint folder {folder}")
+    if not stat.S_ISREG(mode):
+        raise error(f"{path}: not a regular file")
+    return path
 
 
 def read_safetensors_header(path: Path) -> dict[str, dict]:
@@ -35,15 +58,20 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
             if len(head) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
             (n,) = struct.unpack("<Q", head)
-            if n == 0 or n > MAX_HEADER_BYTES or n > size - 8:
-                raise CheckpointError(f"{path}: corrupt header length {n} for a file of {size} bytes")
+            if n == 0 or n > MAX_HEADER_BYTES or n > size - 8:  # the number itself is the file's bytes: not quoted
+                raise CheckpointError(f"{path}: corrupt header length (not a safetensors file? its first 8 bytes give "
+                                      f"none that fits the file's {size} bytes and the {MAX_HEADER_BYTES} byte limit)")
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e}") from e
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON): {e}") from e
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: not UTF-8 at byte {8 + e.start})") from e
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: {e.msg} at byte {8 + e.pos})") from e
+    except _DuplicateKey as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header: key {e.args[0]!r} appears twice") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not an object)")
     data_size = size - 8 - n
@@ -77,28 +105,64 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
                 f"needs {expected}"
             )
         tensors[name] = info
+    spans = sorted((info["data_offsets"], name) for name, info in tensors.items()
+                   if info["data_offsets"][0] < info["data_offsets"][1])  # an empty tensor overlaps nothing
+    for (before, first), (after, second) in zip(spans, spans[1:], strict=False):
+        if after[0] < before[1]:
+            raise CheckpointError(f"{path}: tensors {first!r} (bytes {before[0]}..{before[1]}) and {second!r} (bytes "
+                                  f"{after[0]}..{after[1]}) overlap")
     return tensors
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads' object hook: a key given twice is corrupt (the safetensors format forbids it; parsers keep one
+    or the other)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def checkpoint_files(folder: Path) -> list[Path]:
-    """The safetensors files of a folder: from the shard index when present, else every *.safetensors."""
+    """The safetensors files of a folder: from the shard index when present, else every *.safetensors; each a
+    regular file inside the folder (checkpoint_file)."""
     index = folder / INDEX_FILE
-    if index.exists():
+    if index.exists() or index.is_symlink():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({str(v) for v in weight_map.values()})
+            weight_map = json.loads(checkpoint_file(index, folder).read_text())["weight_map"]
+            names = set(weight_map.values())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index}: unreadable shard index: {e}") from e
-        if not files:
+        if not names:
             raise CheckpointError(f"{index}: the weight_map lists no shard files")
-        missing = [f for f in files if not (folder / f).exists()]
-        if missing:
-            raise CheckpointError(f"{index}: shard {folder / missing[0]} is missing")
-        return [folder / f for f in files]
+        files = []
+        for name in sorted(names, key=str):
+            path = _shard_path(folder, index, name)
+            try:
+                files.append(checkpoint_file(path, folder))
+            except FileNotFoundError as e:
+                raise CheckpointError(f"{index}: shard {path} is missing") from e
+        return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder}: no model.safetensors or shards found")
-    return files
+    return [checkpoint_file(f, folder) for f in files]
+
+
+def _shard_path(folder: Path, index: Path, name: object) -> Path:
+    """A weight_map value as a path in `folder`: relative, and never up out of it (no '..', no absolute path)."""
+    if not isinstance(name, str) or not name.strip():
+        raise CheckpointError(f"{index}: weight_map names a shard {name!r}, expected a file name")
+    relative = PurePosixPath(name)
+    if relative.is_absolute() or ".." in relative.parts or "\\" in name or "\0" in name:
+        raise CheckpointError(f"{index}: shard {name!r} is not a file name inside the checkpoint folder {folder}")
+    return folder / relative
 
 
 class TensorStore:

@@ -20,6 +20,7 @@ from .files import TensorStore
 from .tokenizer import Tokenizer
 from .weights import load_weights
 
+ACTIVATION_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 SHIPPED_MODEL = Path(str(resources.files("moebench") / "shipped" / "tiny-qwen2-moe"))  # data/, in the wheel too
 ENV_MODEL = "MOEBENCH_MODEL"
 
@@ -43,12 +44,17 @@ def default_dtype() -> mx.Dtype | None:
 
 
 def _checkpoint_dtype(store: TensorStore) -> mx.Dtype:
+    """The first float weight's or scale's dtype; float32 for a float64 checkpoint (GPUs have no float64)."""
     for name in store.names():
         if name.endswith((".scales", ".weight")):
             arr = store.peek(name)
             if mx.issubdtype(arr.dtype, mx.floating):
-                return arr.dtype
+                return arr.dtype if arr.dtype in ACTIVATION_DTYPES else mx.float32
     return mx.float32
+
+
+def _name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
 
 
 def bits_report(model: nn.Module) -> dict[str, str]:
@@ -66,19 +72,27 @@ def bits_report(model: nn.Module) -> dict[str, str]:
 
 
 def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress: bool | None = None,
-         verbose: bool = False):
+         verbose: bool = False, check_finite: bool = True):
     """Open a checkpoint folder (config.json, safetensors, tokenizer.json) -> (model, tokenizer or None).
 
     With no path, MOEBENCH_MODEL or the shipped tiny model. Activations run in float32 on CPU and in
-    the checkpoint's dtype on GPU unless `dtype` says otherwise.
+    the checkpoint's dtype on GPU unless `dtype` (float32, float16 or bfloat16) says otherwise.
+    `check_finite`: a weight holding NaN or Inf is a NonFiniteError naming it (False skips the check, e.g. to
+    time it; checkpoint.weights.nonfinite_weights runs it on a loaded model).
     """
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"load: path must be a folder name (str or Path), got {type(path).__name__}")
+    if dtype is not None and dtype not in ACTIVATION_DTYPES:
+        raise ConfigError(f"load: dtype must be one of {', '.join(map(_name, ACTIVATION_DTYPES))} or None, got "
+                          f"{dtype!r}")
     folder = Path(path) if path is not None else default_model_path()
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a checkpoint folder")
     args = ModelArgs.from_file(folder / "config.json")
     model = family(args.model_type, str(folder / "config.json")).Model(args)
     store = TensorStore(folder, progress=progress)
-    load_weights(model, store, dtype or default_dtype() or _checkpoint_dtype(store), args.quantization)
+    load_weights(model, store, dtype or default_dtype() or _checkpoint_dtype(store), args.quantization,
+                 check_finite)
     store.check_all_used()
     model.load_info = LoadInfo(folder, bits_report(model))
     if verbose:

@@ -10,14 +10,16 @@ tokenizer_config.json's.
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, ConfigError
-from .chat import BUILTIN_END_OF_TURN, ChatTemplate, Message, builtin_chat_template, read_chat_template
+from ..errors import CheckpointError, ConfigError, DecodeError
+from .chat import BUILTIN_END_OF_TURN, TEMPLATE_FILE, ChatTemplate, Message, builtin_chat_template, read_chat_template
 from .config import read_json_object
+from .files import checkpoint_file
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -25,6 +27,7 @@ SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 ADDED_TOKENS = "added_tokens.json"
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 ADDED_TOKEN_FLAGS = ("lstrip", "rstrip", "normalized", "single_word")
+UNKNOWN_ID = "<id {} not in the tokenizer>"  # how decode shows an id without text, never as nothing
 
 
 class Tokenizer:
@@ -39,7 +42,11 @@ class Tokenizer:
 
         path = Path(path)
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            self._tok = HFTokenizer.from_file(str(checkpoint_file(path, path.parent)))
+        except FileNotFoundError as e:
+            raise CheckpointError(f"{path}: no tokenizer file here") from e
+        except CheckpointError:
+            raise
         except Exception as e:  # tokenizers raises a bare Exception on bad files
             raise CheckpointError(f"{path}: cannot load tokenizer: {e}") from e
         self.path = path
@@ -65,6 +72,8 @@ class Tokenizer:
             tok._declare(where, content, token_id, flags)
         for where, source in ((folder / TOKENIZER_CONFIG, config), (folder / SPECIAL_TOKENS_MAP, special_map)):
             tok._name_special_tokens(where, source)
+        if (folder / TEMPLATE_FILE).exists():
+            checkpoint_file(folder / TEMPLATE_FILE, folder, ConfigError)  # never a FIFO or a file elsewhere
         tok.chat_template = read_chat_template(folder, config) or tok.chat_template
         note = tok.vocab_mismatch(model_vocab) if model_vocab is not None else None
         if note is not None and tok.id_count > model_vocab:
@@ -112,14 +121,34 @@ class Tokenizer:
 
     # -- text ------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise DecodeError(f"{self.path}: encode takes text, got {type(text).__name__}")
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """Text for display: control tokens (special_ids) left out unless asked for; ids stay in records."""
-        ids = [int(i) for i in ids]
+        """Text for display: control tokens (special_ids) left out unless asked for; ids stay in records. An id
+        the tokenizer does not have (a model's padding ids past its vocabulary) shows as UNKNOWN_ID, where
+        tokenizers would decode it to nothing; a negative or non-integer id is a DecodeError."""
+        try:
+            ids = [operator.index(i) for i in ids]
+        except TypeError as e:
+            raise DecodeError(f"{self.path}: token ids must be integers: {e}") from e
+        if any(i < 0 for i in ids):
+            raise DecodeError(f"{self.path}: token id {min(ids)} is negative")
         if skip_special_tokens:
             ids = [i for i in ids if i not in self._special_ids]
-        return self._tok.decode(ids, skip_special_tokens=False)
+        parts, run = [], []
+        for i in ids:
+            if self.has_id(i):
+                run.append(i)
+                continue
+            parts += [self._tok.decode(run, skip_special_tokens=False), UNKNOWN_ID.format(i)]
+            run = []
+        return "".join(parts) + self._tok.decode(run, skip_special_tokens=False)
+
+    def has_id(self, token_id: int) -> bool:
+        """Whether `token_id` has text (an id of tokenizer.json or one the folder added)."""
+        return 0 <= token_id < 2**32 and self._tok.id_to_token(token_id) is not None
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

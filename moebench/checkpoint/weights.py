@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..checkpoint.config import ModelArgs, Quantization
-from ..errors import CheckpointError
+from ..errors import CheckpointError, NonFiniteError
 from ..models import family
 from ..models.layers import QuantizedWeight, RMSNorm
 from ..models.switch import PROJECTIONS, SwitchGLU
@@ -35,24 +35,98 @@ PARTS = ("weight", "scales", "biases")
 LAYOUTS = ("per-expert", "stacked")
 EXPERTS = re.compile(r"^(?P<root>.+)\.switch_mlp\.(?P<proj>\w+)\.(?P<part>\w+)$")
 PER_EXPERT = re.compile(r"^(?P<root>.+)\.experts\.(?P<i>\d+)\.(?P<proj>\w+)\.(?P<part>\w+)$")
+SAMPLED_ABOVE = 1 << 20  # values of a float matrix that load checks on a sample of rows (finite_flags)
+SAMPLED_ROWS = 64
 LAYER_CHILD = re.compile(r"^(?P<layer>model\.layers\.\d+)\.(?P<child>\w+)\.")
 
 
-def load_weights(model: nn.Module, store: TensorStore, dtype: mx.Dtype, quantization: Quantization | None) -> None:
+def load_weights(model: nn.Module, store: TensorStore, dtype: mx.Dtype, quantization: Quantization | None,
+                 check_finite: bool = True) -> None:
     """Fill every weight of `model` from `store` in `dtype` (float weights, scales, biases, norms): decoder
     layer by layer, each evaluated before the next is read (a bounded peak of memory), then the rest. A tied
     output projection's stored copy is dropped, as transformers and mlx-lm drop it; leftover tensors are the
-    caller's to report (TensorStore.check_all_used)."""
-    for i, layer in enumerate(model.layers):
-        _load_tree(layer, f"model.layers.{i}", store, dtype, quantization)
-        mx.eval(layer.parameters())
-    for path, module in _in_model_order(model):
-        if isinstance(module, (QuantizedWeight, RMSNorm)) and not path.startswith("model.layers."):
-            _load_tree(module, path, store, dtype, quantization)
+    caller's to report (TensorStore.check_all_used). With `check_finite`, a weight holding NaN or Inf is a
+    NonFiniteError naming it (finite_flags: large float matrices sampled, the rest whole; evaluated with the
+    weights, so the files are read once)."""
+    trees = [(layer, f"model.layers.{i}") for i, layer in enumerate(model.layers)]
+    for tree, prefix in trees:
+        _load_tree(tree, prefix, store, dtype, quantization)
+        _evaluate(tree, prefix, store, check_finite)
+    rest = [(m, path) for path, m in _in_model_order(model)
+            if isinstance(m, (QuantizedWeight, RMSNorm)) and not path.startswith("model.layers.")]
+    for module, path in rest:
+        _load_tree(module, path, store, dtype, quantization)
     if "lm_head" not in model:
         for part in (*PARTS, "bias"):
             store.take_optional(f"lm_head.{part}")
-    mx.eval(model.parameters())
+    for module, path in rest:
+        _evaluate(module, path, store, check_finite)
+
+
+def _evaluate(tree: nn.Module, prefix: str, store: TensorStore, check_finite: bool) -> None:
+    flags = finite_flags(tree, prefix, full=False) if check_finite else {}
+    mx.eval(tree.parameters(), list(flags.values()))
+    for name, flag in flags.items():
+        bad = flag.tolist()
+        if bad is True or (isinstance(bad, list) and all(bad)):
+            continue
+        expert = f" (expert {bad.index(False)})" if isinstance(bad, list) else ""
+        raise NonFiniteError(f"{store.where(name)}: tensor {name}{expert} holds NaN or Inf")
+
+
+def finite_flags(tree: nn.Module, prefix: str = "", full: bool = True) -> dict[str, mx.array]:
+    """{tensor name: lazy bool, True where it holds no NaN or Inf (one per expert of a stack)} for every weight
+    under `tree` (whose path in the model is `prefix`): float weights, biases and norms, affine scales and
+    biases, and the NaN / Inf codes of the fp modes (uint8 scales; mxfp8's e4m3 weights). The quantized weights
+    of the other modes hold no such code. Without `full`, a float matrix of more than SAMPLED_ABOVE values is
+    checked on SAMPLED_ROWS rows spread over it (what load does: checking a float checkpoint whole costs ~20% of
+    its load on CPU, measured); everything else always whole.
+
+    A float array is checked through its sum, which is NaN or Inf exactly when one of its values is (or when a
+    sum of huge finite values overflows float32's range, which weights of 1e29 and more can do): one read of the
+    array, where an elementwise isfinite costs several times that on CPU."""
+    flags = {}
+    for path, module in tree.named_modules():
+        if not isinstance(module, (QuantizedWeight, RMSNorm)):
+            continue
+        name = ".".join(p for p in (prefix, path) if p)
+        mode = getattr(module, "mode", None)
+        for part in (*PARTS, "bias"):
+            if part not in module:
+                continue
+            array = module[part]
+            if not full and mode is None and part == "weight" and isinstance(module, QuantizedWeight) and \
+                    array.size > SAMPLED_ABOVE:
+                array = array[..., :: -(-array.shape[-2] // SAMPLED_ROWS), :]
+            if (flag := _finite(array, part, mode)) is not None:
+                flags[f"{name}.{part}"] = flag
+    return flags
+
+
+def _finite(array: mx.array, part: str, mode: str | None) -> mx.array | None:
+    """Whether the array (each expert of a stack [E, ...]) holds only finite values; None when it cannot hold NaN
+    or Inf."""
+    axes = tuple(range(1, array.ndim)) if array.ndim == 3 else None
+    if mx.issubdtype(array.dtype, mx.floating):
+        if array.dtype == mx.float16:  # its sum would overflow at 65504
+            array = array.astype(mx.float32)
+        return mx.isfinite(array.sum(axis=axes) if axes else array.sum())
+    if part == "scales" and mode in ("mxfp4", "mxfp8"):
+        bad = array == 0xFF  # e8m0: 0xFF is NaN
+    elif (part, mode) in (("scales", "nvfp4"), ("weight", "mxfp8")):
+        bad = (mx.view(array, mx.uint8) & 0x7F) == 0x7F  # e4m3: S1111111 is NaN
+    else:
+        return None
+    return ~(bad.any(axis=axes) if axes else bad.any())
+
+
+def nonfinite_weights(model: nn.Module) -> list[str]:
+    """The names of the model's weights that hold NaN or Inf, every value of every weight read (load samples large
+    float matrices; selfcheck's place). Its cost is timed by calling it on a loaded model, load's by loading with
+    and without check_finite."""
+    flags = finite_flags(model, full=True)
+    mx.eval(list(flags.values()))
+    return [name for name, flag in flags.items() if not flag.all().item()]
 
 
 def _load_tree(tree: nn.Module, prefix: str, store: TensorStore, dtype: mx.Dtype,
