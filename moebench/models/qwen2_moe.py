@@ -16,10 +16,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..checkpoint.config import ModelArgs
+from ..errors import DecodeError
 from . import hooks
 from .hooks import Record
 from .layers import Embedding, Linear, RMSNorm
-from .routing import Intervention, route
+from .routing import Intervention, InterventionError, route
 from .switch import SwitchGLU, swiglu, weighted_sum
 
 
@@ -92,7 +93,10 @@ class SparseMoeBlock(nn.Module):
 
     @intervention.setter
     def intervention(self, value: Intervention | None) -> None:
+        """Checked against this block (expert ids, top_k) before it is set: a bad one leaves the old in place."""
         if value is not None:
+            if not isinstance(value, Intervention):
+                raise InterventionError(f"expected a moebench.Intervention or None, got {type(value).__name__}")
             value.validate(self.num_experts, self.top_k)
         self._intervention = value
 
@@ -155,6 +159,24 @@ class Qwen2MoeModel(nn.Module):
         return self.norm(x)
 
 
+def check_token_ids(tokens: mx.array, vocab: int) -> None:
+    """A direct call's tokens: an integer array [B, L] of ids inside the vocabulary. MLX does not bounds-check the
+    embedding lookup (an id past the table reads other memory, or crashes the process), so a bad id is a
+    DecodeError; this reads the ids' range (one small evaluation per call; the decode loops check their prompts
+    once instead and call the executor)."""
+    if not isinstance(tokens, mx.array) or tokens.ndim != 2 or not mx.issubdtype(tokens.dtype, mx.integer):
+        kind = f"{tokens.dtype} array of shape {tuple(tokens.shape)}" if isinstance(tokens, mx.array) else \
+            type(tokens).__name__
+        raise DecodeError(f"model call: tokens must be an integer mx.array [batch, length], got {kind}")
+    if tokens.size == 0:
+        raise DecodeError("model call: no tokens")
+    bounds = mx.stack([mx.min(tokens), mx.max(tokens)]).tolist()  # one evaluation
+    low, high = bounds
+    if low < 0 or high >= vocab:
+        raise DecodeError(f"model call: token id {low if low < 0 else high} is outside the model's vocabulary of "
+                          f"{vocab} (ids 0..{vocab - 1})")
+
+
 class Model(nn.Module):
     """tokens [B, L] -> logits [B, L, vocab]; with a cache (moebench.decode.cache) it continues a sequence."""
 
@@ -166,6 +188,7 @@ class Model(nn.Module):
             self.lm_head = Linear(args.hidden_size, args.vocab_size)
 
     def __call__(self, tokens: mx.array, cache=None, record: Record | None = None) -> mx.array:
+        check_token_ids(tokens, self.args.vocab_size)
         return self.unembed(self.model(tokens, cache, record))
 
     def unembed(self, h: mx.array) -> mx.array:

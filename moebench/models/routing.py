@@ -8,7 +8,9 @@ for the rest of a decode and are cleared by setting the block's intervention bac
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import mlx.core as mx
 
@@ -41,10 +43,22 @@ class Intervention:
     shared_gate_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        # Lists are accepted and stored as tuples, so interventions compare and hash by value.
+        """Types checked when made (a layer's expert count is checked when set on it: validate). Expert ids are
+        stored as a tuple of ints (lists and numpy integers accepted), so interventions compare and hash by value."""
         if self.force_experts is not None:
-            object.__setattr__(self, "force_experts", tuple(self.force_experts))
-        object.__setattr__(self, "ablate", tuple(self.ablate))
+            object.__setattr__(self, "force_experts", _expert_ids("force_experts", self.force_experts))
+        object.__setattr__(self, "ablate", _expert_ids("ablate", self.ablate))
+        for name in ("renormalize_ablation", "shared_expert"):
+            if not isinstance(getattr(self, name), bool):
+                raise InterventionError(f"Intervention.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.top_k is not None:
+            if isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral):
+                raise InterventionError(f"Intervention.top_k must be an integer or None, got {self.top_k!r}")
+            object.__setattr__(self, "top_k", int(self.top_k))
+        scale = self.shared_gate_scale
+        if isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale):
+            raise InterventionError(f"Intervention.shared_gate_scale must be a finite number, got {scale!r}")
+        object.__setattr__(self, "shared_gate_scale", float(scale))
 
     def validate(self, num_experts: int, top_k: int) -> None:
         """Raise InterventionError when this intervention cannot apply to a layer of `num_experts` that selects
@@ -63,14 +77,25 @@ class Intervention:
             if self.top_k is not None:
                 raise InterventionError("set force_experts or top_k, not both (forcing fixes the count)")
         selectable = num_experts - len(set(self.ablate))
+        if not selectable:
+            raise InterventionError(f"ablate names every one of the {num_experts} experts: none is left to select")
         k = self.top_k
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= selectable):
             raise InterventionError(f"top_k {k!r} must be between 1 and the {selectable} selectable experts")
         if self.force_experts is None and k is None and top_k > selectable:
             raise InterventionError(f"ablating {len(set(self.ablate))} of {num_experts} experts leaves {selectable}, "
                                     f"fewer than the layer's top-{top_k}")
-        if not math.isfinite(self.shared_gate_scale):
-            raise InterventionError(f"shared_gate_scale must be finite, got {self.shared_gate_scale}")
+
+
+def _expert_ids(name: str, value: object) -> tuple[int, ...]:
+    """Expert ids as a tuple of ints: a list, tuple or array of integers (one id alone is not a list)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InterventionError(f"Intervention.{name} must list expert ids, got {value!r}")
+    ids = tuple(value)
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, Integral)]
+    if bad:
+        raise InterventionError(f"Intervention.{name}: expert id {bad[0]!r} is not an integer")
+    return tuple(int(i) for i in ids)
 
 
 def route(

@@ -71,19 +71,23 @@ def test_interventions_compare_by_value_and_lists_become_tuples():
     assert a == b and hash(a) == hash(b) and a.ablate == (3,)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (Intervention(force_experts=(E,)), "valid ids"),
-    (Intervention(ablate=(True,)), "valid ids"),
-    (Intervention(force_experts=()), "at least one"),
-    (Intervention(force_experts=(1, 1)), "twice"),
-    (Intervention(force_experts=(1, 2), ablate=(2,)), "ablated"),
-    (Intervention(force_experts=(1,), top_k=1), "not both"),
-    (Intervention(top_k=0), "top_k"),
-    (Intervention(ablate=tuple(range(E - 1)), top_k=2), "top_k"),
-    (Intervention(shared_gate_scale=math.nan), "finite"),
-    (Intervention(ablate=tuple(range(E - 1))), "fewer than the layer's top-2"),
+@pytest.mark.parametrize("fields, message", [
+    (dict(force_experts=(E,)), "valid ids"),
+    (dict(ablate=(True,)), "not an integer"),  # types are checked when the intervention is made
+    (dict(ablate=3), "must list expert ids"),
+    (dict(top_k=2.0), "top_k must be an integer"),
+    (dict(shared_expert="no"), "True or False"),
+    (dict(force_experts=()), "at least one"),
+    (dict(force_experts=(1, 1)), "twice"),
+    (dict(force_experts=(1, 2), ablate=(2,)), "ablated"),
+    (dict(force_experts=(1,), top_k=1), "not both"),
+    (dict(top_k=0), "top_k"),
+    (dict(ablate=tuple(range(E - 1)), top_k=2), "top_k"),
+    (dict(ablate=tuple(range(E))), "every one of the"),
+    (dict(shared_gate_scale=math.nan), "finite"),
+    (dict(ablate=tuple(range(E - 1))), "fewer than the layer's top-2"),
 ])
-def test_validation_names_the_problem(bad, message):
+def test_validation_names_the_problem(fields, message):
     with pytest.raises(InterventionError, match=message) as info:
-        bad.validate(E, K)
+        Intervention(**fields).validate(E, K)
     assert isinstance(info.value, MoebenchError) and isinstance(info.value, ValueError)
