@@ -43,7 +43,8 @@ def test_stops_at_a_stop_token_and_keeps_it(model):
     first = free.index(stop)
     stopped = generate(model, PROMPT, 10, stop_ids=(stop,))
     assert stopped.token_ids == free[: first + 1]
-    assert generate(model, PROMPT, 0).token_ids == []
+    with pytest.raises(DecodeError, match=r"max_tokens must be at least 1 \(an integer\), got 0"):
+        generate(model, PROMPT, 0)
 
 
 def test_sampling_with_a_seed_is_reproducible(model):
