@@ -13,6 +13,10 @@ Changes a caller makes between tokens (fused switch, interventions, `record`) st
 next token: the speculative step remembers the state it was built under and is rolled back (cache
 position, sampling key; it was never counted) and rebuilt when that state changed or the caller feeds a
 different token.
+
+A call that fails (an error, a KeyboardInterrupt) leaves the stepper at its last whole step: the cache
+position, sampling key, token history, trace and counts are put back, the step it was building is
+dropped, and the next call continues from there as if the failed one had not run.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -27,9 +32,9 @@ import numpy as np
 
 from ..checkpoint.chat import prompt_ids as chat_prompt_ids
 from ..checkpoint.tokenizer import stop_ids as default_stop_ids
-from ..decode.loop import GenerationResult, Session, Step, check_prompt
+from ..decode.loop import GenerationResult, Session, Step, check_length, check_prompt, check_stop_ids
 from ..decode.sampling import Sampling
-from ..errors import MoebenchError
+from ..errors import DecodeError, MoebenchError
 from ..execution.plan import Decision
 from ..execution.settings import KernelSettings
 from ..models import hooks
@@ -178,6 +183,20 @@ class _Pending:
     state: tuple
 
 
+class _Mark(NamedTuple):
+    """A stepper at its last whole step: what a failed call puts back (Stepper._restore)."""
+
+    positions: int
+    key: mx.array | None
+    history: mx.array | None
+    last_token: int | None
+    generated: int
+    first_token_at: float | None
+    done: bool
+    prompt_seconds: float
+    decode_seconds: float
+
+
 class Stepper:
     """Decode a prompt one token at a time, recording internals when `record` is set.
 
@@ -200,21 +219,30 @@ class Stepper:
         prompt_ids = check_prompt(model, chat_prompt_ids(prompt, tokenizer, chat=chat, system=system,
                                                          **template_variables))
         vocab = model.args.vocab_size
-        if top < 0 or top > vocab:
-            raise MoebenchError(f"top must be between 0 and the vocabulary size {vocab}, got {top}")
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= vocab:
+            raise DecodeError(f"top must be an integer between 0 and the vocabulary size {vocab}, got {top!r}")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
+            raise DecodeError(f"max_tokens must be an integer or None, got {max_tokens!r}")
+        if fused not in (None, True, False):
+            raise DecodeError(f"fused must be True, False or None (the model's switch), got {fused!r}")
+        positions = len(prompt_ids) + (max_tokens - 1 if max_tokens is not None and max_tokens > 1 else 0)
+        check_length(model, len(prompt_ids), positions, every_position=True)
         self.model, self.tokenizer = model, tokenizer
-        sampling = sampling or Sampling()
+        sampling = Sampling() if sampling is None else sampling
+        self.session = Session(model, sampling, compiled=False)
         self.record, self.sampling, self.top, self.keep_logits = record, sampling, top, keep_logits
         self.fused, self.max_tokens, self.pipeline = fused, max_tokens, pipeline
-        self.stop_ids = default_stop_ids(model.args.eos_token_id, tokenizer) if stop_ids is None else tuple(stop_ids)
+        self.stop_ids = default_stop_ids(model.args.eos_token_id, tokenizer) if stop_ids is None else tuple(
+            check_stop_ids(stop_ids))
         self.trace = Trace(prompt_ids, special_ids=tokenizer.special_ids if tokenizer is not None else frozenset())
         self._blocks = model.moe_blocks()
-        self.session = Session(model, sampling, compiled=False)
         self._pending: _Pending | None = None
         self._last_token: int | None = None
         self._generated = 0
         self._first_token_at: float | None = None
         self.done = False
+        self._mark = self._current_mark()
+        self._open = False  # a public call is running, or failed before it finished
 
     # -- the state a built step depends on -------------------------------------------------------
     def _settings(self) -> KernelSettings:
@@ -227,6 +255,41 @@ class Stepper:
     def _text(self, token_id: int) -> str | None:
         """One token as it is, a control token's name included (Trace.text leaves those out)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else None
+
+    # -- a call either finishes or leaves the stepper at its last whole step ------------------------------
+    def _current_mark(self) -> _Mark:
+        """The state after the last whole step: a speculative step's key and history are those before it."""
+        p = self._pending
+        key, history = (p.step.key_before, p.step.history_before) if p else (self.session.key, self.session.history)
+        return _Mark(len(self.trace.steps), key, history, self._last_token, self._generated, self._first_token_at,
+                     self.done, self.trace.prompt_seconds, self.trace.decode_seconds)
+
+    def _settle(self) -> None:
+        """Put back the last whole step when the previous call did not finish (a second interrupt during the
+        restore of the first leaves it to do)."""
+        if self._open:
+            self._restore()
+
+    def _end(self, pending: _Pending | None) -> None:
+        """Finish a call: count the step it took, and mark the stepper whole there."""
+        if pending is not None:
+            self.session.count(pending.step)
+        self._mark = self._current_mark()
+        self._open = False
+
+    def _restore(self) -> None:
+        """Back to the last whole step (every layer's cache position included: a forward stopped half-way leaves
+        them apart); the step being built is dropped. Idempotent, so an interrupt inside it is harmless."""
+        m = self._mark
+        self._pending = None
+        for c in self.session.cache:
+            c.offset = m.positions
+        self.session.key, self.session.history = m.key, m.history
+        del self.trace.steps[m.positions:]
+        self._last_token, self._generated, self._first_token_at, self.done = (m.last_token, m.generated,
+                                                                              m.first_token_at, m.done)
+        self.trace.prompt_seconds, self.trace.decode_seconds = m.prompt_seconds, m.decode_seconds
+        self._open = False
 
     # -- building, rolling back and finishing steps -----------------------------------------------
     def _build(self, tokens: mx.array, inputs: list[int] | None) -> _Pending:
@@ -250,14 +313,18 @@ class Stepper:
         self.session.rollback(pending.step)
 
     def _speculate(self, pending: _Pending) -> _Pending | None:
-        """Build the step after `pending` from its (still lazy) chosen token."""
+        """Build the step after `pending` from its (still lazy) chosen token (not past max_tokens or the model's
+        max_position_embeddings)."""
         if not self.pipeline or (self.max_tokens is not None and self._generated + 1 >= self.max_tokens):
+            return None
+        limit = self.model.args.max_position_embeddings
+        if limit is not None and pending.position + pending.step.tokens >= limit:
             return None
         return self._build(pending.step.token.reshape(1).astype(mx.uint32), None)
 
     def _finish(self, pending: _Pending, phase: str) -> list[StepRecord]:
         """Wait for a step and turn what it computed into records, one per input position."""
-        token_id = self.session.take(pending.step)
+        token_id = self.session.take(pending.step, count=False)
         if self._pending is not None:
             self._pending.inputs = [token_id]
         inputs = pending.inputs
@@ -296,7 +363,13 @@ class Stepper:
         token = records[-1].token_id
         self._last_token = token
         if token in self.stop_ids or (self.max_tokens is not None and self._generated >= self.max_tokens):
-            self.close()
+            self._drop_pending()
+            self.done = True
+
+    def _drop_pending(self) -> None:
+        if self._pending is not None:
+            self._rollback(self._pending)
+            self._pending = None
 
     # -- the public stepping API -------------------------------------------------------------------
     @property
@@ -305,42 +378,62 @@ class Stepper:
 
     def prefill(self) -> list[StepRecord]:
         """Run the prompt; one record per prompt token, the last carrying the first generated token."""
+        self._settle()
         if self.prefilled:
             raise MoebenchError("prefill already ran for this stepper")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise MoebenchError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        start = time.perf_counter()
-        prompt = self.trace.prompt_ids
-        pending = self._build(mx.array(prompt, dtype=mx.uint32), list(prompt))
-        self._pending = self._speculate(pending)
-        records = self._finish(pending, "prefill")
-        seconds = time.perf_counter() - start
-        for r in records:
-            r.seconds = seconds
-        self.trace.prompt_seconds = seconds
-        self._accept(records)
+        self._open = True
+        try:
+            start = time.perf_counter()
+            prompt = self.trace.prompt_ids
+            pending = self._build(mx.array(prompt, dtype=mx.uint32), list(prompt))
+            self._pending = self._speculate(pending)
+            records = self._finish(pending, "prefill")
+            seconds = time.perf_counter() - start
+            for r in records:
+                r.seconds = seconds
+            self.trace.prompt_seconds = seconds
+            self._accept(records)
+            self._end(pending)
+        except BaseException:
+            self._restore()
+            raise
         return records
 
     def step(self, feed: int | None = None) -> StepRecord:
         """One decode step: feed the last chosen token (or `feed`, for teacher forcing); return its record."""
+        self._settle()
         if not self.prefilled:
             raise MoebenchError("call prefill() before step() (iterating the stepper does both)")
         if self.done:
             raise MoebenchError("the decode has finished (stop token or max_tokens); start a new Stepper")
-        fed = self._last_token if feed is None else int(feed)
-        if not 0 <= fed < self.model.args.vocab_size:
-            raise MoebenchError(f"feed token id {fed} is outside the vocabulary 0..{self.model.args.vocab_size - 1}")
-        start = time.perf_counter()
-        pending, self._pending = self._pending, None
-        if pending is not None and (fed != self._last_token or pending.state != self._state()):
-            self._rollback(pending)
-            pending = None
-        if pending is None:
-            pending = self._build(mx.array([fed], dtype=mx.uint32), [fed])
-        self._pending = self._speculate(pending)
-        records = self._finish(pending, "decode")
-        records[0].seconds = time.perf_counter() - start
-        self._accept(records)
+        fed = self._last_token if feed is None else feed
+        vocab = self.model.args.vocab_size
+        if isinstance(fed, bool) or not isinstance(fed, Integral) or not 0 <= fed < vocab:
+            raise DecodeError(f"feed token id {fed!r} is not an id of the vocabulary 0..{vocab - 1}")
+        fed = int(fed)
+        limit = self.model.args.max_position_embeddings
+        if limit is not None and len(self.trace.steps) >= limit:
+            raise DecodeError(f"the decode holds {len(self.trace.steps)} positions, the model's "
+                              f"max_position_embeddings (config.json): it cannot take another token")
+        self._open = True
+        try:
+            start = time.perf_counter()
+            pending, self._pending = self._pending, None
+            if pending is not None and (fed != self._last_token or pending.state != self._state()):
+                self._rollback(pending)
+                pending = None
+            if pending is None:
+                pending = self._build(mx.array([fed], dtype=mx.uint32), [fed])
+            self._pending = self._speculate(pending)
+            records = self._finish(pending, "decode")
+            records[0].seconds = time.perf_counter() - start
+            self._accept(records)
+            self._end(pending)
+        except BaseException:
+            self._restore()
+            raise
         return records[0]
 
     def __iter__(self) -> Iterator[StepRecord]:
@@ -351,9 +444,14 @@ class Stepper:
             yield self.step()
 
     def run(self, n: int) -> Trace:
-        """Generate up to n tokens (counting the one prefill chooses) synchronously; returns the trace."""
-        if n < 1:
-            raise MoebenchError(f"n must be at least 1, got {n}")
+        """Generate up to n tokens (counting the one prefill chooses) synchronously; returns the trace. The
+        positions they take are checked first (check_length), so a run past the model's length never starts."""
+        self._settle()
+        if isinstance(n, bool) or not isinstance(n, Integral) or n < 1:
+            raise DecodeError(f"n must be an integer >= 1, got {n!r}")
+        prompt = len(self.trace.prompt_ids)
+        fed = len(self.trace.steps) + n if self.prefilled else prompt + n - 1
+        check_length(self.model, 1 if self.prefilled else prompt, fed, every_position=not self.prefilled)
         target = self._generated + n
         if self.max_tokens is None or self.max_tokens > target:
             self.max_tokens = target
@@ -365,10 +463,11 @@ class Stepper:
 
     def close(self) -> None:
         """Drop a speculative step and end the decode."""
-        if self._pending is not None:
-            self._rollback(self._pending)
-            self._pending = None
+        self._settle()
+        self._open = True
+        self._drop_pending()
         self.done = True
+        self._end(None)
 
 
 def decode(model, tokenizer=None, prompt: str | list[int] = "", n: int = 16, **options) -> Trace:
