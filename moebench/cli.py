@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     try:
         return a.run(a)
-    except MoebenchError as e:
+    except (MoebenchError, OSError) as e:  # OSError: a file given on the command line (its name is in the message)
         print(f"moebench: error: {e}", file=sys.stderr)
         return 2
 

@@ -81,14 +81,20 @@ def save_frames(frames: dict[str, pd.DataFrame], folder: str | Path, fmt: str = 
     if fmt not in FORMATS:
         raise MoebenchError(f"export format must be one of {FORMATS}, got {fmt!r}")
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission, a read-only disk
+        raise MoebenchError(f"{folder}: cannot make the export folder: {e}") from e
     paths = []
     for name, frame in frames.items():
         path = folder / f"{name}.{fmt}"
-        if fmt == "parquet":
-            frame.to_parquet(path, index=False)
-        else:
-            frame.to_json(path, orient="records", indent=1)
+        try:
+            if fmt == "parquet":
+                frame.to_parquet(path, index=False)
+            else:
+                frame.to_json(path, orient="records", indent=1)
+        except OSError as e:
+            raise MoebenchError(f"{path}: cannot write the {name} frame: {e}") from e
         paths.append(path)
     return paths
 

@@ -429,7 +429,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run)
 
 
+def _writable(path: Path) -> None:
+    """Fail before a bench runs, not after it, when its --json file cannot be written."""
+    folder = path.parent
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK) or (
+            path.exists() and not os.access(path, os.W_OK)):
+        raise MoebenchError(f"--json {path}: cannot write a file there")
+
+
 def _run(a: argparse.Namespace) -> int:
+    if a.json:
+        _writable(Path(a.json))
     path = Path(a.model) if a.model else default_model_path()
     model, _ = load(path, verbose=True)
     prompt_ids = prompt_token_ids(model.args.vocab_size, a.prompt_tokens, a.seed)
@@ -451,5 +461,8 @@ def _run(a: argparse.Namespace) -> int:
     record = bench_record(results, model, prompt_ids, a.gen_tokens, a.repeats, skipped, arguments)
     print(format_table(record))
     if a.json:
-        Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
+        try:
+            Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
+        except OSError as e:
+            raise MoebenchError(f"--json {a.json}: cannot write the record: {e}") from e
     return 0

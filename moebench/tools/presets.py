@@ -105,8 +105,8 @@ def write_random(
     if not shard_gb > 0:
         raise ConfigError(f"shard size {shard_gb} GB must be positive")
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out}: exists and is not empty (choose a new folder)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out}: exists and is not an empty folder (choose a new folder)")
     config = {**p.config, "torch_dtype": dtype}
     args = ModelArgs.from_dict(config, source=f"preset {preset}")
     count = len(tensor_shapes(args))
