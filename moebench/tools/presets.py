@@ -1,7 +1,8 @@
 """Named model shapes, and `moebench make-random`: random-weight checkpoints at those shapes.
 
-Real-size presets copy published configs, so a random checkpoint has the real model's tensor names,
-per-expert layout, shapes and shard structure, and benchmarks run at real size with nothing to download.
+Real-size presets copy published configs, so a random checkpoint has the real model's tensor names, shapes
+and shard structure, with its experts laid out as the family's MLX checkpoints lay them out (FAMILY_LAYOUTS),
+and benchmarks run at real size with nothing to download.
 Small presets keep every code path (GQA, shared expert, widths the fused kernel supports) at CPU sizes.
 Weights stream through moebench.tools.writer one tensor at a time: generated, quantized, written to the
 current shard; the float model is never whole in memory.
@@ -19,12 +20,17 @@ import mlx.core as mx
 from tqdm.auto import tqdm
 
 from ..checkpoint.config import AFFINE_BITS, AFFINE_GROUP_SIZES, ModelArgs
-from ..checkpoint.weights import tensor_shapes
+from ..checkpoint.weights import LAYOUTS, tensor_shapes
 from ..errors import ConfigError
 from .writer import quantize_tensors, qwen2_moe_config, random_tensors, save_checkpoint
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 DEFAULT_SHARD_GB = 5.0  # mlx-lm's shard size
+# how the family's MLX checkpoints store the routed experts, so mlx-lm loads what make-random writes as it loads
+# the checkpoints people run: mlx-community's Qwen1.5-MoE conversions keep experts.{i}; mlx-lm's convert stacks
+# Qwen3-MoE's into switch_mlp (and mlx-lm's qwen3_moe stacks per-expert weights only when they are unquantized)
+FAMILY_LAYOUTS = {"qwen2_moe": "per-expert", "qwen3_moe": "stacked"}
+EXPERT_NAMES = {"stacked": "mlp.switch_mlp.*", "per-expert": "mlp.experts.{i}.*"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,12 @@ PRESETS = {p.name: p for p in (
            "shapes on a CPU", {**QWEN15_MOE_A27B, "num_hidden_layers": 2}),
     Preset("qwen3-30b-a3b", "Qwen3-30B-A3B: 48 layers, D 2048, 128 experts top-8 of width 768, no shared expert "
            "(qwen3_moe family; ~17 GB at 4-bit)", QWEN3_30B_A3B),
+    Preset("qwen3-tiny", "the qwen3_moe family at the tiny preset's size: 2 layers, D 128, GQA 4/2 with q/k norm, "
+           "8 experts top-2 of width 128 renormalised, vocab 256", {
+               **QWEN3_30B_A3B, "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256,
+               "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
+               "max_position_embeddings": 4096, "bos_token_id": None, "eos_token_id": None}),
     Preset("small", "shaped like the shipped tiny model: 4 layers, D 256, GQA 4/2, 16 experts top-4 of width 256, "
            "shared expert 512, vocab 8192", qwen2_moe_config(
                vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -74,6 +86,11 @@ def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+def default_layout(preset: str) -> str:
+    """The expert layout of the preset's family's MLX checkpoints (FAMILY_LAYOUTS)."""
+    return FAMILY_LAYOUTS[get_preset(preset).config["model_type"]]
 
 
 def parameter_counts(config: dict) -> tuple[int, int]:
@@ -92,11 +109,15 @@ def parameter_counts(config: dict) -> tuple[int, int]:
 
 def write_random(
     out_dir: str | Path, preset: str, bits: int = 4, group_size: int = 64, dtype: str = "bfloat16", seed: int = 0,
-    shard_gb: float = DEFAULT_SHARD_GB, generator: str = "mlx", progress: bool = True,
+    shard_gb: float = DEFAULT_SHARD_GB, generator: str = "mlx", progress: bool = True, layout: str | None = None,
 ) -> Path:
-    """A random checkpoint of `preset`: MLX affine `bits`/`group_size` in the per-expert layout, scales in
-    `dtype`, shards of at most `shard_gb` GB with an index, no tokenizer (bench works on token ids)."""
+    """A random checkpoint of `preset`: MLX affine `bits`/`group_size`, experts in `layout` ('stacked' or
+    'per-expert'; default the family's, default_layout), scales in `dtype`, shards of at most `shard_gb` GB with
+    an index, no tokenizer (bench works on token ids). Both layouts of one seed hold the same model."""
     p = get_preset(preset)
+    layout = layout or default_layout(preset)
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout {layout!r} not in {LAYOUTS}")
     if bits not in AFFINE_BITS or group_size not in AFFINE_GROUP_SIZES:
         raise ConfigError(f"bits {bits} / group size {group_size}: need bits in {AFFINE_BITS} and group size "
                           f"in {AFFINE_GROUP_SIZES}")
@@ -112,7 +133,7 @@ def write_random(
     count = len(tensor_shapes(args))
     tensors = tqdm(random_tensors(args, seed, DTYPES[dtype], generator), total=count, unit="tensor",
                    desc=f"make-random {preset}", disable=not progress, mininterval=2.0)
-    quantized = quantize_tensors(tensors, group_size, bits, "per-expert", args.num_experts)
+    quantized = quantize_tensors(tensors, group_size, bits, layout, args.num_experts)
     config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
     config["quantization_config"] = config["quantization"]
     return save_checkpoint(out, config, quantized, shard_bytes=int(shard_gb * 1e9))
@@ -130,16 +151,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-gb", type=float, default=DEFAULT_SHARD_GB)
     p.add_argument("--generator", choices=("mlx", "numpy"), default="mlx",
                    help="mlx: fast on a GPU; numpy: the generator test checkpoints use")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="routed experts stacked (mlp.switch_mlp.*) or per expert (mlp.experts.{i}.*); default: as "
+                        "the family's MLX checkpoints (" + ", ".join(f"{f} {v}" for f, v in FAMILY_LAYOUTS.items())
+                        + ")")
     p.set_defaults(run=_run)
 
 
 def _run(a: argparse.Namespace) -> int:
     start = time.perf_counter()
-    folder = write_random(a.out_dir, a.preset, a.bits, a.group_size, a.dtype, a.seed, a.shard_gb, a.generator)
+    layout = a.layout or default_layout(a.preset)
+    folder = write_random(a.out_dir, a.preset, a.bits, a.group_size, a.dtype, a.seed, a.shard_gb, a.generator,
+                          layout=layout)
     total, active = parameter_counts(PRESETS[a.preset].config)
     files = sorted(folder.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {folder}: {len(files)} file(s), {size / 1e9:.2f} GB, {total / 1e9:.2f}B parameters "
-          f"({active / 1e9:.2f}B active), {a.bits}-bit g{a.group_size} {a.dtype}, "
-          f"{time.perf_counter() - start:.1f} s")
+          f"({active / 1e9:.2f}B active), {a.bits}-bit g{a.group_size} {a.dtype}, experts {layout} "
+          f"({EXPERT_NAMES[layout]}), {time.perf_counter() - start:.1f} s")
     return 0

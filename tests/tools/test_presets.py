@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench import load
+from moebench import fused_moe, load
 from moebench.checkpoint.config import ModelArgs
 from moebench.checkpoint.files import checkpoint_files, read_safetensors_header
 from moebench.checkpoint.weights import tensor_shapes
@@ -44,7 +44,9 @@ def test_make_random_refuses_bad_input(tmp_path, capsys):
     full.mkdir()
     (full / "x").write_text("keep me")
     assert main(["make-random", str(full), "--preset", "tiny"]) == 2
-    assert "not empty" in capsys.readouterr().err
+    assert "not an empty folder" in capsys.readouterr().err
+    with pytest.raises(Exception, match="layout 'flat'"):
+        write_random(tmp_path / "new", "tiny", layout="flat")
 
 
 def expected_tensors(config: dict, bits: int, group_size: int, dtype: str) -> dict[str, tuple[tuple, str]]:
@@ -67,7 +69,7 @@ def test_make_random_writes_a_loadable_sharded_checkpoint_with_the_presets_tenso
     folder = tmp_path / "tiny"
     assert main(["make-random", str(folder), "--preset", "tiny", "--bits", "4", "--group-size", "64",
                  "--dtype", dtype, "--shard-gb", "0.0003"]) == 0
-    assert "wrote" in capsys.readouterr().out
+    assert "experts per-expert (mlp.experts.{i}.*)" in capsys.readouterr().out
     files = checkpoint_files(folder)
     assert len(files) > 1 and (folder / "model.safetensors.index.json").exists()
     found = {}
@@ -84,6 +86,39 @@ def test_make_random_writes_a_loadable_sharded_checkpoint_with_the_presets_tenso
     assert model.load_info.bits["mlp.switch_mlp.down_proj"] == "4-bit g64"
     logits = model(mx.array([[1, 2, 3]]))
     assert logits.shape == (1, 3, 256) and bool(mx.all(mx.isfinite(logits)))
+
+
+@pytest.mark.parametrize("preset,layout,stacked", [("qwen3-tiny", None, True), ("tiny", None, False),
+                                                   ("tiny", "stacked", True)])
+def test_make_random_writes_the_familys_mlx_layout_and_mlx_lm_computes_what_moebench_does(
+        tmp_path, capsys, preset, layout, stacked):
+    """By default as the family's MLX checkpoints (mlx-lm convert stacks Qwen3-MoE's experts, mlx-community's
+    Qwen1.5-MoE keeps them per expert): mlx-lm loads the folder and its float32 logits are moebench's."""
+    from mlx_lm.utils import load_model
+
+    folder = tmp_path / preset
+    chosen = ["--layout", layout] if layout else []
+    assert main(["make-random", str(folder), "--preset", preset, "--dtype", "float32", *chosen]) == 0
+    printed = "experts stacked (mlp.switch_mlp.*)" if stacked else "experts per-expert (mlp.experts.{i}.*)"
+    assert printed in capsys.readouterr().out
+    names = set(read_safetensors_header(folder / "model.safetensors"))
+    assert ("model.layers.1.mlp.switch_mlp.down_proj.weight" in names) == stacked
+    assert any(".mlp.experts." in n for n in names) != stacked
+    ours, _ = load(folder)
+    assert ours.args.model_type == get_preset(preset).config["model_type"]
+    reference, _ = load_model(folder)
+    ids = mx.array([[1, 5, 9, 200, 3, 7, 42, 0]])
+    with fused_moe(False, ours):
+        got = np.array(ours(ids))
+    assert got.dtype == np.float32 and np.abs(got - np.array(reference(ids))).max() <= 1e-5
+
+
+def test_both_layouts_of_one_seed_are_one_model(tmp_path):
+    folders = {layout: write_random(tmp_path / layout, "qwen3-tiny", dtype="float32", progress=False, layout=layout)
+               for layout in ("stacked", "per-expert")}
+    ids = mx.array([[3, 1, 4, 1, 5, 9]])
+    logits = [np.array(load(f)[0](ids)) for f in folders.values()]
+    assert np.array_equal(*logits)
 
 
 def test_write_random_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
