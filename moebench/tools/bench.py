@@ -2,16 +2,19 @@
 
 Every arm decodes greedily from the same prompt ids for the same number of tokens. One untimed pass per
 arm warms it up and records its greedy trace with logits; then the timed repeats run interleaved (the
-arm order rotates each repeat) so machine noise hits every arm alike. Per arm: prompt tok/s, time to
-first token, decode tok/s (tokens after the first over the time after the first), peak memory, the MoE
-dispatch counts, and whether its greedy tokens equal the reference arm's (first divergence and the
-reference's logit margin there otherwise). selfcheck reuses this timing code.
+arm order rotates each repeat) so machine noise hits every arm alike; several prompt lengths run one after
+the other on the same loaded models, each such a bench of every arm. Per arm: prompt tok/s, time to first
+token, decode tok/s (tokens after the first over the time after the first), memory (its model's weights, its
+working memory beyond what was resident when it began, and the two together: every arm's own, although the
+process holds every arm's model), the MoE dispatch counts, and whether its greedy tokens equal the reference
+arm's (first divergence and the reference's logit margin there otherwise). selfcheck reuses this timing code.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib.util
 import json
 import os
@@ -34,7 +37,7 @@ from ..errors import MoebenchError
 from ..execution.executor import executor, fused_moe
 from ..execution.kernel import available_backend
 
-SCHEMA = "moebench.tools.bench/1"
+SCHEMA = "moebench.tools.bench/2"  # /2: a block per prompt length (lengths[]); weights and own peak per arm
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 TokenStream = Callable[[list[int], int], Iterator[tuple[int, mx.array]]]
 
@@ -51,6 +54,7 @@ class Arm:
     stream: TokenStream
     model: object = None  # a moebench model, whose dispatch counts are read per run
     note: str = ""
+    weight_bytes: int = 0  # its engine's model's weights (model_bytes): what it keeps resident between runs
 
 
 @dataclass
@@ -62,6 +66,11 @@ class Run(GenerationResult):
     start_bytes: int = 0  # MLX's active memory when the run began (weights of every loaded model)
     dispatch: dict | None = None
     logits: list[np.ndarray] | None = None
+
+    @property
+    def working_bytes(self) -> int:
+        """The run's own memory: its peak beyond what was resident when it began."""
+        return self.peak_bytes - self.start_bytes
 
 
 @dataclass
@@ -90,13 +99,26 @@ def float_dtype(model) -> str:
     return "none"
 
 
+def model_bytes(model) -> int:
+    """The bytes of a model's weights (either engine's: both hold them as MLX arrays)."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def settled_memory() -> int:
+    """MLX's active memory once what earlier runs dropped is freed (arrays held only by reference cycles, the
+    buffer cache), with the peak counter reset: so a run's peak counts none of another arm's memory."""
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    return mx.get_active_memory()
+
+
 def timed_run(arm: Arm, prompt_ids: list[int], gen_tokens: int, keep_logits: bool = False) -> Run:
     """Decode once and time it; with keep_logits (the untimed trace pass) keep every step's logits."""
     if arm.model is not None:
         executor(arm.model).reset_counts()
-    mx.synchronize()
-    mx.reset_peak_memory()
-    start_bytes = mx.get_active_memory()
+    start_bytes = settled_memory()
     tokens, logits, first = [], [] if keep_logits else None, None
     start = time.perf_counter()
     for tid, step_logits in arm.stream(prompt_ids, gen_tokens):
@@ -113,7 +135,7 @@ def timed_run(arm: Arm, prompt_ids: list[int], gen_tokens: int, keep_logits: boo
 
 
 def run_arms(arms: list[Arm], prompt_ids: list[int], gen_tokens: int, repeats: int,
-             progress: bool = True) -> tuple[list[ArmResult], list[dict]]:
+             progress: bool = True, desc: str = "bench") -> tuple[list[ArmResult], list[dict]]:
     """Warm up each arm with its trace pass, then `repeats` timed rounds, arms interleaved, order rotating.
 
     Returns (results, failures): an arm whose warm-up raises (say, a GPU kernel that does not build on this
@@ -122,7 +144,7 @@ def run_arms(arms: list[Arm], prompt_ids: list[int], gen_tokens: int, repeats: i
         raise MoebenchError(f"--gen-tokens {gen_tokens}: need at least 2 (decode speed counts tokens after the first)")
     if repeats < 1:
         raise MoebenchError(f"--repeats {repeats}: need at least 1")
-    bar = tqdm(total=len(arms) * (repeats + 1), unit="run", desc="bench", disable=not progress, file=sys.stderr)
+    bar = tqdm(total=len(arms) * (repeats + 1), unit="run", desc=desc, disable=not progress, file=sys.stderr)
     results, failures = [], []
     for arm in arms:
         bar.set_postfix_str(f"warm-up {arm.name}")
@@ -165,7 +187,7 @@ def compare_traces(reference: Run, other: Run) -> dict:
 def moebench_arms(model, fused: str, compiled: str = "off") -> list[Arm]:
     """The moebench arms: fallback (gather_qmm) and/or fused (the machine's backend: metal, cuda, reference),
     each eager and/or through the compiled decode step (`fused` and `compiled` are 'on', 'off' or 'both')."""
-    dtype = float_dtype(model)
+    dtype, weights = float_dtype(model), model_bytes(model)
     backend = available_backend()
 
     def stream(on: bool, compile_step: bool) -> TokenStream:
@@ -179,7 +201,8 @@ def moebench_arms(model, fused: str, compiled: str = "off") -> list[Arm]:
         loop, suffix = ("moebench compiled", " compiled") if compile_step else ("moebench", "")
         for on in [f for f in (False, True) if fused == "both" or fused == ("on" if f else "off")]:
             name, experts = (f"moebench fused ({backend})", backend) if on else ("moebench fallback", "gather_qmm")
-            arms.append(Arm(name + suffix, "moebench", loop, experts, dtype, stream(on, compile_step), model))
+            arms.append(Arm(name + suffix, "moebench", loop, experts, dtype, stream(on, compile_step), model,
+                            weight_bytes=weights))
     return arms
 
 
@@ -211,7 +234,8 @@ def snapshot_arms(root: Path, path: Path, fused: str) -> list[Arm]:
         return run
 
     return [Arm(f"snapshot {'fused' if on else 'fallback'}", "moebench snapshot", "moebench snapshot",
-                package.available_backend() if on else "gather_qmm", dtype, stream(on), note=f"{root}, its defaults")
+                package.available_backend() if on else "gather_qmm", dtype, stream(on), note=f"{root}, its defaults",
+                weight_bytes=model_bytes(model))
             for on in (False, True) if fused == "both" or fused == ("on" if on else "off")]
 
 
@@ -263,9 +287,10 @@ def mlx_lm_arms(path: Path) -> tuple[list[Arm], str | None]:
     def own_loop(ids: list[int], n: int) -> Iterator[tuple[int, mx.array]]:
         yield from generate_tokens(model, ids, n)
 
-    return [Arm(f"mlx-lm {loop}", "mlx-lm", loop, "gather_qmm", dtype, users, note=why),
+    weights = model_bytes(model)
+    return [Arm(f"mlx-lm {loop}", "mlx-lm", loop, "gather_qmm", dtype, users, note=why, weight_bytes=weights),
             Arm("mlx-lm model, moebench loop", "mlx-lm", "moebench", "gather_qmm", dtype, own_loop,
-                note="mlx-lm's model under moebench.decode.loop.generate_tokens")], None
+                note="mlx-lm's model under moebench.decode.loop.generate_tokens", weight_bytes=weights)], None
 
 
 def prompt_token_ids(vocab_size: int, n: int, seed: int = 0) -> list[int]:
@@ -303,6 +328,7 @@ def reference_arm(results: list[ArmResult]) -> ArmResult:
 def arm_record(result: ArmResult, reference: ArmResult) -> dict:
     runs = result.runs
     last = runs[-1]
+    working = max(r.working_bytes for r in runs)
     return {
         "name": result.arm.name, "engine": result.arm.engine, "loop": result.arm.loop,
         "experts": result.arm.experts, "dtype": result.arm.dtype, "note": result.arm.note,
@@ -312,8 +338,10 @@ def arm_record(result: ArmResult, reference: ArmResult) -> dict:
         # round by round (the arms of one round ran back to back), so slow drifts of the machine cancel
         "decode_ratio_vs_reference": summary([r.decode_tps / ref.decode_tps if ref.decode_tps else 0.0
                                               for r, ref in zip(runs, reference.runs, strict=True)]),
-        "peak_memory_gb": max(r.peak_bytes for r in runs) / 1e9,
-        "working_memory_gb": max(r.peak_bytes - r.start_bytes for r in runs) / 1e9,
+        "weights_gb": result.arm.weight_bytes / 1e9,
+        "working_memory_gb": working / 1e9,
+        "own_peak_memory_gb": (result.arm.weight_bytes + working) / 1e9,  # its own model's weights, not the others'
+        "peak_memory_gb": max(r.peak_bytes for r in runs) / 1e9,  # the process's: every loaded model's weights
         "dispatch": last.dispatch,
         "tokens": result.trace.token_ids,
         "deterministic": result.deterministic,
@@ -337,9 +365,17 @@ def snapshot_ratios(results: list[ArmResult]) -> list[dict]:
     return rows
 
 
-def bench_record(results: list[ArmResult], model, prompt_ids: list[int], gen_tokens: int, repeats: int,
-                 skipped: list[dict], arguments: dict) -> dict:
-    reference = reference_arm(results)
+def length_record(prompt_ids: list[int], results: list[ArmResult], skipped: list[dict]) -> dict:
+    """One prompt length's bench: every arm that ran (none when each failed) and those skipped, with why."""
+    reference = reference_arm(results) if results else None
+    return {"prompt_tokens": len(prompt_ids), "prompt_ids": prompt_ids,
+            "reference_arm": reference.arm.name if reference else None,
+            "arms": [arm_record(r, reference) for r in results], "skipped": skipped,
+            "snapshot_ratios": snapshot_ratios(results)}
+
+
+def bench_record(lengths: list[dict], model, gen_tokens: int, repeats: int, arguments: dict) -> dict:
+    """The whole run: the platform, the model, and each prompt length's length_record."""
     a = model.args
     return {
         "schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -348,12 +384,14 @@ def bench_record(results: list[ArmResult], model, prompt_ids: list[int], gen_tok
                   "hidden_size": a.hidden_size, "experts": a.num_experts, "top_k": a.num_experts_per_tok,
                   "expert_width": a.moe_intermediate_size, "vocab_size": a.vocab_size,
                   "quantization": model.load_info.bits},
-        "prompt_tokens": len(prompt_ids), "gen_tokens": gen_tokens, "repeats": repeats, "prompt_ids": prompt_ids,
-        "reference_arm": reference.arm.name,
+        "prompt_tokens": [length["prompt_tokens"] for length in lengths], "gen_tokens": gen_tokens,
+        "repeats": repeats,
         "moebench_loop": {"steps_ahead": STEPS_AHEAD},  # the 'moebench' loops queue this many steps ahead
-        "arms": [arm_record(r, reference) for r in results], "skipped": skipped,
-        "snapshot_ratios": snapshot_ratios(results),
+        "lengths": lengths,
     }
+
+
+MEMORY_COLUMNS = ("weights_gb", "working_memory_gb", "own_peak_memory_gb")
 
 
 def _greedy_text(g: dict) -> str:
@@ -377,11 +415,31 @@ def _dispatch_text(d: dict | None) -> str:
 
 
 def format_table(record: dict) -> str:
-    """A llama-bench-like markdown table: mean +- sd over the repeats."""
-    arms = record["arms"]
-    ref = next(a for a in arms if a["name"] == record["reference_arm"])
-    rows = [["arm", "experts", "dtype", "prompt tok/s", "TTFT ms", "decode tok/s", "vs ref (median)", "peak GB",
-             "dispatch", f"greedy vs {ref['name']}"]]
+    """The model and platform, then a llama-bench-like markdown table per prompt length: mean +- sd over the
+    repeats; memory per arm with its own model's weights only (weights GB + work GB = own peak GB)."""
+    m, p = record["model"], record["platform"]
+    head = (f"model {m['path']} ({m['model_type']}, {m['layers']} layers, {m['experts']} experts top-{m['top_k']}, "
+            f"experts {m['quantization'].get('mlp.switch_mlp.gate_proj', '?')}); prompt "
+            f"{', '.join(map(str, record['prompt_tokens']))} tokens, {record['gen_tokens']} generated, "
+            f"{record['repeats']} repeats; MLX {p['mlx']} on {p['device']}")
+    for key, label in (("mlx_environment", "MLX settings for every arm"),
+                       ("moebench_environment", "moebench settings")):
+        if p.get(key):
+            head += f"; {label}: " + ", ".join(f"{k}={v}" for k, v in p[key].items())
+    return "\n\n".join([head, *(_length_table(record, length) for length in record["lengths"])])
+
+
+def _length_table(record: dict, length: dict) -> str:
+    arms = length["arms"]
+    title = f"prompt {length['prompt_tokens']} tokens, {record['gen_tokens']} generated, {record['repeats']} repeats"
+    tail = [f"{s['arm']} / {s['snapshot']}, round by round: {s['ratio']['median']:.3f}x "
+            f"({s['ratio']['min']:.3f}-{s['ratio']['max']:.3f})" for s in length["snapshot_ratios"]]
+    tail += [f"skipped {s['arm']}: {s['reason']}" for s in length["skipped"]]
+    if not arms:
+        return "\n".join([title + ": every arm failed", *tail])
+    ref = next(a for a in arms if a["name"] == length["reference_arm"])
+    rows = [["arm", "experts", "dtype", "prompt tok/s", "TTFT ms", "decode tok/s", "vs ref (median)", "weights GB",
+             "work GB", "own peak GB", "dispatch", f"greedy vs {ref['name']}"]]
     for a in arms:
         def pm(s: dict, digits: int) -> str:
             return f"{s['mean']:.{digits}f} ± {s['sd']:.{digits}f}"
@@ -390,29 +448,20 @@ def format_table(record: dict) -> str:
         if not a["deterministic"]:
             greedy += "; NOT deterministic"
         rows.append([a["name"], a["experts"], a["dtype"], pm(a["prompt_tps"], 1), pm(a["ttft_ms"], 1),
-                     pm(a["decode_tps"], 2), f"{ratio:.2f}x", f"{a['peak_memory_gb']:.3f}",
+                     pm(a["decode_tps"], 2), f"{ratio:.2f}x", *(f"{a[k]:.4g}" for k in MEMORY_COLUMNS),
                      _dispatch_text(a["dispatch"]), greedy])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    m, p = record["model"], record["platform"]
-    head = (f"model {m['path']} ({m['model_type']}, {m['layers']} layers, {m['experts']} experts top-{m['top_k']}, "
-            f"experts {m['quantization'].get('mlp.switch_mlp.gate_proj', '?')}); prompt {record['prompt_tokens']} "
-            f"tokens, {record['gen_tokens']} generated, {record['repeats']} repeats; MLX {p['mlx']} on {p['device']}")
-    for key, label in (("mlx_environment", "MLX settings for every arm"),
-                       ("moebench_environment", "moebench settings")):
-        if p.get(key):
-            head += f"; {label}: " + ", ".join(f"{k}={v}" for k, v in p[key].items())
-    tail = [f"{s['arm']} / {s['snapshot']}, round by round: {s['ratio']['median']:.3f}x "
-            f"({s['ratio']['min']:.3f}-{s['ratio']['max']:.3f})" for s in record.get("snapshot_ratios", [])]
-    tail += [f"skipped {s['arm']}: {s['reason']}" for s in record["skipped"]]
-    return "\n".join([head, *lines, *tail])
+    return "\n".join([title, *lines, *tail])
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="decode speed: moebench fused vs fallback (vs mlx-lm), interleaved repeats")
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
-    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[64], metavar="N",
+                   help="prompt length; several (64 2048 4096) run one after the other on the models loaded once, "
+                        "each a full interleaved bench of every arm")
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fused", choices=("on", "off", "both"), default="both")
@@ -442,7 +491,7 @@ def _run(a: argparse.Namespace) -> int:
         _writable(Path(a.json))
     path = Path(a.model) if a.model else default_model_path()
     model, _ = load(path, verbose=True)
-    prompt_ids = prompt_token_ids(model.args.vocab_size, a.prompt_tokens, a.seed)
+    prompts = [prompt_token_ids(model.args.vocab_size, n, a.seed) for n in a.prompt_tokens]
     compiled = a.compiled if a.compiled != "auto" else ("both" if available_backend() in COMPILED_BY_DEFAULT else "off")
     arms, skipped = moebench_arms(model, a.fused, compiled), []
     if a.compare == "mlx-lm":
@@ -453,12 +502,15 @@ def _run(a: argparse.Namespace) -> int:
             print(f"skipping mlx-lm: {reason}", file=sys.stderr)
     if a.snapshot:
         arms += snapshot_arms(Path(a.snapshot), path, a.fused)
-    results, failures = run_arms(arms, prompt_ids, a.gen_tokens, a.repeats, progress=not a.no_progress)
-    skipped += failures
-    if not results:
+    lengths = []
+    for ids in prompts:
+        results, failures = run_arms(arms, ids, a.gen_tokens, a.repeats, progress=not a.no_progress,
+                                     desc=f"bench {len(ids)} tokens")
+        lengths.append(length_record(ids, results, skipped + failures))
+    if not any(length["arms"] for length in lengths):
         raise MoebenchError("every arm failed: " + "; ".join(f"{f['arm']}: {f['reason']}" for f in failures))
     arguments = {k: v for k, v in vars(a).items() if k != "run"}
-    record = bench_record(results, model, prompt_ids, a.gen_tokens, a.repeats, skipped, arguments)
+    record = bench_record(lengths, model, a.gen_tokens, a.repeats, arguments)
     print(format_table(record))
     if a.json:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -9,10 +10,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from moebench.checkpoint.loader import default_model_path, load
 from moebench.cli import main
 from moebench.decode.loop import STEPS_AHEAD
 from moebench.tools import bench
-from moebench.tools.bench import Arm, Run, compare_traces, mlx_lm_arms, run_arms, summary
+from moebench.tools.bench import Arm, Run, arm_record, compare_traces, mlx_lm_arms, model_bytes, run_arms, summary
 
 STAT_KEYS = {"mean", "sd", "median", "min", "max", "values"}
 
@@ -56,6 +58,7 @@ def test_an_arm_that_fails_is_reported_and_the_others_still_run():
 def test_run_timing_fields():
     run = Run(list(range(8)), [1, 2, 3, 4, 5], prompt_seconds=0.5, decode_seconds=2.0, peak_bytes=10, start_bytes=4)
     assert run.prompt_tps == 16.0 and run.decode_tps == 2.0  # tokens after the first, over the time after it
+    assert run.working_bytes == 6
     s = summary([1.0, 2.0, 6.0])
     assert s["mean"] == 3.0 and s["median"] == 2.0 and (s["min"], s["max"]) == (1.0, 6.0)
     assert s["sd"] == pytest.approx(np.std([1, 2, 6], ddof=1))
@@ -78,23 +81,30 @@ def test_bench_cli_on_a_quantized_checkpoint(quantized_checkpoint, tmp_path, cap
                "--fused", "both", "--compare", "mlx-lm", "--json", str(out), "--no-progress"])
     assert rc == 0
     table = capsys.readouterr().out
-    for column in ("prompt tok/s", "TTFT ms", "decode tok/s", "peak GB", "dispatch", "greedy vs moebench fallback"):
+    for column in ("prompt tok/s", "TTFT ms", "decode tok/s", "weights GB", "work GB", "own peak GB", "dispatch",
+                   "greedy vs moebench fallback"):
         assert column in table
     record = json.loads(out.read_text())
-    assert record["schema"] == "moebench.tools.bench/1" and record["reference_arm"] == "moebench fallback"
+    assert record["schema"] == "moebench.tools.bench/2" and record["prompt_tokens"] == [3]
     assert record["platform"]["mlx"] == mx.__version__ and record["platform"]["backend"] == "reference"
-    assert len(record["prompt_ids"]) == 3 and record["gen_tokens"] == 4
-    names = [a["name"] for a in record["arms"]]
+    (length,) = record["lengths"]
+    assert length["reference_arm"] == "moebench fallback" and length["skipped"] == []
+    assert len(length["prompt_ids"]) == length["prompt_tokens"] == 3 and record["gen_tokens"] == 4
+    names = [a["name"] for a in length["arms"]]
     assert names == ["moebench fallback", "moebench fused (reference)", "mlx-lm stream_generate",
                      "mlx-lm model, moebench loop"]
     moe_layers = 2
-    for arm in record["arms"]:
+    for arm in length["arms"]:
         assert arm["name"] in table
         for key in ("prompt_tps", "ttft_ms", "decode_tps"):
             assert set(arm[key]) == STAT_KEYS and len(arm[key]["values"]) == 1 and arm[key]["mean"] > 0
-        assert len(arm["tokens"]) == 4 and arm["deterministic"] and arm["peak_memory_gb"] > 0
-        assert arm["dtype"] == "float32"
-    fallback, fused, users, loop = record["arms"]
+        assert len(arm["tokens"]) == 4 and arm["deterministic"] and arm["dtype"] == "float32"
+        # its own model's weights and working memory; the process peak also holds the other engine's model
+        assert arm["weights_gb"] > 0 and arm["working_memory_gb"] > 0
+        assert arm["own_peak_memory_gb"] == pytest.approx(arm["weights_gb"] + arm["working_memory_gb"])
+        assert arm["peak_memory_gb"] > arm["own_peak_memory_gb"]
+    fallback, fused, users, loop = length["arms"]
+    assert fallback["weights_gb"] == fused["weights_gb"] and users["weights_gb"] == loop["weights_gb"]
     assert fallback["decode_ratio_vs_reference"]["values"] == [1.0]
     assert fused["decode_ratio_vs_reference"]["values"] == [
         pytest.approx(fused["decode_tps"]["values"][0] / fallback["decode_tps"]["values"][0])]
@@ -130,9 +140,9 @@ def test_mlx_lm_skipped_with_a_reason(quantized_checkpoint, tmp_path, monkeypatc
                  "--fused", "on", "--compare", "mlx-lm", "--json", str(out), "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert "skipping mlx-lm: mlx-lm is not installed" in captured.err
-    record = json.loads(out.read_text())
-    assert [a["name"] for a in record["arms"]] == ["moebench fused (reference)"]
-    assert record["skipped"][0]["arm"] == "mlx-lm" and "not installed" in record["skipped"][0]["reason"]
+    (length,) = json.loads(out.read_text())["lengths"]
+    assert [a["name"] for a in length["arms"]] == ["moebench fused (reference)"]
+    assert length["skipped"][0]["arm"] == "mlx-lm" and "not installed" in length["skipped"][0]["reason"]
 
 
 def test_bench_rejects_too_few_tokens(quantized_checkpoint, capsys):
@@ -154,7 +164,7 @@ def test_bench_compiled_arms_decode_the_eager_tokens(quantized_checkpoint, tmp_p
     out = tmp_path / "bench.json"
     assert main(["bench", str(quantized_checkpoint), "--prompt-tokens", "3", "--gen-tokens", "4", "--repeats", "1",
                  "--compiled", "both", "--json", str(out), "--no-progress"]) == 0
-    arms = {a["name"]: a for a in json.loads(out.read_text())["arms"]}
+    arms = {a["name"]: a for a in json.loads(out.read_text())["lengths"][0]["arms"]}
     assert list(arms) == ["moebench fallback", "moebench fused (reference)", "moebench fallback compiled",
                           "moebench fused (reference) compiled"]
     assert arms["moebench fused (reference) compiled"]["loop"] == "moebench compiled"
@@ -171,8 +181,91 @@ def test_by_default_cuda_benches_both_loops_and_other_backends_the_eager_one(qua
         argv = ["bench", str(quantized_checkpoint), "--prompt-tokens", "3", "--gen-tokens", "3", "--repeats", "1",
                 "--fused", "off", "--json", str(out), "--no-progress"]
         assert main(argv) == 0
-        return [a["name"] for a in json.loads(out.read_text())["arms"]]
+        return [a["name"] for a in json.loads(out.read_text())["lengths"][0]["arms"]]
 
     assert arms(tmp_path / "here.json") == ["moebench fallback"]  # this CPU: generate's default is eager
     monkeypatch.setattr(bench, "available_backend", lambda: "cuda")  # where generate decodes compiled by default
     assert arms(tmp_path / "cuda.json") == ["moebench fallback", "moebench fallback compiled"]
+
+
+def test_several_prompt_lengths_bench_every_arm_on_models_loaded_once(quantized_checkpoint, tmp_path, monkeypatch,
+                                                                       capsys):
+    loads = []
+
+    def counted(name):
+        real = getattr(bench, name)
+
+        def call(*args, **kwargs):
+            loads.append(name)
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("load", "mlx_lm_model"):
+        monkeypatch.setattr(bench, name, counted(name))
+    out = tmp_path / "lengths.json"
+    assert main(["bench", str(quantized_checkpoint), "--prompt-tokens", "3", "9", "--gen-tokens", "3", "--repeats", "2",
+                 "--fused", "both", "--compare", "mlx-lm", "--json", str(out), "--no-progress"]) == 0
+    assert loads == ["load", "mlx_lm_model"]
+    record = json.loads(out.read_text())
+    assert record["prompt_tokens"] == [3, 9]
+    names = ["moebench fallback", "moebench fused (reference)", "mlx-lm stream_generate", "mlx-lm model, moebench loop"]
+    for length, n in zip(record["lengths"], (3, 9), strict=True):
+        assert length["prompt_tokens"] == len(length["prompt_ids"]) == n
+        assert [a["name"] for a in length["arms"]] == names
+        for arm in length["arms"]:
+            assert len(arm["decode_tps"]["values"]) == 2 and len(arm["tokens"]) == 3
+        assert length["arms"][0]["dispatch"]["fallback"] == 2 * 3  # this length's runs, counted afresh
+    table = capsys.readouterr().out
+    assert "prompt 3, 9 tokens" in table
+    assert table.index("prompt 3 tokens, 3 generated") < table.index("prompt 9 tokens, 3 generated")
+    assert all(table.count(f"| {name} ") == 2 for name in names)  # one table per length
+
+
+def test_an_arm_starts_without_what_the_arm_before_it_dropped():
+    """Arrays an arm leaves to the garbage collector (held by a reference cycle) are freed before the next run
+    begins, so they count in neither its working memory nor what was resident when it began."""
+
+    class Cycle:
+        pass
+
+    def leaky(ids, n):
+        held = Cycle()
+        held.me, held.buffer = held, mx.zeros((1 << 20,)) + 1  # 4 MB, unreachable once the run ends
+        mx.eval(held.buffer)
+        for t in range(n):
+            yield t, mx.zeros(4)
+
+    def plain(ids, n):
+        for t in range(n):
+            yield t, mx.zeros(4)
+
+    arms = [Arm(name, "test", "test", "none", "float32", stream) for name, stream in [("leaky", leaky),
+                                                                                      ("plain", plain)]]
+    gc.disable()  # only the bench's own collection frees the cycles
+    try:
+        results, _ = run_arms(arms, [1], gen_tokens=2, repeats=2, progress=False)
+    finally:
+        gc.enable()
+    leaky_result, plain_result = results
+    runs = [run for result in results for run in (result.trace, *result.runs)]
+    assert len({run.start_bytes for run in runs}) == 1
+    assert all(run.working_bytes >= 4 << 20 for run in (leaky_result.trace, *leaky_result.runs))
+    assert all(run.working_bytes < 1 << 20 for run in (plain_result.trace, *plain_result.runs))
+
+
+def test_working_memory_of_two_arms_does_not_depend_on_their_order():
+    """On the shipped model: moebench's fallback and mlx-lm's own loop, run in both orders."""
+    path = default_model_path()
+    model, _ = load(path)
+    (ours,) = bench.moebench_arms(model, "off")
+    (users, _), _ = bench.mlx_lm_arms(path)
+    ids = bench.prompt_token_ids(model.args.vocab_size, 64)
+    working = {}
+    for order in ((ours, users), (users, ours)):
+        results, failures = run_arms(list(order), ids, gen_tokens=16, repeats=2, progress=False)
+        assert failures == []
+        for result in results:
+            working.setdefault(result.arm.name, []).append(arm_record(result, results[0])["working_memory_gb"])
+    for name, (first, second) in working.items():
+        assert first > 0 and first == pytest.approx(second, rel=0.1), name  # the decode's own, in either order
+    assert ours.weight_bytes == model_bytes(model) and users.weight_bytes == ours.weight_bytes  # one checkpoint
