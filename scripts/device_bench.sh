@@ -8,14 +8,19 @@
 # In the same call as the install: bash scripts/install-on-device.sh && DEADLINE=$((580 - SECONDS)) bash scripts/device_bench.sh
 # The device tool brings back at most 8 files from its $OUT: write to another folder and pack it, e.g.
 #   R=$OUT; export OUT=/root/r; bash scripts/device_bench.sh ...; tar czf $R/r.tgz -C /root r
+# Qwen3-30B-A3B as mlx-community ships it (experts stacked), at three prompt lengths:
+#   PRESET=qwen3-30b-a3b PROMPTS="64 2048 4096" REPEATS=3 bash scripts/device_bench.sh make bench
 #
-# make       random Qwen1.5-MoE-A2.7B weights (4-bit, group 64, bf16 scales, per-expert layout, 5 GB shards)
-#            on local disk; reused when an earlier call on this machine wrote them (always made when missing)
-# bench      moebench bench: 64-token prompt, 128 generated tokens, $REPEATS repeats; moebench fused on and off,
-#            each eager and through the compiled decode step; mlx-lm generate_step and mlx-lm's model under
-#            moebench's loop; with SNAPSHOT=DIR (e.g. .snap/before: git archive REV moebench kernels, carried) an
-#            earlier revision's fused and fallback arms too, and HEAD/snapshot per round; all on the same
-#            weights, interleaved
+# make       random $PRESET weights (default Qwen1.5-MoE-A2.7B; 4-bit, group 64, bf16 scales, 5 GB shards) with
+#            the experts laid out as the family's MLX checkpoints lay them out (per expert for Qwen1.5-MoE,
+#            stacked mlp.switch_mlp.* for Qwen3-MoE; LAYOUT=stacked|per-expert to choose) on local disk; reused
+#            when an earlier call on this machine wrote them (always made when missing)
+# bench      moebench bench: $PROMPTS-token prompt (default 64; several, e.g. PROMPTS="64 2048 4096": one model
+#            load, each length a full bench, a table per length), 128 generated tokens, $REPEATS repeats;
+#            moebench fused on and off, each eager and through the compiled decode step; mlx-lm generate_step
+#            and mlx-lm's model under moebench's loop; with SNAPSHOT=DIR (e.g. .snap/before: git archive REV
+#            moebench kernels, carried) an earlier revision's fused and fallback arms too, and HEAD/snapshot per
+#            round; all on the same weights, interleaved; at most $BENCH_LIMIT seconds (default 360)
 # selfcheck  moebench selfcheck on that checkpoint, and on the shipped model when data/ has it
 # gputests   the CUDA-only tests (tests/gpu: kernel parity against the reference and a float64 truth)
 # profile    moebench profile (one decode token: build / eval ms, graph nodes by primitive), fused on and off and
@@ -26,7 +31,8 @@
 # timeline   generate's host work and GPU kernels on one clock: GPU idle time per token and what the host does
 #            meanwhile (scripts/device_diag.py timeline), with a Chrome trace (timeline-*-trace.json.gz) and its
 #            kernels and CUDA calls per token (timeline-*-per-token.txt, device_diag.py TRACE trace)
-# MOEBENCH_DEVICE_CKPT defaults to /root/moebench-$PRESET-4bit-g64-$DTYPE; outputs are named by $PRESET.
+# MOEBENCH_DEVICE_CKPT defaults to /root/moebench-$PRESET-4bit-g64-$DTYPE (-$LAYOUT when given); outputs are named
+# by $PRESET.
 #
 # Everything lands in $OUT (logs, tables, JSON records, timing.txt); each stage has a time limit so a
 # hung stage cannot eat the call, and the script exits non-zero when any stage failed.
@@ -36,7 +42,10 @@ REPEATS=${REPEATS:-5}
 DEADLINE=${DEADLINE:-570}  # seconds this script may use in all (one device call allows 600)
 PRESET=${PRESET:-qwen1.5-moe-a2.7b}  # a smaller preset (and DTYPE=float32) for a dry run on a CPU
 DTYPE=${DTYPE:-bfloat16}
-CKPT=${MOEBENCH_DEVICE_CKPT:-/root/moebench-$PRESET-4bit-g64-$DTYPE}
+LAYOUT=${LAYOUT:-}  # empty: the family's (moebench make-random's default)
+PROMPTS=${PROMPTS:-64}
+BENCH_LIMIT=${BENCH_LIMIT:-360}
+CKPT=${MOEBENCH_DEVICE_CKPT:-/root/moebench-$PRESET-4bit-g64-$DTYPE${LAYOUT:+-$LAYOUT}}
 stages=${*:-make bench selfcheck}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -66,7 +75,8 @@ fi
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "stages: $stages; preset: $PRESET $DTYPE; checkpoint: $CKPT; repeats: $REPEATS"
+  echo "stages: $stages; preset: $PRESET $DTYPE ${LAYOUT:-family layout}; checkpoint: $CKPT; repeats: $REPEATS;"\
+    "prompts: $PROMPTS"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
   python3 - <<'EOF'
 import platform
@@ -93,7 +103,8 @@ if [ -f "$CKPT.done" ]; then
 else  # every later stage needs the checkpoint: make it whether or not 'make' was asked for
   rm -rf "$CKPT"
   run_stage make-random 300 make-random.log \
-    python3 -m moebench.cli make-random "$CKPT" --preset "$PRESET" --bits 4 --group-size 64 --dtype "$DTYPE"
+    python3 -m moebench.cli make-random "$CKPT" --preset "$PRESET" --bits 4 --group-size 64 --dtype "$DTYPE" \
+    ${LAYOUT:+--layout "$LAYOUT"}
   [ -f "$CKPT/config.json" ] && [ ${#failed[@]} -eq 0 ] && touch "$CKPT.done"
   du -sh "$CKPT" 2>&1 | tee -a "$OUT/make-random.log"
 fi
@@ -120,8 +131,9 @@ if [[ " $stages " == *" timeline "* ]]; then
 fi
 
 if [[ " $stages " == *" bench "* ]]; then
-  run_stage bench 360 "bench-$PRESET.txt" \
-    python3 -m moebench.cli bench "$CKPT" --prompt-tokens 64 --gen-tokens 128 --repeats "$REPEATS" --fused both \
+  # $PROMPTS unquoted: one --prompt-tokens argument per length
+  run_stage bench "$BENCH_LIMIT" "bench-$PRESET.txt" \
+    python3 -m moebench.cli bench "$CKPT" --prompt-tokens $PROMPTS --gen-tokens 128 --repeats "$REPEATS" --fused both \
     --compiled "${COMPILED:-both}" --compare mlx-lm ${SNAPSHOT:+--snapshot "$SNAPSHOT"} --json "$OUT/bench-$PRESET.json"
 fi
 
@@ -135,7 +147,7 @@ if [[ " $stages " == *" selfcheck "* ]]; then
 fi
 
 echo; echo "== results (full logs, tables and JSON in $OUT) =="
-[ -f "$OUT/bench-$PRESET.txt" ] && grep -E "^(model |\||skipped|moebench .* / snapshot)" "$OUT/bench-$PRESET.txt"
+[ -f "$OUT/bench-$PRESET.txt" ] && grep -E "^(model |prompt |\||skipped|moebench .* / snapshot)" "$OUT/bench-$PRESET.txt"
 for f in "$OUT"/kernels-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^kernels:|us/token" "$f" | head -14; }; done
 for f in "$OUT"/timeline-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^timeline:|us/token" "$f" | head -12; }; done
 for f in "$OUT"/profile-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^\| (per token|MoE|attention|build|eval|sync|pipelined|graph|nodes)" "$f"; }; done
