@@ -108,11 +108,6 @@ class KVCache:
         return "causal" if length > 1 else None
 
     @property
-    def span(self) -> int:
-        """Positions the next single-token step attends to (the cached ones and its own)."""
-        return self.offset + 1
-
-    @property
     def state(self) -> tuple[mx.array, mx.array] | tuple[()]:
         return () if self.keys is None else (self.keys, self.values)
 
@@ -240,8 +235,8 @@ class StaticLayerCache:
         """Hand them over, and return this layer's block [1, kv_heads, CAP, head_dim] with them written in.
 
         The block is a copy (its buffer is shared with every layer's, so it cannot be updated in place):
-        a step that attends with MLX's SDPA (the fused switch off, or a capacity past the kernel's
-        MAX_POSITIONS) copies CAP positions a layer, on top of SDPA reading them over the whole capacity."""
+        a step that attends with MLX's SDPA (the fused switch off, or a layer the kernel declines) copies CAP
+        positions a layer, on top of SDPA reading them over the whole capacity."""
         self.write(keys, values)
         start, i = self.cache.position.start, self.layer
         return tuple(mx.slice_update(buffer[i : i + 1], new, start, axes=(0, 1, 2, 3))
@@ -256,11 +251,6 @@ class StaticLayerCache:
         """The kernel that output these (its k_new / v_new) stored them in the buffers itself: the commit
         writes nothing."""
         self.cache.add(self.layer, keys, values, in_place=True)
-
-    @property
-    def span(self) -> int:
-        """Positions a traced step may attend to: the capacity (its position is an array)."""
-        return self.cache.capacity
 
     def attention_mask(self, length: int) -> mx.array:
         """Query i (at position offset + i) sees cache slots 0..offset + i; the rest is unwritten."""

@@ -74,7 +74,7 @@ class CompiledForward:
             mx.async_eval(self.last)
         offset = mx.array(self.position, dtype=mx.int32)
         cache, ex = self.cache, self.executor
-        plan = ex.plan_for(n, True, self.capacity, settings)
+        plan = ex.plan_for(n, True, settings)
         if n > 1:
             cache.position = StepPosition.at(offset, self.capacity)
             logits = static_logits(ex, tokens, cache, plan)

@@ -1,5 +1,7 @@
-"""The fused decode-attention step of one layer: q/k/v bias, RoPE and attention over the KV cache for one
-new token in one launch, instead of the five to eight graph nodes the unfused path builds for it.
+"""The fused decode-attention step of one layer: q/k/v bias, the per-head q/k RMSNorm (Qwen3-MoE), RoPE and
+attention over the KV cache for one new token in one launch (two past SPLIT_POSITIONS slots, where several
+threadgroups share a head's positions and a second launch joins them), instead of the five to eight graph
+nodes the unfused path builds for it.
 
 At decode every graph node costs host time (building it in Python, encoding it), and the GPU waits on
 the host, so a node saved is time saved. Backends: 'metal' and 'cuda' (kernels/attn_decode.body behind
@@ -10,14 +12,15 @@ the new key and value back; the caller writes them into the cache (moebench.deco
 allows it (moebench.decode.cache.StaticCache).
 
 Arithmetic, shared by every backend: the bias add is rounded to the activation dtype T, as an add in T
-is; q and k are rotated (rotate-half, as mx.fast.rope with traditional=False) in float32 and rounded to
-T, as rope's output is; scores and softmax in float32 with the scale head_dim ** -0.5; the output is
-rounded to T once.
+is; the q/k norm rounds where mx.fast.rms_norm does; q and k are rotated (rotate-half, as mx.fast.rope
+with traditional=False) in float32 and rounded to T, as rope's output is; scores and softmax in float32
+with the scale head_dim ** -0.5; the output is rounded to T once.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -26,7 +29,9 @@ from ..errors import UnsupportedKernelConfig
 from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend
 
 ATTENTION = Stage("moebench_attn_decode", "attn_decode.body",
-                  ("qkv", "bias", "inv_freq", "pos", "keys", "values", "block"), ("out", "k_new", "v_new"))
+                  ("qkv", "bias", "inv_freq", "pos", "keys", "values", "block", "q_norm", "k_norm", "eps"),
+                  ("out", "k_new", "v_new"))
+COMBINE = Stage("moebench_attn_combine", "attn_combine.body", ("parts",), ("out",))
 
 
 @dataclass(frozen=True)
@@ -43,19 +48,26 @@ class Heads:
         return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
 
 
-# Warps a query head's positions are split over (one threadgroup per head; docs/benchmarks/h200.md, step 9).
+@dataclass(frozen=True)
+class QKNorm:
+    """The per-head RMSNorm of q and of k before RoPE (Qwen3-MoE): weights [head_dim] in the activation dtype."""
+
+    q: mx.array
+    k: mx.array
+    eps: float
+
+
+# Warps a query head's positions are split over within a threadgroup (docs/benchmarks/h200.md, step 9).
 WARPS_PER_HEAD = 8
-# Past this many positions a step runs MLX's attention instead (MLX's SDPA splits long contexts over many
-# threadgroups; an engineering bound from the kernel's design, not a measured crossover).
-MAX_POSITIONS = 1024
+# Threadgroups that share a head's positions: one per SPLIT_POSITIONS slots of the cache, at most
+# MAX_SPLITS (a long context is walked by many threadgroups at once, then their partials are joined).
+SPLIT_POSITIONS = 512
+MAX_SPLITS = 32
 
 
-SPAN_REASON = f"past {MAX_POSITIONS} positions (the kernel's one threadgroup per head is for up to {MAX_POSITIONS})"
-
-
-def span_fits(positions: int) -> bool:
-    """Whether a decode step that may attend to `positions` positions can use the kernel."""
-    return positions <= MAX_POSITIONS
+def splits(capacity: int) -> int:
+    """Threadgroups per query head for cache buffers of `capacity` slots (1: no partials to join)."""
+    return max(1, min(MAX_SPLITS, -(-capacity // SPLIT_POSITIONS)))
 
 
 def support_reason(heads: Heads) -> str | None:
@@ -76,7 +88,7 @@ def rope_frequencies(head_dim: int, base: float) -> mx.array:
 
 
 def _check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
-                  values: mx.array, heads: Heads, block: int) -> None:
+                  values: mx.array, heads: Heads, block: int, qk_norm: QKNorm | None) -> None:
     """Shapes and dtypes the kernel assumes (a bad launch would abort the process)."""
     reason = support_reason(heads)
     if reason:
@@ -101,17 +113,27 @@ def _check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slot
                                       "one shape under 2**31 elements")
     if not 0 <= block < keys.shape[0]:
         raise UnsupportedKernelConfig(f"cache block {block} is outside the {keys.shape[0]} blocks of the buffers")
+    if qk_norm is not None:
+        for name, w in (("q_norm", qk_norm.q), ("k_norm", qk_norm.k)):
+            if w.shape != (hd,) or w.dtype != qkv.dtype:
+                raise UnsupportedKernelConfig(f"{name} weight {tuple(w.shape)} {w.dtype}: expected ({hd},) {qkv.dtype}")
+        if not math.isfinite(qk_norm.eps) or qk_norm.eps < 0:
+            raise UnsupportedKernelConfig(f"q/k norm eps {qk_norm.eps}: expected a finite number >= 0")
 
 
 _check = CheckedOnce(_check_inputs)
 
 
+def _signature(a: mx.array | None) -> tuple | None:
+    return None if a is None else (a.shape, a.dtype)
+
+
 def check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
-                 values: mx.array, heads: Heads, block: int) -> None:
+                 values: mx.array, heads: Heads, block: int, qk_norm: QKNorm | None = None) -> None:
     """_check_inputs, once per combination of shapes and dtypes (decode repeats one)."""
-    key = (qkv.shape, qkv.dtype, bias is not None and (bias.shape, bias.dtype), inv_freq.shape, inv_freq.dtype,
-           slots.shape, slots.dtype, keys.shape, keys.dtype, values.shape, values.dtype, heads, block)
-    _check(key, qkv, bias, inv_freq, slots, keys, values, heads, block)
+    key = (*map(_signature, (qkv, bias, inv_freq, slots, keys, values)), heads, block,
+           qk_norm is not None and (_signature(qk_norm.q), _signature(qk_norm.k), qk_norm.eps))
+    _check(key, qkv, bias, inv_freq, slots, keys, values, heads, block, qk_norm)
 
 
 _blocks: dict[int, mx.array] = {}
@@ -124,20 +146,38 @@ def block_array(block: int) -> mx.array:
     return _blocks[block]
 
 
+@functools.lru_cache(maxsize=8)
+def eps_array(eps: float) -> mx.array:
+    """float32 [1] holding a norm's epsilon: the kernel takes it as an input (templates take no floats)."""
+    a = mx.array([eps], mx.float32)
+    mx.eval(a)
+    return a
+
+
 def gpu_decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
-                         keys: mx.array, values: mx.array, heads: Heads, block: int = 0,
-                         write: bool = False) -> tuple[mx.array, mx.array, mx.array]:
-    """The kernel on `backend` (see decode_attention)."""
-    kv, hd = heads.n_kv_heads, heads.head_dim
+                         keys: mx.array, values: mx.array, heads: Heads, block: int = 0, write: bool = False,
+                         qk_norm: QKNorm | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """The kernel on `backend` (see decode_attention), with `splits(CAP)` threadgroups a head and, past one,
+    the launch that joins their partials."""
+    h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
     lead = tuple(qkv.shape[:-1])
-    return tuple(built_kernel(backend, ATTENTION)(
-        inputs=[qkv, bias if bias is not None else qkv, inv_freq, slots, keys, values, block_array(block)],
-        template=[("T", qkv.dtype), ("H", heads.n_heads), ("KV", kv), ("HD", hd), ("BIAS", bias is not None),
-                  ("W", WARPS_PER_HEAD), ("WRITE", write)],
-        grid=(LANES, heads.n_heads * WARPS_PER_HEAD, 1), threadgroup=(LANES, WARPS_PER_HEAD, 1),
-        output_shapes=[(*lead, heads.n_heads * hd), (1, kv, 1, hd), (1, kv, 1, hd)],
-        output_dtypes=[qkv.dtype] * 3,
-    ))
+    s = splits(keys.shape[2])
+    norms = (qk_norm.q, qk_norm.k, eps_array(qk_norm.eps)) if qk_norm is not None else (qkv, qkv, inv_freq)
+    out_dtype = qkv.dtype if s == 1 else mx.float32
+    out, k_new, v_new = built_kernel(backend, ATTENTION)(
+        inputs=[qkv, bias if bias is not None else qkv, inv_freq, slots, keys, values, block_array(block), *norms],
+        template=[("T", qkv.dtype), ("OT", out_dtype), ("H", h), ("KV", kv), ("HD", hd), ("BIAS", bias is not None),
+                  ("QKNORM", qk_norm is not None), ("W", WARPS_PER_HEAD), ("S", s), ("WRITE", write)],
+        grid=(LANES, h * s * WARPS_PER_HEAD, 1), threadgroup=(LANES, WARPS_PER_HEAD, 1),
+        output_shapes=[(*lead, h * hd) if s == 1 else (h * s * (hd + 2),), (1, kv, 1, hd), (1, kv, 1, hd)],
+        output_dtypes=[out_dtype, qkv.dtype, qkv.dtype],
+    )
+    if s > 1:
+        out = built_kernel(backend, COMBINE)(
+            inputs=[out], template=[("T", qkv.dtype), ("H", h), ("HD", hd), ("S", s)],
+            grid=(LANES, h, 1), threadgroup=(LANES, 1, 1), output_shapes=[(*lead, h * hd)],
+            output_dtypes=[qkv.dtype])[0]
+    return out, k_new, v_new
 
 
 def _rotate(x: mx.array, cos: mx.array, sin: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -148,21 +188,23 @@ def _rotate(x: mx.array, cos: mx.array, sin: mx.array, dtype: mx.Dtype) -> mx.ar
 
 
 def reference_decode_attention(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
-                               keys: mx.array, values: mx.array, heads: Heads,
-                               block: int = 0) -> tuple[mx.array, mx.array, mx.array]:
-    """The kernel's arithmetic with MLX ops; the position may be a traced array (a compiled step), so the
-    cache is masked past it rather than sliced."""
+                               keys: mx.array, values: mx.array, heads: Heads, block: int = 0,
+                               qk_norm: QKNorm | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """The kernel's arithmetic with MLX ops (the q/k norm as mx.fast.rms_norm, which the model runs); the
+    position may be a traced array (a compiled step), so the cache is masked past it rather than sliced."""
     h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
     dtype, lead = qkv.dtype, tuple(qkv.shape[:-1])
     x = qkv.reshape(-1)
     if bias is not None:
         x = x + bias
-    x = x.astype(mx.float32)
+    q, k, v = x[: h * hd].reshape(kv, h // kv, hd), x[h * hd : (h + kv) * hd].reshape(kv, 1, hd), x[(h + kv) * hd :]
+    if qk_norm is not None:
+        q, k = mx.fast.rms_norm(q, qk_norm.q, qk_norm.eps), mx.fast.rms_norm(k, qk_norm.k, qk_norm.eps)
     theta = slots[0].astype(mx.float32) * inv_freq
     cos, sin = mx.cos(theta), mx.sin(theta)
-    q = _rotate(x[: h * hd].reshape(kv, h // kv, hd), cos, sin, dtype) * (hd**-0.5)
-    k = _rotate(x[h * hd : (h + kv) * hd].reshape(kv, 1, hd), cos, sin, dtype)
-    v = x[(h + kv) * hd :].reshape(kv, 1, hd)
+    q = _rotate(q.astype(mx.float32), cos, sin, dtype) * (hd**-0.5)
+    k = _rotate(k.astype(mx.float32), cos, sin, dtype)
+    v = v.astype(mx.float32).reshape(kv, 1, hd)
     past = mx.arange(keys.shape[2], dtype=mx.int32) < slots[0]
     cached_k = keys[block].astype(mx.float32)  # [KV, CAP, HD]
     cached_v = mx.where(past[:, None], values[block].astype(mx.float32), 0.0)  # unwritten slots never reach the sum
@@ -175,8 +217,8 @@ def reference_decode_attention(qkv: mx.array, bias: mx.array | None, inv_freq: m
 
 
 def decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
-                     keys: mx.array, values: mx.array, heads: Heads, block: int = 0,
-                     write: bool = False) -> tuple[mx.array, mx.array, mx.array]:
+                     keys: mx.array, values: mx.array, heads: Heads, block: int = 0, write: bool = False,
+                     qk_norm: QKNorm | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """One new token's attention on `backend`: (output [..., H * HD] in qkv's dtype, its rotated key and its
     value [1, KV, 1, HD] for the cache).
 
@@ -189,12 +231,12 @@ def decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_fre
     only a cache that orders every reader of the slot after this step may ask (a compiled step's static cache,
     moebench.decode.cache.StaticCache), and its buffers must be whole row-contiguous arrays (MLX hands a
     kernel a copy of any other input, and the write would land in the copy): a StaticCache's are (zeros,
-    then its updates' outputs).
+    then its updates' outputs). `qk_norm`: normalise each head of q and k first (Qwen3-MoE).
     """
     check_backend(backend)
-    check_inputs(qkv, bias, inv_freq, slots, keys, values, heads, block)
+    check_inputs(qkv, bias, inv_freq, slots, keys, values, heads, block, qk_norm)
     if backend in GPU_BACKENDS:
-        return gpu_decode_attention(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=write)
+        return gpu_decode_attention(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write, qk_norm)
     if write:
         raise UnsupportedKernelConfig("the reference attention returns new arrays: it cannot write the cache in place")
-    return reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads, block)
+    return reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads, block, qk_norm)

@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 
 from ..models.hooks import Record, layer_scope, scope
 from ..models.qwen2_moe import SparseMoeBlock
-from . import attention, moe
+from . import moe
 from .kernel import GPU_BACKENDS, available_backend
 from .plan import SWITCHED_OFF, Counts, Decision, LayerPlan, Plan, Shape, tokens_decision
 from .settings import KernelSettings, parse_switch
@@ -74,22 +74,20 @@ class Executor:
 
     def plan(self, tokens: int, cache: list, settings: KernelSettings | None = None) -> Plan:
         """The plan of a forward call over `tokens` tokens continuing `cache` (a list of layer caches)."""
-        first = cache[0]
-        return self.plan_for(tokens, first.static, first.span, settings)
+        return self.plan_for(tokens, cache[0].static, settings)
 
-    def plan_for(self, tokens: int, static: bool, span: int, settings: KernelSettings | None = None) -> Plan:
-        """The plan of a forward call over `tokens` tokens whose cache is a compiled step's static one or not and
-        may hold `span` positions with them. Looked up at every step, so the key is a few cheap values: the
-        settings, the backend, the shape class and the interventions set on the blocks (a traced step holds its
-        plan's interventions, so each gets its own plan)."""
+    def plan_for(self, tokens: int, static: bool, settings: KernelSettings | None = None) -> Plan:
+        """The plan of a forward call over `tokens` tokens whose cache is a compiled step's static one or not.
+        Looked up at every step, so the key is a few cheap values: the settings, the backend, the shape class
+        and the interventions set on the blocks (a traced step holds its plan's interventions, so each gets its
+        own plan)."""
         settings = settings or self.settings
-        key = (settings, available_backend(), tokens, static, tokens == 1 and attention.span_fits(span),
-               tuple(b.intervention for b in self.blocks))
+        key = (settings, available_backend(), tokens, static, tuple(b.intervention for b in self.blocks))
         plan = self._plans.get(key)
         if plan is None:
             if tokens > 1 and sum(k[2] > 1 for k in self._plans) >= 8:  # prefill plans: a few lengths kept
                 self._plans = {k: p for k, p in self._plans.items() if k[2] == 1}
-            shape = Shape(tokens, static, key[4])
+            shape = Shape(tokens, static)
             plan = self._plans[key] = Plan(key, tuple(self._layer_plan(i, shape, settings, key[1])
                                                       for i in range(len(self.model.layers))))
         return plan
@@ -100,8 +98,6 @@ class Executor:
         reason = base.reason if base else attention_reason(layer.self_attn, weights)
         if reason is None and not settings.attention_kernel:
             reason = "the attention kernel switched off (KernelSettings.attention_kernel)"
-        if reason is None and not shape.span_fits:
-            reason = attention.SPAN_REASON
         attn = Decision("fallback", reason) if reason else Decision(backend)
         attention_step = AttentionKernel(layer.self_attn, weights, backend, shape.static and backend in GPU_BACKENDS) \
             if attn.fused else None

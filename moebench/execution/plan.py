@@ -1,7 +1,7 @@
 """How one forward call runs, layer by layer: a fused kernel or the model's own modules, and why.
 
-A Plan is decided once per model, settings and shape class (decode or prefill, which cache, whether
-the context fits the attention kernel, where interventions are set) by moebench.execution.executor,
+A Plan is decided once per model, settings and shape class (decode or prefill, which cache, where
+interventions are set) by moebench.execution.executor,
 and rebuilt when any of them changes. For each layer it holds the Decision for its attention and for
 its MoE block (a backend, or 'fallback' with the reason; what runs beside the kernels in `note`) and
 the step that carries it out.
@@ -43,12 +43,11 @@ def tokens_decision(n: int) -> Decision:
 
 @dataclass(frozen=True)
 class Shape:
-    """The shape class a plan serves: tokens in the call (1: a decode step), whether the cache is a compiled
-    step's static one, and whether the positions it may attend to fit the attention kernel."""
+    """The shape class a plan serves: tokens in the call (1: a decode step), and whether the cache is a compiled
+    step's static one (the kernels may write it in place)."""
 
     tokens: int
     static: bool
-    span_fits: bool
 
 
 # step(normed input, cache) -> attention output; step(normed input, residual, record) -> residual + block

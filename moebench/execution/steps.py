@@ -1,8 +1,9 @@
 """The fused steps a plan runs in place of a layer's modules, for one decode token.
 
-AttentionKernel: the stacked q/k/v matmul, then the decode-attention kernel (bias, RoPE, attention over
-the cache and the new token in one launch); the new key and value go into the cache, stored by the
-kernel itself in place where the plan says the cache allows it (a compiled step's static cache on a GPU).
+AttentionKernel: the stacked q/k/v matmul, then the decode-attention kernel (bias, the q/k norm where the
+family has one, RoPE, attention over the cache and the new token); the new key and value go into the
+cache, stored by the kernel itself in place where the plan says the cache allows it (a compiled step's
+static cache on a GPU).
 
 MoeKernel: the router's and the shared gate's logits from one matmul over their stacked rows, the router
 kernel, and the kernel pair with the shared expert and the residual add inside, everything after the
@@ -21,10 +22,9 @@ from ..models.qwen2_moe import SparseMoeBlock
 from ..models.routing import route
 from ..models.switch import weighted_sum
 from . import attention, moe
-from .attention import Heads, rope_frequencies
+from .attention import Heads, QKNorm, rope_frequencies
 from .weights import Derived, FusedWeights, RowStack
 
-QK_NORM_REASON = "per-head q/k RMSNorm before RoPE (not in the decode-attention kernel)"
 ROUTE_NOTE = "routing by moebench.models.routing.route (an intervention is set), not the router kernel"
 
 
@@ -51,8 +51,6 @@ class LayerWeights:
 
 def attention_reason(attn, weights: LayerWeights) -> str | None:
     """Why the decode-attention kernel cannot run this layer's attention, whatever the token, or None."""
-    if "q_norm" in attn:
-        return QK_NORM_REASON
     if weights.qkv.get() is None:
         return "q, k and v are stored differently (no stacked projection for the kernel)"
     return attention.support_reason(Heads(attn.n_heads, attn.n_kv_heads, attn.head_dim))
@@ -66,12 +64,15 @@ class AttentionKernel:
         self.o_proj, self.qkv, self.backend, self.write = attn.o_proj, weights.qkv, backend, write
         self.heads = Heads(attn.n_heads, attn.n_kv_heads, attn.head_dim)
         self.inv_freq = rope_frequencies(attn.head_dim, attn.rope_theta)
+        self.norms = (attn.q_norm, attn.k_norm) if "q_norm" in attn else None  # Qwen3-MoE's per-head q/k norm
 
     def __call__(self, xn: mx.array, cache) -> mx.array:
         stacked = self.qkv.get()
         keys, values, slots, block = cache.decode_buffers(self.heads.n_kv_heads, self.heads.head_dim, xn.dtype)
+        qk_norm = None if self.norms is None else QKNorm(self.norms[0]["weight"], self.norms[1]["weight"],
+                                                         self.norms[0].eps)
         out, k, v = attention.decode_attention(self.backend, stacked.matmul(xn), stacked.get("bias"), self.inv_freq,
-                                               slots, keys, values, self.heads, block, self.write)
+                                               slots, keys, values, self.heads, block, self.write, qk_norm)
         if self.write:
             cache.written_in_place(k, v)
         else:

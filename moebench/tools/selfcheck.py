@@ -42,8 +42,10 @@ A27B_SHAPE = ("Qwen1.5-MoE-A2.7B experts", 2048, 1408, 4)  # name, D, Dff, K
 A27B_SHARED = 5632  # its shared expert's width
 ROUTER_TOLERANCE = 1e-5  # probabilities, scores and the sigmoid gate, router kernel vs CPU reference
 A27B_HEADS = (16, 16, 128)  # its attention: query heads, key/value heads, head_dim
-ATTENTION_POSITIONS = (0, 8, 200)  # the first token, a block boundary of the kernel, deep in the cache
-ATTENTION_SLOTS = 256
+QWEN3_HEADS = (32, 4, 128)  # Qwen3-30B-A3B's, which normalises each head of q and k
+# (position, cache slots): the first token, a block boundary of the kernel, deep in a short cache (one
+# threadgroup a head); in a long one (several a head, their partials joined), early and deep
+ATTENTION_CASES = ((0, 256), (8, 256), (200, 256), (600, 4352), (4000, 4352))
 
 
 @dataclass(frozen=True)
@@ -260,14 +262,17 @@ def router_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
 
 def attention_parity(backend: str, model, seed: int = 0) -> list[dict]:
     """The decode-attention kernel on `backend` against the CPU reference, at Qwen1.5-MoE-A2.7B's attention
-    (16 heads of 128, q/k/v bias) and the model's own, at the first position, a block boundary and deep in
-    a cache of 256 slots; and its in-place cache write (writes_in_place)."""
+    (16 heads of 128, q/k/v bias), Qwen3-30B-A3B's (32 heads over 4 kv heads, the q/k norm) and the model's
+    own, at ATTENTION_CASES' positions of short and long caches; and its in-place cache write."""
     a, dtype = model.args, model.dtype
-    geometries = {Heads(*A27B_HEADS): True, Heads(a.num_attention_heads, a.num_key_value_heads, a.head_dim): a.qkv_bias}
+    own_norm = any("q_norm" in layer.self_attn for layer in model.layers)
+    geometries = {(Heads(*A27B_HEADS), True, False), (Heads(*QWEN3_HEADS), False, True),
+                  (Heads(a.num_attention_heads, a.num_key_value_heads, a.head_dim), a.qkv_bias, own_norm)}
     rows = []
-    for (heads, bias), position in itertools.product(geometries.items(), ATTENTION_POSITIONS):
+    for (heads, bias, qknorm), (position, slots) in itertools.product(sorted(geometries, key=str), ATTENTION_CASES):
         row = {"case": f"attention {heads.n_heads}x{heads.head_dim} ({heads.n_kv_heads} kv heads)"
-               f"{' + bias' if bias else ''} at position {position}", "backend": backend}
+               f"{' + bias' if bias else ''}{' + q/k norm' if qknorm else ''} at position {position} of {slots} "
+               f"({attention.splits(slots)} threadgroups a head)", "backend": backend}
         if backend == "reference":
             rows.append({**row, "status": "not applicable", "passed": True,
                          "reason": "on a CPU the reference is the attention: nothing separate to compare"})
@@ -276,18 +281,20 @@ def attention_parity(backend: str, model, seed: int = 0) -> list[dict]:
         if reason:
             rows.append({**row, "status": "declined", "reason": reason, "passed": True})
             continue
-        keys = mx.random.split(mx.random.key(seed + position + heads.head_dim), 4)
-        cache_shape = (1, heads.n_kv_heads, ATTENTION_SLOTS, heads.head_dim)
+        keys = mx.random.split(mx.random.key(seed + position + heads.head_dim), 6)
+        cache_shape = (1, heads.n_kv_heads, slots, heads.head_dim)
         qkv = mx.random.normal((1, 1, heads.width), key=keys[0]).astype(dtype)
         b = mx.random.normal((heads.width,), key=keys[1]).astype(dtype) if bias else None
-        k_cache, v_cache = (mx.random.normal(cache_shape, key=k).astype(dtype) for k in keys[2:])
-        args = (qkv, b, rope_frequencies(heads.head_dim, a.rope_theta),
-                mx.array([position, ATTENTION_SLOTS], dtype=mx.int32), k_cache, v_cache, heads)
+        k_cache, v_cache = (mx.random.normal(cache_shape, key=k).astype(dtype) for k in keys[2:4])
+        qk_norm = attention.QKNorm(*(mx.random.uniform(0.5, 1.5, (heads.head_dim,), key=k).astype(dtype)
+                                     for k in keys[4:]), a.rms_norm_eps) if qknorm else None
+        args = (qkv, b, rope_frequencies(heads.head_dim, a.rope_theta), mx.array([position, slots], dtype=mx.int32),
+                k_cache, v_cache, heads)
         try:
-            got = [f64(t) for t in attention.decode_attention(backend, *args)]
+            got = [f64(t) for t in attention.decode_attention(backend, *args, qk_norm=qk_norm)]
             with mx.stream(mx.cpu):
-                want = [f64(t) for t in attention.decode_attention("reference", *args)]
-            in_place = writes_in_place(backend, *args)
+                want = [f64(t) for t in attention.decode_attention("reference", *args, qk_norm=qk_norm)]
+            in_place = writes_in_place(backend, *args, qk_norm)
         except Exception as e:  # noqa: BLE001 -- reported as a failed row
             rows.append({**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False})
             continue
@@ -298,14 +305,14 @@ def attention_parity(backend: str, model, seed: int = 0) -> list[dict]:
 
 
 def writes_in_place(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
-                    keys: mx.array, values: mx.array, heads: Heads) -> bool:
+                    keys: mx.array, values: mx.array, heads: Heads, qk_norm: attention.QKNorm | None = None) -> bool:
     """Whether the kernel with `write` (as the compiled decode step runs it) stores the token's key and value
     at its slot of the cache buffers, exactly as it outputs them, and changes nothing else there."""
     caches = [keys + 0, values + 0]  # buffers of their own, for the kernel to write into
     mx.eval(caches)
     before = [f64(c) for c in caches]
     _, k_new, v_new = out = attention.decode_attention(backend, qkv, bias, inv_freq, slots, *caches, heads,
-                                                               write=True)
+                                                       write=True, qk_norm=qk_norm)
     mx.eval(out)
     position = int(slots[0].item())
     for cache, was, new in zip(caches, before, (k_new, v_new), strict=True):

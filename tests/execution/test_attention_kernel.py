@@ -11,7 +11,7 @@ import moebench
 from moebench.decode.loop import generate
 from moebench.errors import UnsupportedKernelConfig
 from moebench.execution import attention
-from moebench.execution.attention import Heads, decode_attention, rope_frequencies, span_fits, support_reason
+from moebench.execution.attention import Heads, QKNorm, decode_attention, rope_frequencies, splits, support_reason
 from moebench.inspect.truth import f64, nrms
 
 BASE = 10000.0
@@ -26,11 +26,14 @@ def _inputs(heads: Heads, p: int, cap: int, dtype: mx.Dtype, bias: bool = True, 
     return qkv, b, rope_frequencies(heads.head_dim, BASE), mx.array([p, cap], mx.int32), cached_k, cached_v
 
 
-def _mlx_attention(qkv, bias, p, cached_k, cached_v, heads: Heads):
-    """What the unfused layer computes: bias add, mx.fast.rope, cache fetch, mx.fast SDPA."""
+def _mlx_attention(qkv, bias, p, cached_k, cached_v, heads: Heads, qk_norm: QKNorm | None = None):
+    """What the unfused layer computes: bias add, (Qwen3's per-head q/k RMSNorm,) mx.fast.rope, cache fetch,
+    mx.fast SDPA."""
     h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
     x = (qkv + bias if bias is not None else qkv).reshape(1, 1, h + 2 * kv, hd).transpose(0, 2, 1, 3)
     q, k, v = x[:, :h], x[:, h : h + kv], x[:, h + kv :]
+    if qk_norm is not None:
+        q, k = mx.fast.rms_norm(q, qk_norm.q, qk_norm.eps), mx.fast.rms_norm(k, qk_norm.k, qk_norm.eps)
     q, k = (mx.fast.rope(a, hd, traditional=False, base=BASE, scale=1.0, offset=p) for a in (q, k))
     keys = mx.concatenate([cached_k[:, :, :p], k], axis=2)
     values = mx.concatenate([cached_v[:, :, :p], v], axis=2)
@@ -97,26 +100,39 @@ def test_bad_inputs_are_named_before_any_launch():
         decode_attention("vulkan", qkv, b, inv, slots, cached_k, cached_v, heads)
 
 
-def test_support_and_span_reasons():
+def test_support_reasons_and_splits():
     assert support_reason(Heads(16, 16, 128)) is None and support_reason(Heads(4, 2, 32)) is None
     assert "multiple of 32" in support_reason(Heads(4, 4, 48))
     assert "do not divide" in support_reason(Heads(6, 4, 64))
-    assert span_fits(attention.MAX_POSITIONS) and not span_fits(attention.MAX_POSITIONS + 1)
-    assert f"past {attention.MAX_POSITIONS} positions" in attention.SPAN_REASON
+    assert splits(1) == splits(attention.SPLIT_POSITIONS) == 1  # a short cache: one threadgroup a head, no join
+    assert splits(attention.SPLIT_POSITIONS + 1) == 2 and splits(10**7) == attention.MAX_SPLITS
 
 
-def test_long_contexts_run_mlx_attention_and_say_why(quantized_checkpoint, monkeypatch):
-    """A step that attends to more positions than the kernel takes runs MLX's attention, counted with the
-    reason; the MoE blocks of the same steps stay fused."""
+@pytest.mark.parametrize("heads", [Heads(4, 2, 64), Heads(8, 8, 32)])
+@pytest.mark.parametrize("p", [0, 700, 2999])
+def test_reference_with_the_qk_norm_matches_the_qwen3_attention(heads, p):
+    """Qwen3's per-head q/k RMSNorm before RoPE, deep into a long cache too. Past a few hundred positions the
+    float32 rotation angles round differently from mx.fast.rope's (both as far from a float64 rotation: about
+    1e-4 at position 3000), so the bound there is the fused path's parity class, 5e-4."""
+    qkv, _, inv, slots, cached_k, cached_v = _inputs(heads, p, 3000, mx.float32, False, seed=p)
+    norm = QKNorm(mx.random.uniform(0.5, 1.5, (heads.head_dim,), key=mx.random.key(1)),
+                  mx.random.uniform(0.5, 1.5, (heads.head_dim,), key=mx.random.key(2)), 1e-6)
+    got = decode_attention("reference", qkv, None, inv, slots, cached_k, cached_v, heads, qk_norm=norm)
+    want = _mlx_attention(qkv, None, p, cached_k, cached_v, heads, norm)
+    for a, b in zip(got, want, strict=True):
+        assert nrms(f64(a).reshape(-1), f64(b).reshape(-1)) < (1e-5 if p < 1000 else 5e-4)
+
+
+def test_long_contexts_run_the_kernel(quantized_checkpoint):
+    """No length declines the decode-attention kernel: every decode step of a context past the old 1024-slot
+    bound (and past one split of the positions) runs it, and so do the MoE blocks."""
     model, _ = moebench.load(quantized_checkpoint)
-    monkeypatch.setattr(attention, "MAX_POSITIONS", 8)
+    prompt = np.random.default_rng(0).integers(0, model.args.vocab_size, 1100).tolist()
     with moebench.fused_moe(True, model):
-        generate(model, [3, 1, 4, 1, 5], 12, compiled=False)  # the prefill, then steps attending to 6, ..., 16
+        result = generate(model, prompt, 4, compiled=False)
+    with moebench.fused_moe(False, model):
+        assert generate(model, prompt, 4, compiled=False).token_ids == result.token_ids
     backend, counts = moebench.available_backend(), moebench.dispatch(model)
-    assert len(counts["attention"]) == len(model.layers)
-    for d in counts["attention"].values():
-        assert d["fused"] == {backend: 3}  # spans 6, 7 and 8
-        assert d["reasons"][attention.SPAN_REASON] == 8  # spans 9 to 16
-        assert d["fallback"] == 1 + 8  # and the prefill
-    for d in counts["moe"].values():
-        assert d["fused"] == {backend: 11} and d["fallback"] == 1
+    for part in ("attention", "moe"):
+        for d in counts[part].values():
+            assert d["fused"] == {backend: 3} and d["fallback"] == 1 + 4  # the prefills, and the fallback run

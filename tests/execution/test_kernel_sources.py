@@ -26,8 +26,11 @@ from moebench.checkpoint.quant import QuantizedParts
 from moebench.execution import attention, moe
 from moebench.execution.attention import (
     ATTENTION,
+    COMBINE,
+    SPLIT_POSITIONS,
     WARPS_PER_HEAD,
     Heads,
+    QKNorm,
     reference_decode_attention,
     rope_frequencies,
 )
@@ -60,8 +63,9 @@ TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
     ROUTER: [("typename", "LT"), ("int", "E"), ("int", "K"), ("bool", "NORM"), ("bool", "SHARED")],
     GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "BITS")],
     DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID")],
-    ATTENTION: [("typename", "T"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS"), ("int", "W"),
-                ("bool", "WRITE")],
+    ATTENTION: [("typename", "T"), ("typename", "OT"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS"),
+                ("bool", "QKNORM"), ("int", "W"), ("int", "S"), ("bool", "WRITE")],
+    COMBINE: [("typename", "T"), ("int", "H"), ("int", "HD"), ("int", "S")],
 }
 # Element type of each kernel parameter: a C type or a template type name; uint32_t when not listed.
 PARAM_TYPES: dict[Stage, dict[str, str]] = {
@@ -70,7 +74,8 @@ PARAM_TYPES: dict[Stage, dict[str, str]] = {
     DOWN: {"scores": "S", "act": "float", "sgate": "float", "y": "float", "ys": "float", "out": "T", "resid": "T",
            **{f"{p}_{q}": "ST" for p in ("down", "sdown") for q in "sb"}},
     ATTENTION: {**dict.fromkeys(ATTENTION.inputs + ATTENTION.outputs, "T"), "inv_freq": "float", "pos": "int",
-                "block": "int"},
+                "block": "int", "eps": "float", "out": "OT"},
+    COMBINE: {"parts": "float", "out": "T"},
 }
 FLAVORS = {"f32": {"T": "float", "ST": "float", "S": "float", "LT": "float"},
            "bf16": {"T": "bfloat16_t", "ST": "bfloat16_t", "S": "float", "LT": "bfloat16_t"}}
@@ -82,8 +87,9 @@ Instance = dict[str, object]  # template parameter name -> C type name, int or b
 
 
 def _instance(stage: Stage, flavor: str = "f32", **values) -> Instance:
-    """One template instance of `stage`: type parameters from the dtype flavor, the rest from `values`."""
-    return {n: FLAVORS[flavor][n] if kind == "typename" else values[n] for kind, n in TEMPLATE_PARAMS[stage]}
+    """One template instance of `stage`: type parameters from the dtype flavor unless `values` names them, the rest
+    from `values`."""
+    return {n: values[n] if n in values else FLAVORS[flavor][n] for _, n in TEMPLATE_PARAMS[stage]}
 
 
 def _cpp(value) -> str:
@@ -104,8 +110,10 @@ def _constant_inputs(stage: Stage, inst: Instance) -> tuple[str, ...]:
     """The inputs MLX's metal_kernel puts in `constant` (under 8 elements) at this instance's shapes."""
     if stage is ROUTER:
         sizes = {"logits": inst["E"] + inst["SHARED"]}
-    elif stage is ATTENTION:
-        sizes = {"pos": 2, "block": 1}  # [P, CAP], [block]; the others hold at least HD / 2 >= 16 elements
+    elif stage is ATTENTION:  # [P, CAP], [block], eps [1] (inv_freq stands in without the q/k norm); the others
+        sizes = {"pos": 2, "block": 1, "eps": 1 if inst["QKNORM"] else inst["HD"] // 2}  # hold >= HD / 2 >= 16
+    elif stage is COMBINE:
+        sizes = {}
     else:  # without a shared expert the caller passes scores in place of B's sgate [1]
         sizes = {"indices": inst["K"], "scores": inst["K"], "sgate": 1 if inst["DFFS"] else inst["K"]}
     return tuple(n for n in stage.inputs if sizes.get(n, 8) < 8)
@@ -148,9 +156,21 @@ def _launcher(stage: Stage, inst: Instance) -> str:
             f"{', '.join(buffers)}, t); }});\n}}")
 
 
-def _attention_instance(shape: tuple[int, int, int], bias: bool, write: bool, flavor: str = "f32") -> Instance:
-    return _instance(ATTENTION, flavor, **dict(zip(("H", "KV", "HD"), shape, strict=True)), BIAS=bias,
-                     W=WARPS_PER_HEAD, WRITE=write)
+def _attention_instance(shape: tuple[int, int, int], bias: bool, write: bool, flavor: str = "f32", qknorm: bool = False,
+                        splits: int = 1) -> Instance:
+    out = FLAVORS[flavor]["T"] if splits == 1 else "float"  # the output, or the partials a second launch joins
+    return _instance(ATTENTION, flavor, **dict(zip(("H", "KV", "HD"), shape, strict=True)), BIAS=bias, QKNORM=qknorm,
+                     W=WARPS_PER_HEAD, S=splits, WRITE=write, OT=out)
+
+
+def _combine_instance(shape: tuple[int, int, int], splits: int, flavor: str = "f32") -> Instance:
+    return _instance(COMBINE, flavor, H=shape[0], HD=shape[2], S=splits)
+
+
+# Beside every bias x write case with one threadgroup a head: the q/k norm, and three threadgroups a head
+# (the positions' chunks of 64, so with CAP 80 one split holds 0..63, one 64..79, one none).
+ATTENTION_VARIANTS = [(bias, write, False, 1) for bias, write in product((False, True), (False, True))] + [
+    (False, False, True, 1), (True, False, False, 3), (False, True, False, 3), (False, True, True, 3)]
 
 
 def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shapes, attention_shapes):
@@ -162,8 +182,10 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
             yield DOWN, _instance(DOWN, flavor, **experts, DFFS=width, GS=group, BITS=bits, RESID=resid)
         for (n_exp, top_k), norm, shared in product(router_shapes, (True, False), (True, False)):
             yield ROUTER, _instance(ROUTER, flavor, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
-        for shape, bias, write in product(attention_shapes, (False, True), (False, True)):
-            yield ATTENTION, _attention_instance(shape, bias, write, flavor)
+        for shape, (bias, write, qknorm, splits) in product(attention_shapes, ATTENTION_VARIANTS):
+            yield ATTENTION, _attention_instance(shape, bias, write, flavor, qknorm, splits)
+        for shape in attention_shapes:
+            yield COMBINE, _combine_instance(shape, 3, flavor)
 
 
 _RUN_CASES = [(4, 4, 32), (8, 8, 64), (4, 6, 128), (8, 6, 32), (4, 8, 128)]  # (gate bits, down bits, group)
@@ -182,8 +204,10 @@ def _run_instances():
         yield from zip((GATE_UP, DOWN), _routed_instances(*case, dffs), strict=True)
     for n_exp, top_k, norm, shared in _ROUTER_RUN_CASES:
         yield ROUTER, _instance(ROUTER, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
-    for shape, bias, write in product(ATTENTION_SHAPES, (False, True), (False, True)):
-        yield ATTENTION, _attention_instance(shape, bias, write)
+    for shape, (bias, write, qknorm, splits) in product(ATTENTION_SHAPES, ATTENTION_VARIANTS):
+        yield ATTENTION, _attention_instance(shape, bias, write, qknorm=qknorm, splits=splits)
+    for shape in ATTENTION_SHAPES:
+        yield COMBINE, _combine_instance(shape, 3)
 
 
 def _metal_unit() -> str:
@@ -268,11 +292,13 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs):
     moe.gpu_select("metal", mx.zeros((1, 4 + bool(dffs)), mx.bfloat16), 4, 2, True, bool(dffs))
     heads = Heads(8, 2, 64)
     qkv = mx.array(rng.standard_normal((1, heads.width)).astype(np.float32), dtype=mx.bfloat16)
-    cache = mx.zeros((1, 2, CAP, 64), mx.bfloat16)
+    capacity = SPLIT_POSITIONS + 1 if dffs else CAP  # with dffs: two threadgroups a head, and the launch joining them
+    cache = mx.zeros((1, 2, capacity, 64), mx.bfloat16)
+    norm = mx.ones((64,), mx.bfloat16)
     attention.gpu_decode_attention("metal", qkv, qkv[0] if dffs else None, rope_frequencies(64, 1e6),
-                                   mx.array([5, CAP], mx.int32), cache, cache, heads,
-                                   write=bool(dffs))  # bias and the in-place write with dffs
-    assert set(launches) == {ROUTER, GATE_UP, DOWN, ATTENTION}
+                                   mx.array([5, capacity], mx.int32), cache, cache, heads, write=bool(dffs),
+                                   qk_norm=QKNorm(norm, norm, 1e-6) if dffs else None)  # with dffs: every option
+    assert set(launches) == {ROUTER, GATE_UP, DOWN, ATTENTION} | ({COMBINE} if dffs else set())
     for stage, (inputs, template, output_dtypes, _, _) in launches.items():
         assert [(_template_kind(v), n) for n, v in template] == TEMPLATE_PARAMS[stage], stage.name
         inst = {n: MX_TYPES[v] if isinstance(v, mx.Dtype) else v for n, v in template}
@@ -280,9 +306,11 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs):
         assert [MX_TYPES[d] for d in output_dtypes] == [_param_type(stage, n, inst) for n in stage.outputs]
         small = tuple(n for n, a in zip(stage.inputs, inputs, strict=True) if a.size < 8)
         assert _constant_inputs(stage, inst) == small, stage.name
-    assert dict(launches[ATTENTION][1])["WRITE"] is bool(dffs)
-    output_rows = {GATE_UP: K * DFF + dffs, DOWN: DIN, ROUTER: 1, ATTENTION: heads.n_heads * WARPS_PER_HEAD}
-    group_rows = {GATE_UP: rows, DOWN: rows, ROUTER: 1, ATTENTION: WARPS_PER_HEAD}
+    template = dict(launches[ATTENTION][1])
+    assert template["WRITE"] is bool(dffs) and template["QKNORM"] is bool(dffs) and template["S"] == 1 + bool(dffs)
+    output_rows = {GATE_UP: K * DFF + dffs, DOWN: DIN, ROUTER: 1,
+                   ATTENTION: heads.n_heads * template["S"] * WARPS_PER_HEAD, COMBINE: heads.n_heads}
+    group_rows = {GATE_UP: rows, DOWN: rows, ROUTER: 1, ATTENTION: WARPS_PER_HEAD, COMBINE: 1}
     for stage, (_, _, _, grid, threadgroup) in launches.items():
         assert tuple(threadgroup) == (LANES, group_rows[stage], 1), stage.name
         assert grid[0] == LANES and grid[2] == 1 and grid[1] % threadgroup[1] == 0, stage.name
@@ -395,32 +423,46 @@ def test_shimmed_router_breaks_ties_towards_the_lower_expert_id(shim_library):
     assert scores[0] == scores[1] and scores[2] == scores[3]
 
 
-# around the 8-key block edges, the second round of the warps' blocks (warp 0 again at 64), the last slot
-@pytest.mark.parametrize("pos", (0, 1, 7, 8, 9, 63, 64, 65, CAP - 1))
-@pytest.mark.parametrize("bias", (False, True))
+# around the 8-key block edges, the second round of the warps' blocks (warp 0 again at 64), the last slot; the
+# q/k norm and split variants at the first position, the second split's first and the last slot
+ATTENTION_RUNS = [(*variant, pos) for variant in ATTENTION_VARIANTS
+                  for pos in ((0, 1, 7, 8, 9, 63, 64, 65, CAP - 1) if variant[2:] == (False, 1) else (0, 64, CAP - 1))]
+
+
+@pytest.mark.parametrize("bias,write,qknorm,splits,pos", ATTENTION_RUNS)
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
-@pytest.mark.parametrize("write", (False, True))
-def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bias, pos, write):
+def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bias, write, qknorm, splits, pos):
     """The layer's cache is one block of three (as in a StaticCache); the other blocks and slots >= pos of its
     own hold NaN for the kernel: it must read only the pos earlier tokens of its block plus the new one.
-    With `write` it stores the new key and value at slot pos of its block, and changes nothing else."""
+    With `write` it stores the new key and value at slot pos of its block, and changes nothing else; with
+    `qknorm` it normalises each head of q and k first; with `splits` threadgroups a head their partials are
+    joined by the second launch."""
     heads = Heads(*shape)
     block = pos % 3
-    rng = np.random.default_rng(sum(shape) * 100 + pos * 2 + bias)
+    rng = np.random.default_rng(sum(shape) * 100 + pos * 2 + bias + 4 * qknorm + 8 * splits)
     qkv, qkv_bias = (rng.standard_normal(heads.width).astype(np.float32) for _ in range(2))
+    norms = [rng.uniform(0.5, 1.5, heads.head_dim).astype(np.float32) for _ in range(2)]
+    qk_norm = QKNorm(mx.array(norms[0]), mx.array(norms[1]), 1e-6) if qknorm else None
     inv_freq, slots = rope_frequencies(heads.head_dim, 10000.0), np.array([pos, CAP], np.int32)
     cache = rng.standard_normal((2, 3, heads.n_kv_heads, CAP, heads.head_dim)).astype(np.float32)
     truth = reference_decode_attention(mx.array(qkv), mx.array(qkv_bias) if bias else None, inv_freq,
-                                       mx.array(slots), *map(mx.array, cache), heads, block)
+                                       mx.array(slots), *map(mx.array, cache), heads, block, qk_norm)
     unread = np.full_like(cache, np.nan)
     unread[:, block, :, :pos] = cache[:, block, :, :pos]
     before = unread.copy()
-    outputs = {n: _output(heads.n_heads * heads.head_dim if n == "out" else heads.n_kv_heads * heads.head_dim)
-               for n in ATTENTION.outputs}
-    rows = (heads.n_heads + 1) * WARPS_PER_HEAD  # one padding threadgroup past the heads: it must write nothing
-    _launch(shim_library, ATTENTION, _attention_instance(shape, bias, write), rows, {
+    out_size = heads.n_heads * heads.head_dim if splits == 1 else heads.n_heads * splits * (heads.head_dim + 2)
+    outputs = {n: _output(out_size if n == "out" else heads.n_kv_heads * heads.head_dim) for n in ATTENTION.outputs}
+    rows = (heads.n_heads * splits + 1) * WARPS_PER_HEAD  # one padding threadgroup past the heads: it writes nothing
+    _launch(shim_library, ATTENTION, _attention_instance(shape, bias, write, qknorm=qknorm, splits=splits), rows, {
         "qkv": qkv, "bias": qkv_bias if bias else qkv, "inv_freq": np.array(inv_freq), "pos": slots,
-        "keys": unread[0], "values": unread[1], "block": np.array([block], np.int32), **outputs})
+        "keys": unread[0], "values": unread[1], "block": np.array([block], np.int32),
+        "q_norm": norms[0] if qknorm else qkv, "k_norm": norms[1] if qknorm else qkv,
+        "eps": np.array([1e-6], np.float32) if qknorm else np.array(inv_freq), **outputs})
+    if splits > 1:
+        parts = _written(outputs["out"], "out")
+        outputs["out"] = _output(heads.n_heads * heads.head_dim)
+        _launch(shim_library, COMBINE, _combine_instance(shape, splits), _padded(heads.n_heads),
+                {"parts": parts, "out": outputs["out"]})
     for name, want in zip(ATTENTION.outputs, truth, strict=True):
         got = _written(outputs[name], name)
         assert np.isfinite(got).all(), f"{name}: not finite (a cache slot >= pos read?)"

@@ -208,10 +208,17 @@ def test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step(t
 
 
 def _attention_truth(qkv: np.ndarray, bias: np.ndarray | None, p: int, keys: np.ndarray, values: np.ndarray,
-                     heads: Heads, base: float) -> np.ndarray:
-    """float64 attention of one token over positions 0..p (the new one rotated here, earlier ones cached)."""
+                     heads: Heads, base: float, norms: tuple[np.ndarray, np.ndarray, float] | None = None
+                     ) -> np.ndarray:
+    """float64 attention of one token over positions 0..p (the new one rotated here, earlier ones cached), with
+    each head of q and k RMS-normalised first when `norms` gives (q weight, k weight, eps)."""
     h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
     x = qkv.astype(np.float64) + (bias.astype(np.float64) if bias is not None else 0.0)
+    if norms is not None:
+        heads_of = [x[: h * hd].reshape(h, hd), x[h * hd : (h + kv) * hd].reshape(kv, hd)]
+        normed = [a / np.sqrt((a * a).mean(axis=-1, keepdims=True) + norms[2]) * w
+                  for a, w in zip(heads_of, norms[:2], strict=True)]
+        x = np.concatenate([normed[0].reshape(-1), normed[1].reshape(-1), x[(h + kv) * hd :]])
     inv = base ** (-np.arange(0, hd, 2) / hd)
     c, s = np.cos(p * inv), np.sin(p * inv)
 
@@ -231,17 +238,27 @@ def _attention_truth(qkv: np.ndarray, bias: np.ndarray | None, p: int, keys: np.
     return out.reshape(-1)
 
 
-@pytest.mark.parametrize("heads,bias,p,dtype", [
-    (Heads(16, 16, 128), True, 0, mx.bfloat16), (Heads(16, 16, 128), True, 9, mx.bfloat16),
-    (Heads(16, 16, 128), True, 191, mx.bfloat16), (Heads(16, 16, 128), False, 255, mx.bfloat16),
-    (Heads(32, 4, 128), False, 100, mx.bfloat16), (Heads(8, 8, 64), True, 37, mx.bfloat16),
-    (Heads(4, 2, 32), True, 17, mx.bfloat16), (Heads(16, 16, 128), True, 130, mx.float32)])
-def test_cuda_attention_kernel_matches_reference_and_truth(heads, bias, p, dtype):
-    cap, base = 256, 1_000_000.0
+# (heads, bias, position, dtype, cache slots, q/k norm): A2.7B's MHA and Qwen3-30B-A3B's GQA (with its q/k norm),
+# one threadgroup a head (256 slots) and several (past SPLIT_POSITIONS: a 4352-slot cache is 9 a head)
+@pytest.mark.parametrize("heads,bias,p,dtype,cap,qknorm", [
+    (Heads(16, 16, 128), True, 0, mx.bfloat16, 256, False), (Heads(16, 16, 128), True, 9, mx.bfloat16, 256, False),
+    (Heads(16, 16, 128), True, 191, mx.bfloat16, 256, False), (Heads(16, 16, 128), False, 255, mx.bfloat16, 256, False),
+    (Heads(32, 4, 128), False, 100, mx.bfloat16, 256, False), (Heads(8, 8, 64), True, 37, mx.bfloat16, 256, False),
+    (Heads(4, 2, 32), True, 17, mx.bfloat16, 256, False), (Heads(16, 16, 128), True, 130, mx.float32, 256, False),
+    (Heads(32, 4, 128), False, 100, mx.bfloat16, 256, True),
+    (Heads(32, 4, 128), False, 2047, mx.bfloat16, 2304, True),
+    (Heads(16, 16, 128), True, 4000, mx.bfloat16, 4352, False),
+    (Heads(16, 16, 128), True, 600, mx.bfloat16, 4352, False),
+    (Heads(16, 16, 128), True, 3000, mx.float32, 3072, False),
+    (Heads(32, 4, 128), False, 1500, mx.float32, 2048, True)])
+def test_cuda_attention_kernel_matches_reference_and_truth(heads, bias, p, dtype, cap, qknorm):
+    base = 1_000_000.0
     rng = np.random.default_rng(p + heads.head_dim)
     cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
     qkv = cast(rng.standard_normal((1, 1, heads.width)))
     b = cast(0.5 * rng.standard_normal(heads.width)) if bias else None
+    weights = [cast(rng.uniform(0.5, 1.5, heads.head_dim)) for _ in range(2)]
+    qk_norm = attention.QKNorm(*weights, 1e-6) if qknorm else None
     block = p % 3  # the layer's block of a three-layer cache (as in a StaticCache); the others hold NaN
     caches = []
     for _ in range(2):
@@ -250,16 +267,19 @@ def test_cuda_attention_kernel_matches_reference_and_truth(heads, bias, p, dtype
         caches.append(cast(c))
     keys, values = caches
     inv, slots = rope_frequencies(heads.head_dim, base), mx.array([p, cap], dtype=mx.int32)
-    out, k_new, v_new = attention.decode_attention("cuda", qkv, b, inv, slots, keys, values, heads, block)
+    out, k_new, v_new = attention.decode_attention("cuda", qkv, b, inv, slots, keys, values, heads, block,
+                                                   qk_norm=qk_norm)
     with mx.stream(mx.cpu):
-        ref = attention.decode_attention("reference", qkv, b, inv, slots, keys, values, heads, block)
+        ref = attention.decode_attention("reference", qkv, b, inv, slots, keys, values, heads, block, qk_norm=qk_norm)
         mx.eval(ref)
     buffers = [keys + 0, values + 0]  # whole arrays of their own for the in-place write (as a StaticCache's)
     mx.eval(buffers)
-    written = attention.decode_attention("cuda", qkv, b, inv, slots, *buffers, heads, block, write=True)
+    written = attention.decode_attention("cuda", qkv, b, inv, slots, *buffers, heads, block, write=True,
+                                         qk_norm=qk_norm)
     mx.eval(written)
+    norms = (f64(weights[0]), f64(weights[1]), 1e-6) if qknorm else None
     truth = _attention_truth(f64(qkv).reshape(-1), None if b is None else f64(b), p, f64(keys[block : block + 1]),
-                             f64(values[block : block + 1]), heads, base)
+                             f64(values[block : block + 1]), heads, base, norms)
     got = {"cuda out vs truth": nrms(f64(out).reshape(-1), truth),
            "reference out vs truth": nrms(f64(ref[0]).reshape(-1), truth),
            "cuda vs reference out": nrms(f64(out), f64(ref[0])),
@@ -267,7 +287,8 @@ def test_cuda_attention_kernel_matches_reference_and_truth(heads, bias, p, dtype
            "cuda vs reference v_new": nrms(f64(v_new), f64(ref[2])),
            **{f"cuda vs reference {n} (write)": nrms(f64(a), f64(r))
               for n, a, r in zip(("out", "k_new", "v_new"), written, ref, strict=True)}}
-    print(f"\nattention {heads} bias {bias} P {p} block {block} {dtype}: " +
+    print(f"\nattention {heads} bias {bias} P {p} of {cap} ({attention.splits(cap)} a head) q/k norm {qknorm} "
+          f"block {block} {dtype}: " +
           ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
     assert max(v for k, v in got.items() if k.startswith("cuda vs")) < 5e-4
     if dtype == mx.float32:  # no rounding between the ops: the issue's bound against the truth itself
