@@ -76,7 +76,7 @@ class CompiledForward:
         cache, ex = self.cache, self.executor
         plan = ex.plan_for(n, True, settings)
         if n > 1:
-            cache.position = StepPosition.at(offset, self.capacity)
+            cache.position = StepPosition.at(offset, self.capacity, first=self.position == 0)
             logits = static_logits(ex, tokens, cache, plan)
         else:
             if plan.key not in ex.compiled:
