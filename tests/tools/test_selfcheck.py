@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import moebench
@@ -149,9 +148,9 @@ def test_a_gpu_router_kernel_is_compared_with_the_cpu_reference(monkeypatch, err
 @pytest.mark.parametrize("error,shift,passes", [(0.0, 0, True), (1e-2, 0, False), (0.0, 1, False)])
 def test_a_gpu_attention_kernel_is_compared_with_the_cpu_reference(quantized_checkpoint, monkeypatch, error, shift,
                                                                    passes):
-    def as_if_cuda(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=False):
+    def as_if_cuda(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=False, qk_norm=None):
         out, k, v = attention_kernel.reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads,
-                                                                 block)
+                                                                 block, qk_norm)
         if write:  # as the kernel stores them, into the caller's arrays
             keys[block, :, slots[0].item() + shift] = k[0, :, 0]
             values[block, :, slots[0].item() + shift] = v[0, :, 0]
@@ -159,7 +158,9 @@ def test_a_gpu_attention_kernel_is_compared_with_the_cpu_reference(quantized_che
 
     monkeypatch.setattr(attention_kernel, "gpu_decode_attention", as_if_cuda)
     rows = selfcheck.attention_parity("cuda", moebench.load(quantized_checkpoint)[0])
-    assert len(rows) == 2 * len(selfcheck.ATTENTION_POSITIONS) and all(r["status"] == "ran" for r in rows)
+    assert len(rows) == 3 * len(selfcheck.ATTENTION_CASES) and all(r["status"] == "ran" for r in rows)
+    assert sum("q/k norm" in r["case"] for r in rows) == len(selfcheck.ATTENTION_CASES)  # Qwen3-30B-A3B's geometry
+    assert any("9 threadgroups a head" in r["case"] for r in rows)
     assert all(r["passed"] == passes for r in rows)
 
 
