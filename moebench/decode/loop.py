@@ -191,7 +191,7 @@ class Session:
             self.key, sub = mx.random.split(self.key)
         self.history = seen_tokens(self.history, tokens, self.sampling)
         token = sample(last[None], self.sampling, sub, self.history)[0]
-        checked = mx.where(mx.isfinite(last).all(), token, last.shape[-1])
+        checked = finite_or_flag(token, last, self.sampling)
         mx.async_eval(checked, logits)
         return Step(token, checked, logits, plan, tokens.size, position, key_before, history_before)
 
@@ -226,6 +226,15 @@ class Session:
             for c in self.cache:
                 c.offset -= step.tokens
         self.key, self.history = step.key_before, step.history_before
+
+
+def finite_or_flag(token: mx.array, logits: mx.array, sampling: Sampling) -> mx.array:
+    """`token`, or the vocabulary size when `logits` [V] hold a NaN or +Inf, computed on the device with the
+    token (a few scalar ops, read with it). Greedy: argmax picks a NaN or +Inf wherever one is (MLX's argmax,
+    as numpy's; tests/decode pins it), so the chosen token's logit is finite exactly when no logit is NaN or
+    +Inf. Sampled: the logits' sum, which is finite exactly when they are (categorical passes NaN over)."""
+    probe = logits[token] if sampling.temperature <= 0 else logits.sum()
+    return mx.where(mx.isfinite(probe), token, logits.shape[-1])
 
 
 def generate_tokens(
