@@ -269,3 +269,27 @@ def test_working_memory_of_two_arms_does_not_depend_on_their_order():
     for name, (first, second) in working.items():
         assert first > 0 and first == pytest.approx(second, rel=0.1), name  # the decode's own, in either order
     assert ours.weight_bytes == model_bytes(model) and users.weight_bytes == ours.weight_bytes  # one checkpoint
+
+
+def test_a_length_where_every_arm_fails_is_reported_and_the_others_stand(quantized_checkpoint, tmp_path, monkeypatch,
+                                                                         capsys):
+    def short_prompts_only(ids, n):
+        if len(ids) > 3:
+            raise RuntimeError("out of memory")
+        for t in range(n):
+            yield t, mx.zeros(4)
+
+    arm = Arm("short", "moebench", "test", "none", "float32", short_prompts_only)
+    monkeypatch.setattr(bench, "moebench_arms", lambda *args: [arm])
+    out = tmp_path / "b.json"
+    argv = ["bench", str(quantized_checkpoint), "--gen-tokens", "2", "--repeats", "1", "--json", str(out),
+            "--no-progress", "--prompt-tokens"]
+    assert main([*argv, "2", "6"]) == 0
+    short, long = json.loads(out.read_text())["lengths"]
+    assert [a["name"] for a in short["arms"]] == ["short"] and short["reference_arm"] == "short"
+    assert long["arms"] == [] and long["reference_arm"] is None
+    assert long["skipped"] == [{"arm": "short", "reason": "warm-up failed: RuntimeError: out of memory"}]
+    table = capsys.readouterr().out
+    assert "prompt 6 tokens, 2 generated, 1 repeats: every arm failed\nskipped short: warm-up failed" in table
+    assert main([*argv, "6"]) == 2
+    assert "every arm failed: short: warm-up failed: RuntimeError: out of memory" in capsys.readouterr().err
