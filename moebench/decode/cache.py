@@ -132,19 +132,19 @@ def make_cache(num_layers: int) -> list[KVCache]:
 @dataclass(frozen=True)
 class StepPosition:
     """Where one traced step writes in static caches, built once per step for every layer: the offset [],
-    the slice_update start [4] and the decode kernel's [P, CAP]; `first`: the forward starts the sequence
-    (offset 0, known in Python), so it attends to its own tokens alone."""
+    the slice_update start [4] and the decode kernel's [P, CAP]; `known`: the offset as a Python int when the
+    forward is not traced (a prompt), so it attends causally to the slots written so far and its own."""
 
     offset: mx.array
     start: mx.array
     slots: mx.array
-    first: bool = False
+    known: int | None = None
 
     @classmethod
-    def at(cls, offset: mx.array, capacity: int, first: bool = False) -> StepPosition:
+    def at(cls, offset: mx.array, capacity: int, known: int | None = None) -> StepPosition:
         p = offset.reshape(1)
         return cls(offset, mx.concatenate([mx.zeros((2,), mx.int32), p, mx.zeros((1,), mx.int32)]),
-                   mx.concatenate([p, mx.array([capacity], mx.int32)]), first)
+                   mx.concatenate([p, mx.array([capacity], mx.int32)]), known)
 
 
 class StaticCache:
@@ -235,16 +235,20 @@ class StaticLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Hand them over, and return this layer's block [1, kv_heads, CAP, head_dim] with them written in; for
-        the forward that starts the sequence, the new keys and values alone (a prompt attends causally to
-        itself, as with a growing cache: no block copied, no array mask over CAP slots).
+        a prompt (the offset known), the slots written so far and the new ones alone (it attends causally, as
+        with a growing cache: no array mask over CAP slots).
 
         The block is a copy (its buffer is shared with every layer's, so it cannot be updated in place):
         a step that attends with MLX's SDPA (the fused switch off, or a layer the kernel declines) copies CAP
         positions a layer, on top of SDPA reading them over the whole capacity."""
         self.write(keys, values)
-        if self.cache.position.first:
+        known, i = self.cache.position.known, self.layer
+        if known == 0:
             return keys, values
-        start, i = self.cache.position.start, self.layer
+        if known is not None:
+            return tuple(mx.concatenate([buffer[i : i + 1, :, :known], new], axis=2)
+                         for buffer, new in ((self.cache.keys, keys), (self.cache.values, values)))
+        start = self.cache.position.start
         return tuple(mx.slice_update(buffer[i : i + 1], new, start, axes=(0, 1, 2, 3))
                      for buffer, new in ((self.cache.keys, keys), (self.cache.values, values)))
 
@@ -259,9 +263,9 @@ class StaticLayerCache:
         self.cache.add(self.layer, keys, values, in_place=True)
 
     def attention_mask(self, length: int) -> mx.array | str | None:
-        """Query i (at position offset + i) sees cache slots 0..offset + i; the rest is unwritten. The forward
-        that starts the sequence sees its own keys alone: causal."""
-        if self.cache.position.first:
+        """Query i (at position offset + i) sees cache slots 0..offset + i; the rest is unwritten. A prompt (the
+        offset known) sees the slots written so far and its own: causal."""
+        if self.cache.position.known is not None:
             return "causal" if length > 1 else None
         positions = self.offset + mx.arange(length, dtype=mx.int32)
         return mx.arange(self.cache.capacity, dtype=mx.int32)[None, :] <= positions[:, None]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..errors import DecodeError
-from ..execution.executor import Executor
+from ..execution.executor import PREFILL_CHUNK, Executor
 from ..execution.plan import Plan
 from ..execution.settings import KernelSettings
 from .cache import StaticCache, StepPosition, kv_cache_bytes, require_memory
@@ -75,9 +75,13 @@ class CompiledForward:
         offset = mx.array(self.position, dtype=mx.int32)
         cache, ex = self.cache, self.executor
         plan = ex.plan_for(n, True, settings)
-        if n > 1:
-            cache.position = StepPosition.at(offset, self.capacity, first=self.position == 0)
-            logits = static_logits(ex, tokens, cache, plan)
+        if n > 1:  # a prompt, PREFILL_CHUNK tokens at a time, each chunk evaluated before the next
+            for start in range(0, n, PREFILL_CHUNK):
+                at = self.position + start
+                cache.position = StepPosition.at(mx.array(at, dtype=mx.int32), self.capacity, known=at)
+                logits = static_logits(ex, tokens[start : start + PREFILL_CHUNK], cache, plan)
+                if start + PREFILL_CHUNK < n:
+                    mx.eval(cache.keys, cache.values)
         else:
             if plan.key not in ex.compiled:
                 ex.compiled[plan.key] = _traced_step(ex, plan)

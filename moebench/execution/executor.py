@@ -30,6 +30,9 @@ from .plan import SWITCHED_OFF, Counts, Decision, LayerPlan, Plan, Shape, tokens
 from .settings import KernelSettings, parse_switch
 from .steps import AttentionKernel, LayerWeights, MoeKernel, attention_reason, moe_note
 
+# Prompt tokens a forward call runs through the layers at once (mlx-lm's prefill step): a longer prompt runs in
+# chunks, so its activations (attention scores above all) take the memory of one chunk, not of the whole prompt.
+PREFILL_CHUNK = 2048
 _live: weakref.WeakSet[Executor] = weakref.WeakSet()
 _process: dict[str, bool] = {}  # what set_fused_moe() without a model set, for every model
 
@@ -117,10 +120,20 @@ class Executor:
         position with `every_position`), each layer as `plan` says; with `record`, the internals of every
         position (moebench.models.hooks) and each layer's decisions."""
         m = self.model
+        if record is None and not every_position and not cache[0].static:
+            while tokens.shape[1] > PREFILL_CHUNK:  # a long prompt a chunk at a time, each evaluated before the next
+                self._layers(tokens[:, :PREFILL_CHUNK], cache, plan, None)
+                mx.eval([c.state for c in cache])
+                tokens = tokens[:, PREFILL_CHUNK:]
+        x = self._layers(tokens, cache, plan, record)
+        return m.unembed(m.model.norm(x if every_position else x[:, -1]))
+
+    def _layers(self, tokens: mx.array, cache: list, plan: Plan, record: Record | None) -> mx.array:
+        m = self.model
         x = m.model.embed_tokens(tokens)
         for i, (layer, layer_plan) in enumerate(zip(m.layers, plan.layers, strict=True)):
             x = layer_plan.run(layer, x, cache[i], scope(record, layer_scope(i)))
-        return m.unembed(m.model.norm(x if every_position else x[:, -1]))
+        return x
 
     def count(self, plan: Plan) -> None:
         """Count one forward call that ran `plan` (a decode loop calls it once per step it takes): one tally a

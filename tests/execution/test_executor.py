@@ -231,3 +231,29 @@ def test_a_model_that_decoded_is_freed_when_dropped(folder):
     dropped = weakref.ref(model)
     del model
     assert dropped() is None  # no reference cycle keeps its weights alive until the cycle collector runs
+
+
+def test_a_long_prompt_runs_in_chunks_with_the_same_tokens_and_less_memory(folder, monkeypatch):
+    """Past PREFILL_CHUNK tokens the prompt runs a chunk at a time (as mlx-lm prefills), eager and compiled: the
+    same greedy tokens as one pass over the whole prompt, in less peak memory."""
+    import gc
+
+    from moebench.execution import executor as executor_module
+
+    model = load(folder)[0]
+    prompt = np.random.default_rng(3).integers(0, model.args.vocab_size, 3000).tolist()
+
+    def run(chunk: int, compiled: bool) -> tuple[list[int], int]:
+        monkeypatch.setattr(executor_module, "PREFILL_CHUNK", chunk)
+        monkeypatch.setattr("moebench.decode.compiled.PREFILL_CHUNK", chunk)
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        tokens = generate(model, prompt, 3, compiled=compiled).token_ids
+        return tokens, mx.get_peak_memory()
+
+    whole, whole_peak = run(10**6, False)
+    for compiled in (False, True):
+        chunked, peak = run(1024, compiled)
+        assert chunked == whole
+        assert peak < 0.8 * whole_peak, f"compiled={compiled}: {peak / 1e6:.0f} MB against {whole_peak / 1e6:.0f} MB"
