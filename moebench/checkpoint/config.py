@@ -20,6 +20,7 @@ AFFINE_GROUP_SIZES = (32, 64, 128)
 # transformers' Qwen2MoeConfig default, used when config.json gives no rope_theta at all.
 DEFAULT_ROPE_THETA = 10_000.0
 FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
 # MLX's fixed (group size, bits) for the bias-free floating point modes.
 FP_MODES = {"mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}
 # mlx.nn's (group size, bits) for a quantization entry that leaves them out or null, per mode.
@@ -114,8 +115,10 @@ class ModelArgs:
             return cfg[key]
 
         def integer(key: str, value: Any, minimum: int = 1) -> int:
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ConfigError(f"{source}: field {key!r} must be an integer >= {minimum}, got {value!r}")
+            """An integer from `minimum` up to 2**31 - 1 (MLX's shapes are 32-bit: a larger size is no model)."""
+            if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= INT32_MAX:
+                raise ConfigError(f"{source}: field {key!r} must be an integer from {minimum} to {INT32_MAX}, got "
+                                  f"{value!r}")
             return value
 
         def number(key: str, value: Any) -> float:

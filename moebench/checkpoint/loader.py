@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..models import family
 from ..models.layers import QuantizedWeight
 from .config import ModelArgs
@@ -53,6 +53,15 @@ def _checkpoint_dtype(store: TensorStore) -> mx.Dtype:
     return mx.float32
 
 
+def _check_layer_count(args: ModelArgs, store: TensorStore, folder: Path) -> None:
+    """More layers in config.json than the checkpoint stores is an error before the model is built (building a
+    million placeholder layers would take minutes and gigabytes before the first missing tensor is named)."""
+    stored = 1 + max((int(m[1]) for n in store.names() if (m := re.match(r"model\.layers\.(\d+)\.", n))), default=-1)
+    if args.num_hidden_layers > stored:
+        raise CheckpointError(f"{folder}: config.json has num_hidden_layers {args.num_hidden_layers} but the "
+                              f"checkpoint stores {stored} (missing tensor model.layers.{stored}.*)")
+
+
 def _name(dtype: mx.Dtype) -> str:
     return str(dtype).removeprefix("mlx.core.")
 
@@ -89,8 +98,9 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a checkpoint folder")
     args = ModelArgs.from_file(folder / "config.json")
-    model = family(args.model_type, str(folder / "config.json")).Model(args)
     store = TensorStore(folder, progress=progress)
+    _check_layer_count(args, store, folder)
+    model = family(args.model_type, str(folder / "config.json")).Model(args)
     load_weights(model, store, dtype or default_dtype() or _checkpoint_dtype(store), args.quantization,
                  check_finite)
     store.check_all_used()

@@ -229,11 +229,11 @@ def stack_experts(store: TensorStore, root: str, num_experts: int) -> None:
             if suffix not in PARTS:
                 raise CheckpointError(f"{store.where(by_index[min(by_index)])}: unexpected expert tensor "
                                       f"{by_index[min(by_index)]}")
-            missing = [i for i in range(num_experts) if i not in by_index]
-            if missing:
-                raise CheckpointError(f"{store.folder}: missing tensor {block}.experts.{missing[0]}.{proj}.{suffix} "
+            missing = next((i for i in range(num_experts) if i not in by_index), None)  # stops at the first
+            if missing is not None:
+                raise CheckpointError(f"{store.folder}: missing tensor {block}.experts.{missing}.{proj}.{suffix} "
                                       f"(config has {num_experts} experts)")
-            extra = sorted(set(by_index) - set(range(num_experts)))
+            extra = sorted(i for i in by_index if i >= num_experts)
             if extra:
                 raise CheckpointError(f"{store.where(by_index[extra[0]])}: unexpected tensor {by_index[extra[0]]} "
                                       f"(config has {num_experts} experts)")
