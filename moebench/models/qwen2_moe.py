@@ -100,6 +100,12 @@ class SparseMoeBlock(nn.Module):
             value.validate(self.num_experts, self.top_k)
         self._intervention = value
 
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "intervention":  # nn.Module would store a dict, list or array as a child, past the setter
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     @property
     def shared_on(self) -> bool:
         """Whether the shared expert takes part (the family has one and no intervention switched it off)."""
