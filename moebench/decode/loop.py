@@ -142,7 +142,7 @@ class Session:
                  recording: bool = False):
         if not isinstance(sampling, Sampling):
             raise DecodeError(f"sampling must be a moebench.Sampling, got {type(sampling).__name__}")
-        if compiled not in (None, True, False):
+        if compiled is not None and not isinstance(compiled, bool):
             raise DecodeError(f"compiled must be True, False or None (the default for this backend), got {compiled!r}")
         self.model, self.sampling = model, sampling
         self.key = mx.random.key(sampling.seed) if sampling.seed is not None else None

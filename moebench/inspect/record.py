@@ -16,7 +16,9 @@ different token.
 
 A call that fails (an error, a KeyboardInterrupt) leaves the stepper at its last whole step: the cache
 position, sampling key, token history, trace and counts are put back, the step it was building is
-dropped, and the next call continues from there as if the failed one had not run.
+dropped, and the next call continues from there as if the failed one had not run. (One window stays: an
+interrupt landing in the few lines between counting a finished step and marking it whole counts that
+step twice in moebench.dispatch; tokens and records are right either way.)
 """
 
 from __future__ import annotations
@@ -223,7 +225,7 @@ class Stepper:
             raise DecodeError(f"top must be an integer between 0 and the vocabulary size {vocab}, got {top!r}")
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
             raise DecodeError(f"max_tokens must be an integer or None, got {max_tokens!r}")
-        if fused not in (None, True, False):
+        if fused is not None and not isinstance(fused, bool):
             raise DecodeError(f"fused must be True, False or None (the model's switch), got {fused!r}")
         positions = len(prompt_ids) + (max_tokens - 1 if max_tokens is not None and max_tokens > 1 else 0)
         check_length(model, len(prompt_ids), positions, every_position=True)
@@ -271,11 +273,12 @@ class Stepper:
             self._restore()
 
     def _end(self, pending: _Pending | None) -> None:
-        """Finish a call: count the step it took, and mark the stepper whole there."""
+        """Finish a call: count the step it took, and mark the stepper whole there (the mark made first, so that
+        only the count and the assignment lie between the two)."""
+        mark = self._current_mark()
         if pending is not None:
             self.session.count(pending.step)
-        self._mark = self._current_mark()
-        self._open = False
+        self._mark, self._open = mark, False
 
     def _restore(self) -> None:
         """Back to the last whole step (every layer's cache position included: a forward stopped half-way leaves
