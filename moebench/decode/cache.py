@@ -47,15 +47,15 @@ def kv_cache_bytes(args: ModelArgs, positions: int, dtype: mx.Dtype) -> int:
     return 2 * args.num_hidden_layers * args.num_key_value_heads * positions * args.head_dim * dtype.size
 
 
-def forward_bytes(args: ModelArgs, tokens: int, every_position: bool = False) -> int:
-    """A generous estimate of what one forward over `tokens` positions holds beyond the weights and the cache (the
-    check is against asking for far too much, not a budget): the activations of the widest layer, one layer's
-    attention scores where MLX makes them whole (CPU; about 1.3x one layer's, measured), and every position's
-    float32 logits when asked for."""
+def forward_bytes(args: ModelArgs, queries: int, keys: int, logits: int = 1) -> int:
+    """A generous estimate of what one forward of `queries` positions over `keys` cached ones holds beyond the
+    weights and the cache (the check is against asking for far too much, not a budget): the activations of the
+    widest layer, one layer's attention scores where MLX makes them whole (CPU; about 1.3x one layer's, measured),
+    and `logits` positions' float32 logits."""
     widest = max(4 * args.hidden_size, args.intermediate_size,
                  args.num_experts_per_tok * args.moe_intermediate_size + args.shared_expert_intermediate_size)
-    scores = 2 * args.num_attention_heads * tokens * tokens * 4 if mx.default_device() == mx.cpu else 0
-    return 3 * tokens * widest * 4 + scores + (2 * tokens * args.vocab_size * 4 if every_position else 0)
+    scores = 2 * args.num_attention_heads * queries * keys * 4 if mx.default_device() == mx.cpu else 0
+    return 3 * queries * widest * 4 + scores + 2 * logits * args.vocab_size * 4
 
 
 class KVCache:

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import DeviceMemoryError, NonFiniteError
-from ..execution.executor import executor
+from ..execution.executor import PREFILL_CHUNK, executor
 from ..execution.kernel import available_backend
 from ..execution.plan import Plan
 from ..execution.settings import KernelSettings
@@ -103,7 +103,8 @@ def check_count(name: str, value: object) -> int:
 
 def check_length(model, prompt: int, positions: int, every_position: bool = False) -> None:
     """Before a decode asks MLX for anything: the most positions it will feed (`positions`, the `prompt` first)
-    within the model's max_position_embeddings, and the memory of its cache and of its prefill (require_memory)."""
+    within the model's max_position_embeddings, and the memory of its cache and of its prefill (require_memory):
+    PREFILL_CHUNK prompt tokens at a time, or the whole prompt at once when `every_position`'s logits are kept."""
     if not is_moebench_model(model):
         return
     args = model.args
@@ -112,7 +113,9 @@ def check_length(model, prompt: int, positions: int, every_position: bool = Fals
         raise DecodeError(f"the decode would feed {positions} positions (a prompt of {prompt} tokens and the ones "
                           f"generated), past the model's max_position_embeddings of {limit} (config.json)")
     cached = -(-(positions + 1) // GROW_STEP) * GROW_STEP
-    require_memory(kv_cache_bytes(args, cached, model.dtype) + forward_bytes(args, prompt, every_position),
+    queries = prompt if every_position else min(prompt, PREFILL_CHUNK)
+    prefill = forward_bytes(args, queries, prompt, prompt if every_position else 1)
+    require_memory(kv_cache_bytes(args, cached, model.dtype) + prefill,
                    f"a decode of {positions} positions (its KV cache and a prefill of {prompt} tokens)")
 
 
