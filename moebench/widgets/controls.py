@@ -22,6 +22,7 @@ import ipywidgets as widgets
 from ..checkpoint.loader import ENV_MODEL, SHIPPED_MODEL, load
 from ..inspect.record import Stepper, Trace
 from .mainthread import Owner
+from .static import show
 from .text import error_html
 
 
@@ -72,9 +73,7 @@ class ModelPicker:
         self.info.value = error_html(error)
 
     def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
+        show(self.widget)
 
 
 def parse_prompt(text: str) -> str | list[dict]:
@@ -170,6 +169,4 @@ class PromptControls:
         self.status.value = error_html(error)
 
     def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
+        show(self.widget)

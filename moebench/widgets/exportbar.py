@@ -19,6 +19,7 @@ import ipywidgets as widgets
 
 from ..inspect.export import save_frames, to_frames
 from .mainthread import Owner
+from .static import show
 from .text import error_html
 
 
@@ -91,6 +92,4 @@ class ExportBar:
         self.status.value = error_html(error)
 
     def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
+        show(self.widget)

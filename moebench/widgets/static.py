@@ -4,40 +4,32 @@ A widget view needs its kernel: reopened after the kernel stopped, JupyterLab sh
 widget: model not found". So every live figure also gets an output of its own, a plotly figure as JSON
 (`application/vnd.plotly.v1+json`, drawn by the jupyterlab-plotly renderer that plotly installs, with no
 kernel), updated in place (display_id) whenever the figure changes. While the live view renders, the
-`LiveMark` inside it hides those copies with one stylesheet, so a running notebook shows each chart once.
+`live_mark` inside it hides those copies with one stylesheet, so a running notebook shows each chart once
+(a plain HTML widget: no JavaScript module to load).
 """
 
 from __future__ import annotations
 
 import json
 
-import anywidget
+import ipywidgets as widgets
 from IPython.display import display
+
+from .subshell import keep_on_subshell
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 LIVE_CLASS = "moebench-live"
-# In an output area that holds a rendered live view, hide the plotly JSON outputs that follow it.
-HIDE_CSS = (f".jp-OutputArea-child:has(.{LIVE_CLASS}) ~ .jp-OutputArea-child:has(> .jp-OutputArea-output"
-            f"[data-mime-type='{PLOTLY_MIME}']) {{ display: none; }}")
-MARK_ESM = """
-function render({ el }) {
-  if (!document.getElementById("moebench-live-style")) {
-    const style = document.createElement("style");
-    style.id = "moebench-live-style";
-    style.textContent = CSS;
-    document.head.append(style);
-  }
-  el.classList.add("LIVE");
-  el.style.display = "none";
-}
-export default { render };
-""".replace("CSS", repr(HIDE_CSS)).replace("LIVE", LIVE_CLASS)
+# In an output area that holds a rendered live view, hide the outputs after it that jupyterlab-plotly drew.
+# Not display:none: the renderer redraws on every update and needs a laid-out width to draw into.
+HIDE_CSS = (f".jp-OutputArea-child:has(.{LIVE_CLASS}) ~ .jp-OutputArea-child:has(.jp-RenderedPlotly) "
+            "{ max-height: 0; overflow: hidden; visibility: hidden; margin: 0; padding: 0; }")
 
 
-class LiveMark(anywidget.AnyWidget):
-    """An invisible widget: its presence in a rendered view hides that view's static copies."""
-
-    _esm = MARK_ESM
+def live_mark() -> widgets.HTML:
+    """An invisible widget whose stylesheet, once a live view renders it, hides that view's static copies."""
+    mark = widgets.HTML(f"<style>{HIDE_CSS}</style>", layout=widgets.Layout(display="none"))
+    mark.add_class(LIVE_CLASS)
+    return mark
 
 
 class Snapshot:
@@ -65,8 +57,9 @@ class Snapshot:
             self.handle.update(self.bundle(), raw=True)
 
 
-def show(widget, figures) -> None:
+def show(widget, figures=()) -> None:
     """Display a live view, then a static picture of each of its figures (each figure: a LiveFigure)."""
+    keep_on_subshell(widget)
     display(widget)
     for figure in figures:
         snapshot = figure._snapshot or Snapshot(figure)

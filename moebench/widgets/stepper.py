@@ -14,6 +14,7 @@ import ipywidgets as widgets
 import traitlets
 
 from ..inspect.record import Trace
+from .static import show
 from .text import visible
 from .toggle import describe_paths
 
@@ -189,6 +190,4 @@ class TokenStepper:
             callback(self.current)
 
     def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
+        show(self.widget)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import ipywidgets as widgets
 
 from ..execution.executor import fused_moe_enabled, set_fused_moe
+from .static import show
 
 
 def describe_paths(record) -> str:
@@ -94,6 +95,4 @@ class FusedToggle:
             callback(change["new"])
 
     def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
+        show(self.widget)

@@ -17,4 +17,4 @@ def test_a_snapshot_is_the_figure_as_plotly_json():
     bundle = Snapshot(figure).bundle()
     json.dumps(bundle)  # plain JSON, numpy arrays encoded
     assert bundle[PLOTLY_MIME]["layout"]["title"]["text"] == "t" and "t" in bundle["text/plain"]
-    assert f".{LIVE_CLASS}" in HIDE_CSS and PLOTLY_MIME in HIDE_CSS
+    assert f".{LIVE_CLASS}" in HIDE_CSS and ".jp-RenderedPlotly" in HIDE_CSS
