@@ -16,7 +16,7 @@ import pandas as pd
 
 from .figure import LiveFigure, go
 from .mainthread import Owner
-from .static import LiveMark, show
+from .static import live_mark, show
 from .text import error_html
 from .tps import ARMS, COLORS, arm_name
 
@@ -71,7 +71,7 @@ class DecodeBenchmark:
             title={"text": "decode tok/s per arm: one dot per measured round, bar = median, line = min-max", "x": 0},
             height=360, margin={"l": 60, "r": 20, "t": 60, "b": 60}, yaxis={"title": "tokens / second",
                                                                            "rangemode": "tozero"},
-            showlegend=False, modebar={"orientation": "v"}))
+            showlegend=False, barmode="overlay", modebar={"orientation": "v"}))
         for fused, recording in ARMS:
             name = arm_name(fused, recording)
             self.figure.add_bar(x=[name], y=[0], name=name, marker_color=COLORS[fused],
@@ -82,7 +82,7 @@ class DecodeBenchmark:
                                     marker={"color": COLORS[fused], "size": 7, "line": {"width": 1, "color": "#000"},
                                             "symbol": "circle-open" if recording else "circle"})
         self.widget = widgets.VBox([widgets.HBox([self.tokens, self.rounds, self.warmup, self.button]),
-                                    self.progress, self.figure, self.table, LiveMark()])
+                                    self.progress, self.figure, self.table, live_mark()])
         self.widget.add_class("moebench-bench")
 
     def run(self) -> pd.DataFrame:

@@ -17,7 +17,7 @@ from plotly.subplots import make_subplots
 
 from .figure import LiveFigure
 from .mainthread import Owner
-from .static import LiveMark, show
+from .static import live_mark, show
 from .text import error_html, visible
 
 PAIR_NAMES = {
@@ -70,7 +70,7 @@ class DiffView:
                           legend={"orientation": "h", "y": -0.4}, title={"x": 0}, modebar={"orientation": "v"})
         self.figure = LiveFigure(fig)
         self.summary = widgets.HTML()
-        self.widget = widgets.VBox([self.figure, self.summary, LiveMark()])
+        self.widget = widgets.VBox([self.figure, self.summary, live_mark()])
         self.widget.add_class("moebench-diff-view")
         self._step_text = self._decode_text = ""
 

@@ -16,7 +16,7 @@ import numpy as np
 from ..inspect.record import Trace
 from ..inspect.trace_stats import expert_logit_lens
 from .figure import LiveFigure, go
-from .static import LiveMark, show
+from .static import live_mark, show
 from .text import shown, visible
 
 
@@ -52,7 +52,7 @@ class ExpertView:
         self.figure.add_bar(name="expert output |y_e|", marker_color="#9ecae1")
         self.figure.add_bar(name="added to the residual |score x y_e|", marker_color="#08519c")
         self.tokens = widgets.HTML()
-        self.widget = widgets.VBox([self.layer, self.figure, self.tokens, LiveMark()])
+        self.widget = widgets.VBox([self.layer, self.figure, self.tokens, live_mark()])
         self.widget.add_class("moebench-expert-view")
 
     def show(self, record) -> None:

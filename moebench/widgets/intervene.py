@@ -21,7 +21,7 @@ from ..models.routing import Intervention
 from .figure import LiveFigure
 from .mainthread import Owner
 from .router import RouterView
-from .static import LiveMark, show
+from .static import live_mark, show
 from .text import error_html, visible
 
 
@@ -109,7 +109,7 @@ class InterventionPanel:
             widgets.HBox([self.layer, self.top_k]), *labelled, widgets.HBox([self.renormalize, self.shared,
                                                                              self.gate_scale]),
             widgets.HBox([self.apply, self.reset]), self.status, self.diff, self.figure, self.step,
-            self.before.figure, self.after.figure, LiveMark()])
+            self.before.figure, self.after.figure, live_mark()])
         self.widget.add_class("moebench-interventions")
         controls.on_decode(self._new_baseline)
 

@@ -22,12 +22,13 @@ from collections.abc import Callable
 import ipywidgets as widgets
 
 from .mainthread import Owner
-from .static import LiveMark, show
+from .static import live_mark, show
 from .text import error_html
 from .toggle import FusedToggle
 from .tps import TokensPerSecondChart
 
 AFTER_TOGGLE_TOKENS = 8
+TEXT_TAIL = 400
 
 
 def instrumented(record) -> bool:
@@ -64,7 +65,7 @@ class LiveDecode:
         self.button.on_click(lambda _: self.owner.submit(lambda: self.start(self.count.value)))
         self.task: asyncio.Task | None = None
         self.widget = widgets.VBox([self.toggle.widget, widgets.HBox([self.record_box, self.count, self.button]),
-                                    self.chart.figure, self.text, self.status, LiveMark()])
+                                    self.chart.figure, self.text, self.status, live_mark()])
         self.restart(stepper)
 
     def restart(self, stepper) -> None:
@@ -151,19 +152,26 @@ class LiveDecode:
         self.stepper.record = change["new"]  # one assignment: the next step reads it
         self._marks.append("recording ON" if change["new"] else "recording OFF")
         if not self.running:
-            self.owner.submit(self._draw_marks)
+            self.owner.submit(self._draw_marks_now)
 
     # -- drawing (owner thread) -------------------------------------------------------------------------
     def _draw_marks(self) -> None:
         while self._marks:
             self.chart.mark(self.stepper.trace.steps[-1].position + 1, self._marks.popleft())
 
+    def _draw_marks_now(self) -> None:
+        if not self.running:  # else the decode draws them before its next token
+            self._draw_marks()
+            self.chart.flush()
+
     def _show_text(self) -> None:
+        """The prompt and the text decoded so far (its last TEXT_TAIL characters once it grows long)."""
         trace = self.stepper.trace
         prompt = self.stepper.tokenizer.decode(trace.prompt_ids) if self.stepper.tokenizer is not None else ""
+        text = trace.text if len(trace.text) <= TEXT_TAIL else "\u2026" + trace.text[-TEXT_TAIL:]
         self.text.value = ("<div style='font-size:13px'><b>text so far</b> (prompt in grey):<pre style='white-space:"
                            f"pre-wrap;margin:2px 0'><span style='color:#888'>{html.escape(prompt)}</span>"
-                           f"{html.escape(trace.text)}</pre></div>")
+                           f"{html.escape(text)}</pre></div>")
 
     def _failed(self, error: BaseException) -> None:
         self.status.value = error_html(error)

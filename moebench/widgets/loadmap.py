@@ -14,7 +14,7 @@ import pandas as pd
 from plotly.subplots import make_subplots
 
 from .figure import LiveFigure, go
-from .static import LiveMark, show
+from .static import live_mark, show
 
 TITLE = "expert load: share of each layer's top-k selections that went to each expert"
 
@@ -47,7 +47,7 @@ class ExpertLoadMap:
                           width=420 * len(titles), modebar={"orientation": "v"})
         self.figure = LiveFigure(fig)
         self.grids: dict[str, pd.DataFrame] = {}
-        self.widget = widgets.VBox([self.figure, LiveMark()])
+        self.widget = widgets.VBox([self.figure, live_mark()])
         self.update(loads)
 
     def update(self, loads: dict[str, pd.DataFrame]) -> None:

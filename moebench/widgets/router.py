@@ -11,7 +11,7 @@ import numpy as np
 from plotly.subplots import make_subplots
 
 from .figure import LiveFigure, go
-from .static import LiveMark, show
+from .static import live_mark, show
 from .text import shown
 
 NO_SHARED = "this model has<br>no shared expert"
@@ -68,7 +68,7 @@ class RouterView:
         fig.update_layout(margin={"l": 70, "r": 90, "t": 110, "b": 70}, width=860, title={"x": 0},
                           legend={"orientation": "h", "x": 0, "y": -0.3}, modebar={"orientation": "v"})
         self.figure = LiveFigure(fig)
-        self.widget = widgets.VBox([self.figure, LiveMark()])
+        self.widget = widgets.VBox([self.figure, live_mark()])
         self.widget.add_class("moebench-router-view")
 
     def scale_to(self, records) -> None:
@@ -81,6 +81,8 @@ class RouterView:
         with self.figure.batch_update():
             for trace in self.figure.data:
                 trace.x, trace.y = [], []
+                if trace.type == "heatmap":
+                    trace.z = []
             self.figure.layout.title.text = self.prefix + text
         self.marked = {}
 
