@@ -34,13 +34,17 @@ UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 *
 
 
 def log_ticks(values: np.ndarray) -> list[float]:
-    """Tick values for a log axis over `values`: every power of ten they span, plus 2 and 5 times each
-    when they span less than two decades, so the axis always has several labelled ticks."""
+    """Tick values for a log axis that brackets `values`: powers of ten when they span two decades or more,
+    else 1, 2 and 5 times each; from the last tick below the smallest value to the first above the largest,
+    so the axis (ranged to them) always shows at least two labelled ticks."""
     positive = np.maximum(np.asarray(values, float), FLOOR)
-    lo, hi = math.floor(math.log10(positive.min())), math.ceil(math.log10(positive.max()))
-    hi = max(hi, lo + 1)
-    steps = (1,) if hi - lo >= 2 else (1, 2, 5)
-    return [m * 10.0 ** e for e in range(lo, hi + 1) for m in steps if m * 10.0 ** e <= 10.0 ** hi]
+    low, high = float(positive.min()), float(positive.max())
+    steps = (1,) if high / low >= 100 else (1, 2, 5)
+    ticks = [m * 10.0 ** e for e in range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
+             for m in steps]
+    first = max(i for i, t in enumerate(ticks) if t <= low)
+    last = min(i for i, t in enumerate(ticks) if t >= high)
+    return ticks[first: max(last, first + 1) + 1]
 
 
 class DiffView:
@@ -95,12 +99,13 @@ class DiffView:
             if col == 1 and rounding is not None:
                 shown = np.append(shown, rounding)
             ticks = log_ticks(shown)
-            self.figure.update_yaxes(tickvals=ticks, ticktext=[f"{t:.0e}" for t in ticks], row=1, col=col)
+            self.figure.update_yaxes(tickvals=ticks, ticktext=[f"{t:.0e}" for t in ticks], row=1, col=col,
+                                     range=[math.log10(ticks[0]), math.log10(ticks[-1]) + 0.05])
         self.figure.layout.shapes = [] if rounding is None else [
             {"type": "line", "xref": "x domain", "yref": "y", "x0": 0, "x1": 1, "y0": rounding, "y1": rounding,
              "line": {"dash": "dash", "color": "#444", "width": 1}}]
         self.figure.layout.title.text = (f"fused vs fallback, {dtype} activations (fused backend '{backend}'); "
-                                         f"dashed: one rounding to {dtype}")
+                                         f"dashed: {dtype}'s unit roundoff")
         medians = {pair: float(routed[routed["pair"] == pair]["nrms"].median()) for pair in PAIR_NAMES}
         fused, fallback = medians["fused~truth"], medians["fallback~truth"]
         if max(fused, fallback) < ROUNDING:
@@ -109,12 +114,15 @@ class DiffView:
             closer = ("the fused kernel is closer to the truth" if fused < fallback else
                       "the fallback is closer to the truth" if fallback < fused else "both paths are equally close")
         took = f" Compared in {seconds:.2f} s." if seconds is not None else ""
+        partial = float(experts[experts["pair"] == "fused~truth"]["nrms"].median())
         self._step_text = (f"<b>errors under identical routing</b> ({dtype} activations, fused backend "
                            f"'{html.escape(backend)}'): median over layers, fused {fused:.2e} vs fallback "
-                           f"{fallback:.2e}: {closer}. The per-layer error (left) is taken after each path casts "
-                           f"its routed sum to {dtype}, which alone costs about one rounding "
-                           f"({rounding or float('nan'):.1e} relative, the dashed line); the per-expert partials "
-                           f"(middle) are compared in float32 before that cast, so they sit lower.{took}")
+                           f"{fallback:.2e}: {closer}. Why the fused path's per-layer error (left, {fused:.1e}) "
+                           f"differs from its per-expert error (middle, {partial:.1e}): it keeps float32 inside and "
+                           f"casts the routed sum to {dtype} once at the end; the left panel includes that rounding "
+                           f"(unit roundoff {rounding or float('nan'):.1e}, the dashed line), the middle one compares "
+                           f"the float32 partials before it. The fallback rounds to {dtype} at every product, so "
+                           f"both its panels show {dtype}'s rounding.{took}")
         shared = frame[frame["part"] == "shared"]
         if len(shared):
             s_fused, s_fallback = (float(shared[shared["pair"] == pair]["nrms"].median())

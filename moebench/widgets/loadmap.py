@@ -1,9 +1,10 @@
 """Expert-load heatmap over a whole prompt: which share of the tokens each layer sent to each expert.
 
-Several named loads (e.g. code and prose) sit side by side on one colour scale with a tick per expert,
-the colour bar marking the uniform share 1/E (every expert equally busy); with exactly two loads a third
-panel shows their difference on a diverging scale centred on zero, so a difference in routing between
-two kinds of text shows as colour. Loads are trace_stats.load frames.
+Several named loads (e.g. code and prose) sit one above the other on one colour scale with a tick per
+expert (full width, so 60 experts stay legible), the colour bar marking the uniform share 1/E (every
+expert equally busy); with exactly two loads a third panel shows their difference on a diverging scale
+centred on zero, so a difference in routing between two kinds of text shows as colour. Loads are
+trace_stats.load frames.
 """
 
 from __future__ import annotations
@@ -28,23 +29,28 @@ class ExpertLoadMap:
         self.names = list(loads)
         self.difference = len(loads) == 2
         titles = [*self.names, f"{self.names[0]} minus {self.names[1]}"] if self.difference else self.names
-        fig = make_subplots(rows=1, cols=len(titles), shared_yaxes=True, horizontal_spacing=0.05,
+        rows = len(titles)
+        fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.12 / rows,
                             subplot_titles=titles)
-        for col, _ in enumerate(self.names, start=1):
+        for row, _ in enumerate(self.names, start=1):
             fig.add_trace(go.Heatmap(z=[[0.0]], coloraxis="coloraxis",
                                      hovertemplate="layer %{y}<br>expert %{x}<br>share %{z:.3f}<extra></extra>"),
-                          row=1, col=col)
+                          row=row, col=1)
         if self.difference:
             fig.add_trace(go.Heatmap(z=[[0.0]], coloraxis="coloraxis2",
                                      hovertemplate="layer %{y}<br>expert %{x}<br>difference %{z:+.3f}<extra></extra>"),
-                          row=1, col=len(titles))
-        for col in range(1, len(titles) + 1):
-            fig.update_xaxes(title_text="expert id", dtick=1, tickfont={"size": 9}, row=1, col=col)
-        fig.update_yaxes(title_text="MoE layer", autorange="reversed", type="category", row=1, col=1)
-        fig.update_layout(title={"text": title, "x": 0}, margin={"l": 70, "r": 20, "t": 90, "b": 50},
-                          coloraxis={"colorscale": "Viridis", "colorbar": {"title": {"text": "share"}, "x": 1.0}},
-                          coloraxis2={"colorscale": "RdBu", "colorbar": {"title": {"text": "difference"}, "x": 1.08}},
-                          width=420 * len(titles), modebar={"orientation": "v"})
+                          row=rows, col=1)
+        for row in range(1, rows + 1):
+            fig.update_xaxes(dtick=1, tickfont={"size": 9}, showticklabels=True, row=row, col=1)
+            fig.update_yaxes(title_text="MoE layer", autorange="reversed", type="category", row=row, col=1)
+        fig.update_xaxes(title_text="expert id", row=rows, col=1)
+        shares = (rows - 1) / rows if self.difference else 1.0
+        fig.update_layout(title={"text": title, "x": 0}, margin={"l": 70, "r": 20, "t": 90, "b": 50}, width=900,
+                          coloraxis={"colorscale": "Viridis", "colorbar": {"title": {"text": "share"}, "len": shares,
+                                                                           "y": 1, "yanchor": "top"}},
+                          coloraxis2={"colorscale": "RdBu", "colorbar": {"title": {"text": "difference"},
+                                                                         "len": 1 / rows, "y": 0, "yanchor": "bottom"}},
+                          modebar={"orientation": "v"})
         self.figure = LiveFigure(fig)
         self.grids: dict[str, pd.DataFrame] = {}
         self.widget = widgets.VBox([self.figure, live_mark()])
@@ -75,7 +81,8 @@ class ExpertLoadMap:
             axis.cmin, axis.cmax = 0, top
             axis.colorbar.tickvals = ticks
             axis.colorbar.ticktext = [f"uniform 1/{n_experts}" if t == uniform else f"{t:.2f}" for t in ticks]
-            self.figure.layout.height = 200 + 30 * max(len(grid) for grid in self.grids.values())
+            panels = len(self.figure.data)
+            self.figure.layout.height = 160 + panels * (60 + 22 * max(len(grid) for grid in self.grids.values()))
 
     def _ipython_display_(self):
         show(self.widget, [self.figure])

@@ -36,3 +36,12 @@ def test_decode_agreement_and_identical_tokens(tiny):
         assert "all 4 greedy tokens identical" in view.summary.value
     else:
         assert "tokens first differ" in view.summary.value
+
+
+def test_log_axes_always_show_labelled_ticks_around_the_errors():
+    from moebench.widgets.diff import log_ticks
+
+    for values in ([5e-8, 3e-7], [1.8e-7, 2e-7], [1e-7, 1.6e-2], [0.0, 1e-9]):
+        ticks = log_ticks(values)
+        assert len(ticks) >= 2 and ticks[0] <= max(min(values), 1e-12) and ticks[-1] >= max(values)
+    assert log_ticks([5e-8, 3e-7]) == [5e-8, 1e-7, 2e-7, 5e-7]  # under two decades: 1, 2, 5 steps

@@ -77,7 +77,7 @@ def test_02_load_maps_have_a_tick_per_expert_a_uniform_mark_and_a_difference_pan
     e = model.args.num_experts
     for grid in load_map.grids.values():
         assert grid.shape[1] == e and np.allclose(grid.sum(axis=1), 1)
-    assert all(ax.dtick == 1 for ax in (load_map.figure.layout.xaxis, load_map.figure.layout.xaxis3))
+    assert all(ax.dtick == 1 for ax in (load_map.figure.layout.xaxis, load_map.figure.layout.xaxis3))  # every panel
     assert f"uniform 1/{e}" in load_map.figure.layout.coloraxis.colorbar.ticktext
     diff = np.asarray(load_map.figure.data[2].z)
     assert np.allclose(diff, load_map.grids["code"].to_numpy() - load_map.grids["prose"].to_numpy())
