@@ -196,7 +196,7 @@ def shot(page, name: str) -> None:
     height = page.evaluate("() => { const cells = [...document.querySelectorAll('.jp-Notebook .jp-Cell')];"
                            " const top = cells.length ? cells[0].getBoundingClientRect().top : 0;"
                            " return cells.length ? cells[cells.length - 1].getBoundingClientRect().bottom - top : 0; }")
-    page.set_viewport_size({"width": size["width"], "height": min(max(size["height"], height + 200), 16000)})
+    page.set_viewport_size({"width": size["width"], "height": int(min(max(size["height"], height + 200), 16000))})
     page.evaluate("() => document.querySelectorAll('.jp-NotebookPanel-notebook, .jp-WindowedPanel-outer')"
                   ".forEach(e => { e.scrollTop = 0; })")
     page.wait_for_timeout(800)
