@@ -71,6 +71,7 @@ class InterventionPanel:
         self.owner = Owner(on_error=self._failed)
         self.baseline = self.intervened = self.forced = None
         self.measured: dict[str, np.ndarray] | None = None
+        self.summary = ""  # the last result in words (the status line shows it)
         wide = widgets.Layout(width="420px")
         self.layer = widgets.Dropdown(description="layer")
         self.force = widgets.IntsInput(value=[], min=0, layout=wide)
@@ -159,15 +160,20 @@ class InterventionPanel:
             self.apply.disabled = False
         self.measured = effect(self.baseline, self.forced)
         where = "every MoE layer" if self.layer.value is None else f"layer {self.layer.value}"
-        self.status.value = (f"<b>{html.escape(repr(intervention))}</b> on {where}: mean KL "
-                             f"{self.measured['kl'].mean():.3g} nats, largest {self.measured['kl'].max():.3g}; "
-                             f"mean change in log p of the baseline's token {self.measured['dlogp'].mean():+.3g}")
+        self.summary = (f"{intervention!r} on {where}: mean KL {self.measured['kl'].mean():.3g} nats, largest "
+                        f"{self.measured['kl'].max():.3g}; mean change in log p of the baseline's token "
+                        f"{self.measured['dlogp'].mean():+.3g}")
+        self.status.value = html.escape(self.summary)
         self._draw()
 
     def clear(self) -> None:
-        """Forget the intervened decode: the views show the baseline alone."""
+        """Controls back to 'no intervention' and the intervened decode forgotten: the views show the baseline."""
+        self.layer.value, self.force.value, self.ablate.value = None, [], []
+        self.renormalize.value, self.shared.value, self.gate_scale.value = False, True, 1.0
+        self.top_k.value = self.default_k
         self.intervened = self.forced = self.measured = None
-        self.status.value = "cleared: no intervention is set (the model runs its baseline routing)"
+        self.summary = "cleared: no intervention is set (the model runs its baseline routing)"
+        self.status.value = self.summary
         self._draw()
 
     def _draw(self) -> None:

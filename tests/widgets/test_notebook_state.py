@@ -132,7 +132,7 @@ def test_04_chart_arms_marks_and_benchmark():
 def test_05_panel_measures_the_effect_and_clearing_restores_the_baseline():
     ns = run_notebook("05_interventions")
     panel, controls = ns["panel"], ns["controls"]
-    assert "mean KL" in ns["forced_status"] and panel.measured is None and "cleared" in panel.status.value
+    assert "mean KL" in ns["forced"] and panel.measured is None and "cleared" in panel.status.value
     assert ns["again"].token_ids == controls.trace.token_ids and ns["again"] is not controls.trace
     assert not moebench.inspect.interventions.active_interventions(ns["picker"].model)
     # a control changes its view: top-1 routing, then the panel's routing view shows one box per layer
@@ -145,3 +145,9 @@ def test_05_panel_measures_the_effect_and_clearing_restores_the_baseline():
     panel.ablate.value = [0, 1]
     panel.run()
     assert panel.after.figure.data[3].x  # crosses on the ablated experts
+
+
+def test_05_clear_puts_every_control_back_to_no_intervention():
+    ns = run_notebook("05_interventions")
+    panel = ns["panel"]
+    assert panel.intervention() == moebench.Intervention() and panel.layer.value is None
