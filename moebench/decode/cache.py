@@ -16,10 +16,12 @@ GROW_STEP = 256
 
 def available_memory() -> tuple[int, str]:
     """(bytes arrays may still take, where): on a GPU its working set (Metal's recommended size, else the device's
-    memory) less what MLX holds; on CPU the system's available memory. MLX's cache of freed buffers counts as free."""
+    memory: Metal's memory_size, CUDA's total_memory) less what MLX holds; on CPU the system's available memory.
+    MLX's cache of freed buffers counts as free."""
     if mx.default_device() != mx.cpu:
         info = mx.device_info()
-        total = info.get("max_recommended_working_set_size") or info.get("memory_size")
+        total = (info.get("max_recommended_working_set_size") or info.get("memory_size")
+                 or info.get("total_memory"))
         if total:
             return int(total) - mx.get_active_memory(), f"{info.get('device_name', 'GPU')} memory"
     return _system_available() + mx.get_cache_memory(), "available system memory"
