@@ -9,13 +9,21 @@ from .checkpoint.config import ModelArgs
 from .checkpoint.loader import default_model_path, load
 from .decode.loop import generate
 from .decode.sampling import Sampling
-from .errors import CheckpointError, ConfigError, MoebenchError, UnsupportedKernelConfig
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    DecodeError,
+    DeviceMemoryError,
+    MoebenchError,
+    NonFiniteError,
+    UnsupportedKernelConfig,
+)
 from .execution.executor import dispatch, fused_moe, fused_moe_enabled, set_fused_moe
 from .execution.kernel import available_backend
 from .models.routing import Intervention
 
 __all__ = [
-    "CheckpointError", "ConfigError", "Intervention", "ModelArgs", "MoebenchError", "Sampling",
-    "UnsupportedKernelConfig", "available_backend", "default_model_path", "dispatch", "fused_moe",
-    "fused_moe_enabled", "generate", "load", "set_fused_moe",
+    "CheckpointError", "ConfigError", "DecodeError", "DeviceMemoryError", "Intervention", "ModelArgs", "MoebenchError",
+    "NonFiniteError", "Sampling", "UnsupportedKernelConfig", "available_backend", "default_model_path", "dispatch",
+    "fused_moe", "fused_moe_enabled", "generate", "load", "set_fused_moe",
 ]

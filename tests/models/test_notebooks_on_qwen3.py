@@ -30,8 +30,8 @@ def qwen3_checkpoint(tmp_path_factory) -> Path:
 def test_notebook_runs_on_qwen3(notebook, qwen3_checkpoint, monkeypatch):
     monkeypatch.setenv("MOEBENCH_MODEL", str(qwen3_checkpoint))
     nb = nbformat.read(notebook, as_version=4)
-    # proves the notebook opened the checkpoint MOEBENCH_MODEL names, not the shipped model
-    nb.cells.append(nbformat.v4.new_code_cell('assert model.args.model_type == "qwen3_moe", model.args'))
+    # proves the notebook opened the checkpoint MOEBENCH_MODEL names (its model picker's first), not the shipped model
+    nb.cells.append(nbformat.v4.new_code_cell('assert picker.model.args.model_type == "qwen3_moe", picker.model.args'))
     NotebookClient(nb, timeout=180, kernel_name="python3",
                    resources={"metadata": {"path": str(notebook.parent)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
