@@ -23,6 +23,7 @@ import numpy as np
 
 from ..checkpoint.loader import default_model_path, load
 from ..checkpoint.quant import QuantizedParts
+from ..checkpoint.weights import nonfinite_weights
 from ..execution import attention, moe
 from ..execution.attention import Heads, rope_frequencies
 from ..execution.kernel import available_backend
@@ -383,6 +384,9 @@ def report_text(record: dict) -> str:
     lines.append(f"platform: MLX {p['mlx']}, device {p['device']} ({info}), fused backend '{p['backend']}'")
     if p["backend"] == "reference":
         lines.append("  no Metal or CUDA GPU here: the fused path ran as the CPU reference; no GPU kernel was tested")
+    w = record["weights"]
+    lines.append(f"weights: every value finite ({w['seconds']:.1f} s)" if w["passed"] else
+                 f"weights: NaN or Inf in {', '.join(w['nonfinite'][:5])}" + (" ..." if len(w["nonfinite"]) > 5 else ""))
     lines.append(f"\nkernel parity (bounds: fused vs truth nRMS < {FUSED_NRMS:g}, nMax < {FUSED_NMAX:g}; "
                  f"gather_qmm vs truth < {FALLBACK_NRMS:g})")
     lines.append("| case | bits g/u/d | group | fused nRMS | fused nMax | vs reference | gather_qmm nRMS | "
@@ -445,6 +449,9 @@ def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen
     start = time.perf_counter()
     path = Path(model_path) if model_path else default_model_path()
     model, _ = load(path)
+    checked = time.perf_counter()
+    nonfinite = nonfinite_weights(model)  # every value of every weight (load samples the large float matrices)
+    weights = {"nonfinite": nonfinite, "seconds": time.perf_counter() - checked, "passed": not nonfinite}
     backend = available_backend()
     dtype = model.dtype
     a = model.args
@@ -460,9 +467,10 @@ def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen
     failures = [f"parity {r['case']} bits {r.get('bits')} g{r.get('group_size')}" for r in parity if not r["passed"]]
     failures += [f"parity {r['case']}" for r in router + attention_rows if not r["passed"]]
     failures += decode_failures(decode)
+    failures += [f"weights: NaN or Inf in {name}" for name in nonfinite]
     bits = model.load_info.bits.get("mlp.switch_mlp.gate_proj", "?")
     return {"schema": SCHEMA, "platform": platform_info(), "model": {"path": str(path), "name": path.name,
-            "bits": bits}, "parity": parity, "router": router, "attention": attention_rows,
+            "bits": bits}, "weights": weights, "parity": parity, "router": router, "attention": attention_rows,
             "decode": decode, "failures": failures, "passed": not failures, "seconds": time.perf_counter() - start}
 
 

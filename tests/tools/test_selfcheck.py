@@ -173,3 +173,19 @@ def test_the_shared_expert_case_fails_when_the_kernel_drops_the_shared_term(monk
     monkeypatch.setattr(fused_kernel, "routed", without_shared)
     row = selfcheck.shared_expert_parity("reference", mx.float32)
     assert row["status"] == "ran" and not row["passed"] and row["fused_nrms"] > selfcheck.FUSED_NRMS
+
+
+def test_selfcheck_reads_every_weight_and_fails_on_a_nan(quantized_checkpoint, monkeypatch, capsys):
+    """Load samples large float matrices for NaN/Inf; selfcheck reads every value, and a NaN anywhere fails it."""
+    real = selfcheck.load
+
+    def load_with_a_nan(path):
+        model, tok = real(path)
+        proj = model.layers[0].self_attn.o_proj
+        proj.scales = mx.where(mx.arange(proj.scales.size).reshape(proj.scales.shape) == 7, mx.nan, proj.scales)
+        return model, tok
+
+    monkeypatch.setattr(selfcheck, "load", load_with_a_nan)
+    assert main(["selfcheck", str(quantized_checkpoint), *ARGS]) == 1
+    out = capsys.readouterr().out
+    assert "weights: NaN or Inf in model.layers.0.self_attn.o_proj" in out and "FAIL" in out
