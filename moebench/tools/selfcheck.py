@@ -385,8 +385,9 @@ def report_text(record: dict) -> str:
     if p["backend"] == "reference":
         lines.append("  no Metal or CUDA GPU here: the fused path ran as the CPU reference; no GPU kernel was tested")
     w = record["weights"]
+    more = " ..." if len(w["nonfinite"]) > 5 else ""
     lines.append(f"weights: every value finite ({w['seconds']:.1f} s)" if w["passed"] else
-                 f"weights: NaN or Inf in {', '.join(w['nonfinite'][:5])}" + (" ..." if len(w["nonfinite"]) > 5 else ""))
+                 f"weights: NaN or Inf in {', '.join(w['nonfinite'][:5])}{more}")
     lines.append(f"\nkernel parity (bounds: fused vs truth nRMS < {FUSED_NRMS:g}, nMax < {FUSED_NMAX:g}; "
                  f"gather_qmm vs truth < {FALLBACK_NRMS:g})")
     lines.append("| case | bits g/u/d | group | fused nRMS | fused nMax | vs reference | gather_qmm nRMS | "
