@@ -63,8 +63,13 @@ class LiveDecode:
         self.button = widgets.Button(description="decode live", icon="play", button_style="primary")
         self.button.add_class("moebench-live-run")
         self.button.on_click(lambda _: self.owner.submit(lambda: self.start(self.count.value)))
+        self.stop_button = widgets.Button(description="stop", icon="stop")
+        self.stop_button.add_class("moebench-live-stop")
+        self.stop_button.on_click(lambda _: self.stop())
+        self._stopping = False
         self.task: asyncio.Task | None = None
-        self.widget = widgets.VBox([self.toggle.widget, widgets.HBox([self.record_box, self.count, self.button]),
+        self.widget = widgets.VBox([self.toggle.widget, widgets.HBox([self.record_box, self.count, self.button,
+                                                                      self.stop_button]),
                                     self.chart.figure, self.text, self.status, live_mark()])
         self.restart(stepper)
 
@@ -97,7 +102,7 @@ class LiveDecode:
             raise RuntimeError("decode from the thread that made this LiveDecode (its MLX streams live there)")
         if self.running:
             raise RuntimeError("a live decode is already running: await its task (or wait) first")
-        self.running = True
+        self.running, self._stopping = True, False
         self._last_end = None
         self.status.value = "<i>decoding...</i>"
 
@@ -113,7 +118,7 @@ class LiveDecode:
         """Decode n tokens now (synchronously); returns their records."""
         self._begin()
         try:
-            return [self._one() for _ in range(n) if not self.stepper.done]
+            return [self._one() for _ in range(n) if not (self.stepper.done or self._stopping)]
         finally:
             self._end()
 
@@ -125,7 +130,7 @@ class LiveDecode:
             records = []
             try:
                 for _ in range(n):
-                    if self.stepper.done:
+                    if self.stepper.done or self._stopping:
                         break
                     records.append(self._one())
                     if len(records) % 8 == 0:
@@ -139,6 +144,10 @@ class LiveDecode:
         return self.task
 
     # -- callbacks (any thread) ------------------------------------------------------------------------
+    def stop(self) -> None:
+        """End the running decode after its current token (one assignment: safe from any thread)."""
+        self._stopping = True
+
     def _toggled(self, enabled: bool) -> None:
         self._marks.append("fused ON" if enabled else "fused OFF")
         if not self.running:

@@ -21,10 +21,14 @@ def keep_on_subshell(widget) -> None:
         return  # no kernel, or an ipykernel that routes no replies
     publish = comm.publish_msg
 
-    def publish_msg(*args, **kwargs):
-        publish(*args, **kwargs)
+    def forget_route() -> None:
         with comm._reply_subshell_lock:
             comm.__dict__.pop("_reply_subshell_id", None)  # the next message goes where the browser sends it
 
+    def publish_msg(*args, **kwargs):
+        publish(*args, **kwargs)
+        forget_route()
+
     comm.publish_msg = publish_msg
     comm._moebench_routed = True
+    forget_route()  # the comm_open a cell sent pointed it at the main shell already

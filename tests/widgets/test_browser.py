@@ -165,6 +165,13 @@ def finish(page, name: str = "run") -> str:
     return run["out"]
 
 
+def restart_kernel(page) -> None:
+    """A fresh kernel: widgets live until closed, so every Run All before would be fetched again on a reload."""
+    page.wait_for_function(KERNEL_IDLE_JS, timeout=60_000)
+    page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
+    page.wait_for_timeout(1000)
+
+
 def run_all_cells(page) -> None:
     page.wait_for_function(KERNEL_IDLE_JS, timeout=60_000)
     page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
@@ -366,16 +373,25 @@ def last_mark(page, labels: tuple[str, ...]) -> float:
     return max((x for x, text in page.evaluate(MARKS_JS) if any(t in text for t in labels)), default=-1)
 
 
-def click_and_see_the_mark(page, what: str, run: str | None) -> None:
-    """Click the toggle or the recording box; the chart must show a new mark while `run` still decodes."""
+def click_and_see_the_mark(page, what: str) -> None:
+    """Click the toggle or the recording box; the chart must show a new mark (drawn between two tokens)."""
     labels = ("fused ON", "fused OFF") if what == "toggle" else ("recording ON", "recording OFF")
     before = last_mark(page, labels)
     target = page.locator(".moebench-fused-toggle" if what == "toggle" else ".moebench-record-toggle input").last
     target.click()
     page.wait_for_function(f"([n, a, b]) => ({MARKS_JS})().some(([x, t]) => x > n && (t.includes(a) || t.includes(b)))",
                            arg=[before, *labels], timeout=30_000)
-    if run is not None:
-        assert not page.evaluate("(n) => window.moebenchRuns[n].done", run), f"{what}: acted only after the run"
+
+
+def stop_and_check(page, run: str, attempt: int) -> None:
+    """Press stop; the run's records show the flip and the untick between two of its tokens."""
+    page.locator(".moebench-live-stop").last.click()
+    finish(page, run)
+    steps = switches(page, "records")
+    changes = transitions(steps)
+    assert 1 <= len(changes) <= 2 and len(steps) < 3000, (run, attempt, changes, len(steps))
+    assert steps[0][0] != steps[-1][0] and steps[0][1] and not steps[-1][1], (run, attempt, changes)
+    label_and_button_agree(page)
 
 
 def transitions(steps: list) -> list:
@@ -393,6 +409,7 @@ def test_04_toggle_and_recording_act_between_tokens_in_every_state(lab, browser)
         no_error_outputs(page, LIVE)
         page.wait_for_timeout(1500)
         widgets_rendered(page, LIVE)
+        execute(page, "LONG = 3000  # stopped by the stop button once the clicks are seen", name="long")
         label = page.locator(".moebench-backend-label").last
         for attempt in range(3):
             # idle: the flip decodes a few tokens by itself, on the main thread
@@ -404,36 +421,23 @@ def test_04_toggle_and_recording_act_between_tokens_in_every_state(lab, browser)
             assert int(execute(page, "print(live.decoded)", name="count")) == before + 8, attempt
             label_and_button_agree(page)
             # a live decode, the kernel idle between tokens: flip, then untick recording, while it runs
-            execute(page, "live.record_box.value = True\ntask = live.start(400)", name="start")
-            execute(page, "import asyncio\nawait asyncio.sleep(0.3)", name="bg")
-            click_and_see_the_mark(page, "toggle", None)
-            click_and_see_the_mark(page, "recording", None)
-            assert execute(page, "print(task.done())", name="bg").strip() == "False", attempt
-            execute(page, "records = await task", name="bg")
-            steps = switches(page, "records")
-            assert len(steps) == 400 and 1 <= len(transitions(steps)) <= 2, (attempt, transitions(steps))
-            assert steps[0][0] != steps[-1][0] and steps[0][1] and not steps[-1][1], attempt
-            label_and_button_agree(page)
+            execute(page, "live.record_box.value = True\ntask = live.start(LONG)", name="start")
+            click_and_see_the_mark(page, "toggle")
+            click_and_see_the_mark(page, "recording")
+            execute(page, "records = await task", name="bg", wait=False)
+            stop_and_check(page, "bg", attempt)
             # during an `await`: the same, while the cell waits for the task
             execute(page, "live.record_box.value = True", name="set")
-            execute(page, "records = await live.start(400)", name="await", wait=False)
-            page.wait_for_timeout(500)
-            click_and_see_the_mark(page, "toggle", "await")
-            click_and_see_the_mark(page, "recording", "await")
-            finish(page, "await")
-            steps = switches(page, "records")
-            assert len(steps) == 400 and 1 <= len(transitions(steps)) <= 2, (attempt, transitions(steps))
-            assert steps[0][0] != steps[-1][0] and steps[0][1] and not steps[-1][1], attempt
-            label_and_button_agree(page)
+            execute(page, "records = await live.start(LONG)", name="await", wait=False)
+            click_and_see_the_mark(page, "toggle")
+            click_and_see_the_mark(page, "recording")
+            stop_and_check(page, "await", attempt)
             # during a decode a cell runs: the click reaches the kernel on a subshell thread, which sets the
             # switch; the cell's next token reads it
-            execute(page, "records = live.run(400)", name="sync", wait=False)
-            page.wait_for_timeout(500)
-            click_and_see_the_mark(page, "toggle", "sync")
-            finish(page, "sync")
-            flips = [s for s, _ in switches(page, "records")]
-            assert flips[0] != flips[-1] and len(transitions(flips)) == 1, (attempt, transitions(flips))
-            label_and_button_agree(page)
+            execute(page, "live.record_box.value = True\nrecords = live.run(LONG)", name="sync", wait=False)
+            click_and_see_the_mark(page, "toggle")
+            click_and_see_the_mark(page, "recording")
+            stop_and_check(page, "sync", attempt)
         no_error_outputs(page, LIVE)
         shot(page, "04-after-flips")
         assert not errors, "JavaScript errors:\n" + "\n".join(errors)
@@ -446,6 +450,7 @@ def test_reload_with_the_kernel_running_redraws_every_chart(lab, browser):
     errors: list[str] = []
     page = open_notebook(browser, lab, LIVE, errors)
     try:
+        restart_kernel(page)
         run_all_cells(page)
         page.wait_for_timeout(1000)
         charts = page.locator(".jp-OutputArea-output > .jupyter-widgets .js-plotly-plot")

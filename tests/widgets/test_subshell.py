@@ -17,7 +17,10 @@ class CellComm(BaseComm):
 
 
 def test_after_a_cell_writes_to_a_widget_its_messages_still_go_to_the_browsers_subshell():
-    plain, kept = CellComm(), CellComm()
+    plain, kept, opened = CellComm(), CellComm(), CellComm()
+    opened.publish_msg("comm_open", {})  # made in a cell: its comm_open points it at the main shell
+    keep_on_subshell(SimpleNamespace(comm=opened))
+    assert opened._reply_subshell_for({}, "subshell-1") == "subshell-1"
     inner = SimpleNamespace(comm=kept)
     keep_on_subshell(SimpleNamespace(comm=None, children=(inner,)))
     for comm in (plain, kept):

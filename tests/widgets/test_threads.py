@@ -91,3 +91,18 @@ def test_flips_during_an_awaited_task_act_between_tokens(tiny):
     first_off = switched.index(False)
     assert first_off < 12 and not records[-1].layers  # acted within a few tokens, long before the end
     assert "30 tokens decoded" in live.status.value
+
+
+def test_stop_from_another_thread_ends_the_run_after_the_current_token(tiny):
+    model, tokenizer = tiny
+
+    async def main():
+        live = LiveDecode(Stepper(model, tokenizer, "hello", stop_ids=()))
+        task = live.start(1000)
+        while live.decoded < 5:
+            await asyncio.sleep(0)
+        on_thread(live.stop_button.click)
+        return live, await task
+
+    live, records = asyncio.run(main())
+    assert 5 <= len(records) < 20 and not live.running and live.decoded == len(records)
