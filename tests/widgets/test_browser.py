@@ -165,11 +165,11 @@ def finish(page, name: str = "run") -> str:
     return run["out"]
 
 
-def restart_kernel(page) -> None:
-    """A fresh kernel: widgets live until closed, so every Run All before would be fetched again on a reload."""
-    page.wait_for_function(KERNEL_IDLE_JS, timeout=60_000)
-    page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
-    page.wait_for_timeout(1000)
+def fresh_copy(lab, notebook: str, name: str) -> str:
+    """The stripped notebook under another name: its own kernel, with none of the widgets earlier tests made
+    (widgets live until closed, and a reload fetches every one of them)."""
+    shutil.copy(ROOT / "notebooks" / notebook, lab[2] / name)
+    return name
 
 
 def run_all_cells(page) -> None:
@@ -448,9 +448,8 @@ def test_04_toggle_and_recording_act_between_tokens_in_every_state(lab, browser)
 def test_reload_with_the_kernel_running_redraws_every_chart(lab, browser):
     """Reloading the tab asks the kernel for each widget's state: the charts come back as they were."""
     errors: list[str] = []
-    page = open_notebook(browser, lab, LIVE, errors)
+    page = open_notebook(browser, lab, fresh_copy(lab, LIVE, "reload-04.ipynb"), errors)
     try:
-        restart_kernel(page)
         run_all_cells(page)
         page.wait_for_timeout(1000)
         charts = page.locator(".jp-OutputArea-output > .jupyter-widgets .js-plotly-plot")
@@ -476,6 +475,7 @@ def test_reload_with_the_kernel_running_redraws_every_chart(lab, browser):
 def test_reopened_after_the_kernel_stopped_the_static_pictures_show(lab, browser, notebook):
     """Save, shut the kernel down, open the notebook again: each chart's last picture is in its outputs."""
     stem = notebook.removesuffix(".ipynb")
+    notebook = fresh_copy(lab, notebook, f"reopen-{notebook}")
     errors: list[str] = []
     page = open_notebook(browser, lab, notebook, errors)
     try:
