@@ -24,6 +24,8 @@ from .router import RouterView
 from .static import live_mark, show
 from .text import error_html, visible
 
+EVERY_LAYER = -1  # the layer picker's value for "every MoE layer" (a Dropdown shows None as no choice)
+
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = np.asarray(logits, np.float64)
@@ -85,7 +87,7 @@ class InterventionPanel:
         self.apply = widgets.Button(description="decode with it", icon="play", button_style="primary")
         self.apply.add_class("moebench-intervene-run")
         self.apply.on_click(lambda _: self.owner.submit(self.run))
-        self.reset = widgets.Button(description="clear (back to baseline)", icon="undo")
+        self.reset = widgets.Button(description="clear", icon="undo", tooltip="back to the baseline: no intervention")
         self.reset.on_click(lambda _: self.owner.submit(self.clear))
         self.step = widgets.IntSlider(value=0, min=0, max=0, description="token", continuous_update=False)
         self.step.observe(lambda _: self._draw_routing(), names="value")
@@ -127,8 +129,8 @@ class InterventionPanel:
         self.model = model
         n_experts = model.args.num_experts
         self.default_k = model.args.num_experts_per_tok
-        self.layer.options = [("every MoE layer", None)] + [(f"layer {i}", i) for i in model.moe_blocks()]
-        self.layer.value = None
+        self.layer.options = [("every MoE layer", EVERY_LAYER)] + [(f"layer {i}", i) for i in model.moe_blocks()]
+        self.layer.value = EVERY_LAYER
         for box in (self.force, self.ablate):
             box.value, box.max = [], n_experts - 1
         self.top_k.max, self.top_k.value = n_experts, self.default_k
@@ -144,7 +146,7 @@ class InterventionPanel:
     def run(self) -> None:
         """Decode with the intervention (free-running, then fed the baseline's tokens) and draw the effect."""
         intervention = self.intervention()
-        chosen = intervention if self.layer.value is None else {self.layer.value: intervention}
+        chosen = intervention if self.layer.value == EVERY_LAYER else {self.layer.value: intervention}
         self.apply.disabled = True
         self.status.value = "<i>decoding with the intervention...</i>"
         try:
@@ -159,7 +161,7 @@ class InterventionPanel:
         finally:
             self.apply.disabled = False
         self.measured = effect(self.baseline, self.forced)
-        where = "every MoE layer" if self.layer.value is None else f"layer {self.layer.value}"
+        where = "every MoE layer" if self.layer.value == EVERY_LAYER else f"layer {self.layer.value}"
         self.summary = (f"{intervention!r} on {where}: mean KL {self.measured['kl'].mean():.3g} nats, largest "
                         f"{self.measured['kl'].max():.3g}; mean change in log p of the baseline's token "
                         f"{self.measured['dlogp'].mean():+.3g}")
@@ -168,7 +170,7 @@ class InterventionPanel:
 
     def clear(self) -> None:
         """Controls back to 'no intervention' and the intervened decode forgotten: the views show the baseline."""
-        self.layer.value, self.force.value, self.ablate.value = None, [], []
+        self.layer.value, self.force.value, self.ablate.value = EVERY_LAYER, [], []
         self.renormalize.value, self.shared.value, self.gate_scale.value = False, True, 1.0
         self.top_k.value = self.default_k
         self.intervened = self.forced = self.measured = None

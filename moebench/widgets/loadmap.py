@@ -18,6 +18,12 @@ from .figure import LiveFigure, go
 from .static import live_mark, show
 
 TITLE = "expert load: share of each layer's top-k selections that went to each expert"
+GAP_PX = 70  # between panels: the expert ticks of one and the title of the next
+
+
+def panel_height(panels: int, layers: int) -> int:
+    """The figure's height in pixels: 22 a layer per panel, plus room for ticks and titles."""
+    return 160 + panels * (GAP_PX + 22 * layers)
 
 
 class ExpertLoadMap:
@@ -30,7 +36,8 @@ class ExpertLoadMap:
         self.difference = len(loads) == 2
         titles = [*self.names, f"{self.names[0]} minus {self.names[1]}"] if self.difference else self.names
         rows = len(titles)
-        fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.12 / rows,
+        layers = max(load["layer"].nunique() for load in loads.values())
+        fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=GAP_PX / panel_height(rows, layers),
                             subplot_titles=titles)
         for row, _ in enumerate(self.names, start=1):
             fig.add_trace(go.Heatmap(z=[[0.0]], coloraxis="coloraxis",
@@ -81,8 +88,7 @@ class ExpertLoadMap:
             axis.cmin, axis.cmax = 0, top
             axis.colorbar.tickvals = ticks
             axis.colorbar.ticktext = [f"uniform 1/{n_experts}" if t == uniform else f"{t:.2f}" for t in ticks]
-            panels = len(self.figure.data)
-            self.figure.layout.height = 160 + panels * (60 + 22 * max(len(grid) for grid in self.grids.values()))
+            self.figure.layout.height = panel_height(len(self.figure.data), max(len(g) for g in self.grids.values()))
 
     def _ipython_display_(self):
         show(self.widget, [self.figure])

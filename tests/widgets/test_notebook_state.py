@@ -150,4 +150,4 @@ def test_05_panel_measures_the_effect_and_clearing_restores_the_baseline():
 def test_05_clear_puts_every_control_back_to_no_intervention():
     ns = run_notebook("05_interventions")
     panel = ns["panel"]
-    assert panel.intervention() == moebench.Intervention() and panel.layer.value is None
+    assert panel.intervention() == moebench.Intervention() and panel.layer.label == "every MoE layer"
