@@ -34,8 +34,10 @@ class LoadInfo:
 
 
 def default_model_path() -> Path:
-    """MOEBENCH_MODEL when set, else the tiny trained model that ships in data/."""
-    return Path(os.environ.get(ENV_MODEL) or SHIPPED_MODEL)
+    """MOEBENCH_MODEL when set (its first folder, when it lists several as the notebooks' model picker takes
+    them, separated by os.pathsep), else the tiny trained model that ships in data/."""
+    named = [p for p in os.environ.get(ENV_MODEL, "").split(os.pathsep) if p.strip()]
+    return Path(named[0]) if named else SHIPPED_MODEL
 
 
 def default_dtype() -> mx.Dtype | None:
