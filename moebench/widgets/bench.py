@@ -106,7 +106,7 @@ class DecodeBenchmark:
         with self.figure.batch_update():
             for i, row in enumerate(table.itertuples()):
                 bar = self.figure.data[i]
-                bar.y = [row.median]
+                bar.x, bar.y = [row.arm], [row.median]  # x sent again with y: the browser drew the bars at "0" else
                 bar.error_y.array, bar.error_y.arrayminus = [row.max - row.median], [row.median - row.min]
                 dots = kept[kept["arm"] == row.arm]
                 self.figure.data[len(ARMS) + i].x = [row.arm] * len(dots)
