@@ -68,15 +68,17 @@ class DecodeBenchmark:
         self.table = widgets.HTML("<i>not run yet</i>")
         self.table.add_class("moebench-bench-table")
         self.figure = LiveFigure(layout=go.Layout(
-            title={"text": "decode tok/s per arm: one dot per measured round, bar = median, line = min-max", "x": 0},
+            title={"text": "decode tok/s per arm: one dot per measured round, dash = median, line = min-max", "x": 0},
             height=360, margin={"l": 60, "r": 20, "t": 60, "b": 60}, yaxis={"title": "tokens / second",
                                                                            "rangemode": "tozero"},
-            showlegend=False, barmode="overlay", modebar={"orientation": "v"}))
-        for fused, recording in ARMS:
-            name = arm_name(fused, recording)
-            self.figure.add_bar(x=[name], y=[0], name=name, marker_color=COLORS[fused],
-                                marker_pattern_shape="/" if recording else "", opacity=0.55,
-                                error_y={"type": "data", "symmetric": False, "array": [0], "arrayminus": [0]})
+            xaxis={"type": "category", "categoryorder": "array", "categoryarray": [arm_name(*a) for a in ARMS]},
+            showlegend=False, modebar={"orientation": "v"}))
+        for fused, recording in ARMS:  # the medians as wide dashes with their min-max (plotly's bars drew at "0")
+            self.figure.add_scatter(x=[], y=[], mode="markers", name=arm_name(fused, recording),
+                                    marker={"color": COLORS[fused], "symbol": "line-ew-open", "size": 44,
+                                            "line": {"width": 4, "color": COLORS[fused]}},
+                                    error_y={"type": "data", "symmetric": False, "array": [], "arrayminus": [],
+                                             "color": COLORS[fused], "thickness": 1 if recording else 2})
         for fused, recording in ARMS:
             self.figure.add_scatter(x=[], y=[], mode="markers", name=arm_name(fused, recording),
                                     marker={"color": COLORS[fused], "size": 7, "line": {"width": 1, "color": "#000"},
@@ -105,9 +107,9 @@ class DecodeBenchmark:
         kept = self.runs[~self.runs["warmup"]]
         with self.figure.batch_update():
             for i, row in enumerate(table.itertuples()):
-                bar = self.figure.data[i]
-                bar.x, bar.y = [row.arm], [row.median]  # x sent again with y: the browser drew the bars at "0" else
-                bar.error_y.array, bar.error_y.arrayminus = [row.max - row.median], [row.median - row.min]
+                median = self.figure.data[i]
+                median.x, median.y = [row.arm], [row.median]
+                median.error_y.array, median.error_y.arrayminus = [row.max - row.median], [row.median - row.min]
                 dots = kept[kept["arm"] == row.arm]
                 self.figure.data[len(ARMS) + i].x = [row.arm] * len(dots)
                 self.figure.data[len(ARMS) + i].y = dots["tok_s"].tolist()
