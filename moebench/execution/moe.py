@@ -31,7 +31,6 @@ GATE_UP = Stage("moebench_moe_gate_up", "moe_gate_up.body",
 DOWN = Stage("moebench_moe_down", "moe_down.body",
              ("indices", "scores", "down_w", "down_s", "down_b", "act", "sdown_w", "sdown_s", "sdown_b", "sgate",
               "resid"), ("y", "ys", "out"))
-STAGES = (ROUTER, GATE_UP, DOWN)
 DEFAULT_ROWS = 8  # simdgroups (output rows) per threadgroup
 MAX_ROWS = 32
 DEFAULT_MAX_DFF = {"metal": 4096, "cuda": 8192}  # expert width above which the GPU kernel lost to gather_qmm

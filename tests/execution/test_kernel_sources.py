@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from moebench.checkpoint.quant import QuantizedParts
+from moebench.errors import UnsupportedKernelConfig
 from moebench.execution import attention, moe
 from moebench.execution.attention import (
     ATTENTION,
@@ -236,6 +237,22 @@ def shim_library(tmp_path_factory) -> ctypes.CDLL:
                           capture_output=True, text=True)
     assert done.returncode == 0, f"Metal source does not compile under the shim:\n{done.stderr[-6000:]}"
     return ctypes.CDLL(str(lib))
+
+
+@pytest.mark.parametrize("stage", [ROUTER, GATE_UP, DOWN, ATTENTION, COMBINE], ids=lambda s: s.name)
+def test_each_backend_wraps_its_prelude_around_the_same_body(stage):
+    """One body per kernel for both GPUs: what differs between Metal and CUDA is only the prelude before it."""
+    body = (KERNEL_DIR / stage.body).read_text()
+    metal_header, metal_source = kernel_source("metal", stage)
+    cuda_header, cuda_source = kernel_source("cuda", stage)
+    assert metal_source.endswith(body) and cuda_source.endswith(body)
+    assert "thread_position_in_grid" in metal_source and "blockIdx" in cuda_source
+    assert "simd_sum" in metal_header and "__shfl_xor_sync" in cuda_header
+
+
+def test_a_backend_without_a_prelude_is_named():
+    with pytest.raises(UnsupportedKernelConfig, match="no kernel prelude for backend 'rocm'"):
+        kernel_source("rocm", GATE_UP)
 
 
 def test_metal_source_compiles_for_every_supported_combination(shim_library):
