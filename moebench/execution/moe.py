@@ -299,11 +299,6 @@ def reference_shared_output(x: mx.array, shared: SharedExpert) -> mx.array:
     return matmul_f32(shared.down, swiglu_f32(matmul_f32(shared.gate, xf), matmul_f32(shared.up, xf)))
 
 
-def combine(expert_out: mx.array, scores: mx.array) -> mx.array:
-    """Weighted sum over K of float32 expert outputs [K, D] with scores [K], in float32."""
-    return (expert_out * scores.astype(mx.float32)[:, None]).sum(axis=0)
-
-
 def routed(
     backend: str, x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
     down: QuantizedParts, shared: SharedExpert | None = None, residual: mx.array | None = None,
@@ -324,7 +319,7 @@ def routed(
     lead = tuple(x.shape[:-1])
     flat_x = x.reshape(-1)
     y = reference_expert_outputs(flat_x, indices.reshape(-1), gate, up, down)
-    out = combine(y, scores.reshape(-1))
+    out = weighted_sum(y, scores.reshape(-1))  # in float32, as y is
     ys = None
     if shared is not None:
         ys = reference_shared_output(flat_x, shared)
