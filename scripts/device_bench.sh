@@ -16,7 +16,7 @@
 #            stacked mlp.switch_mlp.* for Qwen3-MoE; LAYOUT=stacked|per-expert to choose) on local disk; reused
 #            when an earlier call on this machine wrote them (always made when missing)
 # bench      moebench bench: $PROMPTS-token prompt (default 64; several, e.g. PROMPTS="64 2048 4096": one model
-#            load, each length a full bench, a table per length), 128 generated tokens, $REPEATS repeats;
+#            load, each length a full bench, a table per length), $GEN generated tokens (default 128), $REPEATS repeats;
 #            moebench fused on and off, each eager and through the compiled decode step; mlx-lm generate_step
 #            and mlx-lm's model under moebench's loop; with SNAPSHOT=DIR (e.g. .snap/before: git archive REV
 #            moebench kernels, carried) an earlier revision's fused and fallback arms too, and HEAD/snapshot per
@@ -44,6 +44,7 @@ PRESET=${PRESET:-qwen1.5-moe-a2.7b}  # a smaller preset (and DTYPE=float32) for 
 DTYPE=${DTYPE:-bfloat16}
 LAYOUT=${LAYOUT:-}  # empty: the family's (moebench make-random's default)
 PROMPTS=${PROMPTS:-64}
+GEN=${GEN:-128}  # tokens generated per bench round
 BENCH_LIMIT=${BENCH_LIMIT:-360}
 CKPT=${MOEBENCH_DEVICE_CKPT:-/root/moebench-$PRESET-4bit-g64-$DTYPE${LAYOUT:+-$LAYOUT}}
 stages=${*:-make bench selfcheck}
@@ -133,7 +134,7 @@ fi
 if [[ " $stages " == *" bench "* ]]; then
   # $PROMPTS unquoted: one --prompt-tokens argument per length
   run_stage bench "$BENCH_LIMIT" "bench-$PRESET.txt" \
-    python3 -m moebench.cli bench "$CKPT" --prompt-tokens $PROMPTS --gen-tokens 128 --repeats "$REPEATS" --fused both \
+    python3 -m moebench.cli bench "$CKPT" --prompt-tokens $PROMPTS --gen-tokens "$GEN" --repeats "$REPEATS" --fused both \
     --compiled "${COMPILED:-both}" --compare mlx-lm ${SNAPSHOT:+--snapshot "$SNAPSHOT"} --json "$OUT/bench-$PRESET.json"
 fi
 
