@@ -1,11 +1,14 @@
 """The fused decode-MoE arithmetic on the CPU: the 'reference' backend against the float64 truth
 (moebench.inspect.truth) and against the gather_qmm fallback, its determinism, the checks that stand
-between a bad launch and the process, and the rows per threadgroup the GPU launches get."""
+between a bad launch and the process, the rows per threadgroup the GPU launches get, and launch plans that are
+reused without keeping weights alive."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import math
+import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -192,6 +195,25 @@ def test_gpu_launches_take_the_rows_asked_for(monkeypatch, rows):
     assert out.shape == (1, 1, 128) and out.dtype == mx.bfloat16 and y.shape == (1, 1, 2, 128) and ys is None
     assert seen == {moe.GATE_UP: ((LANES, math.ceil(2 * 64 / rows) * rows, 1), (LANES, rows, 1)),  # K * Dff rows
                     moe.DOWN: ((LANES, math.ceil(128 / rows) * rows, 1), (LANES, rows, 1))}  # D rows
+
+
+def test_launch_plans_are_reused_per_shape_and_never_keep_weights_alive(monkeypatch):
+    """A decode repeats one signature per layer: its launch geometry is worked out once and reused, and neither
+    it nor the input checks remembered as passed hold on to a layer's weights."""
+    monkeypatch.setattr(moe, "built_kernel", lambda backend, stage: lambda *, output_shapes, output_dtypes, **_: [
+        mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes, strict=True)])
+    parts = make_experts(4, 128, 64, seed=12, scale_dtype=mx.bfloat16)
+    x, idx, sc = mx.zeros((1, 1, 128), mx.bfloat16), mx.array([[[0, 1]]], dtype=mx.uint32), mx.array([[[0.5, 0.5]]])
+    moe._pair_launch.cache_clear()
+    for _ in range(3):
+        moe.gpu_routed("metal", x, idx, sc, *parts, rows=8)
+    moe.gpu_routed("metal", x, idx, sc, *make_experts(4, 128, 64, seed=13, scale_dtype=mx.bfloat16), rows=8)
+    info = moe._pair_launch.cache_info()
+    assert (info.misses, info.hits) == (1, 3)  # other weights of the same shapes: the same plan
+    watch = weakref.ref(parts[0])
+    del parts
+    gc.collect()
+    assert watch() is None, "a launch plan or a passed check kept a layer's weights alive"
 
 
 def test_the_rows_variable_reaches_every_fused_moe_launch_of_a_decode(quantized_checkpoint, monkeypatch):

@@ -25,6 +25,13 @@ def test_defaults_without_the_environment():
     assert KernelSettings.from_env() == KernelSettings(fused=True, rows=8, max_dff=None, attention_kernel=True)
 
 
+@pytest.mark.parametrize("raw", [None, "1", "true", "on", "yes", " TRUE ", "Yes\n"])
+def test_unset_or_an_on_word_leaves_it_on(monkeypatch, raw):
+    if raw is not None:
+        monkeypatch.setenv(ENV_SWITCH, raw)
+    assert KernelSettings.from_env().fused is True
+
+
 @pytest.mark.parametrize("raw", ["disabled", "nope", "2", "offf"])
 def test_a_switch_word_it_does_not_understand_is_an_error_naming_the_variable(monkeypatch, raw):
     monkeypatch.setenv(ENV_SWITCH, raw)
@@ -36,6 +43,14 @@ def test_rows_and_cap_from_the_environment(monkeypatch):
     monkeypatch.setenv(ENV_ROWS, "16")
     monkeypatch.setenv(ENV_MAX_DFF, "64")
     assert KernelSettings.from_env() == KernelSettings(rows=16, max_dff=64)
+
+
+@pytest.mark.parametrize("raw, rows", [(None, 8), ("", 8), ("1", 1), (" 16 ", 16), ("32", 32)])
+def test_rows_per_threadgroup_from_the_environment(monkeypatch, raw, rows):
+    """Unset or empty: the default, 8; any value the kernels take, 1 to 32 (spaces around it ignored)."""
+    if raw is not None:
+        monkeypatch.setenv(ENV_ROWS, raw)
+    assert KernelSettings.from_env().rows == rows
 
 
 @pytest.mark.parametrize("name, raw", [(ENV_ROWS, "0"), (ENV_ROWS, "33"), (ENV_ROWS, "eight"), (ENV_MAX_DFF, "0"),

@@ -1,5 +1,6 @@
 """What the kernels read, derived from the model's weights: stacked rows (one matmul for several Linears) that
-follow replaced weights and share storage with the separate Linears."""
+follow replaced weights and share storage with the separate Linears, and the experts' quantized parts, which
+follow replaced weights too."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import gc
 import mlx.core as mx
 import numpy as np
 
+from moebench.checkpoint.loader import load
 from moebench.checkpoint.quant import QuantizedParts
+from moebench.decode.cache import make_cache
+from moebench.execution.executor import executor
 from moebench.execution.weights import RowStack, stack_rows
 from moebench.models.layers import Linear
 
@@ -73,3 +77,25 @@ def test_sharing_storage_frees_the_separate_copies():
     separate = sum(v.nbytes for m in (a, b) for v in (m.weight, m.scales, m.biases))
     assert freed >= 0.9 * separate, f"freed {freed} bytes, the separate arrays held {separate}"
     assert np.array_equal(np.concatenate([np.array(a(x)), np.array(b(x))], axis=-1), want)
+
+
+def test_the_experts_parts_the_kernels_read_follow_replaced_weights(quantized_checkpoint):
+    """Built once and handed back while nothing changed; after an expert array was replaced (a trained or
+    reloaded weight) the parts hold the new array, and the fused step of a plan made before reads it."""
+    model = load(quantized_checkpoint)[0]
+    ex = executor(model)
+    block, weights = model.layers[0].mlp, ex.weights[0]
+    experts = block.switch_mlp
+    first = weights.fused(block)
+    assert weights.fused(block) is first and first.experts[2].scales is experts.down_proj.scales
+    step = ex.plan(1, make_cache(len(model.layers))).layers[0].moe_step
+    x = mx.random.normal((1, 1, model.args.hidden_size), key=KEY)
+    residual = mx.zeros_like(x)
+    before = np.array(step(x, residual, None))
+    experts.down_proj.scales = experts.down_proj.scales * 2
+    again = weights.fused(block)
+    assert again is not first and again.experts[2].scales is experts.down_proj.scales
+    assert weights.fused(block) is again
+    after = np.array(step(x, residual, None))
+    assert not np.allclose(after, before, rtol=1e-3, atol=1e-3)
+    assert np.allclose(after, np.array(block(x)), rtol=1e-4, atol=1e-4)  # the fallback on the new weights

@@ -6,6 +6,7 @@ every click here reaches the kernel on a subshell thread, as it does for users.
 
 - every notebook: Run All, then no error output, no JavaScript error, every widget rendered, the static
   copies hidden while the live views show; one control per notebook changes its view;
+- 01's stepper scrubs while the kernel is busy (linked in the browser), and the router follows once it is free;
 - 04's crash path (issue 22): flip the toggle while idle, during a decode run by a cell and during an
   awaited task, untick recording mid-run: no error, the records switch path between tokens;
 - reload with the kernel running: the charts come back drawn, not as empty axes;
@@ -338,6 +339,40 @@ def test_notebook_runs_renders_and_its_controls_act(lab, browser, notebook):
         no_error_outputs(page, notebook)
         shot(page, f"{stem}-after-control")
         assert not errors, f"{notebook}: JavaScript errors:\n" + "\n".join(errors)
+    finally:
+        page.close()
+
+
+def test_scrubbing_the_stepper_moves_it_while_the_kernel_is_busy(lab, browser):
+    """With the kernel's shell stuck in a sleep, clicking a token still moves the slider and the highlight (the
+    stepper's play widget, slider and strip are linked in the browser); once the kernel is free, the Python views
+    (the router) show the step chosen in the browser."""
+    errors: list[str] = []
+    page = open_notebook(browser, lab, fresh_copy(lab, "01_decode_step_by_step.ipynb", "scrub-01.ipynb"), errors)
+    try:
+        run_all_cells(page)
+        no_error_outputs(page, "01")
+        stepper = page.locator(".moebench-stepper").first
+        router_title = page.locator(".js-plotly-plot .gtitle", has_text="routing of token").first
+        router_title.wait_for(timeout=30_000)
+        title_before = router_title.text_content()
+        spans = stepper.locator(".moebench-token-strip span[title^='step ']")
+        target = spans.count() - 1
+        assert target > 0, "the token strip shows fewer than two steps"
+        execute(page, "import time; time.sleep(30)", "sleep", wait=False)
+        spans.nth(target).click()
+        readout = stepper.locator(".widget-readout").first
+        page.wait_for_function("([el, want]) => el.innerText.trim() === want",
+                               arg=[readout.element_handle(), str(target)], timeout=5_000)
+        assert "outline" in (spans.nth(target).get_attribute("style") or "")
+        sleeping = page.evaluate("() => !window.moebenchRuns.sleep.done")
+        assert sleeping, "the kernel finished its sleep before the scrub was checked: the check proves nothing"
+        shot(page, "01-scrubbed-while-busy")
+        page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.interrupt()")
+        page.wait_for_function("([el, text]) => el.textContent !== text",
+                               arg=[router_title.element_handle(), title_before], timeout=30_000)
+        page.wait_for_function(KERNEL_IDLE_JS, timeout=30_000)
+        assert not errors, "JavaScript errors:\n" + "\n".join(errors)
     finally:
         page.close()
 
