@@ -13,13 +13,16 @@ Seeds are fixed and file lists sorted, so a rerun reproduces the files up to flo
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import json
 import math
+import os
 import shutil
+import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -394,7 +397,26 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_train)
 
 
+def openblas_env(env: Mapping[str, str], platform: str = sys.platform) -> dict[str, str] | None:
+    """The environment that runs MLX's CPU matmuls on OpenBLAS, or None: not Linux, no OpenBLAS installed, or
+    already preloaded. MLX's Linux wheels link the reference BLAS (~2-4 GFLOP/s here); OpenBLAS (Debian
+    libopenblas0-pthread) defines the same cblas symbols at ~60 GFLOP/s, and training ran about 4x faster on it
+    (docs/benchmarks/cpu-train-throughput-2026-12-01.md). One thread: a second bought nothing on the shared CPU."""
+    lib = ctypes.util.find_library("openblas") if platform.startswith("linux") else None
+    if lib is None or "openblas" in env.get("LD_PRELOAD", ""):
+        return None
+    preload = " ".join(filter(None, (env.get("LD_PRELOAD"), lib)))
+    return {**env, "LD_PRELOAD": preload, "OPENBLAS_NUM_THREADS": env.get("OPENBLAS_NUM_THREADS", "1")}
+
+
 def _run_train(a: argparse.Namespace) -> int:
+    env = openblas_env(os.environ)
+    if env is not None:  # a library is preloaded only at process start: run this command again on OpenBLAS
+        print("moebench train-tiny: restarting on OpenBLAS (LD_PRELOAD)", file=sys.stderr)
+        sys.stderr.flush()
+        args = ["train-tiny", a.out_dir, "--steps", str(a.steps), "--seed", str(a.seed), "--float-dir", a.float_dir,
+                "--cache", a.cache]
+        os.execve(sys.executable, [sys.executable, "-m", "moebench.cli", *args], env)
     start = time.perf_counter()
     settings = TrainSettings(steps=a.steps, seed=a.seed)
     final = train_tiny(a.out_dir, settings, a.float_dir, Path(a.cache))

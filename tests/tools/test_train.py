@@ -18,6 +18,7 @@ from moebench.tools.train import (
     balance_loss,
     export_quantized,
     init_model,
+    openblas_env,
     train,
 )
 from moebench.tools.writer import qwen2_moe_config, save_checkpoint
@@ -79,6 +80,16 @@ def test_export_writes_per_expert_4bit_weights_near_the_float_model(tmp_path):
     ref, got = model(tokens), qmodel(tokens)
     # Names are checked exactly by the float round trip; here 4-bit noise on random weights gives ~0.37.
     assert (mx.linalg.norm(got - ref) / mx.linalg.norm(ref)).item() < 0.6
+
+
+def test_openblas_env_preloads_openblas_once_on_linux(monkeypatch):
+    monkeypatch.setattr("ctypes.util.find_library", lambda name: "libopenblas.so.0" if name == "openblas" else None)
+    env = openblas_env({"LD_PRELOAD": "libfoo.so", "PATH": "/bin"}, platform="linux")
+    assert env == {"LD_PRELOAD": "libfoo.so libopenblas.so.0", "OPENBLAS_NUM_THREADS": "1", "PATH": "/bin"}
+    assert openblas_env(env, platform="linux") is None  # already preloaded: no second restart
+    assert openblas_env({}, platform="darwin") is None
+    monkeypatch.setattr("ctypes.util.find_library", lambda name: None)
+    assert openblas_env({}, platform="linux") is None
 
 
 def test_validation_split_holds_out_whole_documents_by_position():
