@@ -7,6 +7,8 @@ import json
 import sys
 
 from .errors import MoebenchError
+from .models.sharding import init_group, report
+from .tools.bench import add_shard_argument
 from .tools.bench import register as _add_bench
 from .tools.microbench import add_command as _add_microbench
 from .tools.presets import register as _add_make_random
@@ -40,6 +42,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compiled", choices=("on", "off"), default=None,
                    help="decode through the compiled step (default: on for the fused kernels on CUDA, else off)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_shard_argument(p)
     p.set_defaults(run=_run_generate)
 
 
@@ -58,7 +61,9 @@ def _run_generate(a: argparse.Namespace) -> int:
 
     if a.fused is not None:
         set_fused_moe(a.fused == "on")
-    model, tok = load(a.model, verbose=not a.json)
+    group = init_group(a.shard) if a.shard else None
+    quiet = group is not None and group.rank() != 0  # every rank decodes; rank 0 speaks for them
+    model, tok = load(a.model, verbose=not (a.json or quiet), shard=group)
     if tok is None:
         raise MoebenchError(f"{model.load_info.source}: no tokenizer.json, so a text prompt cannot be encoded")
     chat = a.chat or a.system is not None or a.thinking is not None
@@ -79,6 +84,9 @@ def _run_generate(a: argparse.Namespace) -> int:
     counts = dispatch_counts(model)
     dispatch = {str(i): d for i, d in counts["moe"].items()}
     attention = {str(i): d for i, d in counts["attention"].items()}
+    shard = report(model, group) if group is not None else None
+    if quiet:
+        return 0
     if a.json:
         print(json.dumps({
             "model": str(model.load_info.source), "prompt": a.prompt, "system": a.system, "chat_template": template,
@@ -87,6 +95,7 @@ def _run_generate(a: argparse.Namespace) -> int:
             "timings": {"prompt_seconds": result.prompt_seconds, "decode_seconds": result.decode_seconds,
                         "prompt_tps": result.prompt_tps, "decode_tps": result.decode_tps},
             "decode_loop": "compiled" if compiled else "eager", "dispatch": dispatch, "attention_dispatch": attention,
+            "shard": shard,
         }, indent=2))
     else:
         if template is not None:
@@ -99,6 +108,10 @@ def _run_generate(a: argparse.Namespace) -> int:
             fallback = sum(d["fallback"] for d in counts.values())
             reasons = sorted({r for d in counts.values() for r in d["reasons"]})
             print(f"[{what} dispatch: {fused} fused, {fallback} fallback; reasons: {reasons}]", file=sys.stderr)
+        if shard is not None:
+            mb = ", ".join(f"{b / 1e6:.2f}" for b in shard["expert_bytes_per_rank"])
+            print(f"[sharded over {shard['ranks']} processes; {shard['experts']}; resident experts per rank: {mb} MB]",
+                  file=sys.stderr)
     return 0
 
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
 import mlx.core as mx
+import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import CheckpointError, MoebenchError
@@ -24,6 +25,10 @@ from ..errors import CheckpointError, MoebenchError
 SAFETENSORS_DTYPES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4, "U32": 4,
     "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+}
+NUMPY_DTYPES = {  # how narrow() reads raw rows; bfloat16 as its bits, viewed as bfloat16 in MLX
+    "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "U64": "<u8", "I32": "<i4", "U32": "<u4", "I16": "<i2",
+    "U16": "<u2", "I8": "i1", "U8": "u1", "BOOL": "?",
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 INDEX_FILE = "model.safetensors.index.json"
@@ -172,10 +177,13 @@ class TensorStore:
         self.folder = folder
         self._tensors: dict[str, mx.array] = {}
         self._file_of: dict[str, Path] = {}
+        self._stored: dict[str, tuple[int, dict]] = {}  # name -> (its first byte in its file, its header entry)
         files = checkpoint_files(folder)
         show = len(files) > 1 if progress is None else progress
         for path in tqdm(files, desc="loading shards", unit="file", disable=not show):
             header = read_safetensors_header(path)
+            with path.open("rb") as f:
+                data_start = 8 + struct.unpack("<Q", f.read(8))[0]  # checked by read_safetensors_header
             try:
                 arrays = mx.load(str(path))
             except (RuntimeError, ValueError) as e:
@@ -187,6 +195,7 @@ class TensorStore:
                     raise CheckpointError(f"{path}: tensor {name!r} in the header could not be loaded")
                 self._tensors[name] = arrays[name]
                 self._file_of[name] = path
+                self._stored[name] = data_start + header[name]["data_offsets"][0], header[name]
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -208,6 +217,23 @@ class TensorStore:
 
     def take_optional(self, name: str) -> mx.array | None:
         return self._tensors.pop(name, None)
+
+    def narrow(self, name: str, first: int, end: int) -> None:
+        """Keep only rows [first, end) of a stored tensor's first axis (a rank's span of stacked experts), read
+        from its file alone: the other rows are never read."""
+        if name not in self._stored or name not in self._tensors:
+            raise CheckpointError(f"{self.where(name)}: tensor {name!r} is not stored as one tensor in a file")
+        start, info = self._stored[name]
+        shape = info["shape"]
+        if not shape or not 0 <= first < end <= shape[0]:
+            raise CheckpointError(f"{self.where(name)}: tensor {name!r} of shape {tuple(shape)} has no rows "
+                                  f"{first}..{end - 1}")
+        row = math.prod(shape[1:]) * SAFETENSORS_DTYPES[info["dtype"]]
+        with checkpoint_file(self._file_of[name], self.folder).open("rb") as f:
+            f.seek(start + first * row)
+            raw = f.read((end - first) * row)
+        rows = mx.array(np.frombuffer(raw, dtype=NUMPY_DTYPES[info["dtype"]]).reshape(end - first, *shape[1:]))
+        self._tensors[name] = mx.view(rows, mx.bfloat16) if info["dtype"] == "BF16" else rows
 
     def put(self, name: str, array: mx.array, where: str | Path) -> None:
         """Add a tensor made from stored ones (experts stacked), with the file it came from."""

@@ -15,6 +15,7 @@ import mlx.nn as nn
 from ..errors import CheckpointError, ConfigError
 from ..models import family
 from ..models.layers import QuantizedWeight
+from ..models.sharding import shard_experts
 from .config import ModelArgs
 from .files import TensorStore
 from .tokenizer import Tokenizer
@@ -83,13 +84,14 @@ def bits_report(model: nn.Module) -> dict[str, str]:
 
 
 def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress: bool | None = None,
-         verbose: bool = False, check_finite: bool = True):
+         verbose: bool = False, check_finite: bool = True, shard: mx.distributed.Group | None = None):
     """Open a checkpoint folder (config.json, safetensors, tokenizer.json) -> (model, tokenizer or None).
 
     With no path, MOEBENCH_MODEL or the shipped tiny model. Activations run in float32 on CPU and in
     the checkpoint's dtype on GPU unless `dtype` (float32, float16 or bfloat16) says otherwise.
     `check_finite`: a weight holding NaN or Inf is a NonFiniteError naming it (False skips the check, e.g. to
-    time it; checkpoint.weights.nonfinite_weights runs it on a loaded model).
+    time it; checkpoint.weights.nonfinite_weights runs it on a loaded model). `shard`: an mx.distributed group
+    over which the routed experts are split (moebench.models.sharding); this process reads only its own.
     """
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"load: path must be a folder name (str or Path), got {type(path).__name__}")
@@ -103,6 +105,10 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
     store = TensorStore(folder, progress=progress)
     _check_layer_count(args, store, folder)
     model = family(args.model_type, str(folder / "config.json")).Model(args)
+    if shard is not None:
+        if not isinstance(shard, mx.distributed.Group):
+            raise ConfigError(f"load: shard must be an mx.distributed.Group or None, got {type(shard).__name__}")
+        shard_experts(model, shard)
     load_weights(model, store, dtype or default_dtype() or _checkpoint_dtype(store), args.quantization,
                  check_finite)
     store.check_all_used()

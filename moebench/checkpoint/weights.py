@@ -27,7 +27,7 @@ from ..checkpoint.config import ModelArgs, Quantization
 from ..errors import CheckpointError, NonFiniteError
 from ..models import family
 from ..models.layers import QuantizedWeight, RMSNorm
-from ..models.switch import PROJECTIONS, SwitchGLU
+from ..models.switch import PROJECTIONS, ExpertShard, SwitchGLU
 from .files import TensorStore
 from .quant import make_parts
 
@@ -134,8 +134,10 @@ def _load_tree(tree: nn.Module, prefix: str, store: TensorStore, dtype: mx.Dtype
     """Every weight under `tree`, whose path in the model is `prefix`; expert stacks are made first."""
     modules = [(f"{prefix}.{path}" if path else prefix, m) for path, m in _in_model_order(tree)]
     for path, module in modules:
-        if isinstance(module, SwitchGLU):
-            stack_experts(store, path, module.gate_proj.shape[0])
+        if isinstance(module, ExpertShard):
+            stack_experts(store, path, module.total, range(module.first, module.first + module.num_experts))
+        elif isinstance(module, SwitchGLU):
+            stack_experts(store, path, module.num_experts)
     for path, module in modules:
         if isinstance(module, RMSNorm):
             load_norm(store, path, module, dtype)
@@ -204,11 +206,13 @@ def load_norm(store: TensorStore, name: str, module: RMSNorm, dtype: mx.Dtype) -
     module.weight = w.astype(dtype)
 
 
-def stack_experts(store: TensorStore, root: str, num_experts: int) -> None:
+def stack_experts(store: TensorStore, root: str, num_experts: int, held: range | None = None) -> None:
     """Make `{root}.switch_mlp.{proj}.*` available in the store: stored so already, or stacked from
     `{root}.experts.{i}.{proj}.*` for i in 0..E-1 (a hole, an extra or a ragged expert is an error; an
-    expert stored both ways too)."""
+    expert stored both ways too). With `held` (a rank's span of experts, moebench.models.sharding) only those
+    experts: rows of a stored stack read alone, the other per-expert tensors taken and never read."""
     block = root.removesuffix(".switch_mlp")
+    held = held if held is not None else range(num_experts)
     for proj in PROJECTIONS:
         stacked = f"{block}.switch_mlp.{proj}"
         pattern = re.compile(re.escape(f"{block}.experts.") + r"(\d+)\." + re.escape(proj) + r"\.(\w+)$")
@@ -221,6 +225,10 @@ def stack_experts(store: TensorStore, root: str, num_experts: int) -> None:
             if found:
                 first = next(iter(next(iter(found.values())).values()))
                 raise CheckpointError(f"{store.where(first)}: {first} duplicates the stacked {stacked}")
+            if len(held) < num_experts:
+                for part in PARTS:
+                    if f"{stacked}.{part}" in store:
+                        _narrow_stack(store, f"{stacked}.{part}", num_experts, held)
             continue
         if "weight" not in found:
             raise CheckpointError(f"{store.folder}: missing tensor {stacked}.weight (and no per-expert "
@@ -243,8 +251,16 @@ def stack_experts(store: TensorStore, root: str, num_experts: int) -> None:
                     raise CheckpointError(
                         f"{store.where(by_index[i])}: ragged expert {by_index[i]}: {tuple(p.shape)} {p.dtype}, "
                         f"expert 0 has {tuple(parts[0].shape)} {parts[0].dtype}")
-            store.put(f"{stacked}.{suffix}", mx.stack(parts), store.where(by_index[0]))
+            store.put(f"{stacked}.{suffix}", mx.stack(parts[held.start:held.stop]), store.where(by_index[0]))
             del parts
+
+
+def _narrow_stack(store: TensorStore, name: str, num_experts: int, held: range) -> None:
+    stored = store.peek(name).shape
+    if not stored or stored[0] != num_experts:
+        raise CheckpointError(f"{store.where(name)}: {name} {tuple(stored)} holds {stored[0] if stored else 0} "
+                              f"experts, config.json has {num_experts}")
+    store.narrow(name, held.start, held.stop)
 
 
 def per_expert_names(name: str, num_experts: int) -> list[str]:

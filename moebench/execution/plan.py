@@ -23,7 +23,8 @@ from .settings import ENV_SWITCH
 @dataclass(frozen=True)
 class Decision:
     """Which path one MoE block or attention layer takes: backend 'metal' / 'cuda' / 'reference', or
-    'fallback' and why; `note`: what a fused path runs beside the kernels, and why."""
+    'fallback' and why; `note`: what a fused path runs beside the kernels, and why, and on a sharded model
+    (either path) which experts this rank holds."""
 
     path: str
     reason: str | None = None
@@ -93,7 +94,7 @@ class Plan:
 @dataclass
 class Counts:
     """Calls of one MoE block or attention layer by path: fused runs per backend, fallbacks by reason, and
-    the notes of the fused runs."""
+    the runs' notes."""
 
     fused: Counter = field(default_factory=Counter)
     reasons: Counter = field(default_factory=Counter)
@@ -106,10 +107,10 @@ class Counts:
     def add(self, decision: Decision, n: int = 1) -> None:
         if decision.fused:
             self.fused[decision.path] += n
-            if decision.note:
-                self.notes[decision.note] += n
         else:
             self.reasons[decision.reason] += n
+        if decision.note:
+            self.notes[decision.note] += n
 
     def as_dict(self) -> dict:
         return {"fused": dict(self.fused), "fallback": self.fallback, "reasons": dict(self.reasons),

@@ -20,7 +20,8 @@ from ..models import hooks
 from ..models.hooks import Record
 from ..models.qwen2_moe import SparseMoeBlock
 from ..models.routing import route
-from ..models.switch import weighted_sum
+from ..models.sharding import describe
+from ..models.switch import ExpertShard, weighted_sum
 from . import attention, moe
 from .attention import Heads, QKNorm, rope_frequencies
 from .weights import Derived, FusedWeights, RowStack
@@ -86,6 +87,7 @@ class MoeKernel:
 
     def __init__(self, block: SparseMoeBlock, weights: LayerWeights, backend: str, rows: int):
         self.block, self.weights, self.backend, self.rows = block, weights, backend, rows
+        self.shard = block.switch_mlp if isinstance(block.switch_mlp, ExpertShard) else None
 
     def __call__(self, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
         b, recording = self.block, record is not None
@@ -110,15 +112,25 @@ class MoeKernel:
         if not shared_on:
             gate = None
         folded = moe.SharedExpert(*w.shared, gate) if shared_on and w.shared is not None else None
+        beside = shared_on and folded is None  # the shared expert beside the kernels (the plan's note says why)
+        slots, weights, once = inds, scores, True
+        if self.shard is not None:  # this rank's experts; the shared expert and the residual added on rank 0 alone
+            held, slots = self.shard.owned(inds)
+            weights, once = mx.where(held, scores, 0), self.shard.group.rank() == 0
+        out, expert_out, shared = moe.routed(self.backend, xn, slots, weights, *w.experts, folded if once else None,
+                                             residual if once and not beside else None, self.rows)
+        if self.shard is not None:
+            out = mx.distributed.all_sum(out, group=self.shard.group)
         block_out = None
-        if shared_on and folded is None:  # the shared expert beside the kernels (the plan's note says why)
+        if beside:
             shared = b.shared_expert(xn)
-            out, expert_out, _ = moe.routed(self.backend, xn, inds, scores, *w.experts, rows=self.rows)
             out = block_out = out + gate.astype(out.dtype) * shared
             out = residual + out
-        else:
-            out, expert_out, shared = moe.routed(self.backend, xn, inds, scores, *w.experts, folded, residual,
-                                                 self.rows)
+        if recording and self.shard is not None:  # every rank records every slot: the others' by all_sum
+            expert_out = mx.distributed.all_sum(mx.where(held[..., None], expert_out, 0), group=self.shard.group)
+            if folded is not None:
+                shared = mx.distributed.all_sum(shared if once else mx.zeros(xn.shape, mx.float32),
+                                                group=self.shard.group)
         if recording:
             weighted = weighted_sum(expert_out, scores)  # float32, as inside kernel B
             if block_out is None:
@@ -135,6 +147,8 @@ def moe_note(block: SparseMoeBlock, weights: LayerWeights) -> str | None:
     shared_note = weights.fused(block).shared_note
     if shared_note:
         notes.append(f"shared expert beside the kernels: {shared_note}")
+    if isinstance(block.switch_mlp, ExpertShard):
+        notes.append(describe(block.switch_mlp))
     if block.intervention is not None:
         notes.append(ROUTE_NOTE)
     return "; ".join(notes) or None

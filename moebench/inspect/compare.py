@@ -27,6 +27,7 @@ from ..errors import MoebenchError, UnsupportedKernelConfig
 from ..execution import moe
 from ..execution.executor import executor
 from ..execution.kernel import available_backend
+from ..models.sharding import describe, shard_of
 from .interventions import active_interventions, set_interventions
 from .record import Stepper, StepRecord, Trace
 from .truth import expert_outputs, f64, nrms
@@ -63,6 +64,9 @@ def compare_step(model, step: StepRecord, layers: list[int] | None = None, dtype
     missing = [i for i in layers if i not in step.layers]
     if missing:
         raise MoebenchError(f"layer {missing[0]} was not recorded (recorded MoE layers: {sorted(step.layers)})")
+    if (shard := shard_of(model)) is not None:  # its per-expert truths read every expert's weights
+        raise MoebenchError(f"compare needs every expert in one process; this one holds {describe(shard)}: load the "
+                            "checkpoint without shard= to compare its paths")
     m = with_dtype(model, dtype)
     act, backend = m.dtype, available_backend()
     rows = []

@@ -89,6 +89,28 @@ class SwitchGLU(nn.Module):
         return y.squeeze(-2)
 
 
+class ExpertShard(SwitchGLU):
+    """This rank's share of a block's experts, `first` .. `first + held - 1` of `total`, the others held by the
+    other ranks of `group` (moebench.models.sharding). Each rank computes the (token, slot) pairs routed to its
+    own experts and zeros for the rest; one all_sum then gives every rank every slot's output. Each slot is
+    non-zero on exactly one rank, so the sum is exact: the outputs are those of the unsharded layer."""
+
+    def __init__(self, in_features: int, hidden_features: int, total: int, first: int, held: int,
+                 group: mx.distributed.Group):
+        super().__init__(in_features, hidden_features, held)
+        self.total, self.first, self.group = total, first, group
+
+    def owned(self, indices: mx.array) -> tuple[mx.array, mx.array]:
+        """(whether each slot's expert is held here, its index in this rank's stack: 0 where it is not)."""
+        held = (indices >= self.first) & (indices < self.first + self.num_experts)
+        return held, mx.where(held, indices - self.first, 0).astype(indices.dtype)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        held, local = self.owned(indices)
+        y = super().__call__(x, local)
+        return mx.distributed.all_sum(mx.where(held[..., None], y, 0), group=self.group)
+
+
 def weighted_sum(expert_out: mx.array, scores: mx.array) -> mx.array:
     """Sum over the top-k axis of expert outputs [N, K, D] weighted by scores [N, K], in the output dtype."""
     return (expert_out * scores[..., None].astype(expert_out.dtype)).sum(axis=-2)

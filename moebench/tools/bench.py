@@ -36,6 +36,7 @@ from ..decode.loop import COMPILED_BY_DEFAULT, STEPS_AHEAD, GenerationResult, ge
 from ..errors import MoebenchError
 from ..execution.executor import executor, fused_moe
 from ..execution.kernel import available_backend
+from ..models.sharding import MODES, init_group, report
 
 SCHEMA = "moebench.tools.bench/2"  # /2: a block per prompt length (lengths[]); weights and own peak per arm
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -239,20 +240,26 @@ def snapshot_arms(root: Path, path: Path, fused: str) -> list[Arm]:
             for on in (False, True) if fused == "both" or fused == ("on" if on else "off")]
 
 
-def mlx_lm_model(path: Path) -> tuple[object | None, str | None]:
-    """mlx-lm's own model for a checkpoint folder (mlx_lm.utils.load_model), or (None, why it cannot)."""
+def mlx_lm_model(path: Path, group: mx.distributed.Group | None = None) -> tuple[object | None, str | None]:
+    """mlx-lm's own model for a checkpoint folder (mlx_lm.utils.load_model), or (None, why it cannot); over
+    `group` sharded as mlx-lm shards it (its model's shard(): tensor-parallel attention and experts)."""
     try:
         from mlx_lm.utils import load_model
     except ImportError as e:
         return None, f"mlx-lm is not installed ({e})"
     try:
-        model, _ = load_model(Path(path))
+        model, _ = load_model(Path(path), lazy=group is not None)
     except Exception as e:  # mlx-lm raises many kinds; any of them means it cannot run this folder
         return None, f"mlx-lm cannot load {path}: {type(e).__name__}: {e}"
+    if group is not None:
+        if not hasattr(model, "shard"):
+            return None, f"mlx-lm's {type(model).__module__} has no shard()"
+        model.shard(group)
+        mx.eval(model.parameters())
     return model, None
 
 
-def mlx_lm_arms(path: Path) -> tuple[list[Arm], str | None]:
+def mlx_lm_arms(path: Path, group: mx.distributed.Group | None = None) -> tuple[list[Arm], str | None]:
     """mlx-lm on the same folder as its users run it (stream_generate when the folder has a tokenizer mlx-lm
     loads, else generate_step), and its model under moebench's decode loop. ([], reason) where it cannot."""
     try:
@@ -261,7 +268,7 @@ def mlx_lm_arms(path: Path) -> tuple[list[Arm], str | None]:
         from mlx_lm.utils import load_tokenizer
     except ImportError as e:
         return [], f"mlx-lm is not installed ({e})"
-    model, reason = mlx_lm_model(path)
+    model, reason = mlx_lm_model(path, group)
     if model is None:
         return [], reason
     dtype = float_dtype(model)
@@ -374,8 +381,10 @@ def length_record(prompt_ids: list[int], results: list[ArmResult], skipped: list
             "snapshot_ratios": snapshot_ratios(results)}
 
 
-def bench_record(lengths: list[dict], model, gen_tokens: int, repeats: int, arguments: dict) -> dict:
-    """The whole run: the platform, the model, and each prompt length's length_record."""
+def bench_record(lengths: list[dict], model, gen_tokens: int, repeats: int, arguments: dict,
+                 shard: dict | None = None) -> dict:
+    """The whole run: the platform, the model (with `shard`, sharding.report's, where it is sharded), and each
+    prompt length's length_record."""
     a = model.args
     return {
         "schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -387,7 +396,7 @@ def bench_record(lengths: list[dict], model, gen_tokens: int, repeats: int, argu
         "prompt_tokens": [length["prompt_tokens"] for length in lengths], "gen_tokens": gen_tokens,
         "repeats": repeats,
         "moebench_loop": {"steps_ahead": STEPS_AHEAD},  # the 'moebench' loops queue this many steps ahead
-        "lengths": lengths,
+        "lengths": lengths, "shard": shard,
     }
 
 
@@ -426,6 +435,11 @@ def format_table(record: dict) -> str:
                        ("moebench_environment", "moebench settings")):
         if p.get(key):
             head += f"; {label}: " + ", ".join(f"{k}={v}" for k, v in p[key].items())
+    if record.get("shard"):
+        s = record["shard"]
+        head += (f"\nsharded over {s['ranks']} processes (rank 0 reports: {s['experts']}); resident experts per rank "
+                 f"{', '.join(f'{b / 1e9:.3g}' for b in s['expert_bytes_per_rank'])} GB, process peak per rank "
+                 f"{', '.join(f'{b / 1e9:.3g}' for b in s['peak_bytes_per_rank'])} GB")
     return "\n\n".join([head, *(_length_table(record, length) for length in record["lengths"])])
 
 
@@ -475,7 +489,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt's token ids")
     p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
     p.add_argument("--no-progress", action="store_true")
+    add_shard_argument(p)
     p.set_defaults(run=_run)
+
+
+def add_shard_argument(p: argparse.ArgumentParser) -> None:
+    """--shard, as generate and bench take it."""
+    p.add_argument("--shard", choices=MODES, default=None,
+                   help="experts: split every MoE block's experts over the processes mlx.launch started (each loads "
+                        "only its own; rank 0 reports), e.g. mlx.launch -n 2 --backend ring -- moebench ...")
 
 
 def _writable(path: Path) -> None:
@@ -490,27 +512,34 @@ def _run(a: argparse.Namespace) -> int:
     if a.json:
         _writable(Path(a.json))
     path = Path(a.model) if a.model else default_model_path()
-    model, _ = load(path, verbose=True)
+    group = init_group(a.shard) if a.shard else None
+    quiet = group is not None and group.rank() != 0  # every rank runs every arm in step; rank 0 reports
+    model, _ = load(path, verbose=not quiet, shard=group)
     prompts = [prompt_token_ids(model.args.vocab_size, n, a.seed) for n in a.prompt_tokens]
     compiled = a.compiled if a.compiled != "auto" else ("both" if available_backend() in COMPILED_BY_DEFAULT else "off")
     arms, skipped = moebench_arms(model, a.fused, compiled), []
     if a.compare == "mlx-lm":
-        extra, reason = mlx_lm_arms(path)
+        extra, reason = mlx_lm_arms(path, group)
         arms += extra
         if reason:
             skipped.append({"arm": "mlx-lm", "reason": reason})
             print(f"skipping mlx-lm: {reason}", file=sys.stderr)
-    if a.snapshot:
+    if a.snapshot and group is not None:
+        skipped.append({"arm": "snapshot", "reason": "--snapshot runs an earlier revision unsharded: not with --shard"})
+    elif a.snapshot:
         arms += snapshot_arms(Path(a.snapshot), path, a.fused)
     lengths = []
     for ids in prompts:
-        results, failures = run_arms(arms, ids, a.gen_tokens, a.repeats, progress=not a.no_progress,
+        results, failures = run_arms(arms, ids, a.gen_tokens, a.repeats, progress=not (a.no_progress or quiet),
                                      desc=f"bench {len(ids)} tokens")
         lengths.append(length_record(ids, results, skipped + failures))
     if not any(length["arms"] for length in lengths):
         raise MoebenchError("every arm failed: " + "; ".join(f"{f['arm']}: {f['reason']}" for f in failures))
     arguments = {k: v for k, v in vars(a).items() if k != "run"}
-    record = bench_record(lengths, model, a.gen_tokens, a.repeats, arguments)
+    shard = report(model, group) if group is not None else None
+    if quiet:
+        return 0
+    record = bench_record(lengths, model, a.gen_tokens, a.repeats, arguments, shard)
     print(format_table(record))
     if a.json:
         try:

@@ -59,6 +59,14 @@ QWEN3_30B_A3B = {
     "hidden_act": "silu", "torch_dtype": "bfloat16",
 }
 
+# the largest of either family: more than one device holds them (moebench.models.sharding)
+QWEN3_235B_A22B = {**QWEN3_30B_A3B, "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
+                   "intermediate_size": 12288, "moe_intermediate_size": 1536}
+QWEN2_57B_A14B = {**QWEN15_MOE_A27B, "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+                  "num_key_value_heads": 4, "intermediate_size": 18944, "moe_intermediate_size": 2560,
+                  "shared_expert_intermediate_size": 20480, "num_experts": 64, "num_experts_per_tok": 8,
+                  "max_position_embeddings": 32768, "max_window_layers": 28}
+
 PRESETS = {p.name: p for p in (
     Preset("qwen1.5-moe-a2.7b", "Qwen1.5-MoE-A2.7B: 24 layers, D 2048, 60 experts top-4 of width 1408, shared "
            "expert 5632, vocab 151936 (14.3B parameters, 2.7B active; ~8 GB at 4-bit)", QWEN15_MOE_A27B),
@@ -66,6 +74,12 @@ PRESETS = {p.name: p for p in (
            "shapes on a CPU", {**QWEN15_MOE_A27B, "num_hidden_layers": 2}),
     Preset("qwen3-30b-a3b", "Qwen3-30B-A3B: 48 layers, D 2048, 128 experts top-8 of width 768, no shared expert "
            "(qwen3_moe family; ~17 GB at 4-bit)", QWEN3_30B_A3B),
+    Preset("qwen3-30b-a3b-2l", "Qwen3-30B-A3B's widths and vocabulary with 2 layers: real per-layer shapes on a "
+           "CPU", {**QWEN3_30B_A3B, "num_hidden_layers": 2}),
+    Preset("qwen3-235b-a22b", "Qwen3-235B-A22B: 94 layers, D 4096, 64 query heads over 4 kv heads, 128 experts "
+           "top-8 of width 1536 (~130 GB at 4-bit: for sharding over devices)", QWEN3_235B_A22B),
+    Preset("qwen2-57b-a14b", "Qwen2-57B-A14B: 28 layers, D 3584, 28 query heads over 4 kv heads, 64 experts top-8 "
+           "of width 2560, shared expert 20480 (~32 GB at 4-bit)", QWEN2_57B_A14B),
     Preset("qwen3-tiny", "the qwen3_moe family at the tiny preset's size: 2 layers, D 128, GQA 4/2 with q/k norm, "
            "8 experts top-2 of width 128 renormalised, vocab 256", {
                **QWEN3_30B_A3B, "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,

@@ -37,6 +37,19 @@ def test_qwen3_preset_is_config_only():
             cfg["num_hidden_layers"], cfg["norm_topk_prob"]) == (2048, 768, 128, 8, 48, True)
 
 
+@pytest.mark.parametrize(("preset", "shape", "published"), [
+    ("qwen3-235b-a22b", (4096, 94, 64, 4, 128, 128, 8, 1536, 0), (235, 22)),
+    ("qwen2-57b-a14b", (3584, 28, 28, 4, 128, 64, 8, 2560, 20480), (57, 14)),
+])
+def test_the_presets_past_one_device_are_the_published_models(preset, shape, published):
+    args = ModelArgs.from_dict(get_preset(preset).config)
+    assert (args.hidden_size, args.num_hidden_layers, args.num_attention_heads, args.num_key_value_heads,
+            args.head_dim, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
+            args.shared_expert_intermediate_size) == shape
+    total, active = parameter_counts(get_preset(preset).config)
+    assert (int(total / 1e9), int(active / 1e9)) == published  # the names' figures: 235B total, 22B active
+
+
 def test_make_random_refuses_bad_input(tmp_path, capsys):
     with pytest.raises(Exception, match="unknown preset 'nope'"):
         get_preset("nope")

@@ -1,0 +1,53 @@
+"""What tests/models/test_sharding.py compares: one decode of a checkpoint, alone or as one rank under mlx.launch.
+
+    python sharded_run.py MODEL OUT_DIR N_TOKENS PROMPT_ID...
+
+Loads MODEL with its experts split over the processes mlx.launch started (one process alone: all of them),
+then, with the fused kernels on and off, decodes N_TOKENS greedily through the Stepper (recording every MoE
+layer) and through moebench.generate, and writes OUT_DIR/rank{r}.json: tokens, each step's top-two logit
+margin, the records, and the sharding report.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+import moebench
+from moebench.inspect.record import Stepper
+from moebench.models.sharding import report
+
+RECORDED = ("topk_ids", "topk_scores", "expert_out", "routed_out", "shared_out", "block_out", "resid_post")
+
+
+def margin(logits: np.ndarray) -> float:
+    top = np.sort(logits.astype(np.float64))[-2:]
+    return float(top[1] - top[0])
+
+
+def main(model_path: str, out: str, n: int, prompt: list[int]) -> None:
+    group = mx.distributed.init()
+    model, _ = moebench.load(model_path, shard=group)
+    result = {}
+    for fused in (True, False):
+        trace = Stepper(model, None, prompt, record=True, fused=fused, max_tokens=n, keep_logits=True).run(n)
+        steps = trace.prefill[-1:] + trace.generated
+        with moebench.fused_moe(fused, model=model):
+            generated = moebench.generate(model, prompt, n).token_ids
+        result["on" if fused else "off"] = {
+            "tokens": trace.token_ids, "generate_tokens": generated,
+            "margins": [margin(s.logits) for s in steps if s.logits is not None],
+            "notes": sorted({s.layers[i].path.note or "" for s in steps for i in s.layers}),
+            "records": [{str(i): {k: None if getattr(r, k) is None else np.asarray(getattr(r, k), np.float64).tolist()
+                                  for k in RECORDED} for i, r in s.layers.items()} for s in steps],
+        }
+    result["shard"] = report(model, group)
+    Path(out, f"rank{group.rank()}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), [int(t) for t in sys.argv[4:]])

@@ -1,0 +1,223 @@
+"""Expert parallelism: each rank loads only its span of experts, and two processes under mlx.launch (the ring
+backend over 127.0.0.1) decode as one process does, fused kernels on and off, with the same records."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from sharded_run import RECORDED
+
+from moebench.checkpoint.config import ModelArgs
+from moebench.checkpoint.files import TensorStore
+from moebench.checkpoint.loader import SHIPPED_MODEL, load
+from moebench.checkpoint.weights import load_weights
+from moebench.errors import ConfigError, MoebenchError
+from moebench.models import family
+from moebench.models.sharding import expert_span, resident_expert_bytes, shard_experts
+from moebench.models.switch import ExpertShard
+from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
+
+RUN = Path(__file__).with_name("sharded_run.py")
+PROMPT = [40, 69, 12, 7, 230, 18, 91, 3]
+TOKENS = 10
+NEAR_TIE = 1e-3  # a top-two logit margin this small may flip under a different float32 summation order
+
+
+class Ranks:
+    """Stands in for an mx.distributed group of `size` processes seen from rank `rank` (loading needs no
+    collective call)."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.fixture(scope="module")
+def qwen3_stacked(tmp_path_factory) -> Path:
+    config = qwen2_moe_config(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=64,
+                              shared_expert_intermediate_size=0, qkv_bias=False, num_experts=16,
+                              num_experts_per_tok=8, norm_topk_prob=True)
+    return write_random_checkpoint(tmp_path_factory.mktemp("qwen3") / "ckpt", config, seed=3, bits=4,
+                                   layout="stacked", shard_bytes=400_000)
+
+
+@pytest.mark.parametrize("total", [7, 16, 60, 128])
+@pytest.mark.parametrize("size", [1, 2, 3, 8])
+def test_expert_spans_cover_every_expert_once(total, size):
+    spans = [expert_span(total, r, size) for r in range(size)]
+    assert spans[0][0] == 0 and spans[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    held = [end - first for first, end in spans]
+    assert max(held) - min(held) <= 1
+
+
+def test_a_rank_left_without_experts_is_a_config_error():
+    model = family("qwen2_moe").Model(ModelArgs.from_file(SHIPPED_MODEL / "config.json"))
+    with pytest.raises(ConfigError, match="20 ranks for layer 0's 16 experts: rank 0 would hold none"):
+        shard_experts(model, Ranks(0, 20))
+
+
+def test_load_takes_only_an_mx_distributed_group():
+    with pytest.raises(ConfigError, match="shard must be an mx.distributed.Group"):
+        load(SHIPPED_MODEL, shard=Ranks(0, 2))
+
+
+def _loaded(folder: Path, group: Ranks | None):
+    args = ModelArgs.from_file(folder / "config.json")
+    model = family(args.model_type).Model(args)
+    if group is not None:
+        shard_experts(model, group)
+    store = TensorStore(folder)
+    load_weights(model, store, mx.float32, args.quantization)
+    store.check_all_used()
+    return model
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "stacked"])
+def test_each_rank_loads_exactly_its_span_of_experts(layout, qwen3_stacked):
+    folder = SHIPPED_MODEL if layout == "per-expert" else qwen3_stacked
+    whole = _loaded(folder, None)
+    size = 3  # uneven spans of 16 experts: 5, 5, 6
+    shards = [_loaded(folder, Ranks(r, size)) for r in range(size)]
+    assert sum(resident_expert_bytes(m) for m in shards) == resident_expert_bytes(whole)
+    for r, model in enumerate(shards):
+        for i, block in model.moe_blocks().items():
+            experts, full = block.switch_mlp, whole.moe_blocks()[i].switch_mlp
+            assert isinstance(experts, ExpertShard)
+            first, end = expert_span(16, r, size)
+            assert (experts.first, experts.num_experts, experts.total) == (first, end - first, 16)
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                for part in ("weight", "scales", "biases"):
+                    mine, theirs = getattr(experts, proj)[part], getattr(full, proj)[part][first:end]
+                    assert mine.dtype == theirs.dtype and mx.array_equal(mine, theirs).item(), (r, i, proj, part)
+        # everything but the routed experts is whole on every rank
+        assert mx.array_equal(model.layers[0].mlp.gate["weight"], whole.layers[0].mlp.gate["weight"]).item()
+
+
+def test_compare_refuses_a_sharded_model():
+    from moebench.inspect.compare import compare_step
+    from moebench.inspect.record import Stepper
+
+    whole, sharded = _loaded(SHIPPED_MODEL, None), _loaded(SHIPPED_MODEL, Ranks(1, 2))
+    step = Stepper(whole, None, PROMPT[:3], record=True).prefill()[-1]
+    with pytest.raises(MoebenchError, match="compare needs every expert in one process; this one holds experts 8-15"):
+        compare_step(sharded, step)
+
+
+def _ports() -> int:
+    """A first port of two free ones for the ring backend (rank r listens on port + r)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65000:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    continue
+    raise RuntimeError("no two adjacent free ports")
+
+
+def launch(*command: str, n: int = 2) -> subprocess.CompletedProcess:
+    """`command` (a python script or -m module and its arguments) in n processes over 127.0.0.1."""
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    launcher = str(launcher) if launcher.exists() else shutil.which("mlx.launch")
+    done = subprocess.run([launcher, "-n", str(n), "--backend", "ring", "--starting-port", str(_ports()),
+                           "--python", sys.executable, "--", *command], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def decodes(qwen3_stacked, tmp_path_factory) -> dict:
+    """{model: (one process's record, [each rank's record of two])}."""
+    out = {}
+    for name, folder in (("shipped", SHIPPED_MODEL), ("qwen3", qwen3_stacked)):
+        alone, pair = tmp_path_factory.mktemp(f"{name}-one"), tmp_path_factory.mktemp(f"{name}-two")
+        args = [str(folder), str(TOKENS), *map(str, PROMPT)]
+        subprocess.run([sys.executable, str(RUN), args[0], str(alone), *args[1:]], check=True, timeout=300)
+        launch(str(RUN), args[0], str(pair), *args[1:])
+        out[name] = (json.loads((alone / "rank0.json").read_text()),
+                     [json.loads((pair / f"rank{r}.json").read_text()) for r in range(2)])
+    return out
+
+
+def _agree(one: dict, two: dict) -> None:
+    """Greedy tokens equal, or parting only where one process's top-two margin was a near-tie."""
+    a, b = one["tokens"], two["tokens"]
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+    if first is not None:
+        assert one["margins"][first] < NEAR_TIE, f"tokens part at {first}, margin {one['margins'][first]}"
+
+
+@pytest.mark.parametrize("name", ["shipped", "qwen3"])
+@pytest.mark.parametrize("fused", ["on", "off"])
+def test_two_processes_decode_as_one(decodes, name, fused):
+    one, (rank0, rank1) = decodes[name][0][fused], [r[fused] for r in decodes[name][1]]
+    assert {**rank0, "notes": None} == {**rank1, "notes": None}  # every rank holds every slot's output
+    _agree(one, rank0)
+    _agree({**one, "tokens": one["generate_tokens"]}, {"tokens": rank0["generate_tokens"]})
+    assert len(set(one["tokens"])) > 1  # a decode that says something
+    if rank0["tokens"] != one["tokens"]:
+        return
+    worst = 0.0
+    for step_one, step_two in zip(one["records"], rank0["records"], strict=True):
+        assert step_one.keys() == step_two.keys()
+        for layer, rec in step_one.items():
+            for part in RECORDED:
+                if rec[part] is None:
+                    assert step_two[layer][part] is None
+                    continue
+                a, b = np.array(rec[part]), np.array(step_two[layer][part])
+                worst = max(worst, float(np.abs(a - b).max() / (np.abs(a).max() + 1e-12)))
+    # the fallback joins expert outputs, each slot non-zero on one rank: exact; the fused pair joins partial sums
+    assert worst == 0.0 if fused == "off" else worst < 1e-4, worst
+
+
+def test_each_rank_holds_half_the_experts_and_says_which(decodes):
+    for name, (one, (rank0, rank1)) in decodes.items():
+        whole = one["shard"]["expert_bytes_per_rank"][0]
+        assert rank0["shard"]["expert_bytes_per_rank"] == [whole // 2, whole // 2], name
+        assert rank0["shard"] == rank1["shard"] | {"experts": rank0["shard"]["experts"]}
+        assert [r["on"]["notes"] for r in (rank0, rank1)] == [
+            ["experts 0-7 of 16 on rank 0 of 2 (the other ranks' by all_sum)"],
+            ["experts 8-15 of 16 on rank 1 of 2 (the other ranks' by all_sum)"]], name
+
+
+def test_generate_under_mlx_launch_prints_rank_zeros_decode():
+    command = ["-m", "moebench.cli", "generate", str(SHIPPED_MODEL), "--prompt", "def fibonacci(n):", "--max-tokens",
+               "8", "--json"]
+    alone = json.loads(subprocess.run([sys.executable, *command], capture_output=True, text=True, check=True,
+                                      timeout=300).stdout)
+    printed = launch(*command, "--shard", "experts").stdout
+    pair = json.loads(printed[printed.index("{"):])  # rank 0's object; the other rank prints nothing
+    assert pair["token_ids"] == alone["token_ids"] and pair["text"] == alone["text"]
+    assert pair["shard"]["ranks"] == 2 and len(pair["shard"]["expert_bytes_per_rank"]) == 2
+    assert alone["shard"] is None
+
+
+def test_bench_under_mlx_launch_reports_each_ranks_experts(tmp_path):
+    record = tmp_path / "bench.json"
+    launch("-m", "moebench.cli", "bench", str(SHIPPED_MODEL), "--shard", "experts", "--prompt-tokens", "8",
+           "--gen-tokens", "4", "--repeats", "1", "--no-progress", "--json", str(record))
+    bench = json.loads(record.read_text())
+    assert bench["shard"]["ranks"] == 2 and len(set(bench["shard"]["expert_bytes_per_rank"])) == 1
+    (length,) = bench["lengths"]
+    arms = {arm["name"]: arm for arm in length["arms"]}
+    assert set(arms) == {"moebench fallback", "moebench fused (reference)"}
+    assert arms["moebench fused (reference)"]["greedy_vs_reference"]["identical"]
