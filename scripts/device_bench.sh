@@ -142,7 +142,7 @@ if [[ " $stages " == *" selfcheck "* ]]; then
   run_stage "selfcheck-$PRESET" 240 "selfcheck-$PRESET.txt" \
     python3 -m moebench.cli selfcheck "$CKPT" --json "$OUT/selfcheck-$PRESET.json"
   if [ -f data/tiny-qwen2-moe/config.json ]; then
-    run_stage selfcheck-shipped 120 selfcheck-shipped.txt \
+    run_stage selfcheck-shipped 240 selfcheck-shipped.txt \
       python3 -m moebench.cli selfcheck data/tiny-qwen2-moe --json "$OUT/selfcheck-shipped.json"
   fi
 fi
