@@ -4,8 +4,8 @@
 
 Loads MODEL with its experts split over the processes mlx.launch started (one process alone: all of them),
 then, with the fused kernels on and off, decodes N_TOKENS greedily through the Stepper (recording every MoE
-layer) and through moebench.generate, and writes OUT_DIR/rank{r}.json: tokens, each step's top-two logit
-margin, the records, and the sharding report.
+layer) and through moebench.generate, eager and compiled, and writes OUT_DIR/rank{r}.json: tokens, each
+step's top-two logit margin, the records, and the sharding report.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def main(model_path: str, out: str, n: int, prompt: list[int]) -> None:
         steps = trace.prefill[-1:] + trace.generated
         with moebench.fused_moe(fused, model=model):
             generated = moebench.generate(model, prompt, n).token_ids
+            compiled = moebench.generate(model, prompt, n, compiled=True).token_ids
         result["on" if fused else "off"] = {
-            "tokens": trace.token_ids, "generate_tokens": generated,
+            "tokens": trace.token_ids, "generate_tokens": generated, "compiled_tokens": compiled,
             "margins": [margin(s.logits) for s in steps if s.logits is not None],
             "notes": sorted({s.layers[i].path.note or "" for s in steps for i in s.layers}),
             "records": [{str(i): {k: None if getattr(r, k) is None else np.asarray(getattr(r, k), np.float64).tolist()
