@@ -23,9 +23,9 @@
 #            round; all on the same weights, interleaved; at most $BENCH_LIMIT seconds (default 360)
 # selfcheck  moebench selfcheck on that checkpoint, and on the shipped model when data/ has it
 # gputests   the CUDA-only tests (tests/gpu: kernel parity against the reference and a float64 truth)
-# profile    moebench profile (one decode token: build / eval ms, graph nodes by primitive), fused on and off and
-#            mlx-lm's model; also with the package in .snap/before (an earlier commit, when carried) for a
-#            before/after pair
+# profile    moebench profile (one decode token after a $PROFILE_PROMPT-token prompt, default 64: build / eval ms,
+#            graph nodes by primitive), fused on and off and mlx-lm's model; also with the package in .snap/before
+#            (an earlier commit, when carried) for a before/after pair
 # kernels    GPU time per decode token by kernel, compiled fused step (scripts/device_diag.py kernels: CUPTI through
 #            torch.profiler, which the device image has), the union of kernel intervals, host build/encode time
 # timeline   generate's host work and GPU kernels on one clock: GPU idle time per token and what the host does
@@ -115,7 +115,7 @@ if [[ " $stages " == *" profile "* ]]; then
     [ -d "$snap/moebench" ] || continue
     tag=$PRESET$([ "$snap" = . ] || echo -before)
     run_stage "profile-$tag" 180 "profile-$tag.txt" env -C "$snap" PYTHONPATH= \
-      python3 -m moebench.cli profile "$CKPT" --prompt-tokens 64 --steps 32 --gen-tokens 128 --fused both \
+      python3 -m moebench.cli profile "$CKPT" --prompt-tokens "${PROFILE_PROMPT:-64}" --steps 32 --gen-tokens 128 --fused both \
       --compare mlx-lm --json "$OUT/profile-$tag.json"
   done
 fi
