@@ -20,7 +20,7 @@ from ..models import hooks
 from ..models.hooks import Record
 from ..models.qwen2_moe import SparseMoeBlock
 from ..models.routing import route
-from ..models.sharding import describe
+from ..models.sharding import shard_note
 from ..models.switch import ExpertShard, weighted_sum
 from . import attention, moe
 from .attention import Heads, QKNorm, rope_frequencies
@@ -147,8 +147,8 @@ def moe_note(block: SparseMoeBlock, weights: LayerWeights) -> str | None:
     shared_note = weights.fused(block).shared_note
     if shared_note:
         notes.append(f"shared expert beside the kernels: {shared_note}")
-    if isinstance(block.switch_mlp, ExpertShard):
-        notes.append(describe(block.switch_mlp))
+    if (sharded := shard_note(block.switch_mlp)) is not None:
+        notes.append(sharded)
     if block.intervention is not None:
         notes.append(ROUTE_NOTE)
     return "; ".join(notes) or None

@@ -62,6 +62,11 @@ def describe(shard: ExpertShard | None) -> str:
             f"{shard.group.rank()} of {shard.group.size()} (the other ranks' by all_sum)")
 
 
+def shard_note(experts: SwitchGLU) -> str | None:
+    """A layer decision's note on a sharded block's experts (describe), None where the block is whole."""
+    return describe(experts) if isinstance(experts, ExpertShard) else None
+
+
 def resident_expert_bytes(model) -> int:
     """Bytes of the routed experts' arrays this process holds, over every MoE block."""
     return sum(a.nbytes for block in model.moe_blocks().values()
