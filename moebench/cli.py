@@ -10,11 +10,12 @@ from .errors import MoebenchError
 from .models.sharding import init_group, report
 from .tools.bench import add_shard_argument
 from .tools.bench import register as _add_bench
+from .tools.eval_tiny import add_eval_command
 from .tools.microbench import add_command as _add_microbench
 from .tools.presets import register as _add_make_random
 from .tools.profile import register as _add_profile
 from .tools.selfcheck import register as _add_selfcheck
-from .tools.train import add_eval_command, add_train_command
+from .tools.train import add_train_command
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

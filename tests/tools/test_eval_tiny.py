@@ -1,0 +1,81 @@
+import ast
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+
+from moebench.checkpoint.loader import SHIPPED_MODEL
+from moebench.checkpoint.tokenizer import Tokenizer
+from moebench.cli import main
+from moebench.tools.eval_tiny import PROMPTS, format_measurements, known_word_share, target_bytes, words
+from moebench.tools.train import TrainSettings, tiny_architecture, windows
+
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+
+
+def notebook_strings() -> set[str]:
+    """Every string literal in the notebooks' code cells."""
+    found = set()
+    for path in NOTEBOOKS.glob("*.ipynb"):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                tree = ast.parse("".join(cell["source"]))
+                found |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    return found
+
+
+def test_the_notebook_prompts_are_the_ones_the_notebooks_open_with():
+    in_notebooks = notebook_strings()
+    assert [name for name, text in PROMPTS.items() if text in in_notebooks] == [
+        "add", "fibonacci", "winter", "fox", "once"]
+
+
+def test_words_are_letter_runs_and_the_share_counts_the_known_ones():
+    assert words("self._name = get_t2(x)  # Enter PO.") == ["self", "name", "get", "t", "x", "enter", "po"]
+    assert known_word_share("The King, the kinge.", {"the", "king"}) == (3, 4)
+    assert known_word_share("  12 == 3 ", {"the"}) == (0, 0)
+
+
+def test_target_bytes_count_what_the_target_tokens_spell():
+    tok = Tokenizer(SHIPPED_MODEL / "tokenizer.json")
+    eos = tok.token_to_id("<|endoftext|>")
+    docs = ["def f(x):\n    return x + 1\n", "Friends, Romans, countrymen — lend me your ears;\n", "é" * 7]
+    stream = np.asarray([i for d in docs for i in [*tok.encode(d), eos]], dtype=np.int32)
+    seq_len = 8
+    n = len(windows(stream, seq_len, 10_000))
+    assert n * seq_len < len(stream) - 1  # the last window is cut short of the stream's end
+    targets = stream[1 : n * seq_len + 1]
+    # Byte-level BPE: each character of a token's string stands for one byte.
+    raw = HFTokenizer.from_file(str(SHIPPED_MODEL / "tokenizer.json"))
+    assert target_bytes(tok, stream, seq_len, 10_000, eos) == sum(len(raw.id_to_token(int(i))) for i in targets
+                                                                   if i != eos)
+
+
+def test_the_report_shows_bits_per_byte_beside_perplexity_and_each_prompts_known_words():
+    r = {"perplexity": {"code": {"unigram": 900.0, "model": 100.0}},
+         "bits_per_byte": {"code": {"unigram": 3.0, "model": 2.0}},
+         "valid_tokens": {"code": 16}, "valid_bytes": {"code": 50}, "num_experts": 16,
+         "routing": [], "samples": {"add": " a + b"}, "prompts": {"add": "def add(a, b):\n    return"},
+         "known_words": {"add": (2, 2)}, "known_word_share": 1.0}
+    text = format_measurements(r)
+    assert "| code | 16 | 50 | 900.00 | 100.00 | 3.000 | 2.000 |" in text
+    assert "add (2 of 2 words known)" in text and "100.0% over all prompts" in text
+
+
+def test_train_tiny_settings_shape_the_architecture_within_the_kernels_widths():
+    c = tiny_architecture(4096, 0, TrainSettings(hidden_size=256, num_layers=6, num_experts=32, top_k=2))
+    assert (c["hidden_size"], c["num_hidden_layers"], c["num_experts"], c["num_experts_per_tok"]) == (256, 6, 32, 2)
+    assert (c["num_attention_heads"], c["num_key_value_heads"]) == (8, 4)  # heads of 32, GQA 2:1
+    shipped = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    shipped.pop("quantization")
+    assert tiny_architecture(4096, 0) == shipped  # the defaults are the shipped model
+
+
+@pytest.mark.parametrize("flags, named", [(["--hidden", "192"], "--hidden 192"),
+                                          (["--experts", "4", "--top-k", "5"], "--top-k 5")])
+def test_train_tiny_refuses_widths_the_kernels_do_not_run_before_it_starts(tmp_path, capsys, flags, named):
+    assert main(["train-tiny", str(tmp_path / "out"), *flags]) == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
