@@ -36,6 +36,7 @@ PROMPTS = {
     "parser": "class Parser:\n    def __init__(self, name):\n        self.",
     "king": "KING.\nWhat news, my lord?\n\nMESSENGER.\nMy lord, the",
 }
+CODE_PROMPTS = ("add", "fibonacci", "parser")
 SAMPLE_TOKENS = 48
 WORD = re.compile(r"[A-Za-z]+")
 
@@ -49,6 +50,19 @@ def known_word_share(text: str, vocabulary: set[str]) -> tuple[int, int]:
     """(words of `text` found in `vocabulary`, words of `text`)."""
     found = words(text)
     return sum(w in vocabulary for w in found), len(found)
+
+
+def parsable_lines(prompt: str, continuation: str) -> tuple[int, int]:
+    """(lines of `continuation` that Python compiles after `prompt`, its lines): the longest run of its first
+    lines that, appended to the prompt, compile (compiled, never run)."""
+    lines = continuation.splitlines()
+    for kept in range(len(lines), 0, -1):
+        try:
+            compile(prompt + "\n".join(lines[:kept]), "<continuation>", "exec")
+        except (SyntaxError, ValueError):
+            continue
+        return kept, len(lines)
+    return 0, len(lines)
 
 
 def target_bytes(tok, stream: np.ndarray, seq_len: int, max_tokens: int, eos: int) -> int:
@@ -121,11 +135,13 @@ def measure(model_dir: str | Path | None = None, float_dir: str | Path | None = 
     result["routing"] = routing_report(ids, probs, model.args.num_experts)
     vocabulary = {w for d in DOMAINS for doc in splits[d].train for w in words(doc.text)}
     result["prompts"] = PROMPTS
-    result["samples"], result["known_words"] = {}, {}
+    result["samples"], result["known_words"], result["python_lines"] = {}, {}, {}
     for name, prompt in PROMPTS.items():
         text = tok.decode(generate(model, tok.encode(prompt), SAMPLE_TOKENS, stop_ids=eos).token_ids)
         result["samples"][name] = text
         result["known_words"][name] = known_word_share(text, vocabulary)
+        if name in CODE_PROMPTS:
+            result["python_lines"][name] = parsable_lines(prompt, text)
     found = sum(k for k, _ in result["known_words"].values())
     total = sum(n for _, n in result["known_words"].values())
     result["known_word_share"] = found / total if total else float("nan")
@@ -156,7 +172,10 @@ def format_measurements(r: dict) -> str:
               f"training text: {r['known_word_share']:.1%} over all prompts."]
     for name, text in r["samples"].items():
         found, total = r["known_words"][name]
-        lines += ["", f"{name} ({found} of {total} words known):", "", "```", f"[{r['prompts'][name]}]{text}", "```"]
+        python = r["python_lines"].get(name)
+        compiles = f"; its first {python[0]} of {python[1]} lines compile as Python" if python else ""
+        lines += ["", f"{name} ({found} of {total} words known{compiles}):", "", "```", f"[{r['prompts'][name]}]{text}",
+                  "```"]
     return "\n".join(lines)
 
 

@@ -9,7 +9,14 @@ from tokenizers import Tokenizer as HFTokenizer
 from moebench.checkpoint.loader import SHIPPED_MODEL
 from moebench.checkpoint.tokenizer import Tokenizer
 from moebench.cli import main
-from moebench.tools.eval_tiny import PROMPTS, format_measurements, known_word_share, target_bytes, words
+from moebench.tools.eval_tiny import (
+    PROMPTS,
+    format_measurements,
+    known_word_share,
+    parsable_lines,
+    target_bytes,
+    words,
+)
 from moebench.tools.train import TrainSettings, tiny_architecture, windows
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
@@ -38,6 +45,13 @@ def test_words_are_letter_runs_and_the_share_counts_the_known_ones():
     assert known_word_share("  12 == 3 ", {"the"}) == (0, 0)
 
 
+def test_parsable_lines_keep_the_first_lines_that_compile_after_the_prompt():
+    assert parsable_lines("def add(a, b):\n    return", " a + b\n\nx = (\ny = 2") == (2, 4)
+    assert parsable_lines("def f(x):\n    return", " x\ndef g(n, n):\n    pass") == (1, 3)  # compile-time error
+    assert parsable_lines("class P:\n    def f(self):\n        self.", "name = 1\n") == (1, 1)
+    assert parsable_lines("class P:\n    def f(self):\n        self.", "(]") == (0, 1)
+
+
 def test_target_bytes_count_what_the_target_tokens_spell():
     tok = Tokenizer(SHIPPED_MODEL / "tokenizer.json")
     eos = tok.token_to_id("<|endoftext|>")
@@ -58,10 +72,11 @@ def test_the_report_shows_bits_per_byte_beside_perplexity_and_each_prompts_known
          "bits_per_byte": {"code": {"unigram": 3.0, "model": 2.0}},
          "valid_tokens": {"code": 16}, "valid_bytes": {"code": 50}, "num_experts": 16,
          "routing": [], "samples": {"add": " a + b"}, "prompts": {"add": "def add(a, b):\n    return"},
-         "known_words": {"add": (2, 2)}, "known_word_share": 1.0}
+         "known_words": {"add": (2, 2)}, "known_word_share": 1.0, "python_lines": {"add": (1, 1)}}
     text = format_measurements(r)
     assert "| code | 16 | 50 | 900.00 | 100.00 | 3.000 | 2.000 |" in text
-    assert "add (2 of 2 words known)" in text and "100.0% over all prompts" in text
+    assert "add (2 of 2 words known; its first 1 of 1 lines compile as Python)" in text
+    assert "100.0% over all prompts" in text
 
 
 def test_train_tiny_settings_shape_the_architecture_within_the_kernels_widths():
