@@ -31,6 +31,7 @@ from moebench.inspect.record import decode
 from moebench.models.routing import InterventionError
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
+EXPERTS = json.loads((SHIPPED_MODEL / "config.json").read_text())["num_experts"]  # in each of its layers
 TIMEOUT = 120  # a case that hangs fails here instead of blocking the suite
 PRELUDE = """
 import sys
@@ -134,11 +135,15 @@ ID_CASES = {
 INTERVENTION_CASES = {
     "block.intervention force_experts (1e7,)": "b.intervention = Intervention(force_experts=(10**7,))",
     "block.intervention ablate (2**31-1,)": "b.intervention = Intervention(ablate=(2**31 - 1,))",
-    "block.intervention force_experts (99,) on 16 experts": "b.intervention = Intervention(force_experts=(99,))",
+    f"block.intervention force_experts ({EXPERTS},) on {EXPERTS} experts":
+        f"b.intervention = Intervention(force_experts=({EXPERTS},))",
     "block.intervention force_experts (-1,)": "b.intervention = Intervention(force_experts=(-1,))",
-    "block.intervention top_k 50 on 16 experts": "b.intervention = Intervention(top_k=50)",
-    "block.intervention ablating all 16": "b.intervention = Intervention(ablate=tuple(range(16)), top_k=1)",
-    "block.intervention ablating 13 of 16 at top-4": "b.intervention = Intervention(ablate=tuple(range(13)))",
+    f"block.intervention top_k {EXPERTS + 1} on {EXPERTS} experts":
+        f"b.intervention = Intervention(top_k={EXPERTS + 1})",
+    f"block.intervention ablating all {EXPERTS}":
+        f"b.intervention = Intervention(ablate=tuple(range({EXPERTS})), top_k=1)",
+    f"block.intervention ablating {EXPERTS - 3} of {EXPERTS} at top-4":
+        f"b.intervention = Intervention(ablate=tuple(range({EXPERTS - 3})))",
     "block.intervention a dict": "b.intervention = {'force_experts': (1,)}",
     "set_interventions force_experts (99,)": (
         "from moebench.inspect.interventions import set_interventions\n"
@@ -291,15 +296,15 @@ def test_an_intervention_on_a_fused_step_says_routing_left_the_router_kernel(shi
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_ablated_experts_are_never_selected(shipped, fused, renormalize):
     model, tok = shipped
-    ablated = tuple(range(12))  # 4 left for the layer's top-4
+    ablated = tuple(range(EXPERTS - 4))  # 4 left for the layer's top-4
     set_interventions(model, moebench.Intervention(ablate=ablated, renormalize_ablation=renormalize))
     try:
         trace = decode(model, tok, "def add(a, b):", 4, record=True, fused=fused)
     finally:
         clear_interventions(model)
     chosen = {int(e) for s in trace.steps for r in s.layers.values() for e in r.topk_ids}
-    assert chosen == set(range(12, 16))
-    for limit in (tuple(range(13)), tuple(range(16))):
+    assert chosen == set(range(EXPERTS - 4, EXPERTS))
+    for limit in (tuple(range(EXPERTS - 3)), tuple(range(EXPERTS))):
         with pytest.raises(InterventionError):
             set_interventions(model, moebench.Intervention(ablate=limit))
 

@@ -28,6 +28,7 @@ from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 RUN = Path(__file__).with_name("sharded_run.py")
 PROMPT = [40, 69, 12, 7, 230, 18, 91, 3]
 TOKENS = 10
+SHIPPED_EXPERTS = ModelArgs.from_file(SHIPPED_MODEL / "config.json").num_experts
 NEAR_TIE = 1e-3  # a top-two logit margin this small may flip under a different float32 summation order
 
 
@@ -66,8 +67,10 @@ def test_expert_spans_cover_every_expert_once(total, size):
 
 def test_a_rank_left_without_experts_is_a_config_error():
     model = family("qwen2_moe").Model(ModelArgs.from_file(SHIPPED_MODEL / "config.json"))
-    with pytest.raises(ConfigError, match="20 ranks for layer 0's 16 experts: rank 0 would hold none"):
-        shard_experts(model, Ranks(0, 20))
+    ranks = SHIPPED_EXPERTS + 4
+    with pytest.raises(ConfigError, match=f"{ranks} ranks for layer 0's {SHIPPED_EXPERTS} experts: rank 0 would hold "
+                                          "none"):
+        shard_experts(model, Ranks(0, ranks))
 
 
 def test_load_takes_only_an_mx_distributed_group():
@@ -90,15 +93,16 @@ def _loaded(folder: Path, group: Ranks | None):
 def test_each_rank_loads_exactly_its_span_of_experts(layout, qwen3_stacked):
     folder = SHIPPED_MODEL if layout == "per-expert" else qwen3_stacked
     whole = _loaded(folder, None)
-    size = 3  # uneven spans of 16 experts: 5, 5, 6
+    size = 3  # uneven spans of 16 experts (5, 5, 6), of 32 (10, 11, 11), of 64 (21, 21, 22)
     shards = [_loaded(folder, Ranks(r, size)) for r in range(size)]
     assert sum(resident_expert_bytes(m) for m in shards) == resident_expert_bytes(whole)
     for r, model in enumerate(shards):
         for i, block in model.moe_blocks().items():
             experts, full = block.switch_mlp, whole.moe_blocks()[i].switch_mlp
             assert isinstance(experts, ExpertShard)
-            first, end = expert_span(16, r, size)
-            assert (experts.first, experts.num_experts, experts.total) == (first, end - first, 16)
+            total = full.num_experts
+            first, end = expert_span(total, r, size)
+            assert (experts.first, experts.num_experts, experts.total) == (first, end - first, total)
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 for part in ("weight", "scales", "biases"):
                     mine, theirs = getattr(experts, proj)[part], getattr(full, proj)[part][first:end]
@@ -195,9 +199,11 @@ def test_each_rank_holds_half_the_experts_and_says_which(decodes):
         whole = one["shard"]["expert_bytes_per_rank"][0]
         assert rank0["shard"]["expert_bytes_per_rank"] == [whole // 2, whole // 2], name
         assert rank0["shard"] == rank1["shard"] | {"experts": rank0["shard"]["experts"]}
+        total = SHIPPED_EXPERTS if name == "shipped" else 16
+        half = total // 2
         assert [r["on"]["notes"] for r in (rank0, rank1)] == [
-            ["experts 0-7 of 16 on rank 0 of 2 (the other ranks' by all_sum)"],
-            ["experts 8-15 of 16 on rank 1 of 2 (the other ranks' by all_sum)"]], name
+            [f"experts 0-{half - 1} of {total} on rank 0 of 2 (the other ranks' by all_sum)"],
+            [f"experts {half}-{total - 1} of {total} on rank 1 of 2 (the other ranks' by all_sum)"]], name
 
 
 def test_generate_under_mlx_launch_prints_rank_zeros_decode():
