@@ -38,11 +38,12 @@ PROMPTS = {
 }
 CODE_PROMPTS = ("add", "fibonacci", "parser")
 SAMPLE_TOKENS = 48
-WORD = re.compile(r"[A-Za-z]+")
+WORD = re.compile(r"[A-Za-z_]+(?:'[A-Za-z]+)*")
 
 
 def words(text: str) -> list[str]:
-    """Runs of ASCII letters, lower-cased: identifiers split at digits and underscores count as words."""
+    """Identifiers and words, lower-cased: runs of ASCII letters and underscores, an inner apostrophe kept
+    (`lour'd`), so a made-up identifier such as `__f_t_t_t` counts as one unknown word."""
     return [w.lower() for w in WORD.findall(text)]
 
 

@@ -40,7 +40,8 @@ def test_the_notebook_prompts_are_the_ones_the_notebooks_open_with():
 
 
 def test_words_are_letter_runs_and_the_share_counts_the_known_ones():
-    assert words("self._name = get_t2(x)  # Enter PO.") == ["self", "name", "get", "t", "x", "enter", "po"]
+    text = "self._name = get_t2(x)  # Enter PO, lour'd."
+    assert words(text) == ["self", "_name", "get_t", "x", "enter", "po", "lour'd"]
     assert known_word_share("The King, the kinge.", {"the", "king"}) == (3, 4)
     assert known_word_share("  12 == 3 ", {"the"}) == (0, 0)
 
