@@ -66,13 +66,10 @@ def parsable_lines(prompt: str, continuation: str) -> tuple[int, int]:
     return 0, len(lines)
 
 
-def target_bytes(tok, stream: np.ndarray, seq_len: int, max_tokens: int, eos: int) -> int:
-    """UTF-8 bytes spelled by the target tokens of `windows(stream, ...)` (consecutive, so one slice of the
-    stream); the end-of-text token spells none. Decoded per document, so no character is split."""
-    n = len(windows(stream, seq_len, max_tokens))
-    targets = stream[1 : n * seq_len + 1]
-    cuts = np.flatnonzero(targets == eos)
-    pieces = np.split(targets, cuts)
+def spelled_bytes(tok, tokens: np.ndarray, eos: int) -> int:
+    """UTF-8 bytes that consecutive `tokens` spell; the end-of-text token spells none. Decoded per document,
+    so no character is split."""
+    pieces = np.split(tokens, np.flatnonzero(tokens == eos))
     return sum(len(tok.decode(p[p != eos].tolist()).encode("utf-8")) for p in pieces)
 
 
@@ -126,7 +123,7 @@ def measure(model_dir: str | Path | None = None, float_dir: str | Path | None = 
               "unigram": unigram_loss([streams[k]["train"] for k in DOMAINS], targets, vocab)}
         if float_model is not None:
             ce["float"] = heldout_loss(float_model, valid, seq_len, max_tokens)
-        nbytes = target_bytes(tok, valid, seq_len, max_tokens, eos)
+        nbytes = spelled_bytes(tok, targets, eos)  # consecutive windows: their targets are one slice of the stream
         result["perplexity"][d] = {k: math.exp(v) for k, v in ce.items()}
         result["bits_per_byte"][d] = {k: v * targets.size / math.log(2) / nbytes for k, v in ce.items()}
         result["valid_tokens"][d], result["valid_bytes"][d] = int(targets.size), nbytes

@@ -14,7 +14,7 @@ from moebench.tools.eval_tiny import (
     format_measurements,
     known_word_share,
     parsable_lines,
-    target_bytes,
+    spelled_bytes,
     words,
 )
 from moebench.tools.train import TrainSettings, tiny_architecture, windows
@@ -53,7 +53,7 @@ def test_parsable_lines_keep_the_first_lines_that_compile_after_the_prompt():
     assert parsable_lines("class P:\n    def f(self):\n        self.", "(]") == (0, 1)
 
 
-def test_target_bytes_count_what_the_target_tokens_spell():
+def test_spelled_bytes_count_what_the_validation_targets_spell():
     tok = Tokenizer(SHIPPED_MODEL / "tokenizer.json")
     eos = tok.token_to_id("<|endoftext|>")
     docs = ["def f(x):\n    return x + 1\n", "Friends, Romans, countrymen — lend me your ears;\n", "é" * 7]
@@ -61,11 +61,11 @@ def test_target_bytes_count_what_the_target_tokens_spell():
     seq_len = 8
     n = len(windows(stream, seq_len, 10_000))
     assert n * seq_len < len(stream) - 1  # the last window is cut short of the stream's end
-    targets = stream[1 : n * seq_len + 1]
+    targets = windows(stream, seq_len, 10_000)[:, 1:].ravel()  # what measure() scores
+    assert np.array_equal(targets, stream[1 : n * seq_len + 1])
     # Byte-level BPE: each character of a token's string stands for one byte.
     raw = HFTokenizer.from_file(str(SHIPPED_MODEL / "tokenizer.json"))
-    assert target_bytes(tok, stream, seq_len, 10_000, eos) == sum(len(raw.id_to_token(int(i))) for i in targets
-                                                                   if i != eos)
+    assert spelled_bytes(tok, targets, eos) == sum(len(raw.id_to_token(int(i))) for i in targets if i != eos)
 
 
 def test_the_report_shows_bits_per_byte_beside_perplexity_and_each_prompts_known_words():
