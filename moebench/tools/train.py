@@ -4,11 +4,11 @@ Steps: a byte-level BPE tokenizer on the training documents of both domains; a r
 checkpoint written by moebench.tools.writer and opened by moebench.load(), so training runs the very
 model code the workbench inspects; AdamW with linear warmup and cosine decay on next-token cross
 entropy plus the Switch-style load-balancing loss (router probabilities and top-k ids come through
-a Record passed to the model's forward); every batch half code, half prose. Under `mlx.launch` the processes
-split each batch's rows and average their gradients (mx.distributed), which computes the same step as one
-process, since the balance loss reads the whole batch's top-k shares. The float weights are then
-quantized to 4-bit group-64 per-expert tensors (router and shared-expert gate 8-bit, as mlx-lm's
-qwen2_moe conversion keeps them) and written with config.json, tokenizer.json and the loss log.
+a Record passed to the model's forward); every batch half code, half prose. With `--processes N` (or under
+mlx.launch) the processes split each batch's rows and average their gradients (mx.distributed), which
+computes the same step as one process, since the balance loss reads the whole batch's top-k shares.
+The float weights are then quantized to 4-bit group-64 per-expert tensors (router and shared-expert
+gate 8-bit, as mlx-lm's qwen2_moe conversion keeps them) and written with config.json, tokenizer.json and the loss log.
 Seeds are fixed and file lists sorted, so a rerun reproduces the files up to float nondeterminism.
 """
 
@@ -277,7 +277,7 @@ def train_tiny(out_dir: str | Path, settings: TrainSettings = TrainSettings(), f
                cache: Path = DEFAULT_CACHE) -> dict:
     """Corpus -> tokenizer -> training -> quantized export; returns the final float validation losses.
 
-    Under mlx.launch every process builds the same tokenizer and model and trains its rows of each batch;
+    In a group of processes every one builds the same tokenizer and model and trains its rows of each batch;
     rank 0 alone evaluates and writes files (the others return {}).
     """
     group = mx.distributed.init()
