@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from moebench.errors import ConfigError, MoebenchError
 from moebench.models import family
 from moebench.models.sharding import expert_span, resident_expert_bytes, shard_experts
 from moebench.models.switch import ExpertShard
+from moebench.tools.local_group import free_ports
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
 RUN = Path(__file__).with_name("sharded_run.py")
@@ -121,27 +121,11 @@ def test_compare_refuses_a_sharded_model():
         compare_step(sharded, step)
 
 
-def _ports() -> int:
-    """A first port of two free ones for the ring backend (rank r listens on port + r)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65000:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 1))
-                    return port
-                except OSError:
-                    continue
-    raise RuntimeError("no two adjacent free ports")
-
-
 def launch(*command: str, n: int = 2) -> subprocess.CompletedProcess:
     """`command` (a python script or -m module and its arguments) in n processes over 127.0.0.1."""
     launcher = Path(sys.executable).with_name("mlx.launch")
     launcher = str(launcher) if launcher.exists() else shutil.which("mlx.launch")
-    done = subprocess.run([launcher, "-n", str(n), "--backend", "ring", "--starting-port", str(_ports()),
+    done = subprocess.run([launcher, "-n", str(n), "--backend", "ring", "--starting-port", str(free_ports(n)[0]),
                            "--python", sys.executable, "--", *command], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
