@@ -165,8 +165,8 @@ class InterventionPanel:
         self.summary = (f"{intervention!r} on {where}: mean KL {self.measured['kl'].mean():.3g} nats, largest "
                         f"{self.measured['kl'].max():.3g}; mean change in log p of the baseline's token "
                         f"{self.measured['dlogp'].mean():+.3g}")
+        self._draw()  # the views first: the status says the decode is done only once they show it
         self.status.value = html.escape(self.summary)
-        self._draw()
 
     def clear(self) -> None:
         """Controls back to 'no intervention' and the intervened decode forgotten: the views show the baseline."""
