@@ -13,13 +13,16 @@ import os
 import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..errors import MoebenchError
 
+HOST = "127.0.0.1"
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+
+def free_ports(n: int, host: str = HOST) -> list[int]:
     """n consecutive ports that were free a moment ago (the ring backend listens on one per rank)."""
     for _ in range(50):
         with socket.socket() as s:
@@ -48,26 +51,22 @@ def run_local_group(argv: Sequence[str], n: int, env: Mapping[str, str]) -> int:
         raise MoebenchError(f"processes: need at least 2 for a group, got {n}")
     with tempfile.TemporaryDirectory() as tmp:
         hostfile = Path(tmp) / "hosts.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
+        hostfile.write_text(json.dumps([[f"{HOST}:{p}"] for p in free_ports(n)]))
         procs = [subprocess.Popen(list(argv), env={**env, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)})
                  for r in range(n)]
-        codes: dict[int, int] = {}
-        try:
-            while len(codes) < n:
-                pid, status = os.wait()
-                rank = next((r for r, p in enumerate(procs) if p.pid == pid), None)
-                if rank is None:
-                    continue
-                procs[rank].returncode = codes[rank] = os.waitstatus_to_exitcode(status)
-                if codes[rank]:
+        try:  # a poll a fifth of a second, not os.wait(): that could reap a child this process did not start here
+            while True:
+                failed = [r for r, p in enumerate(procs) if p.poll()]
+                if failed or all(p.returncode is not None for p in procs):
                     break
+                time.sleep(0.2)
         finally:
             for p in procs:
-                if p.returncode is None:
+                if p.poll() is None:
                     p.terminate()
                     p.wait()
-    failed = {r: c for r, c in codes.items() if c}
     if failed:
-        rank, code = next(iter(failed.items()))
-        raise MoebenchError(f"rank {rank} of {n} exited with code {code}; the other ranks were stopped")
+        rank = failed[0]
+        raise MoebenchError(f"rank {rank} of {n} exited with code {procs[rank].returncode}; the other ranks were "
+                            "stopped")
     return 0
