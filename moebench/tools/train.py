@@ -4,9 +4,10 @@ Steps: a byte-level BPE tokenizer on the training documents of both domains; a r
 checkpoint written by moebench.tools.writer and opened by moebench.load(), so training runs the very
 model code the workbench inspects; AdamW with linear warmup and cosine decay on next-token cross
 entropy plus the Switch-style load-balancing loss (router probabilities and top-k ids come through
-a Record passed to the model's forward); every batch half code, half prose. With `--processes N` (or under
-mlx.launch) the processes split each batch's rows and average their gradients (mx.distributed), which
-computes the same step as one process, since the balance loss reads the whole batch's top-k shares.
+a Record passed to the model's forward); `prose_share` of each batch is prose, the rest code.
+With `--processes N` (or under mlx.launch) the processes split each batch's rows and average their
+gradients (mx.distributed), which computes the same step as one process, since the balance loss reads
+the whole batch's top-k shares.
 The float weights are then quantized to 4-bit group-64 per-expert tensors (router and shared-expert
 gate 8-bit, as mlx-lm's qwen2_moe conversion keeps them) and written with config.json, tokenizer.json and the loss log.
 Seeds are fixed and file lists sorted, so a rerun reproduces the files up to float nondeterminism.
@@ -39,6 +40,7 @@ from ..checkpoint.loader import load
 from ..checkpoint.tokenizer import Tokenizer
 from ..checkpoint.weights import checkpoint_tensors
 from ..errors import MoebenchError
+from ..inspect import stats
 from ..models import hooks
 from ..models.hooks import Record
 from .corpus import DEFAULT_CACHE, DOMAINS, Document, load_corpus
@@ -59,7 +61,8 @@ class TrainSettings:
     num_layers: int = 4
     num_experts: int = 16
     top_k: int = 4
-    batch: int = 8  # sequences per step, half from each domain
+    batch: int = 8  # sequences per step
+    prose_share: float = 0.5  # of them from prose (rounded to whole sequences), the rest from code
     seq_len: int = 128
     peak_lr: float = 3e-3
     final_lr_fraction: float = 0.1
@@ -115,12 +118,12 @@ def token_stream(tok: Tokenizer, docs: list[Document]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
-def sample_batch(streams: list[np.ndarray], per_stream: int, seq_len: int, rng: np.random.Generator
+def sample_batch(streams: list[np.ndarray], per_stream: list[int], seq_len: int, rng: np.random.Generator
                  ) -> tuple[mx.array, mx.array]:
-    """`per_stream` random windows of seq_len + 1 tokens from each stream -> inputs and next-token targets."""
+    """`per_stream[i]` random windows of seq_len + 1 tokens from stream i -> inputs and next-token targets."""
     rows = []
-    for s in streams:
-        starts = rng.integers(0, len(s) - seq_len - 1, size=per_stream)
+    for s, count in zip(streams, per_stream, strict=True):
+        starts = rng.integers(0, len(s) - seq_len - 1, size=count)
         rows.extend(s[i : i + seq_len + 1] for i in starts)
     block = mx.array(np.stack(rows))
     return block[:, :-1], block[:, 1:]
@@ -208,6 +211,30 @@ def heldout_loss(model, stream: np.ndarray, seq_len: int, max_tokens: int, batch
     return total / count
 
 
+def rows_per_domain(s: TrainSettings, domains: int) -> list[int]:
+    """Windows per step from the code and the prose stream, in that order (corpus.DOMAINS)."""
+    if domains != len(DOMAINS):
+        raise ValueError(f"train takes one stream per domain {DOMAINS}, got {domains}")
+    prose = round(s.batch * s.prose_share)
+    if not 0 < prose < s.batch:
+        raise ValueError(f"prose share {s.prose_share} of a batch of {s.batch} leaves {prose} prose and "
+                         f"{s.batch - prose} code sequences: need at least one of each")
+    return [s.batch - prose, prose]
+
+
+def validation_snapshot(model, valid: dict[str, np.ndarray], s: TrainSettings) -> dict:
+    """Cross entropy per domain on the first `eval_windows` validation windows, and per layer the code-vs-prose
+    Jensen-Shannon divergence (bits) of their top-k expert counts: the training log shows when experts
+    specialise by domain, and when that fades."""
+    n, experts = s.eval_windows * s.seq_len, model.args.num_experts
+    taps = {d: RouterTap() for d in DOMAINS}
+    snapshot: dict = {d: round(heldout_loss(model, valid[d], s.seq_len, n, record=taps[d]), 5) for d in DOMAINS}
+    code, prose = ({layer: stats.expert_counts(np.concatenate([np.asarray(a).ravel() for a in v]), experts)
+                    for layer, v in taps[d].ids.items()} for d in DOMAINS)
+    snapshot["js_bits"] = [round(float(stats.js_divergence(code[layer], prose[layer])), 4) for layer in sorted(code)]
+    return snapshot
+
+
 def train(model, train_streams: list[np.ndarray], s: TrainSettings,
           log: Callable[[dict], None] = lambda record: None,
           evaluate: Callable[[], dict] | None = None, group: mx.distributed.Group | None = None) -> list[float]:
@@ -219,8 +246,9 @@ def train(model, train_streams: list[np.ndarray], s: TrainSettings,
     rng = np.random.default_rng(s.seed)
     mx.random.seed(s.seed)
     size, rank = (1, 0) if group is None else (group.size(), group.rank())
-    if s.batch % len(train_streams) or s.batch % size:
-        raise ValueError(f"batch {s.batch} must split evenly over {len(train_streams)} domains and {size} processes")
+    per_stream = rows_per_domain(s, len(train_streams))
+    if s.batch % size:
+        raise ValueError(f"batch {s.batch} must split evenly over {size} processes")
     rows = slice(rank * s.batch // size, (rank + 1) * s.batch // size)
     opt = optim.AdamW(learning_rate=lr_schedule(s), weight_decay=s.weight_decay)
     loss_and_grad = nn.value_and_grad(model, make_loss(model, s.balance_coef, group))
@@ -228,7 +256,7 @@ def train(model, train_streams: list[np.ndarray], s: TrainSettings,
     bar = tqdm(range(s.steps), desc="training", unit="step", disable=rank > 0)
     start = time.perf_counter()
     for step in bar:
-        x, y = sample_batch(train_streams, s.batch // len(train_streams), s.seq_len, rng)
+        x, y = sample_batch(train_streams, per_stream, s.seq_len, rng)
         (_, (ce, bal)), grads = loss_and_grad(model, x[rows], y[rows])
         if size > 1:
             grads = nn.average_gradients(grads, group=group)
@@ -313,8 +341,7 @@ def train_tiny(out_dir: str | Path, settings: TrainSettings = TrainSettings(), f
             log_file.flush()
 
         def periodic_eval() -> dict:
-            n = settings.eval_windows * settings.seq_len
-            return {d: round(heldout_loss(model, streams[d]["valid"], settings.seq_len, n), 5) for d in DOMAINS}
+            return validation_snapshot(model, {d: streams[d]["valid"] for d in DOMAINS}, settings)
 
         start = time.perf_counter()
         train(model, train_streams, settings, log, periodic_eval, group)
@@ -356,6 +383,8 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=defaults.top_k, help="experts per token")
     p.add_argument("--balance-coef", type=float, default=defaults.balance_coef,
                    help="weight of the load-balancing loss")
+    p.add_argument("--prose-share", type=float, default=defaults.prose_share,
+                   help=f"the share of each batch's {defaults.batch} sequences that is prose (the rest is code)")
     p.add_argument("--processes", type=int, default=1,
                    help="train as this many processes of this machine, each on its share of every batch "
                         "(the same steps as one process, faster on several cores)")
@@ -383,6 +412,13 @@ def _run_train(a: argparse.Namespace) -> int:
     if a.layers <= 0 or not 0 < a.top_k <= a.experts:
         raise MoebenchError(f"--layers {a.layers}, --experts {a.experts}, --top-k {a.top_k}: need layers >= 1 and "
                             "1 <= top-k <= experts")
+    settings = TrainSettings(steps=a.steps, seed=a.seed, hidden_size=a.hidden, num_layers=a.layers,
+                             num_experts=a.experts, top_k=a.top_k, balance_coef=a.balance_coef,
+                             prose_share=a.prose_share)
+    try:
+        rows_per_domain(settings, len(DOMAINS))
+    except ValueError as e:
+        raise MoebenchError(f"--prose-share: {e}") from None
     if a.processes < 1:
         raise MoebenchError(f"--processes {a.processes}: need at least 1")
     argv = [sys.executable, "-m", "moebench.cli", *_train_args(a)]
@@ -394,8 +430,6 @@ def _run_train(a: argparse.Namespace) -> int:
         sys.stderr.flush()
         os.execve(sys.executable, argv, env)
     start = time.perf_counter()
-    settings = TrainSettings(steps=a.steps, seed=a.seed, hidden_size=a.hidden, num_layers=a.layers,
-                             num_experts=a.experts, top_k=a.top_k, balance_coef=a.balance_coef)
     final = train_tiny(a.out_dir, settings, a.float_dir, Path(a.cache))
     if not final:  # a rank other than 0: rank 0 reports
         return 0
@@ -410,5 +444,5 @@ def _train_args(a: argparse.Namespace) -> list[str]:
     pytest's)."""
     return ["train-tiny", a.out_dir, "--steps", str(a.steps), "--seed", str(a.seed), "--hidden", str(a.hidden),
             "--layers", str(a.layers), "--experts", str(a.experts), "--top-k", str(a.top_k),
-            "--balance-coef", str(a.balance_coef), "--processes", str(a.processes),
+            "--balance-coef", str(a.balance_coef), "--prose-share", str(a.prose_share), "--processes", str(a.processes),
             "--float-dir", a.float_dir, "--cache", a.cache]

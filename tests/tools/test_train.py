@@ -1,3 +1,4 @@
+import argparse
 import json
 import os
 import re
@@ -13,8 +14,11 @@ import moebench
 from moebench.checkpoint.files import read_safetensors_header
 from moebench.checkpoint.loader import SHIPPED_MODEL
 from moebench.checkpoint.weights import checkpoint_tensors
+from moebench.cli import main
 from moebench.inspect import stats
+from moebench.tools import train as train_module
 from moebench.tools.corpus import Document, split_documents
+from moebench.tools.eval_tiny import routing_report
 from moebench.tools.local_group import run_local_group
 from moebench.tools.train import (
     LOG_FILE,
@@ -22,9 +26,13 @@ from moebench.tools.train import (
     TrainSettings,
     balance_loss,
     export_quantized,
+    heldout_loss,
     init_model,
     openblas_env,
+    rows_per_domain,
+    sample_batch,
     train,
+    validation_snapshot,
 )
 from moebench.tools.writer import qwen2_moe_config, save_checkpoint
 
@@ -60,6 +68,42 @@ def test_a_few_steps_reduce_the_loss():
     assert len(losses) == len(records) == 12
     assert np.mean(losses[-3:]) < losses[0] - 1.0
     assert all(0.5 < r["balance"] < TINY["num_experts"] for r in records)
+
+
+def test_batches_take_the_prose_share_from_the_prose_stream():
+    code, prose = np.full(200, 1, dtype=np.int32), np.full(200, 2, dtype=np.int32)
+    per_stream = rows_per_domain(TrainSettings(batch=8, prose_share=0.625), 2)
+    assert per_stream == [3, 5]
+    x, y = sample_batch([code, prose], per_stream, 16, np.random.default_rng(0))
+    assert x.shape == y.shape == (8, 16)
+    assert (np.asarray(x)[:3] == 1).all() and (np.asarray(x)[3:] == 2).all()
+
+
+@pytest.mark.parametrize("share", [0.0, 0.05, 1.0])
+def test_a_batch_keeps_both_domains(share):
+    with pytest.raises(ValueError, match=f"prose share {share}"):
+        rows_per_domain(TrainSettings(batch=8, prose_share=share), 2)
+
+
+def test_validation_snapshot_measures_routing_as_eval_tiny_does():
+    """The training log's per-layer JS divergence is eval-tiny's, on the log's fewer windows."""
+    model = init_model(TINY, seed=0)
+    rng = np.random.default_rng(0)
+    valid = {"code": rng.integers(1, 32, 600).astype(np.int32), "prose": rng.integers(32, 64, 600).astype(np.int32)}
+    s = TrainSettings(num_experts=TINY["num_experts"], seq_len=32, eval_windows=4)
+    snapshot = validation_snapshot(model, valid, s)
+    ids = {}
+    for d, stream in valid.items():
+        tap = RouterTap()
+        assert snapshot[d] == pytest.approx(heldout_loss(model, stream, 32, 4 * 32, record=tap), abs=1e-5)
+        ids[d] = {layer: np.concatenate([np.asarray(a).reshape(-1, a.shape[-1]) for a in v])
+                  for layer, v in tap.ids.items()}
+    expected = [r["js_code_prose_bits"] for r in routing_report(ids, ids, TINY["num_experts"])]
+    assert len(snapshot["js_bits"]) == TINY["num_hidden_layers"]
+    assert snapshot["js_bits"] == pytest.approx(expected, abs=1e-4)
+    assert max(snapshot["js_bits"]) > 0.01  # disjoint token sets route apart somewhere
+    same = validation_snapshot(model, {"code": valid["code"], "prose": valid["code"]}, s)
+    assert same["js_bits"] == [0.0] * TINY["num_hidden_layers"]
 
 
 def test_checkpoint_tensors_round_trip_the_float_model_exactly(tmp_path):
@@ -197,6 +241,24 @@ def test_train_refuses_a_batch_the_processes_cannot_share():
         def rank(self):
             return 0
 
-    with pytest.raises(ValueError, match="3 processes"):
+    with pytest.raises(ValueError, match="over 3 processes"):
         train(init_model(TINY, seed=0), [np.arange(100, dtype=np.int32)] * 2, TrainSettings(steps=1, batch=8),
               group=Three())
+
+
+def test_train_tiny_starts_every_rank_with_the_flags_it_was_given(tmp_path, monkeypatch):
+    """`--processes 2` re-runs the command once per rank: a flag lost on the way would train ranks apart."""
+    started = []
+    monkeypatch.delenv("MLX_RANK", raising=False)
+    monkeypatch.setattr(train_module, "run_local_group", lambda argv, n, env: started.append((argv, n)) or 0)
+    flags = ["train-tiny", str(tmp_path / "out"), "--steps", "7", "--seed", "3", "--experts", "32", "--top-k", "2",
+             "--balance-coef", "0.03", "--prose-share", "0.625", "--processes", "2", "--float-dir",
+             str(tmp_path / "float"), "--cache", str(tmp_path / "cache")]
+    assert main(flags) == 0
+    [(argv, n)] = started
+    assert n == 2 and argv[:3] == [sys.executable, "-m", "moebench.cli"]
+    parser = argparse.ArgumentParser()
+    train_module.add_train_command(parser.add_subparsers())
+    given, passed = (vars(parser.parse_args(a)) for a in (flags, argv[3:]))
+    assert passed == given
+    assert not (tmp_path / "out").exists()  # the parent process only starts the ranks
