@@ -127,7 +127,7 @@ def measure(model_dir: str | Path | None = None, float_dir: str | Path | None = 
         result["perplexity"][d] = {k: math.exp(v) for k, v in ce.items()}
         result["bits_per_byte"][d] = {k: v * targets.size / math.log(2) / nbytes for k, v in ce.items()}
         result["valid_tokens"][d], result["valid_bytes"][d] = int(targets.size), nbytes
-        ids[d] = {i: np.concatenate([np.asarray(a).reshape(-1, a.shape[-1]) for a in v]) for i, v in tap.ids.items()}
+        ids[d] = tap.layer_ids()
         probs[d] = {i: np.concatenate([np.asarray(a) for a in v]) for i, v in tap.probs.items()}
     result["num_experts"] = model.args.num_experts
     result["routing"] = routing_report(ids, probs, model.args.num_experts)

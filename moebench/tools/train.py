@@ -163,6 +163,10 @@ class RouterTap:
     def scope(self, child: str) -> RouterTap:
         return RouterTap(self.probs, self.ids, f"{self._prefix}{child}.")
 
+    def layer_ids(self) -> dict[int, np.ndarray]:
+        """Each layer's top-k ids over every forward call so far, one row a token: [tokens, k]."""
+        return {i: np.concatenate([np.asarray(a).reshape(-1, a.shape[-1]) for a in v]) for i, v in self.ids.items()}
+
 
 def balance_loss(probs: mx.array, ids: mx.array, num_experts: int, group: mx.distributed.Group | None = None
                  ) -> mx.array:
@@ -229,8 +233,8 @@ def validation_snapshot(model, valid: dict[str, np.ndarray], s: TrainSettings) -
     n, experts = s.eval_windows * s.seq_len, model.args.num_experts
     taps = {d: RouterTap() for d in DOMAINS}
     snapshot: dict = {d: round(heldout_loss(model, valid[d], s.seq_len, n, record=taps[d]), 5) for d in DOMAINS}
-    code, prose = ({layer: stats.expert_counts(np.concatenate([np.asarray(a).ravel() for a in v]), experts)
-                    for layer, v in taps[d].ids.items()} for d in DOMAINS)
+    code, prose = ({layer: stats.expert_counts(ids, experts) for layer, ids in taps[d].layer_ids().items()}
+                   for d in DOMAINS)
     snapshot["js_bits"] = [round(float(stats.js_divergence(code[layer], prose[layer])), 4) for layer in sorted(code)]
     return snapshot
 
