@@ -31,7 +31,8 @@ from moebench.inspect.record import decode
 from moebench.models.routing import InterventionError
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
-EXPERTS = json.loads((SHIPPED_MODEL / "config.json").read_text())["num_experts"]  # in each of its layers
+SHIPPED_CONFIG = json.loads((SHIPPED_MODEL / "config.json").read_text())
+EXPERTS, TOP_K = SHIPPED_CONFIG["num_experts"], SHIPPED_CONFIG["num_experts_per_tok"]  # in each of its layers
 TIMEOUT = 120  # a case that hangs fails here instead of blocking the suite
 PRELUDE = """
 import sys
@@ -142,8 +143,8 @@ INTERVENTION_CASES = {
         f"b.intervention = Intervention(top_k={EXPERTS + 1})",
     f"block.intervention ablating all {EXPERTS}":
         f"b.intervention = Intervention(ablate=tuple(range({EXPERTS})), top_k=1)",
-    f"block.intervention ablating {EXPERTS - 3} of {EXPERTS} at top-4":
-        f"b.intervention = Intervention(ablate=tuple(range({EXPERTS - 3})))",
+    f"block.intervention ablating {EXPERTS - TOP_K + 1} of {EXPERTS} at top-{TOP_K}":
+        f"b.intervention = Intervention(ablate=tuple(range({EXPERTS - TOP_K + 1})))",
     "block.intervention a dict": "b.intervention = {'force_experts': (1,)}",
     "set_interventions force_experts (99,)": (
         "from moebench.inspect.interventions import set_interventions\n"
@@ -296,15 +297,15 @@ def test_an_intervention_on_a_fused_step_says_routing_left_the_router_kernel(shi
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_ablated_experts_are_never_selected(shipped, fused, renormalize):
     model, tok = shipped
-    ablated = tuple(range(EXPERTS - 4))  # 4 left for the layer's top-4
+    ablated = tuple(range(EXPERTS - TOP_K))  # TOP_K left for the layer's top-k
     set_interventions(model, moebench.Intervention(ablate=ablated, renormalize_ablation=renormalize))
     try:
         trace = decode(model, tok, "def add(a, b):", 4, record=True, fused=fused)
     finally:
         clear_interventions(model)
     chosen = {int(e) for s in trace.steps for r in s.layers.values() for e in r.topk_ids}
-    assert chosen == set(range(EXPERTS - 4, EXPERTS))
-    for limit in (tuple(range(EXPERTS - 3)), tuple(range(EXPERTS))):
+    assert chosen == set(range(EXPERTS - TOP_K, EXPERTS))
+    for limit in (tuple(range(EXPERTS - TOP_K + 1)), tuple(range(EXPERTS))):
         with pytest.raises(InterventionError):
             set_interventions(model, moebench.Intervention(ablate=limit))
 

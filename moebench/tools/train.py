@@ -4,10 +4,12 @@ Steps: a byte-level BPE tokenizer on the training documents of both domains; a r
 checkpoint written by moebench.tools.writer and opened by moebench.load(), so training runs the very
 model code the workbench inspects; AdamW with linear warmup and cosine decay on next-token cross
 entropy plus the Switch-style load-balancing loss (router probabilities and top-k ids come through
-a Record passed to the model's forward); `prose_share` of each batch is prose, the rest code.
+a Record passed to the model's forward), less `domain_coef` times the code-vs-prose separation of the
+router's probabilities (a Jensen-Shannon divergence: it rewards experts that specialise by domain);
+`prose_share` of each batch is prose, the rest code.
 With `--processes N` (or under mlx.launch) the processes split each batch's rows and average their
 gradients (mx.distributed), which computes the same step as one process, since the balance loss reads
-the whole batch's top-k shares.
+the whole batch's top-k shares and the separation the whole batch's mean probabilities.
 The float weights are then quantized to 4-bit group-64 per-expert tensors (router and shared-expert
 gate 8-bit, as mlx-lm's qwen2_moe conversion keeps them) and written with config.json, tokenizer.json and the loss log.
 Seeds are fixed and file lists sorted, so a rerun reproduces the files up to float nondeterminism.
@@ -69,6 +71,7 @@ class TrainSettings:
     warmup: int = 30
     weight_decay: float = 0.05
     balance_coef: float = 0.02
+    domain_coef: float = 0.0  # weight of the code-vs-prose routing separation (subtracted from the loss)
     grad_clip: float = 1.0
     seed: int = 0
     vocab_size: int = 4096
@@ -182,16 +185,41 @@ def balance_loss(probs: mx.array, ids: mx.array, num_experts: int, group: mx.dis
     return num_experts * (share * probs.mean(axis=0)).sum()
 
 
-def make_loss(model, balance_coef: float, group: mx.distributed.Group | None = None) -> Callable:
-    """loss(model, x, y) -> (total, (cross entropy, mean balance loss)); the router tapped by a RouterTap."""
-    num_experts = model.args.num_experts
+def domain_separation(probs: mx.array, code: mx.array, group: mx.distributed.Group | None = None) -> mx.array:
+    """Jensen-Shannon divergence (bits, 0 to 1) between the mean router probabilities of the batch's code tokens
+    and of its prose tokens (`code`: 1.0 for a code token, 0.0 for prose).
 
-    def loss_fn(m, x: mx.array, y: mx.array):
+    Differentiable, unlike the top-k counts eval-tiny compares. With a group of n processes the means are the
+    whole batch's; each process's gradient comes through its own tokens' share, so n times it, averaged, is the
+    gradient of one process holding the batch.
+    """
+    weights = mx.stack([code, 1.0 - code])
+    sums, counts = weights @ probs, weights.sum(axis=1, keepdims=True)
+    if group is not None and group.size() > 1:
+        others = mx.stop_gradient(mx.distributed.all_sum(mx.stop_gradient(sums), group=group)) - mx.stop_gradient(sums)
+        sums, counts = sums + others, mx.distributed.all_sum(counts, group=group)
+    means = mx.maximum(sums / mx.maximum(counts, 1.0), 1e-20)
+    mid = means.mean(axis=0)
+    return (means * (mx.log(means) - mx.log(mid))).sum(axis=1).mean() / math.log(2)
+
+
+def make_loss(model, balance_coef: float, domain_coef: float = 0.0, group: mx.distributed.Group | None = None
+              ) -> Callable:
+    """loss(model, x, y, code) -> (total, (cross entropy, mean balance loss, mean domain separation)); `code`
+    marks each row of x as code (1.0) or prose (0.0); the router tapped by a RouterTap."""
+    num_experts = model.args.num_experts
+    processes = 1 if group is None else group.size()
+
+    def loss_fn(m, x: mx.array, y: mx.array, code: mx.array):
         tap = RouterTap()
         ce = nn.losses.cross_entropy(m(x, record=tap), y, reduction="mean")
-        bal = [balance_loss(tap.probs[i][0], tap.ids[i][0], num_experts, group) for i in sorted(tap.probs)]
-        balance = mx.stack(bal).mean() if bal else mx.array(0.0)
-        return ce + balance_coef * balance, (ce, balance)
+        layers = sorted(tap.probs)
+        if not layers:
+            return ce, (ce, mx.array(0.0), mx.array(0.0))
+        tokens = mx.repeat(code, x.shape[1])
+        balance = mx.stack([balance_loss(tap.probs[i][0], tap.ids[i][0], num_experts, group) for i in layers]).mean()
+        separation = mx.stack([domain_separation(tap.probs[i][0], tokens, group) for i in layers]).mean()
+        return ce + balance_coef * balance - domain_coef * processes * separation, (ce, balance, separation)
 
     return loss_fn
 
@@ -255,24 +283,26 @@ def train(model, train_streams: list[np.ndarray], s: TrainSettings,
         raise ValueError(f"batch {s.batch} must split evenly over {size} processes")
     rows = slice(rank * s.batch // size, (rank + 1) * s.batch // size)
     opt = optim.AdamW(learning_rate=lr_schedule(s), weight_decay=s.weight_decay)
-    loss_and_grad = nn.value_and_grad(model, make_loss(model, s.balance_coef, group))
+    loss_and_grad = nn.value_and_grad(model, make_loss(model, s.balance_coef, s.domain_coef, group))
+    code = mx.array(np.repeat([1.0, 0.0], per_stream)[rows], dtype=mx.float32)
     losses = []
     bar = tqdm(range(s.steps), desc="training", unit="step", disable=rank > 0)
     start = time.perf_counter()
     for step in bar:
         x, y = sample_batch(train_streams, per_stream, s.seq_len, rng)
-        (_, (ce, bal)), grads = loss_and_grad(model, x[rows], y[rows])
+        (_, (ce, bal, sep)), grads = loss_and_grad(model, x[rows], y[rows], code)
         if size > 1:
             grads = nn.average_gradients(grads, group=group)
             ce, bal = (mx.distributed.all_sum(v, group=group) / size for v in (ce, bal))
         grads, grad_norm = optim.clip_grad_norm(grads, s.grad_clip)
         opt.update(model, grads)
-        mx.eval(model.parameters(), opt.state, ce, bal, grad_norm)
+        mx.eval(model.parameters(), opt.state, ce, bal, sep, grad_norm)
         losses.append(ce.item())
         if rank > 0:
             continue
         bar.set_postfix(ce=f"{losses[-1]:.3f}", bal=f"{bal.item():.3f}")
         record = {"step": step + 1, "ce": round(losses[-1], 5), "balance": round(bal.item(), 5),
+                  "separation": round(sep.item(), 5),
                   "lr": float(opt.learning_rate), "grad_norm": round(grad_norm.item(), 4),
                   "seconds": round(time.perf_counter() - start, 1)}
         if evaluate is not None and ((step + 1) % s.eval_every == 0 or step + 1 == s.steps):
@@ -387,6 +417,8 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=defaults.top_k, help="experts per token")
     p.add_argument("--balance-coef", type=float, default=defaults.balance_coef,
                    help="weight of the load-balancing loss")
+    p.add_argument("--domain-coef", type=float, default=defaults.domain_coef,
+                   help="weight of the reward for routing code and prose to different experts")
     p.add_argument("--prose-share", type=float, default=defaults.prose_share,
                    help=f"the share of each batch's {defaults.batch} sequences that is prose (the rest is code)")
     p.add_argument("--processes", type=int, default=1,
@@ -418,7 +450,7 @@ def _run_train(a: argparse.Namespace) -> int:
                             "1 <= top-k <= experts")
     settings = TrainSettings(steps=a.steps, seed=a.seed, hidden_size=a.hidden, num_layers=a.layers,
                              num_experts=a.experts, top_k=a.top_k, balance_coef=a.balance_coef,
-                             prose_share=a.prose_share)
+                             domain_coef=a.domain_coef, prose_share=a.prose_share)
     try:
         rows_per_domain(settings, len(DOMAINS))
     except ValueError as e:
@@ -448,5 +480,6 @@ def _train_args(a: argparse.Namespace) -> list[str]:
     pytest's)."""
     return ["train-tiny", a.out_dir, "--steps", str(a.steps), "--seed", str(a.seed), "--hidden", str(a.hidden),
             "--layers", str(a.layers), "--experts", str(a.experts), "--top-k", str(a.top_k),
-            "--balance-coef", str(a.balance_coef), "--prose-share", str(a.prose_share), "--processes", str(a.processes),
+            "--balance-coef", str(a.balance_coef), "--domain-coef", str(a.domain_coef),
+            "--prose-share", str(a.prose_share), "--processes", str(a.processes),
             "--float-dir", a.float_dir, "--cache", a.cache]

@@ -25,6 +25,7 @@ from moebench.tools.train import (
     RouterTap,
     TrainSettings,
     balance_loss,
+    domain_separation,
     export_quantized,
     heldout_loss,
     init_model,
@@ -57,6 +58,17 @@ def test_balance_loss_is_one_for_even_routing_and_num_experts_for_collapse():
     assert balance_loss(even_probs, even_ids, 4).item() == pytest.approx(1.0)
     collapsed = mx.array([[1.0, 0, 0, 0]] * 8)
     assert balance_loss(collapsed, mx.zeros((8, 1), dtype=mx.uint32), 4).item() == pytest.approx(4.0)
+
+
+def test_domain_separation_is_the_js_divergence_of_each_domains_mean_router_probabilities():
+    probs = np.random.default_rng(0).dirichlet(np.ones(8), size=40).astype(np.float32)
+    code = np.r_[np.ones(15), np.zeros(25)].astype(np.float32)
+    got = domain_separation(mx.array(probs), mx.array(code)).item()
+    assert got == pytest.approx(stats.js_divergence(probs[:15].mean(0), probs[15:].mean(0)), rel=1e-4)
+    same = np.tile(probs[:1], (40, 1))
+    assert domain_separation(mx.array(same), mx.array(code)).item() == pytest.approx(0.0, abs=1e-6)
+    apart = np.where(code[:, None] == 1, [1.0] * 4 + [0.0] * 4, [0.0] * 4 + [1.0] * 4) / 4
+    assert domain_separation(mx.array(apart, dtype=mx.float32), mx.array(code)).item() == pytest.approx(1.0)
 
 
 def test_a_few_steps_reduce_the_loss():
@@ -161,7 +173,7 @@ def test_shipped_model_has_the_promised_architecture(shipped):
     a = model.args
     assert a.num_hidden_layers >= 4 and all(a.is_moe_layer(i) for i in range(a.num_hidden_layers))
     assert a.num_key_value_heads < a.num_attention_heads
-    assert a.num_experts >= 16 and a.num_experts_per_tok == 4 and a.norm_topk_prob is False
+    assert a.num_experts >= 16 and 2 <= a.num_experts_per_tok <= 4 and a.norm_topk_prob is False
     assert a.shared_expert_intermediate_size > 0
     for width in (a.hidden_size, a.moe_intermediate_size, a.shared_expert_intermediate_size, a.intermediate_size):
         assert width % 128 == 0
@@ -224,8 +236,8 @@ def test_two_processes_take_the_same_steps_as_one(tmp_path):
     alone = json.loads((one / "rank0.json").read_text())
     ranks = [json.loads((two / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["losses"] == pytest.approx(alone["losses"], rel=1e-5)
-    assert [r["balance"] for r in ranks[0]["records"]] == pytest.approx(
-        [r["balance"] for r in alone["records"]], rel=1e-4)
+    for term in ("balance", "separation"):
+        assert [r[term] for r in ranks[0]["records"]] == pytest.approx([r[term] for r in alone["records"]], rel=1e-4)
     assert alone["losses"][-1] < alone["losses"][0]
     assert ranks[1]["records"] == []  # rank 0 alone logs
     assert ranks[0]["weights"] == ranks[1]["weights"]
@@ -252,8 +264,8 @@ def test_train_tiny_starts_every_rank_with_the_flags_it_was_given(tmp_path, monk
     monkeypatch.delenv("MLX_RANK", raising=False)
     monkeypatch.setattr(train_module, "run_local_group", lambda argv, n, env: started.append((argv, n)) or 0)
     flags = ["train-tiny", str(tmp_path / "out"), "--steps", "7", "--seed", "3", "--experts", "32", "--top-k", "2",
-             "--balance-coef", "0.03", "--prose-share", "0.625", "--processes", "2", "--float-dir",
-             str(tmp_path / "float"), "--cache", str(tmp_path / "cache")]
+             "--balance-coef", "0.03", "--domain-coef", "0.2", "--prose-share", "0.625", "--processes", "2",
+             "--float-dir", str(tmp_path / "float"), "--cache", str(tmp_path / "cache")]
     assert main(flags) == 0
     [(argv, n)] = started
     assert n == 2 and argv[:3] == [sys.executable, "-m", "moebench.cli"]
