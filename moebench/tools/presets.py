@@ -86,7 +86,7 @@ PRESETS = {p.name: p for p in (
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256,
                "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
                "max_position_embeddings": 4096, "bos_token_id": None, "eos_token_id": None}),
-    Preset("small", "shaped like the shipped tiny model: 4 layers, D 256, GQA 4/2, 16 experts top-4 of width 256, "
+    Preset("small", "a small Qwen2-MoE for quick runs: 4 layers, D 256, GQA 4/2, 16 experts top-4 of width 256, "
            "shared expert 512, vocab 8192", qwen2_moe_config(
                vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=512, moe_intermediate_size=256, shared_expert_intermediate_size=512,
