@@ -236,10 +236,12 @@ def test_two_processes_take_the_same_steps_as_one(tmp_path):
     alone = json.loads((one / "rank0.json").read_text())
     ranks = [json.loads((two / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["losses"] == pytest.approx(alone["losses"], rel=1e-5)
-    for term in ("balance", "separation"):
-        assert [r[term] for r in ranks[0]["records"]] == pytest.approx([r[term] for r in alone["records"]], rel=1e-4)
+    for term in ("balance", "separation"):  # the log rounds them to 5 decimals
+        assert [r[term] for r in ranks[0]["records"]] == pytest.approx(
+            [r[term] for r in alone["records"]], rel=1e-4, abs=2e-5)
     assert alone["losses"][-1] < alone["losses"][0]
     assert ranks[1]["records"] == []  # rank 0 alone logs
+    assert ranks[0]["domain_grads"] == pytest.approx(alone["domain_grads"], rel=1e-4)
     assert ranks[0]["weights"] == ranks[1]["weights"]
     # k_proj.bias has a near-zero gradient (softmax ignores a shift) that Adam scales up: float order shows at 1e-4
     assert ranks[0]["weights"] == pytest.approx(alone["weights"], rel=1e-3)
