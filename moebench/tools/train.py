@@ -421,8 +421,9 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
                    help="weight of the load-balancing loss")
     p.add_argument("--domain-coef", type=float, default=defaults.domain_coef,
                    help="weight of the reward for routing code and prose to different experts")
+    p.add_argument("--batch", type=int, default=defaults.batch, help="sequences per step")
     p.add_argument("--prose-share", type=float, default=defaults.prose_share,
-                   help=f"the share of each batch's {defaults.batch} sequences that is prose (the rest is code)")
+                   help="the share of each batch's sequences that is prose (the rest is code)")
     p.add_argument("--processes", type=int, default=1,
                    help="train as this many processes of this machine, each on its share of every batch "
                         "(the same steps as one process, faster on several cores)")
@@ -452,13 +453,15 @@ def _run_train(a: argparse.Namespace) -> int:
                             "1 <= top-k <= experts")
     settings = TrainSettings(steps=a.steps, seed=a.seed, hidden_size=a.hidden, num_layers=a.layers,
                              num_experts=a.experts, top_k=a.top_k, balance_coef=a.balance_coef,
-                             domain_coef=a.domain_coef, prose_share=a.prose_share)
+                             domain_coef=a.domain_coef, batch=a.batch, prose_share=a.prose_share)
     try:
         rows_per_domain(settings, len(DOMAINS))
     except ValueError as e:
-        raise MoebenchError(f"--prose-share: {e}") from None
+        raise MoebenchError(f"--batch / --prose-share: {e}") from None
     if a.processes < 1:
         raise MoebenchError(f"--processes {a.processes}: need at least 1")
+    if a.batch % a.processes:
+        raise MoebenchError(f"--batch {a.batch}: must split evenly over --processes {a.processes}")
     argv = [sys.executable, "-m", "moebench.cli", *_train_args(a)]
     env = openblas_env(os.environ)
     if a.processes > 1 and not is_rank():  # every rank starts on OpenBLAS, so none restarts
@@ -483,5 +486,5 @@ def _train_args(a: argparse.Namespace) -> list[str]:
     return ["train-tiny", a.out_dir, "--steps", str(a.steps), "--seed", str(a.seed), "--hidden", str(a.hidden),
             "--layers", str(a.layers), "--experts", str(a.experts), "--top-k", str(a.top_k),
             "--balance-coef", str(a.balance_coef), "--domain-coef", str(a.domain_coef),
-            "--prose-share", str(a.prose_share), "--processes", str(a.processes),
+            "--batch", str(a.batch), "--prose-share", str(a.prose_share), "--processes", str(a.processes),
             "--float-dir", a.float_dir, "--cache", a.cache]

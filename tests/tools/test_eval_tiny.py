@@ -91,7 +91,9 @@ def test_train_tiny_settings_shape_the_architecture_within_the_kernels_widths():
 
 @pytest.mark.parametrize("flags, named", [(["--hidden", "192"], "--hidden 192"),
                                           (["--experts", "4", "--top-k", "5"], "--top-k 5"),
-                                          (["--prose-share", "1"], "--prose-share")])
+                                          (["--prose-share", "1"], "--prose-share"),
+                                          (["--batch", "1"], "--batch"),
+                                          (["--batch", "9", "--processes", "2"], "--processes 2")])
 def test_train_tiny_refuses_widths_the_kernels_do_not_run_before_it_starts(tmp_path, capsys, flags, named):
     assert main(["train-tiny", str(tmp_path / "out"), *flags]) == 2
     assert named in capsys.readouterr().err

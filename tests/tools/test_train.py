@@ -266,7 +266,8 @@ def test_train_tiny_starts_every_rank_with_the_flags_it_was_given(tmp_path, monk
     monkeypatch.delenv("MLX_RANK", raising=False)
     monkeypatch.setattr(train_module, "run_local_group", lambda argv, n, env: started.append((argv, n)) or 0)
     flags = ["train-tiny", str(tmp_path / "out"), "--steps", "7", "--seed", "3", "--experts", "32", "--top-k", "2",
-             "--balance-coef", "0.03", "--domain-coef", "0.2", "--prose-share", "0.625", "--processes", "2",
+             "--balance-coef", "0.03", "--domain-coef", "0.2", "--batch", "12", "--prose-share", "0.625",
+             "--processes", "2",
              "--float-dir", str(tmp_path / "float"), "--cache", str(tmp_path / "cache")]
     assert main(flags) == 0
     [(argv, n)] = started
