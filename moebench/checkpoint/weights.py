@@ -15,6 +15,7 @@ naming it; nothing reaches MLX unchecked.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from itertools import groupby
@@ -26,10 +27,10 @@ from mlx.utils import tree_flatten
 from ..checkpoint.config import ModelArgs, Quantization
 from ..errors import CheckpointError, NonFiniteError
 from ..models import family
-from ..models.layers import QuantizedWeight, RMSNorm
+from ..models.layers import ColumnShard, Linear, QuantizedWeight, RMSNorm, RowShard
 from ..models.switch import PROJECTIONS, ExpertShard, SwitchGLU
 from .files import TensorStore
-from .quant import make_parts
+from .quant import QuantizedParts, make_parts
 
 PARTS = ("weight", "scales", "biases")
 LAYOUTS = ("per-expert", "stacked")
@@ -141,7 +142,11 @@ def _load_tree(tree: nn.Module, prefix: str, store: TensorStore, dtype: mx.Dtype
     for path, module in modules:
         if isinstance(module, RMSNorm):
             load_norm(store, path, module, dtype)
+        elif isinstance(module, ColumnShard):
+            load_columns(store, path, module, dtype, quantization)
         elif isinstance(module, QuantizedWeight):
+            if isinstance(module, RowShard):
+                narrow_rows(store, path, module)
             load_weight(store, path, module, dtype, quantization)
 
 
@@ -193,6 +198,43 @@ def load_weight(store: TensorStore, name: str, module: QuantizedWeight, dtype: m
     if found != expected:
         raise CheckpointError(f"{where}: {name} holds {parts.bits}-bit weights of {found}, expected {expected}")
     module.set_weight(parts.weight, parts, bias)
+
+
+def narrow_rows(store: TensorStore, name: str, module: RowShard) -> None:
+    """Keep only a RowShard's rows of `{name}.weight` (+ scales, biases, bias) in the store, read alone."""
+    for part in (*PARTS, "bias"):
+        tensor = f"{name}.{part}"
+        if tensor not in store:
+            continue
+        rows = store.peek(tensor).shape
+        if not rows or rows[0] != module.total:
+            raise CheckpointError(f"{store.where(tensor)}: {tensor} {tuple(rows)} holds {rows[0] if rows else 0} "
+                                  f"rows, config.json gives {module.total}")
+        store.narrow(tensor, module.first, module.first + module.shape[0])
+
+
+def load_columns(store: TensorStore, name: str, module: ColumnShard, dtype: mx.Dtype,
+                 quantization: Quantization | None) -> None:
+    """A ColumnShard's input columns of `{name}`: the whole matrix is read and checked as an unsharded one is, then
+    only the rank's columns kept (a quantized matrix is cut at group boundaries, or it is a CheckpointError)."""
+    out_features, width = module.shape
+    whole = Linear(module.total, out_features, bias="bias" in module)
+    load_weight(store, name, whole, dtype, quantization)
+    first, end = module.first, module.first + width
+    parts, bias = whole.quantized_parts(), whole.get("bias")
+    if parts is None:
+        module.set_weight(mx.contiguous(whole["weight"][:, first:end]), bias=bias)
+        return
+    step = math.lcm(parts.group_size, 32 // math.gcd(32, parts.bits))  # a column where a group and a word start
+    if first % step or end % step:
+        raise CheckpointError(f"{store.where(name + '.weight')}: {name}: this rank's input columns {first}..{end - 1} "
+                              f"cut its {parts.bits}-bit groups of {parts.group_size}; the heads cannot split there")
+    words, groups = slice(first * parts.bits // 32, end * parts.bits // 32), \
+        slice(first // parts.group_size, end // parts.group_size)
+    cut = QuantizedParts(mx.contiguous(parts.weight[:, words]), mx.contiguous(parts.scales[:, groups]),
+                         None if parts.biases is None else mx.contiguous(parts.biases[:, groups]),
+                         parts.group_size, parts.bits, parts.mode)
+    module.set_weight(cut.weight, cut, bias)
 
 
 def load_norm(store: TensorStore, name: str, module: RMSNorm, dtype: mx.Dtype) -> None:

@@ -44,9 +44,11 @@ def require_memory(nbytes: int, what: str) -> None:
                                 f"{max(free, 0) / 2**30:.2f} GiB of {where} left")
 
 
-def kv_cache_bytes(args: ModelArgs, positions: int, dtype: mx.Dtype) -> int:
-    """Every layer's keys and values for `positions` positions."""
-    return 2 * args.num_hidden_layers * args.num_key_value_heads * positions * args.head_dim * dtype.size
+def kv_cache_bytes(model, positions: int) -> int:
+    """Every layer's keys and values for `positions` positions: the key/value heads this process holds (a rank of
+    a model with its attention sharded holds its own), in the model's dtype."""
+    per_position = sum(layer.self_attn.n_kv_heads * layer.self_attn.head_dim for layer in model.layers)
+    return 2 * per_position * positions * model.dtype.size
 
 
 def forward_bytes(args: ModelArgs, queries: int, keys: int, logits: int = 1) -> int:

@@ -56,11 +56,12 @@ class CompiledForward:
     def __init__(self, executor: Executor, capacity: int):
         self.executor = executor
         self.capacity = -(-max(capacity, 1) // CAPACITY_STEP) * CAPACITY_STEP
-        a, dtype = executor.model.args, executor.model.dtype
+        model = executor.model
         # allocated whole up front: MLX kills the process on CPU when an allocation fails
-        require_memory(kv_cache_bytes(a, self.capacity, dtype), f"the compiled step's static cache of {self.capacity} "
+        require_memory(kv_cache_bytes(model, self.capacity), f"the compiled step's static cache of {self.capacity} "
                        "positions")
-        self.cache = StaticCache.empty(a.num_hidden_layers, a.num_key_value_heads, self.capacity, a.head_dim, dtype)
+        attn = model.layers[0].self_attn  # this process's key/value heads (a rank's own where attention is sharded)
+        self.cache = StaticCache.empty(len(model.layers), attn.n_kv_heads, self.capacity, attn.head_dim, model.dtype)
         self.position = 0
         self.last: mx.array | None = None  # the previous call's logits
 

@@ -115,7 +115,7 @@ def check_length(model, prompt: int, positions: int, every_position: bool = Fals
     cached = -(-(positions + 1) // GROW_STEP) * GROW_STEP
     queries = prompt if every_position else min(prompt, PREFILL_CHUNK)
     prefill = forward_bytes(args, queries, prompt, prompt if every_position else 1)
-    require_memory(kv_cache_bytes(args, cached, model.dtype) + prefill,
+    require_memory(kv_cache_bytes(model, cached) + prefill,
                    f"a decode of {positions} positions (its KV cache and a prefill of {prompt} tokens)")
 
 

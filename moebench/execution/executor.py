@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 
 from ..models.hooks import Record, layer_scope, scope
 from ..models.qwen2_moe import SparseMoeBlock
-from ..models.sharding import shard_note
+from ..models.sharding import attention_note, shard_note
 from . import moe
 from .kernel import GPU_BACKENDS, available_backend
 from .plan import SWITCHED_OFF, Counts, Decision, LayerPlan, Plan, Shape, tokens_decision
@@ -102,7 +102,8 @@ class Executor:
         reason = base.reason if base else attention_reason(layer.self_attn, weights)
         if reason is None and not settings.attention_kernel:
             reason = "the attention kernel switched off (KernelSettings.attention_kernel)"
-        attn = Decision("fallback", reason) if reason else Decision(backend)
+        heads = attention_note(layer.self_attn)
+        attn = Decision("fallback", reason, heads) if reason else Decision(backend, note=heads)
         attention_step = AttentionKernel(layer.self_attn, weights, backend, shape.static and backend in GPU_BACKENDS) \
             if attn.fused else None
         block = layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else None

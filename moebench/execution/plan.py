@@ -24,7 +24,7 @@ from .settings import ENV_SWITCH
 class Decision:
     """Which path one MoE block or attention layer takes: backend 'metal' / 'cuda' / 'reference', or
     'fallback' and why; `note`: what a fused path runs beside the kernels, and why, and on a sharded model
-    (either path) which experts this rank holds."""
+    (either path) which experts, or which attention heads, this rank holds."""
 
     path: str
     reason: str | None = None

@@ -88,6 +88,32 @@ class Linear(QuantizedWeight):
         return _matmul(self, x)
 
 
+class RowShard(Linear):
+    """Output rows [first, first + out_features) of a Linear of `total` rows: this rank's query or key/value heads
+    (moebench.models.sharding). The loader reads only these rows from the checkpoint."""
+
+    def __init__(self, in_features: int, total: int, first: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias)
+        self.total, self.first = total, first
+
+
+class ColumnShard(Linear):
+    """Input columns [first, first + in_features) of a Linear of `total` inputs: the attention output projection
+    over this rank's heads. Each rank's partial product covers its heads; one all_sum over `group` gives every
+    rank the whole layer's output (the bias, if any, added once, after it)."""
+
+    def __init__(self, total: int, first: int, in_features: int, out_features: int, group: mx.distributed.Group,
+                 bias: bool = False):
+        super().__init__(in_features, out_features, bias)
+        self.total, self.first, self.group = total, first, group
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mx.distributed.all_sum(self.matmul(x), group=self.group)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
 class Embedding(QuantizedWeight):
     """Token embedding [vocab, dims]; also the tied output projection."""
 

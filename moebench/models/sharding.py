@@ -1,10 +1,14 @@
-"""Expert parallelism over an mx.distributed group: each rank holds about 1/n of every MoE block's experts.
+"""Expert parallelism over an mx.distributed group: each rank holds about 1/n of every MoE block's experts;
+optionally tensor-parallel attention too: each rank holds 1/n of every attention layer's heads.
 
-The router, attention, norms, embeddings, dense MLPs and the shared expert stay whole on every rank; each
-block's routed experts become an ExpertShard (moebench.models.switch) holding a contiguous span of them,
-whose outputs one all_sum per layer joins. Every rank then holds every slot's output, so records and
-widgets see what one process would. Sharding replaces placeholders before the weights load, and the loader
-reads on each rank only the experts it holds (moebench.checkpoint.weights.stack_experts).
+Mode "experts": the router, attention, norms, embeddings, dense MLPs and the shared expert stay whole on every
+rank; each block's routed experts become an ExpertShard (moebench.models.switch) holding a contiguous span of
+them, whose outputs one all_sum per layer joins. Mode "experts+attention" also gives each rank a contiguous
+span of every layer's query heads and of its key/value heads (q/k/v as RowShards, o_proj as a ColumnShard,
+moebench.models.layers, as mlx-lm's shard() splits them), joined by a second all_sum per layer; the KV cache
+of a rank holds its own key/value heads only. Every rank then holds every slot's output and the whole residual
+stream, so records and widgets see what one process would. Sharding replaces placeholders before the weights
+load, and the loader reads on each rank only the experts and rows it holds (moebench.checkpoint.weights).
 
 Run under `mlx.launch`, e.g. `mlx.launch -n 2 --backend ring -- moebench generate MODEL --prompt hi --shard
 experts`: every rank runs the same program, and collective calls pair up in the order they are made.
@@ -16,9 +20,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..errors import ConfigError
+from .layers import ColumnShard, RowShard
 from .switch import ExpertShard, SwitchGLU
 
-MODES = ("experts",)
+ATTENTION_MODE = "experts+attention"  # experts and attention heads split over the ranks
+MODES = ("experts", ATTENTION_MODE)
 
 
 def expert_span(total: int, rank: int, size: int) -> tuple[int, int]:
@@ -47,6 +53,44 @@ def shard_experts(model, group: mx.distributed.Group) -> None:
         block.switch_mlp = ExpertShard(dims, hidden, total, first, end - first, group)
 
 
+def shard_heads(model, group: mx.distributed.Group) -> None:
+    """Give each attention layer of `model` (placeholder weights, before loading) this rank's span of its query
+    heads and of its key/value heads; each query head keeps its key/value head (the spans are the same share
+    of both). Heads that do not split evenly over the ranks are a ConfigError."""
+    size, rank = group.size(), group.rank()
+    if size == 1:
+        return
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        if attn.n_heads % size or attn.n_kv_heads % size:
+            raise ConfigError(f"shard: layer {i}'s {attn.n_heads} query and {attn.n_kv_heads} key/value heads do not "
+                              f"split evenly over {size} ranks (experts+attention needs both to)")
+        hd, dims = attn.head_dim, attn.q_proj.shape[1]
+        heads, kv = attn.n_heads // size, attn.n_kv_heads // size
+        bias = "bias" in attn.q_proj
+        attn.q_proj = RowShard(dims, attn.n_heads * hd, rank * heads * hd, heads * hd, bias)
+        attn.k_proj = RowShard(dims, attn.n_kv_heads * hd, rank * kv * hd, kv * hd, bias)
+        attn.v_proj = RowShard(dims, attn.n_kv_heads * hd, rank * kv * hd, kv * hd, bias)
+        attn.o_proj = ColumnShard(attn.n_heads * hd, rank * heads * hd, heads * hd, dims, group, "bias" in attn.o_proj)
+        attn.n_heads, attn.n_kv_heads = heads, kv
+
+
+def attention_note(attn) -> str | None:
+    """An attention decision's note on a layer whose heads are split over ranks, None where it is whole."""
+    out = attn.o_proj
+    if not isinstance(out, ColumnShard):
+        return None
+    hd, k = attn.head_dim, attn.k_proj
+
+    def heads(first: int, width: int, total: int) -> str:
+        last = (first + width) // hd - 1
+        return f"{first // hd}{'' if last == first // hd else f'-{last}'} of {total // hd}"
+
+    return (f"query heads {heads(out.first, out.shape[1], out.total)}, key/value heads "
+            f"{heads(k.first, k.shape[0], k.total)} on rank {out.group.rank()} of {out.group.size()} (the other "
+            "ranks' by all_sum)")
+
+
 def shard_of(model) -> ExpertShard | None:
     """The first MoE block's ExpertShard (every block is sharded alike), or None for a whole model."""
     blocks = model.moe_blocks()
@@ -73,6 +117,11 @@ def resident_expert_bytes(model) -> int:
                for _, a in tree_flatten(block.switch_mlp.parameters()))
 
 
+def resident_attention_bytes(model) -> int:
+    """Bytes of the attention layers' arrays this process holds, over every layer."""
+    return sum(a.nbytes for layer in model.layers for _, a in tree_flatten(layer.self_attn.parameters()))
+
+
 def per_rank(group: mx.distributed.Group | None, value: int) -> list[int]:
     """`value` as each rank of `group` has it, in rank order (every rank calls this together)."""
     if group is None or group.size() == 1:
@@ -81,8 +130,10 @@ def per_rank(group: mx.distributed.Group | None, value: int) -> list[int]:
 
 
 def report(model, group: mx.distributed.Group | None) -> dict:
-    """Where the experts are: this rank's span in words, and each rank's resident expert bytes and process peak
-    memory so far (every rank calls this together)."""
+    """Where the experts and heads are: this rank's spans in words, and each rank's resident expert and attention
+    bytes and process peak memory so far (every rank calls this together)."""
     return {"ranks": group.size() if group is not None else 1, "experts": describe(shard_of(model)),
+            "attention": attention_note(model.layers[0].self_attn) or "every head in this process",
             "expert_bytes_per_rank": per_rank(group, resident_expert_bytes(model)),
+            "attention_bytes_per_rank": per_rank(group, resident_attention_bytes(model)),
             "peak_bytes_per_rank": per_rank(group, mx.get_peak_memory())}

@@ -1,11 +1,12 @@
 """What tests/models/test_sharding.py compares: one decode of a checkpoint, alone or as one rank under mlx.launch.
 
-    python sharded_run.py MODEL OUT_DIR N_TOKENS PROMPT_ID...
+    python sharded_run.py MODEL OUT_DIR MODE N_TOKENS PROMPT_ID...
 
-Loads MODEL with its experts split over the processes mlx.launch started (one process alone: all of them),
-then, with the fused kernels on and off, decodes N_TOKENS greedily through the Stepper (recording every MoE
-layer) and through moebench.generate, eager and compiled, and writes OUT_DIR/rank{r}.json: tokens, each
-step's top-two logit margin, the records, and the sharding report.
+Loads MODEL with its experts (MODE experts) or its experts and attention heads (MODE experts+attention) split over
+the processes mlx.launch started (one process alone: all of them), then, with the fused kernels on and off,
+decodes N_TOKENS greedily through the Stepper (recording every MoE layer) and through moebench.generate, eager
+and compiled, and writes OUT_DIR/rank{r}.json: tokens, each step's top-two logit margin, the records, the plan's
+notes and the sharding report.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import mlx.core as mx
 import numpy as np
 
 import moebench
+from moebench.execution.executor import dispatch
 from moebench.inspect.record import Stepper
-from moebench.models.sharding import report
+from moebench.models.sharding import ATTENTION_MODE, report
 
 RECORDED = ("topk_ids", "topk_scores", "expert_out", "routed_out", "shared_out", "block_out", "resid_post")
 
@@ -29,9 +31,9 @@ def margin(logits: np.ndarray) -> float:
     return float(top[1] - top[0])
 
 
-def main(model_path: str, out: str, n: int, prompt: list[int]) -> None:
+def main(model_path: str, out: str, mode: str, n: int, prompt: list[int]) -> None:
     group = mx.distributed.init()
-    model, _ = moebench.load(model_path, shard=group)
+    model, _ = moebench.load(model_path, shard=group, shard_attention=mode == ATTENTION_MODE)
     result = {}
     for fused in (True, False):
         trace = Stepper(model, None, prompt, record=True, fused=fused, max_tokens=n, keep_logits=True).run(n)
@@ -43,6 +45,7 @@ def main(model_path: str, out: str, n: int, prompt: list[int]) -> None:
             "tokens": trace.token_ids, "generate_tokens": generated, "compiled_tokens": compiled,
             "margins": [margin(s.logits) for s in steps if s.logits is not None],
             "notes": sorted({s.layers[i].path.note or "" for s in steps for i in s.layers}),
+            "attention_notes": sorted(set(dispatch(model)["attention"][0]["notes"])),
             "records": [{str(i): {k: None if getattr(r, k) is None else np.asarray(getattr(r, k), np.float64).tolist()
                                   for k in RECORDED} for i, r in s.layers.items()} for s in steps],
         }
@@ -51,4 +54,4 @@ def main(model_path: str, out: str, n: int, prompt: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), [int(t) for t in sys.argv[4:]])
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), [int(t) for t in sys.argv[5:]])

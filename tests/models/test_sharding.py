@@ -1,5 +1,6 @@
-"""Expert parallelism: each rank loads only its span of experts, and two processes under mlx.launch (the ring
-backend over 127.0.0.1) decode as one process does, fused kernels on and off, with the same records."""
+"""Expert parallelism (and tensor-parallel attention): each rank loads only its span of experts (and of heads),
+and two processes under mlx.launch (the ring backend over 127.0.0.1) decode as one process does, fused kernels
+on and off, with the same records."""
 
 from __future__ import annotations
 
@@ -18,9 +19,17 @@ from moebench.checkpoint.config import ModelArgs
 from moebench.checkpoint.files import TensorStore
 from moebench.checkpoint.loader import SHIPPED_MODEL, load
 from moebench.checkpoint.weights import load_weights
-from moebench.errors import ConfigError, MoebenchError
+from moebench.errors import CheckpointError, ConfigError, MoebenchError
 from moebench.models import family
-from moebench.models.sharding import expert_span, resident_expert_bytes, shard_experts
+from moebench.models.layers import ColumnShard, RowShard
+from moebench.models.sharding import (
+    ATTENTION_MODE,
+    expert_span,
+    resident_attention_bytes,
+    resident_expert_bytes,
+    shard_experts,
+    shard_heads,
+)
 from moebench.models.switch import ExpertShard
 from moebench.tools.local_group import free_ports
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
@@ -78,11 +87,13 @@ def test_load_takes_only_an_mx_distributed_group():
         load(SHIPPED_MODEL, shard=Ranks(0, 2))
 
 
-def _loaded(folder: Path, group: Ranks | None):
+def _loaded(folder: Path, group: Ranks | None, heads: bool = False):
     args = ModelArgs.from_file(folder / "config.json")
     model = family(args.model_type).Model(args)
     if group is not None:
         shard_experts(model, group)
+        if heads:
+            shard_heads(model, group)
     store = TensorStore(folder)
     load_weights(model, store, mx.float32, args.quantization)
     store.check_all_used()
@@ -111,6 +122,53 @@ def test_each_rank_loads_exactly_its_span_of_experts(layout, qwen3_stacked):
         assert mx.array_equal(model.layers[0].mlp.gate["weight"], whole.layers[0].mlp.gate["weight"]).item()
 
 
+@pytest.mark.parametrize("model", ["shipped", "qwen3"])
+def test_each_rank_loads_exactly_its_heads(model, qwen3_stacked):
+    folder = SHIPPED_MODEL if model == "shipped" else qwen3_stacked
+    whole = _loaded(folder, None)
+    shards = [_loaded(folder, Ranks(r, 2), heads=True) for r in range(2)]
+    norms = sum(n.weight.nbytes for layer in whole.layers for n in (layer.self_attn.get("q_norm"),
+                                                                     layer.self_attn.get("k_norm")) if n is not None)
+    assert sum(resident_attention_bytes(m) for m in shards) == resident_attention_bytes(whole) + norms
+    for r, sharded in enumerate(shards):
+        for mine, full in zip(sharded.layers, whole.layers, strict=True):
+            a, b = mine.self_attn, full.self_attn
+            assert (a.n_heads, a.n_kv_heads) == (b.n_heads // 2, b.n_kv_heads // 2)
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                shard, rows = a[proj], b[proj].shape[0] // 2
+                assert isinstance(shard, RowShard) and (shard.first, shard.total) == (r * rows, 2 * rows)
+                for part in ("weight", "scales", "biases", "bias"):
+                    if part in b[proj]:
+                        theirs = b[proj][part][r * rows:(r + 1) * rows]
+                        assert mx.array_equal(shard[part], theirs).item(), (r, proj, part)
+            out, width = a.o_proj, b.o_proj.shape[1] // 2
+            assert isinstance(out, ColumnShard) and out.shape == (b.o_proj.shape[0], width)
+            parts, full_parts = out.quantized_parts(), b.o_proj.quantized_parts()
+            words, groups = parts.weight.shape[1], parts.scales.shape[1]
+            assert mx.array_equal(parts.weight, full_parts.weight[:, r * words:(r + 1) * words]).item()
+            assert mx.array_equal(parts.scales, full_parts.scales[:, r * groups:(r + 1) * groups]).item()
+            assert mx.array_equal(parts.biases, full_parts.biases[:, r * groups:(r + 1) * groups]).item()
+
+
+def test_heads_that_do_not_split_evenly_are_a_config_error():
+    model = family("qwen2_moe").Model(ModelArgs.from_file(SHIPPED_MODEL / "config.json"))  # 4 heads, 2 key/value
+    with pytest.raises(ConfigError, match="layer 0's 4 query and 2 key/value heads do not split evenly over 4 ranks"):
+        shard_heads(model, Ranks(0, 4))
+
+
+def test_heads_cut_inside_a_quantization_group_are_a_checkpoint_error(tmp_path):
+    config = qwen2_moe_config(num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2)
+    folder = write_random_checkpoint(tmp_path / "ckpt", config, seed=1, bits=4, group_size=64)  # heads of 32 columns
+    with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.o_proj: this rank's input columns 32..63 "
+                                              "cut its 4-bit groups of 64"):
+        _loaded(folder, Ranks(1, 4), heads=True)
+
+
+def test_load_splits_heads_only_over_a_group():
+    with pytest.raises(ConfigError, match="shard_attention needs a shard"):
+        load(SHIPPED_MODEL, shard_attention=True)
+
+
 def test_compare_refuses_a_sharded_model():
     from moebench.inspect.compare import compare_step
     from moebench.inspect.record import Stepper
@@ -132,17 +190,22 @@ def launch(*command: str, n: int = 2) -> subprocess.CompletedProcess:
     return done
 
 
+MODES = ("experts", ATTENTION_MODE)
+
+
 @pytest.fixture(scope="module")
 def decodes(qwen3_stacked, tmp_path_factory) -> dict:
-    """{model: (one process's record, [each rank's record of two])}."""
+    """{(model, mode): (one process's record, [each rank's record of two])}."""
     out = {}
     for name, folder in (("shipped", SHIPPED_MODEL), ("qwen3", qwen3_stacked)):
-        alone, pair = tmp_path_factory.mktemp(f"{name}-one"), tmp_path_factory.mktemp(f"{name}-two")
-        args = [str(folder), str(TOKENS), *map(str, PROMPT)]
-        subprocess.run([sys.executable, str(RUN), args[0], str(alone), *args[1:]], check=True, timeout=300)
-        launch(str(RUN), args[0], str(pair), *args[1:])
-        out[name] = (json.loads((alone / "rank0.json").read_text()),
-                     [json.loads((pair / f"rank{r}.json").read_text()) for r in range(2)])
+        alone = tmp_path_factory.mktemp(f"{name}-one")
+        args = [str(TOKENS), *map(str, PROMPT)]
+        subprocess.run([sys.executable, str(RUN), str(folder), str(alone), "experts", *args], check=True, timeout=300)
+        for mode in MODES:
+            pair = tmp_path_factory.mktemp(f"{name}-two")
+            launch(str(RUN), str(folder), str(pair), mode, *args)
+            out[name, mode] = (json.loads((alone / "rank0.json").read_text()),
+                               [json.loads((pair / f"rank{r}.json").read_text()) for r in range(2)])
     return out
 
 
@@ -155,10 +218,12 @@ def _agree(one: dict, two: dict) -> None:
 
 
 @pytest.mark.parametrize("name", ["shipped", "qwen3"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fused", ["on", "off"])
-def test_two_processes_decode_as_one(decodes, name, fused):
-    one, (rank0, rank1) = decodes[name][0][fused], [r[fused] for r in decodes[name][1]]
-    assert {**rank0, "notes": None} == {**rank1, "notes": None}  # every rank holds every slot's output
+def test_two_processes_decode_as_one(decodes, name, mode, fused):
+    one, (rank0, rank1) = decodes[name, mode][0][fused], [r[fused] for r in decodes[name, mode][1]]
+    spans = {"notes": None, "attention_notes": None}  # each rank names its own experts and heads
+    assert {**rank0, **spans} == {**rank1, **spans}  # every rank holds every slot's output
     _agree(one, rank0)
     for loop in ("generate_tokens", "compiled_tokens"):
         _agree({**one, "tokens": one[loop]}, {"tokens": rank0[loop]})
@@ -175,31 +240,44 @@ def test_two_processes_decode_as_one(decodes, name, fused):
                     continue
                 a, b = np.array(rec[part]), np.array(step_two[layer][part])
                 worst = max(worst, float(np.abs(a - b).max() / (np.abs(a).max() + 1e-12)))
-    # the fallback joins expert outputs, each slot non-zero on one rank: exact; the fused pair joins partial sums
-    assert worst == 0.0 if fused == "off" else worst < 1e-4, worst
+    # the fallback joins expert outputs, each slot non-zero on one rank: exact; the fused pair, and attention split
+    # by heads, join partial sums
+    assert worst == 0.0 if (fused, mode) == ("off", "experts") else worst < 1e-4, worst
 
 
 def test_each_rank_holds_half_the_experts_and_says_which(decodes):
-    for name, (one, (rank0, rank1)) in decodes.items():
+    for (name, mode), (one, (rank0, rank1)) in decodes.items():
         whole = one["shard"]["expert_bytes_per_rank"][0]
         assert rank0["shard"]["expert_bytes_per_rank"] == [whole // 2, whole // 2], name
-        assert rank0["shard"] == rank1["shard"] | {"experts": rank0["shard"]["experts"]}
+        spans = {"experts": rank0["shard"]["experts"], "attention": rank0["shard"]["attention"]}
+        assert rank0["shard"] == rank1["shard"] | spans
         total = SHIPPED_EXPERTS if name == "shipped" else 16
         half = total // 2
         assert [r["on"]["notes"] for r in (rank0, rank1)] == [
             [f"experts 0-{half - 1} of {total} on rank 0 of 2 (the other ranks' by all_sum)"],
             [f"experts {half}-{total - 1} of {total} on rank 1 of 2 (the other ranks' by all_sum)"]], name
+        attention = [r["on"]["attention_notes"] for r in (rank0, rank1)]
+        whole_attention = one["shard"]["attention_bytes_per_rank"][0]
+        if mode == "experts":
+            assert attention == [[], []] and rank0["shard"]["attention_bytes_per_rank"] == [whole_attention] * 2
+            continue
+        assert attention == [  # both models: 4 query heads, 2 key/value heads
+            ["query heads 0-1 of 4, key/value heads 0 of 2 on rank 0 of 2 (the other ranks' by all_sum)"],
+            ["query heads 2-3 of 4, key/value heads 1 of 2 on rank 1 of 2 (the other ranks' by all_sum)"]], name
+        assert max(rank0["shard"]["attention_bytes_per_rank"]) < 0.51 * whole_attention, name
 
 
-def test_generate_under_mlx_launch_prints_rank_zeros_decode():
+@pytest.mark.parametrize("mode", MODES)
+def test_generate_under_mlx_launch_prints_rank_zeros_decode(mode):
     command = ["-m", "moebench.cli", "generate", str(SHIPPED_MODEL), "--prompt", "def fibonacci(n):", "--max-tokens",
                "8", "--json"]
     alone = json.loads(subprocess.run([sys.executable, *command], capture_output=True, text=True, check=True,
                                       timeout=300).stdout)
-    printed = launch(*command, "--shard", "experts").stdout
+    printed = launch(*command, "--shard", mode).stdout
     pair = json.loads(printed[printed.index("{"):])  # rank 0's object; the other rank prints nothing
     assert pair["token_ids"] == alone["token_ids"] and pair["text"] == alone["text"]
     assert pair["shard"]["ranks"] == 2 and len(pair["shard"]["expert_bytes_per_rank"]) == 2
+    assert pair["shard"]["attention"].startswith("query heads 0-1 of 4") == (mode == ATTENTION_MODE)
     assert alone["shard"] is None
 
 
