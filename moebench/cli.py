@@ -7,7 +7,7 @@ import json
 import sys
 
 from .errors import MoebenchError
-from .models.sharding import ATTENTION_MODE, init_group, report
+from .models.sharding import TENSOR_MODE, init_group, report
 from .tools.bench import add_shard_argument
 from .tools.bench import register as _add_bench
 from .tools.eval_tiny import add_eval_command
@@ -64,7 +64,7 @@ def _run_generate(a: argparse.Namespace) -> int:
         set_fused_moe(a.fused == "on")
     group = init_group(a.shard) if a.shard else None
     quiet = group is not None and group.rank() != 0  # every rank decodes; rank 0 speaks for them
-    model, tok = load(a.model, verbose=not (a.json or quiet), shard=group, shard_attention=a.shard == ATTENTION_MODE)
+    model, tok = load(a.model, verbose=not (a.json or quiet), shard=group, tensor_parallel=a.shard == TENSOR_MODE)
     if tok is None:
         raise MoebenchError(f"{model.load_info.source}: no tokenizer.json, so a text prompt cannot be encoded")
     chat = a.chat or a.system is not None or a.thinking is not None
@@ -111,8 +111,8 @@ def _run_generate(a: argparse.Namespace) -> int:
             print(f"[{what} dispatch: {fused} fused, {fallback} fallback; reasons: {reasons}]", file=sys.stderr)
         if shard is not None:
             mb = ", ".join(f"{b / 1e6:.2f}" for b in shard["expert_bytes_per_rank"])
-            print(f"[sharded over {shard['ranks']} processes; {shard['experts']}; {shard['attention']}; resident "
-                  f"experts per rank: {mb} MB]", file=sys.stderr)
+            print(f"[sharded over {shard['ranks']} processes; {shard['experts']}; {shard['attention']}; "
+                  f"MLPs: {shard['mlps']}; resident experts per rank: {mb} MB]", file=sys.stderr)
     return 0
 
 

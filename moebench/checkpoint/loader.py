@@ -15,7 +15,7 @@ import mlx.nn as nn
 from ..errors import CheckpointError, ConfigError
 from ..models import family
 from ..models.layers import QuantizedWeight
-from ..models.sharding import shard_experts, shard_heads
+from ..models.sharding import shard_experts, shard_heads, shard_mlps
 from .config import ModelArgs
 from .files import TensorStore
 from .tokenizer import Tokenizer
@@ -85,7 +85,7 @@ def bits_report(model: nn.Module) -> dict[str, str]:
 
 def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress: bool | None = None,
          verbose: bool = False, check_finite: bool = True, shard: mx.distributed.Group | None = None,
-         shard_attention: bool = False):
+         tensor_parallel: bool = False):
     """Open a checkpoint folder (config.json, safetensors, tokenizer.json) -> (model, tokenizer or None).
 
     With no path, MOEBENCH_MODEL or the shipped tiny model. Activations run in float32 on CPU and in
@@ -93,7 +93,8 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
     `check_finite`: a weight holding NaN or Inf is a NonFiniteError naming it (False skips the check, e.g. to
     time it; checkpoint.weights.nonfinite_weights runs it on a loaded model). `shard`: an mx.distributed group
     over which the routed experts are split (moebench.models.sharding); this process reads only its own.
-    `shard_attention`: split every attention layer's heads over `shard` too (tensor-parallel attention).
+    `tensor_parallel`: split every layer's attention heads and every shared expert's and dense MLP's width over
+    `shard` too (mode experts+tensor).
     """
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"load: path must be a folder name (str or Path), got {type(path).__name__}")
@@ -111,10 +112,11 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
         if not isinstance(shard, mx.distributed.Group):
             raise ConfigError(f"load: shard must be an mx.distributed.Group or None, got {type(shard).__name__}")
         shard_experts(model, shard)
-        if shard_attention:
+        if tensor_parallel:
             shard_heads(model, shard)
-    elif shard_attention:
-        raise ConfigError("load: shard_attention needs a shard (an mx.distributed.Group) to split the heads over")
+            shard_mlps(model, shard)
+    elif tensor_parallel:
+        raise ConfigError("load: tensor_parallel needs a shard (an mx.distributed.Group) to split the layers over")
     load_weights(model, store, dtype or default_dtype() or _checkpoint_dtype(store), args.quantization,
                  check_finite)
     store.check_all_used()

@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 
 from ..models.hooks import Record, layer_scope, scope
 from ..models.qwen2_moe import SparseMoeBlock
-from ..models.sharding import attention_note, shard_note
+from ..models.sharding import attention_note, block_note
 from . import moe
 from .kernel import GPU_BACKENDS, available_backend
 from .plan import SWITCHED_OFF, Counts, Decision, LayerPlan, Plan, Shape, tokens_decision
@@ -111,7 +111,7 @@ class Executor:
             return LayerPlan(attn, None, attention_step)
         reason = base.reason if base else moe.support_reason(block.switch_mlp, backend, settings.max_dff)
         if reason:
-            return LayerPlan(attn, Decision("fallback", reason, shard_note(block.switch_mlp)), attention_step)
+            return LayerPlan(attn, Decision("fallback", reason, block_note(block)), attention_step)
         return LayerPlan(attn, Decision(backend, note=moe_note(block, weights)), attention_step,
                          MoeKernel(block, weights, backend, settings.rows))
 

@@ -20,7 +20,7 @@ from ..models import hooks
 from ..models.hooks import Record
 from ..models.qwen2_moe import SparseMoeBlock
 from ..models.routing import route
-from ..models.sharding import shard_note
+from ..models.sharding import block_note, mlp_note
 from ..models.switch import ExpertShard, weighted_sum
 from . import attention, moe
 from .attention import Heads, QKNorm, rope_frequencies
@@ -88,6 +88,7 @@ class MoeKernel:
     def __init__(self, block: SparseMoeBlock, weights: LayerWeights, backend: str, rows: int):
         self.block, self.weights, self.backend, self.rows = block, weights, backend, rows
         self.shard = block.switch_mlp if isinstance(block.switch_mlp, ExpertShard) else None
+        self.split_shared = "shared_expert" in block and mlp_note(block.shared_expert) is not None
 
     def __call__(self, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
         b, recording = self.block, record is not None
@@ -114,10 +115,11 @@ class MoeKernel:
         folded = moe.SharedExpert(*w.shared, gate) if shared_on and w.shared is not None else None
         beside = shared_on and folded is None  # the shared expert beside the kernels (the plan's note says why)
         slots, weights, once = inds, scores, True
-        if self.shard is not None:  # this rank's experts; the shared expert and the residual added on rank 0 alone
+        if self.shard is not None:  # this rank's experts; the residual (and a whole shared expert) on rank 0 alone
             held, slots = self.shard.owned(inds)
             weights, once = mx.where(held, scores, 0), self.shard.group.rank() == 0
-        out, expert_out, shared = moe.routed(self.backend, xn, slots, weights, *w.experts, folded if once else None,
+        mine = once or self.split_shared  # a split shared expert: every rank adds its share of the width
+        out, expert_out, shared = moe.routed(self.backend, xn, slots, weights, *w.experts, folded if mine else None,
                                              residual if once and not beside else None, self.rows)
         if self.shard is not None:
             out = mx.distributed.all_sum(out, group=self.shard.group)
@@ -129,7 +131,7 @@ class MoeKernel:
         if recording and self.shard is not None:  # every rank records every slot: the others' by all_sum
             expert_out = mx.distributed.all_sum(mx.where(held[..., None], expert_out, 0), group=self.shard.group)
             if folded is not None:
-                shared = mx.distributed.all_sum(shared if once else mx.zeros(xn.shape, mx.float32),
+                shared = mx.distributed.all_sum(shared if mine else mx.zeros(xn.shape, mx.float32),
                                                 group=self.shard.group)
         if recording:
             weighted = weighted_sum(expert_out, scores)  # float32, as inside kernel B
@@ -147,7 +149,7 @@ def moe_note(block: SparseMoeBlock, weights: LayerWeights) -> str | None:
     shared_note = weights.fused(block).shared_note
     if shared_note:
         notes.append(f"shared expert beside the kernels: {shared_note}")
-    if (sharded := shard_note(block.switch_mlp)) is not None:
+    if (sharded := block_note(block)) is not None:
         notes.append(sharded)
     if block.intervention is not None:
         notes.append(ROUTE_NOTE)

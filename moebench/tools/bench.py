@@ -36,7 +36,7 @@ from ..decode.loop import COMPILED_BY_DEFAULT, STEPS_AHEAD, GenerationResult, ge
 from ..errors import MoebenchError
 from ..execution.executor import executor, fused_moe
 from ..execution.kernel import available_backend
-from ..models.sharding import ATTENTION_MODE, MODES, init_group, report
+from ..models.sharding import MODES, TENSOR_MODE, init_group, report
 
 SCHEMA = "moebench.tools.bench/2"  # /2: a block per prompt length (lengths[]); weights and own peak per arm
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -437,8 +437,8 @@ def format_table(record: dict) -> str:
             head += f"; {label}: " + ", ".join(f"{k}={v}" for k, v in p[key].items())
     if record.get("shard"):
         s = record["shard"]
-        head += (f"\nsharded over {s['ranks']} processes (rank 0 reports: {s['experts']}; {s['attention']}); "
-                 "resident experts per rank "
+        head += (f"\nsharded over {s['ranks']} processes (rank 0 reports: {s['experts']}; {s['attention']}; "
+                 f"MLPs: {s['mlps']}); resident experts per rank "
                  f"{', '.join(f'{b / 1e9:.3g}' for b in s['expert_bytes_per_rank'])} GB, process peak per rank "
                  f"{', '.join(f'{b / 1e9:.3g}' for b in s['peak_bytes_per_rank'])} GB")
     return "\n\n".join([head, *(_length_table(record, length) for length in record["lengths"])])
@@ -499,7 +499,8 @@ def add_shard_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", choices=MODES, default=None,
                    help="experts: split every MoE block's experts over the processes mlx.launch started (each loads "
                         "only its own; rank 0 reports), e.g. mlx.launch -n 2 --backend ring -- moebench ...; "
-                        "experts+attention: every attention layer's heads too (tensor-parallel, as mlx-lm's shard())")
+                        "experts+tensor: every layer's attention heads and every shared expert's and dense MLP's "
+                        "width too (tensor-parallel, as mlx-lm's shard())")
 
 
 def _writable(path: Path) -> None:
@@ -516,7 +517,7 @@ def _run(a: argparse.Namespace) -> int:
     path = Path(a.model) if a.model else default_model_path()
     group = init_group(a.shard) if a.shard else None
     quiet = group is not None and group.rank() != 0  # every rank runs every arm in step; rank 0 reports
-    model, _ = load(path, verbose=not quiet, shard=group, shard_attention=a.shard == ATTENTION_MODE)
+    model, _ = load(path, verbose=not quiet, shard=group, tensor_parallel=a.shard == TENSOR_MODE)
     prompts = [prompt_token_ids(model.args.vocab_size, n, a.seed) for n in a.prompt_tokens]
     compiled = a.compiled if a.compiled != "auto" else ("both" if available_backend() in COMPILED_BY_DEFAULT else "off")
     arms, skipped = moebench_arms(model, a.fused, compiled), []

@@ -2,8 +2,8 @@
 
     python sharded_run.py MODEL OUT_DIR MODE N_TOKENS PROMPT_ID...
 
-Loads MODEL with its experts (MODE experts) or its experts and attention heads (MODE experts+attention) split over
-the processes mlx.launch started (one process alone: all of them), then, with the fused kernels on and off,
+Loads MODEL with its experts (MODE experts) or its experts, attention heads and MLP widths (MODE experts+tensor)
+split over the processes mlx.launch started (one process alone: all of them), then, with the fused kernels on and off,
 decodes N_TOKENS greedily through the Stepper (recording every MoE layer) and through moebench.generate, eager
 and compiled, and writes OUT_DIR/rank{r}.json: tokens, each step's top-two logit margin, the records, the plan's
 notes and the sharding report.
@@ -21,7 +21,7 @@ import numpy as np
 import moebench
 from moebench.execution.executor import dispatch
 from moebench.inspect.record import Stepper
-from moebench.models.sharding import ATTENTION_MODE, report
+from moebench.models.sharding import TENSOR_MODE, report
 
 RECORDED = ("topk_ids", "topk_scores", "expert_out", "routed_out", "shared_out", "block_out", "resid_post")
 
@@ -33,7 +33,7 @@ def margin(logits: np.ndarray) -> float:
 
 def main(model_path: str, out: str, mode: str, n: int, prompt: list[int]) -> None:
     group = mx.distributed.init()
-    model, _ = moebench.load(model_path, shard=group, shard_attention=mode == ATTENTION_MODE)
+    model, _ = moebench.load(model_path, shard=group, tensor_parallel=mode == TENSOR_MODE)
     result = {}
     for fused in (True, False):
         trace = Stepper(model, None, prompt, record=True, fused=fused, max_tokens=n, keep_logits=True).run(n)

@@ -1,5 +1,5 @@
-"""Expert parallelism (and tensor-parallel attention): each rank loads only its span of experts (and of heads),
-and two processes under mlx.launch (the ring backend over 127.0.0.1) decode as one process does, fused kernels
+"""Expert parallelism (and tensor parallelism): each rank loads only its span of experts (and of heads and MLP
+widths), and two processes under mlx.launch (the ring backend over 127.0.0.1) decode as one process does, fused kernels
 on and off, with the same records."""
 
 from __future__ import annotations
@@ -23,12 +23,15 @@ from moebench.errors import CheckpointError, ConfigError, MoebenchError
 from moebench.models import family
 from moebench.models.layers import ColumnShard, RowShard
 from moebench.models.sharding import (
-    ATTENTION_MODE,
+    TENSOR_MODE,
     expert_span,
     resident_attention_bytes,
     resident_expert_bytes,
+    resident_mlp_bytes,
     shard_experts,
     shard_heads,
+    shard_mlps,
+    split_mlps,
 )
 from moebench.models.switch import ExpertShard
 from moebench.tools.local_group import free_ports
@@ -59,7 +62,7 @@ class Ranks:
 def qwen3_stacked(tmp_path_factory) -> Path:
     config = qwen2_moe_config(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=64,
                               shared_expert_intermediate_size=0, qkv_bias=False, num_experts=16,
-                              num_experts_per_tok=8, norm_topk_prob=True)
+                              num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1])
     return write_random_checkpoint(tmp_path_factory.mktemp("qwen3") / "ckpt", config, seed=3, bits=4,
                                    layout="stacked", shard_bytes=400_000)
 
@@ -87,13 +90,14 @@ def test_load_takes_only_an_mx_distributed_group():
         load(SHIPPED_MODEL, shard=Ranks(0, 2))
 
 
-def _loaded(folder: Path, group: Ranks | None, heads: bool = False):
+def _loaded(folder: Path, group: Ranks | None, tensor: bool = False):
     args = ModelArgs.from_file(folder / "config.json")
     model = family(args.model_type).Model(args)
     if group is not None:
         shard_experts(model, group)
-        if heads:
+        if tensor:
             shard_heads(model, group)
+            shard_mlps(model, group)
     store = TensorStore(folder)
     load_weights(model, store, mx.float32, args.quantization)
     store.check_all_used()
@@ -126,7 +130,7 @@ def test_each_rank_loads_exactly_its_span_of_experts(layout, qwen3_stacked):
 def test_each_rank_loads_exactly_its_heads(model, qwen3_stacked):
     folder = SHIPPED_MODEL if model == "shipped" else qwen3_stacked
     whole = _loaded(folder, None)
-    shards = [_loaded(folder, Ranks(r, 2), heads=True) for r in range(2)]
+    shards = [_loaded(folder, Ranks(r, 2), tensor=True) for r in range(2)]
     norms = sum(n.weight.nbytes for layer in whole.layers for n in (layer.self_attn.get("q_norm"),
                                                                      layer.self_attn.get("k_norm")) if n is not None)
     assert sum(resident_attention_bytes(m) for m in shards) == resident_attention_bytes(whole) + norms
@@ -156,17 +160,49 @@ def test_heads_that_do_not_split_evenly_are_a_config_error():
         shard_heads(model, Ranks(0, 4))
 
 
+@pytest.mark.parametrize("model", ["shipped", "qwen3"])
+def test_each_rank_loads_exactly_its_share_of_every_mlp(model, qwen3_stacked):
+    """The shipped model's shared experts and the Qwen3 checkpoint's dense layer 1: gate/up rows, down columns."""
+    folder = SHIPPED_MODEL if model == "shipped" else qwen3_stacked
+    whole = _loaded(folder, None)
+    shards = [_loaded(folder, Ranks(r, 2), tensor=True) for r in range(2)]
+    mlps = split_mlps(whole)
+    assert len(mlps) == (len(whole.layers) if model == "shipped" else 1)
+    assert sum(resident_mlp_bytes(m) for m in shards) == resident_mlp_bytes(whole)
+    for r, sharded in enumerate(shards):
+        for where, full in mlps.items():
+            mine = split_mlps(sharded)[where]
+            rows = full.gate_proj.shape[0] // 2
+            for proj in ("gate_proj", "up_proj"):
+                assert isinstance(mine[proj], RowShard) and (mine[proj].first, mine[proj].total) == (r * rows, 2 * rows)
+                for part in ("weight", "scales", "biases"):
+                    theirs = full[proj][part][r * rows:(r + 1) * rows]
+                    assert mx.array_equal(mine[proj][part], theirs).item(), (r, where, proj, part)
+            down, parts, full_parts = mine.down_proj, mine.down_proj.quantized_parts(), full.down_proj.quantized_parts()
+            assert isinstance(down, ColumnShard) and down.shape == (full.down_proj.shape[0], rows)
+            words, groups = parts.weight.shape[1], parts.scales.shape[1]
+            assert mx.array_equal(parts.weight, full_parts.weight[:, r * words:(r + 1) * words]).item()
+            assert mx.array_equal(parts.scales, full_parts.scales[:, r * groups:(r + 1) * groups]).item()
+            assert mx.array_equal(parts.biases, full_parts.biases[:, r * groups:(r + 1) * groups]).item()
+
+
+def test_an_mlp_width_that_does_not_split_evenly_is_a_config_error():
+    model = family("qwen2_moe").Model(ModelArgs.from_file(SHIPPED_MODEL / "config.json"))
+    with pytest.raises(ConfigError, match="layer 0's shared expert of width 128 does not split evenly over 3 ranks"):
+        shard_mlps(model, Ranks(0, 3))
+
+
 def test_heads_cut_inside_a_quantization_group_are_a_checkpoint_error(tmp_path):
     config = qwen2_moe_config(num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2)
     folder = write_random_checkpoint(tmp_path / "ckpt", config, seed=1, bits=4, group_size=64)  # heads of 32 columns
     with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.o_proj: this rank's input columns 32..63 "
                                               "cut its 4-bit groups of 64"):
-        _loaded(folder, Ranks(1, 4), heads=True)
+        _loaded(folder, Ranks(1, 4), tensor=True)
 
 
 def test_load_splits_heads_only_over_a_group():
-    with pytest.raises(ConfigError, match="shard_attention needs a shard"):
-        load(SHIPPED_MODEL, shard_attention=True)
+    with pytest.raises(ConfigError, match="tensor_parallel needs a shard"):
+        load(SHIPPED_MODEL, tensor_parallel=True)
 
 
 def test_compare_refuses_a_sharded_model():
@@ -190,7 +226,7 @@ def launch(*command: str, n: int = 2) -> subprocess.CompletedProcess:
     return done
 
 
-MODES = ("experts", ATTENTION_MODE)
+MODES = ("experts", TENSOR_MODE)
 
 
 @pytest.fixture(scope="module")
@@ -249,18 +285,29 @@ def test_each_rank_holds_half_the_experts_and_says_which(decodes):
     for (name, mode), (one, (rank0, rank1)) in decodes.items():
         whole = one["shard"]["expert_bytes_per_rank"][0]
         assert rank0["shard"]["expert_bytes_per_rank"] == [whole // 2, whole // 2], name
-        spans = {"experts": rank0["shard"]["experts"], "attention": rank0["shard"]["attention"]}
+        spans = {k: rank0["shard"][k] for k in ("experts", "attention", "mlps")}
         assert rank0["shard"] == rank1["shard"] | spans
         total = SHIPPED_EXPERTS if name == "shipped" else 16
         half = total // 2
+        shared = ["", ""] if (name, mode) != ("shipped", TENSOR_MODE) else [  # the shipped model's shared experts
+            f"; shared expert width {r * 64}-{r * 64 + 63} of 128 on rank {r} of 2 (the other ranks' by all_sum)"
+            for r in range(2)]
         assert [r["on"]["notes"] for r in (rank0, rank1)] == [
-            [f"experts 0-{half - 1} of {total} on rank 0 of 2 (the other ranks' by all_sum)"],
-            [f"experts {half}-{total - 1} of {total} on rank 1 of 2 (the other ranks' by all_sum)"]], name
+            [f"experts 0-{half - 1} of {total} on rank 0 of 2 (the other ranks' by all_sum){shared[0]}"],
+            [f"experts {half}-{total - 1} of {total} on rank 1 of 2 (the other ranks' by all_sum){shared[1]}"]], name
+        assert [r["off"]["notes"] for r in (rank0, rank1)] == [r["on"]["notes"] for r in (rank0, rank1)], name
         attention = [r["on"]["attention_notes"] for r in (rank0, rank1)]
-        whole_attention = one["shard"]["attention_bytes_per_rank"][0]
+        whole_attention, whole_mlps = (one["shard"][k][0] for k in ("attention_bytes_per_rank", "mlp_bytes_per_rank"))
         if mode == "experts":
             assert attention == [[], []] and rank0["shard"]["attention_bytes_per_rank"] == [whole_attention] * 2
+            assert rank0["shard"]["mlps"] == "every MLP's whole width in this process"
+            assert rank0["shard"]["mlp_bytes_per_rank"] == [whole_mlps] * 2
             continue
+        width = 128 if name == "shipped" else 256  # the shipped model's shared experts, the Qwen3 one's dense layer
+        assert [r["shard"]["mlps"] for r in (rank0, rank1)] == [
+            f"width {r * width // 2}-{(r + 1) * width // 2 - 1} of {width} on rank {r} of 2 (the other ranks' by "
+            "all_sum)" for r in range(2)], name
+        assert rank0["shard"]["mlp_bytes_per_rank"] == [whole_mlps // 2] * 2, name
         assert attention == [  # both models: 4 query heads, 2 key/value heads
             ["query heads 0-1 of 4, key/value heads 0 of 2 on rank 0 of 2 (the other ranks' by all_sum)"],
             ["query heads 2-3 of 4, key/value heads 1 of 2 on rank 1 of 2 (the other ranks' by all_sum)"]], name
@@ -277,7 +324,7 @@ def test_generate_under_mlx_launch_prints_rank_zeros_decode(mode):
     pair = json.loads(printed[printed.index("{"):])  # rank 0's object; the other rank prints nothing
     assert pair["token_ids"] == alone["token_ids"] and pair["text"] == alone["text"]
     assert pair["shard"]["ranks"] == 2 and len(pair["shard"]["expert_bytes_per_rank"]) == 2
-    assert pair["shard"]["attention"].startswith("query heads 0-1 of 4") == (mode == ATTENTION_MODE)
+    assert pair["shard"]["attention"].startswith("query heads 0-1 of 4") == (mode == TENSOR_MODE)
     assert alone["shard"] is None
 
 
