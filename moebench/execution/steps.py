@@ -18,9 +18,10 @@ import mlx.core as mx
 
 from ..models import hooks
 from ..models.hooks import Record
+from ..models.layers import ColumnShard
 from ..models.qwen2_moe import SparseMoeBlock
 from ..models.routing import route
-from ..models.sharding import block_note, mlp_note
+from ..models.sharding import block_note
 from ..models.switch import ExpertShard, weighted_sum
 from . import attention, moe
 from .attention import Heads, QKNorm, rope_frequencies
@@ -88,7 +89,7 @@ class MoeKernel:
     def __init__(self, block: SparseMoeBlock, weights: LayerWeights, backend: str, rows: int):
         self.block, self.weights, self.backend, self.rows = block, weights, backend, rows
         self.shard = block.switch_mlp if isinstance(block.switch_mlp, ExpertShard) else None
-        self.split_shared = "shared_expert" in block and mlp_note(block.shared_expert) is not None
+        self.split_shared = "shared_expert" in block and isinstance(block.shared_expert.down_proj, ColumnShard)
 
     def __call__(self, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
         b, recording = self.block, record is not None
