@@ -60,20 +60,20 @@ LOG_FILE = "train_log.jsonl"
 class TrainSettings:
     """The defaults are the shipped model's (data/README.md)."""
 
-    steps: int = 6000
+    steps: int = 8000
     hidden_size: int = 128
     num_layers: int = 4
     num_experts: int = 64
     top_k: int = 2
-    batch: int = 8  # sequences per step
-    prose_share: float = 0.625  # of them from prose (rounded to whole sequences), the rest from code
+    batch: int = 16  # sequences per step
+    prose_share: float = 0.6875  # of them from prose (rounded to whole sequences), the rest from code
     seq_len: int = 128
     peak_lr: float = 3e-3
     final_lr_fraction: float = 0.1
     warmup: int = 30
     weight_decay: float = 0.05
-    balance_coef: float = 0.03
-    domain_coef: float = 0.03  # weight of the code-vs-prose routing separation (subtracted from the loss)
+    balance_coef: float = 0.04
+    domain_coef: float = 0.015  # weight of the code-vs-prose routing separation (subtracted from the loss)
     grad_clip: float = 1.0
     seed: int = 0
     vocab_size: int = 4096

@@ -1,4 +1,5 @@
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -195,6 +196,12 @@ def test_shipped_files_are_small_per_expert_and_logged():
     assert steps[-1]["ce"] < steps[0]["ce"] - 2
     # Below the unigram baseline of data/README.md (6.88 nats on code, 6.53 on prose).
     assert all(ce < 6.3 for ce in records[-1]["final_float_valid_ce"].values())
+
+
+def test_train_tiny_defaults_are_the_shipped_models_settings():
+    """data/README.md's rerun command is `moebench train-tiny` with no settings flags."""
+    logged = json.loads((SHIPPED_MODEL / LOG_FILE).read_text().splitlines()[0])["settings"]
+    assert logged == dataclasses.asdict(TrainSettings())
 
 
 def test_shipped_tokenizer_round_trips_both_domains(shipped):
