@@ -227,7 +227,7 @@ def test_shipped_experts_are_all_used_and_differ_between_code_and_prose(shipped)
         assert (stats.expert_counts(both, e) > 0).all(), f"layer {layer} leaves an expert unused"
     js = [stats.js_divergence(stats.expert_counts(usage["code"][i], e), stats.expert_counts(usage["prose"][i], e))
           for i in usage["code"]]
-    assert max(js) > 0.2  # measured 0.06 to 0.63 bits per layer
+    assert max(js) > 0.2  # the shipped model: 0.41 to 1.00 bits per layer
 
 
 GROUP_STEPS = Path(__file__).with_name("group_steps.py")
