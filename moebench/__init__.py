@@ -5,7 +5,6 @@
     moebench.dispatch(model)                    # what ran, per layer: fused kernels or fallback, and why
 """
 
-from .checkpoint.config import ModelArgs
 from .checkpoint.loader import default_model_path, load
 from .decode.loop import generate
 from .decode.sampling import Sampling
@@ -20,6 +19,7 @@ from .errors import (
 )
 from .execution.executor import dispatch, fused_moe, fused_moe_enabled, set_fused_moe
 from .execution.kernel import available_backend
+from .models.args import ModelArgs
 from .models.routing import Intervention
 
 __all__ = [

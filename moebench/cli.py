@@ -11,6 +11,7 @@ from .models.sharding import TENSOR_MODE, init_group, report
 from .tools.bench import add_shard_argument
 from .tools.bench import register as _add_bench
 from .tools.eval_tiny import add_eval_command
+from .tools.flags import SEED
 from .tools.microbench import add_command as _add_microbench
 from .tools.presets import register as _add_make_random
 from .tools.profile import register as _add_profile
@@ -38,7 +39,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages tokens already seen")
     p.add_argument("--repetition-context", type=int, default=None,
                    help="how many recent tokens the penalty looks at (default: all, as transformers; mlx-lm uses 20)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=SEED, default=None)
     p.add_argument("--fused", choices=("on", "off"), default=None, help="override MOEBENCH_FUSED_MOE")
     p.add_argument("--compiled", choices=("on", "off"), default=None,
                    help="decode through the compiled step (default: on for the fused kernels on CUDA, else off)")

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 if [ "$(uname -s)" = "Darwin" ]; then extra=apple; else extra=cpu; fi
 python3 -m pip install -q -e ".[$extra,dev]"
 # OpenBLAS: MLX's Linux wheels link the reference BLAS; train-tiny runs its float matmuls on OpenBLAS when it is
-# installed, about 4x faster (docs/benchmarks/cpu-train-throughput-2026-12-01.md).
+# installed, about 4x faster (docs/benchmarks/train-throughput-cpu-2026-12-01.md).
 if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then
   missing=()
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)

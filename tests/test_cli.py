@@ -96,3 +96,26 @@ def test_console_script_reports_a_corrupt_checkpoint_without_crashing(quantized_
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"moebench: error: {weights}") and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "--prompt", "hi", "--seed", "-1"], "--seed"),
+    (["generate", "--prompt", "hi", "--seed", str(2**64)], "--seed"),
+    (["generate", "--prompt", "hi", "--seed", "1.5"], "--seed"),
+    (["profile", "--seed", "-1"], "--seed"), (["profile", "--steps", "0"], "--steps"),
+    (["profile", "--warmup", "-1"], "--warmup"), (["profile", "--prompt-tokens", "0"], "--prompt-tokens"),
+    (["make-random", "out", "--seed", "-5"], "--seed"), (["make-random", "out", "--shard-gb", "inf"], "--shard-gb"),
+    (["make-random", "out", "--shard-gb", "0"], "--shard-gb"), (["selfcheck", "--repeats", "0"], "--repeats"),
+    (["selfcheck", "--gen-tokens", "-1"], "--gen-tokens"),
+])
+def test_numeric_flags_out_of_range_are_usage_errors_naming_the_flag(capsys, argv, flag):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {flag}:" in err and "Traceback" not in err
+
+
+def test_the_largest_seed_decodes(float_checkpoint, capsys):
+    out = run_json(capsys, str(float_checkpoint), "--prompt", "hi", "--temperature", "1", "--seed", str(2**64 - 1),
+                   "--max-tokens", "2")
+    assert out["sampling"]["seed"] == 2**64 - 1 and len(out["token_ids"]) == 2

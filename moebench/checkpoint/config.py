@@ -1,4 +1,4 @@
-"""ModelArgs: the Qwen2-MoE fields that change the computation, read from a checkpoint's config.json.
+"""Reading a checkpoint's config.json (into moebench.models.args.ModelArgs) and generation_config.json.
 
 Unknown keys are ignored; a missing required key or an invalid value raises ConfigError naming it.
 """
@@ -7,24 +7,19 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .files import checkpoint_file
+from ..models import family
+from ..models.args import MODE_DEFAULTS, QUANT_MODES, ModelArgs, Quantization, QuantSpec
+from .files import checkpoint_file, parse_json
 
-QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
-AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-AFFINE_GROUP_SIZES = (32, 64, 128)
 # transformers' Qwen2MoeConfig default, used when config.json gives no rope_theta at all.
 DEFAULT_ROPE_THETA = 10_000.0
 FLOAT32_MAX = 3.4028234663852886e38
 INT32_MAX = 2**31 - 1
-# MLX's fixed (group size, bits) for the bias-free floating point modes.
-FP_MODES = {"mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}
-# mlx.nn's (group size, bits) for a quantization entry that leaves them out or null, per mode.
-MODE_DEFAULTS = {"affine": (64, 4), **FP_MODES}
 # Entry keys mlx-lm can write that change the arithmetic in ways moebench does not reproduce.
 UNSUPPORTED_ENTRY_FLAGS = {
     "global_scale": "nvfp4 with a per-tensor global scale is not supported",
@@ -32,198 +27,128 @@ UNSUPPORTED_ENTRY_FLAGS = {
 }
 
 
-@dataclass(frozen=True)
-class QuantSpec:
-    """How one module (or the default) is quantized."""
+def model_args(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
+    """ModelArgs from a parsed config.json; a missing required key or an invalid value is a ConfigError naming it.
+    The family (model_type) first fills the fields its config.json leaves out or names its own way."""
+    model_type = cfg.get("model_type", "qwen2_moe")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"{source}: field 'model_type' must be a string, got {model_type!r}")
+    cfg = {**cfg, **family(model_type, source).config_fields(cfg)}
 
-    group_size: int
-    bits: int
-    mode: str = "affine"
+    def need(key: str) -> Any:
+        if key not in cfg or cfg[key] is None:
+            raise ConfigError(f"{source}: required field {key!r} is missing")
+        return cfg[key]
 
-    def validate(self, where: str) -> None:
-        """Check against MLX's rules so MLX never aborts on them."""
-        if self.mode not in QUANT_MODES:
-            raise ConfigError(f"{where}: quantization mode {self.mode!r} is not one of {QUANT_MODES}")
-        if self.mode == "affine":
-            if self.bits not in AFFINE_BITS:
-                raise ConfigError(f"{where}: affine bits {self.bits} not in {AFFINE_BITS}")
-            if self.group_size not in AFFINE_GROUP_SIZES:
-                raise ConfigError(f"{where}: affine group_size {self.group_size} not in {AFFINE_GROUP_SIZES}")
-        elif (self.group_size, self.bits) != FP_MODES[self.mode]:
-            gs, bits = FP_MODES[self.mode]
-            raise ConfigError(
-                f"{where}: mode {self.mode} needs group_size {gs} and bits {bits}, "
-                f"got {self.group_size} and {self.bits}"
-            )
+    def integer(key: str, value: Any, minimum: int = 1) -> int:
+        """An integer from `minimum` up to 2**31 - 1 (MLX's shapes are 32-bit: a larger size is no model)."""
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= INT32_MAX:
+            raise ConfigError(f"{source}: field {key!r} must be an integer from {minimum} to {INT32_MAX}, got "
+                              f"{value!r}")
+        return value
 
+    def number(key: str, value: Any) -> float:
+        """A positive number that stays finite in float32 (JSON's Infinity and 1e39 would not)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= FLOAT32_MAX:
+            raise ConfigError(f"{source}: field {key!r} must be a positive finite number, got {value!r}")
+        return float(value)
 
-@dataclass(frozen=True)
-class Quantization:
-    """The config's `quantization` block: a default plus per-module overrides (or `False` to skip)."""
+    def optional(key: str, default: Any) -> Any:
+        """A field that may be absent or null (then `default`); any value given is validated."""
+        value = cfg.get(key)
+        return default if value is None else value
 
-    default: QuantSpec
-    overrides: dict[str, QuantSpec | bool] = field(default_factory=dict)
+    def flag(key: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: field {key!r} must be true or false, got {value!r}")
+        return value
 
-    def for_module(self, path: str) -> QuantSpec | None:
-        """The spec for a module path, or None when the block says the module stays float."""
-        override = self.overrides.get(path)
-        if override is False:
-            return None
-        if isinstance(override, QuantSpec):
-            return override
-        return self.default
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
-    norm_topk_prob: bool
-    decoder_sparse_step: int
-    mlp_only_layers: tuple[int, ...]
-    rope_theta: float
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    vocab_size: int
-    qkv_bias: bool = True
-    quantization: Quantization | None = None
-    eos_token_id: tuple[int, ...] = ()
-    max_position_embeddings: int | None = None  # the longest sequence the model was made for (None: not given)
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """Qwen2-MoE's rule: MoE unless listed as MLP-only, and only every `decoder_sparse_step`-th layer."""
-        return (
-            layer not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer + 1) % self.decoder_sparse_step == 0
+    hidden = integer("hidden_size", need("hidden_size"))
+    heads = integer("num_attention_heads", need("num_attention_heads"))
+    kv_heads = integer("num_key_value_heads", optional("num_key_value_heads", heads))
+    if heads % kv_heads:
+        raise ConfigError(
+            f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+        head_dim = hidden // heads
+    head_dim = integer("head_dim", head_dim)
+    if head_dim % 2:
+        raise ConfigError(f"{source}: field 'head_dim' must be even for rotary embeddings, got {head_dim}")
 
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
-        def need(key: str) -> Any:
-            if key not in cfg or cfg[key] is None:
-                raise ConfigError(f"{source}: required field {key!r} is missing")
-            return cfg[key]
+    rope_theta = cfg.get("rope_theta")
+    for key in ("rope_parameters", "rope_scaling"):  # transformers 5 / 4 names of the RoPE settings
+        rope = cfg.get(key)
+        if not isinstance(rope, dict):
+            continue
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"{source}: field {key!r}: rope_type {rope_type!r} is not supported (only 'default')")
+        if rope_theta is None:
+            rope_theta = rope.get("rope_theta")
+    if optional("use_sliding_window", False) is not False:
+        raise ConfigError(f"{source}: field 'use_sliding_window' is set; sliding-window attention is not supported")
+    act = optional("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; Qwen2-MoE experts use 'silu'")
+    rope_theta = number("rope_theta", DEFAULT_ROPE_THETA if rope_theta is None else rope_theta)
 
-        def integer(key: str, value: Any, minimum: int = 1) -> int:
-            """An integer from `minimum` up to 2**31 - 1 (MLX's shapes are 32-bit: a larger size is no model)."""
-            if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= INT32_MAX:
-                raise ConfigError(f"{source}: field {key!r} must be an integer from {minimum} to {INT32_MAX}, got "
-                                  f"{value!r}")
-            return value
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts
+    experts_key = "num_experts" if "num_experts" in cfg or "num_local_experts" not in cfg else "num_local_experts"
+    num_experts = integer(experts_key, need(experts_key), minimum=0)
+    top_k = integer("num_experts_per_tok", need("num_experts_per_tok"))
+    if num_experts and top_k > num_experts:
+        raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})")
+    layers = integer("num_hidden_layers", need("num_hidden_layers"))
+    mlp_only = optional("mlp_only_layers", [])
+    if not isinstance(mlp_only, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only
+    ):
+        raise ConfigError(f"{source}: field 'mlp_only_layers' must list layer indices below {layers}")
 
-        def number(key: str, value: Any) -> float:
-            """A positive number that stays finite in float32 (JSON's Infinity and 1e39 would not)."""
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= FLOAT32_MAX:
-                raise ConfigError(f"{source}: field {key!r} must be a positive finite number, got {value!r}")
-            return float(value)
+    return ModelArgs(
+        model_type=model_type,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=integer("intermediate_size", need("intermediate_size")),
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=integer("moe_intermediate_size", need("moe_intermediate_size")),
+        shared_expert_intermediate_size=integer(
+            "shared_expert_intermediate_size", optional("shared_expert_intermediate_size", 0), minimum=0
+        ),
+        norm_topk_prob=flag("norm_topk_prob", optional("norm_topk_prob", False)),
+        decoder_sparse_step=integer("decoder_sparse_step", optional("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(mlp_only),
+        rope_theta=rope_theta,
+        rms_norm_eps=number("rms_norm_eps", need("rms_norm_eps")),
+        tie_word_embeddings=flag("tie_word_embeddings", optional("tie_word_embeddings", False)),
+        vocab_size=integer("vocab_size", need("vocab_size")),
+        qkv_bias=flag("qkv_bias", need("qkv_bias")),
+        quantization=_parse_quantization(cfg.get("quantization"), source),
+        eos_token_id=token_ids(cfg.get("eos_token_id"), f"{source}: field 'eos_token_id'"),
+        max_position_embeddings=None if cfg.get("max_position_embeddings") is None else integer(
+            "max_position_embeddings", cfg["max_position_embeddings"]),
+        clip_qkv=None if cfg.get("clip_qkv") is None else number("clip_qkv", cfg["clip_qkv"]),
+    )
 
-        def optional(key: str, default: Any) -> Any:
-            """A field that may be absent or null (then `default`); any value given is validated."""
-            value = cfg.get(key)
-            return default if value is None else value
-
-        def flag(key: str, value: Any) -> bool:
-            if not isinstance(value, bool):
-                raise ConfigError(f"{source}: field {key!r} must be true or false, got {value!r}")
-            return value
-
-        hidden = integer("hidden_size", need("hidden_size"))
-        heads = integer("num_attention_heads", need("num_attention_heads"))
-        kv_heads = integer("num_key_value_heads", optional("num_key_value_heads", heads))
-        if heads % kv_heads:
-            raise ConfigError(
-                f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
-            )
-        head_dim = cfg.get("head_dim")
-        if head_dim is None:
-            if hidden % heads:
-                raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
-            head_dim = hidden // heads
-        head_dim = integer("head_dim", head_dim)
-        if head_dim % 2:
-            raise ConfigError(f"{source}: field 'head_dim' must be even for rotary embeddings, got {head_dim}")
-
-        rope_theta = cfg.get("rope_theta")
-        for key in ("rope_parameters", "rope_scaling"):  # transformers 5 / 4 names of the RoPE settings
-            rope = cfg.get(key)
-            if not isinstance(rope, dict):
-                continue
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type != "default":
-                raise ConfigError(f"{source}: field {key!r}: rope_type {rope_type!r} is not supported (only 'default')")
-            if rope_theta is None:
-                rope_theta = rope.get("rope_theta")
-        if optional("use_sliding_window", False) is not False:
-            raise ConfigError(f"{source}: field 'use_sliding_window' is set; sliding-window attention is not supported")
-        act = optional("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; Qwen2-MoE experts use 'silu'")
-        rope_theta = number("rope_theta", DEFAULT_ROPE_THETA if rope_theta is None else rope_theta)
-
-        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts
-        experts_key = "num_experts" if "num_experts" in cfg or "num_local_experts" not in cfg else "num_local_experts"
-        num_experts = integer(experts_key, need(experts_key), minimum=0)
-        top_k = integer("num_experts_per_tok", need("num_experts_per_tok"))
-        if num_experts and top_k > num_experts:
-            raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})")
-        layers = integer("num_hidden_layers", need("num_hidden_layers"))
-        mlp_only = optional("mlp_only_layers", [])
-        if not isinstance(mlp_only, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only
-        ):
-            raise ConfigError(f"{source}: field 'mlp_only_layers' must list layer indices below {layers}")
-
-
-        return cls(
-            model_type=str(cfg.get("model_type", "qwen2_moe")),
-            hidden_size=hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            intermediate_size=integer("intermediate_size", need("intermediate_size")),
-            num_experts=num_experts,
-            num_experts_per_tok=top_k,
-            moe_intermediate_size=integer("moe_intermediate_size", need("moe_intermediate_size")),
-            shared_expert_intermediate_size=integer(
-                "shared_expert_intermediate_size", optional("shared_expert_intermediate_size", 0), minimum=0
-            ),
-            norm_topk_prob=flag("norm_topk_prob", optional("norm_topk_prob", False)),
-            decoder_sparse_step=integer("decoder_sparse_step", optional("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(mlp_only),
-            rope_theta=rope_theta,
-            rms_norm_eps=number("rms_norm_eps", need("rms_norm_eps")),
-            tie_word_embeddings=flag("tie_word_embeddings", optional("tie_word_embeddings", False)),
-            vocab_size=integer("vocab_size", need("vocab_size")),
-            qkv_bias=flag("qkv_bias", optional("qkv_bias", optional("attention_bias", True))),
-            quantization=_parse_quantization(cfg.get("quantization"), source),
-            eos_token_id=token_ids(cfg.get("eos_token_id"), f"{source}: field 'eos_token_id'"),
-            max_position_embeddings=None if cfg.get("max_position_embeddings") is None else integer(
-                "max_position_embeddings", cfg["max_position_embeddings"]),
-        )
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> ModelArgs:
-        """config.json, with the stop ids of generation_config.json beside it added (as mlx-lm stops on both)."""
-        path = Path(path)
-        try:
-            cfg = read_json_object(path)
-        except FileNotFoundError as e:
-            raise ConfigError(f"{path}: no config.json here") from e
-        args = cls.from_dict(cfg, source=str(path))
-        generation = GenerationConfig.from_file(path.with_name(GENERATION_CONFIG))
-        eos = tuple(dict.fromkeys(args.eos_token_id + generation.eos_token_id))
-        return replace(args, eos_token_id=eos)
+def read_model_args(path: str | Path) -> ModelArgs:
+    """config.json, with the stop ids of generation_config.json beside it added (as mlx-lm stops on both)."""
+    path = Path(path)
+    try:
+        cfg = read_json_object(path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{path}: no config.json here") from e
+    args = model_args(cfg, source=str(path))
+    generation = GenerationConfig.from_file(path.with_name(GENERATION_CONFIG))
+    eos = tuple(dict.fromkeys(args.eos_token_id + generation.eos_token_id))
+    return replace(args, eos_token_id=eos)
 
 
 GENERATION_CONFIG = "generation_config.json"
@@ -286,9 +211,9 @@ def _setting(cfg: dict[str, Any], path: Path, key: str) -> Any:
 
 def read_json_object(path: Path) -> dict[str, Any]:
     """A JSON file of a checkpoint folder (a regular file inside it: checkpoint_file) whose top level is an
-    object; FileNotFoundError passes through for the caller to word."""
+    object; FileNotFoundError passes through for the caller to word (a link that dangles is a ConfigError)."""
     try:
-        cfg = json.loads(checkpoint_file(path, path.parent, ConfigError).read_text())
+        cfg = parse_json(checkpoint_file(path, path.parent, ConfigError).read_text(), path, ConfigError)
     except FileNotFoundError:
         raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

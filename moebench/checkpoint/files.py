@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import stat
 import struct
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -38,11 +40,14 @@ def checkpoint_file(path: Path, folder: Path, error: type[MoebenchError] = Check
     """`path`, once it is known to be a regular file inside `folder`: a link may point anywhere inside it, or into
     the blob store of the Hugging Face cache when `folder` is one of its snapshots (snapshots/REV/x links to
     ../../blobs/HASH). Anything else (a FIFO would block the read forever, a device, a folder, a file elsewhere)
-    is an `error` naming the path; a missing file raises FileNotFoundError for the caller to word."""
+    is an `error` naming the path, and so is a link that dangles (a broken download is not an absent file); a
+    missing file raises FileNotFoundError for the caller to word."""
     try:
         mode = path.stat().st_mode
         target, root = path.resolve(), folder.resolve()
     except FileNotFoundError:
+        if path.is_symlink():
+            raise error(f"{path}: a link to {os.readlink(path)}, which does not exist") from None
         raise
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
         raise error(f"{path}: cannot read: {e}") from e
@@ -52,6 +57,21 @@ def checkpoint_file(path: Path, folder: Path, error: type[MoebenchError] = Check
     if not stat.S_ISREG(mode):
         raise error(f"{path}: not a regular file")
     return path
+
+
+def is_present(path: Path) -> bool:
+    """Whether anything is at `path`: a file, or a link, even one that dangles or loops (checkpoint_file then
+    refuses it, naming it; Path.exists alone would call such a link absent)."""
+    return path.exists() or path.is_symlink()
+
+
+def parse_json(text: str | bytes, path: Path, error: type[MoebenchError], **options: Any) -> Any:
+    """json.loads(text, **options); JSON nested too deeply for Python's parser (a RecursionError) is an `error`
+    naming the file. Other JSON errors pass through for the caller to word."""
+    try:
+        return json.loads(text, **options)
+    except RecursionError:
+        raise error(f"{path}: JSON nested too deeply to read") from None
 
 
 def read_safetensors_header(path: Path) -> dict[str, dict]:
@@ -70,7 +90,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e}") from e
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        header = parse_json(raw.decode("utf-8"), path, CheckpointError, object_pairs_hook=_unique_keys)
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: not UTF-8 at byte {8 + e.start})") from e
     except json.JSONDecodeError as e:
@@ -138,9 +158,9 @@ def checkpoint_files(folder: Path) -> list[Path]:
     """The safetensors files of a folder: from the shard index when present, else every *.safetensors; each a
     regular file inside the folder (checkpoint_file)."""
     index = folder / INDEX_FILE
-    if index.exists() or index.is_symlink():
+    if is_present(index):
         try:
-            weight_map = json.loads(checkpoint_file(index, folder).read_text())["weight_map"]
+            weight_map = parse_json(checkpoint_file(index, folder).read_text(), index, CheckpointError)["weight_map"]
             names = set(weight_map.values())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index}: unreadable shard index: {e}") from e

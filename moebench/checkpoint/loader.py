@@ -14,10 +14,11 @@ import mlx.nn as nn
 
 from ..errors import CheckpointError, ConfigError
 from ..models import family
+from ..models.args import ModelArgs
 from ..models.layers import QuantizedWeight
 from ..models.sharding import shard_experts, shard_heads, shard_mlps
-from .config import ModelArgs
-from .files import TensorStore
+from .config import GENERATION_CONFIG, GenerationConfig, read_model_args
+from .files import TensorStore, is_present
 from .tokenizer import Tokenizer
 from .weights import load_weights
 
@@ -65,6 +66,17 @@ def _check_layer_count(args: ModelArgs, store: TensorStore, folder: Path) -> Non
                               f"checkpoint stores {stored} (missing tensor model.layers.{stored}.*)")
 
 
+def _check_eos_ids(args: ModelArgs, folder: Path) -> None:
+    """Every eos id of config.json and generation_config.json (args.eos_token_id holds both) is one the model can
+    produce: an id past its vocabulary would never stop a decode, so it is a ConfigError naming the file and field."""
+    extra = GenerationConfig.from_file(folder / GENERATION_CONFIG).eos_token_id
+    for token_id in args.eos_token_id:
+        if not 0 <= token_id < args.vocab_size:
+            source = GENERATION_CONFIG if token_id in extra else "config.json"
+            raise ConfigError(f"{folder / source}: field 'eos_token_id' names id {token_id}, outside the model's "
+                              f"vocabulary of {args.vocab_size} (config.json vocab_size)")
+
+
 def _name(dtype: mx.Dtype) -> str:
     return str(dtype).removeprefix("mlx.core.")
 
@@ -104,7 +116,8 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
     folder = Path(path) if path is not None else default_model_path()
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a checkpoint folder")
-    args = ModelArgs.from_file(folder / "config.json")
+    args = read_model_args(folder / "config.json")
+    _check_eos_ids(args, folder)
     store = TensorStore(folder, progress=progress)
     _check_layer_count(args, store, folder)
     model = family(args.model_type, str(folder / "config.json")).Model(args)
@@ -124,5 +137,5 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
     if verbose:
         print(f"loaded {folder}: " + "; ".join(f"{k}: {v}" for k, v in model.load_info.bits.items()))
     tok_path = folder / "tokenizer.json"  # plus the other tokenizer files; ids checked against the vocabulary
-    tokenizer = Tokenizer.from_folder(folder, args.vocab_size, verbose) if tok_path.exists() else None
+    tokenizer = Tokenizer.from_folder(folder, args.vocab_size, verbose) if is_present(tok_path) else None
     return model, tokenizer

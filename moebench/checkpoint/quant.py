@@ -6,32 +6,10 @@ kernel, so every check happens here in Python first and raises a CheckpointError
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 
 from ..errors import CheckpointError
-from .config import AFFINE_BITS, AFFINE_GROUP_SIZES, QuantSpec
-
-
-@dataclass(frozen=True)
-class QuantizedParts:
-    """What a quantized matrix (or stack of expert matrices) is made of; the fused kernel reads this."""
-
-    weight: mx.array
-    scales: mx.array
-    biases: mx.array | None
-    group_size: int
-    bits: int
-    mode: str
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[-1] * 32 // self.bits
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[-2]
+from ..models.args import AFFINE_BITS, AFFINE_GROUP_SIZES, QuantizedParts, QuantSpec
 
 
 def infer_bits(name: str, weight: mx.array, scales: mx.array, spec: QuantSpec) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ConfigError, DecodeError
-from .chat import BUILTIN_END_OF_TURN, TEMPLATE_FILE, ChatTemplate, Message, builtin_chat_template, read_chat_template
+from .chat import BUILTIN_END_OF_TURN, ChatTemplate, Message, builtin_chat_template, read_chat_template
 from .config import read_json_object
 from .files import checkpoint_file
 
@@ -72,9 +72,7 @@ class Tokenizer:
             tok._declare(where, content, token_id, flags)
         for where, source in ((folder / TOKENIZER_CONFIG, config), (folder / SPECIAL_TOKENS_MAP, special_map)):
             tok._name_special_tokens(where, source)
-        if (folder / TEMPLATE_FILE).exists():
-            checkpoint_file(folder / TEMPLATE_FILE, folder, ConfigError)  # never a FIFO or a file elsewhere
-        tok.chat_template = read_chat_template(folder, config) or tok.chat_template
+        tok.chat_template = read_chat_template(folder, config) or tok.chat_template  # never a FIFO or a file elsewhere
         note = tok.vocab_mismatch(model_vocab) if model_vocab is not None else None
         if note is not None and tok.id_count > model_vocab:
             warnings.warn(note, stacklevel=2)
@@ -230,7 +228,9 @@ def _declared_tokens(where: Path, data: Mapping[str, Any]) -> list[tuple[Path, s
             raise ConfigError(f"{where}: field 'added_tokens_decoder' must be an object")
         entries = []
         for key, entry in decoder.items():
-            if not isinstance(entry, dict) or not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # int() would also take ' 7', '-3', '+3', '1_0' and '٣'
+                raise ConfigError(f"{where}: added_tokens_decoder key {key!r} is not a token id (digits 0-9 only)")
+            if not isinstance(entry, dict):
                 raise ConfigError(f"{where}: added_tokens_decoder[{key!r}] must map an id to a token object")
             entries.append((entry.get("content"), int(key), entry))
     for text, token_id, _ in entries:

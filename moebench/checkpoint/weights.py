@@ -24,13 +24,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..checkpoint.config import ModelArgs, Quantization
 from ..errors import CheckpointError, NonFiniteError
 from ..models import family
+from ..models.args import ModelArgs, Quantization, QuantizedParts
 from ..models.layers import ColumnShard, Linear, QuantizedWeight, RMSNorm, RowShard
 from ..models.switch import PROJECTIONS, ExpertShard, SwitchGLU
 from .files import TensorStore
-from .quant import QuantizedParts, make_parts
+from .quant import make_parts
+
+#MOVED QuantizedParts
 
 PARTS = ("weight", "scales", "biases")
 LAYOUTS = ("per-expert", "stacked")

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..checkpoint.config import ModelArgs
 from ..errors import DeviceMemoryError
+from ..models.args import ModelArgs
 
 GROW_STEP = 256
 
@@ -88,6 +88,10 @@ class KVCache:
             self.keys = mx.concatenate([self.keys[..., :prev, :], k_new], axis=2)
             self.values = mx.concatenate([self.values[..., :prev, :], v_new], axis=2)
 
+    def rewind_to(self, position: int) -> None:
+        """Forget every position from `position` on (a step rolled back); later writes overwrite their slots."""
+        self.offset = position
+
     def write(self, keys: mx.array, values: mx.array) -> None:
         """Store the next positions' keys and values (room reserved by the caller)."""
         prev = self.offset
@@ -164,7 +168,7 @@ class StaticCache:
     on this step's token) or by the step having been scheduled first (CompiledForward schedules each step
     before it builds the next); the buffers hold a step's keys and values once its logits are evaluated.
     (mx.depends adds no such order, and an update MLX sees would copy both whole buffers a step: both
-    measured, docs/benchmarks/h200.md, step 10.)
+    measured, docs/benchmarks/attention-split-h200-2026-12-01.md.)
 
     Otherwise (prefill, the reference attention, MLX's SDPA) the layers hand their new keys and values
     over and `commit` writes them, one update per buffer for all layers. Nothing reads a layer's new

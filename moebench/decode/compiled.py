@@ -4,8 +4,8 @@ Python, and MLX can fuse the elementwise work between kernels.
 
 The traced step runs the same plan (moebench.execution.plan) as an eager step would; one traced graph is
 kept per plan in the model's Executor, and dropped with the plans when weights are replaced (the graph
-holds the arrays it was traced with). Recording and interventions change the forward in Python, so this
-path declines them (compile_blocker) and the eager step runs instead.
+holds the arrays it was traced with). Recording hands arrays out of the forward as it is built, so this
+path declines it (compile_blocker) and the eager step runs instead; interventions are part of the plan.
 """
 
 from __future__ import annotations
@@ -16,17 +16,19 @@ from ..errors import DecodeError
 from ..execution.executor import PREFILL_CHUNK, Executor
 from ..execution.plan import Plan
 from ..execution.settings import KernelSettings
+from ..models.switch import on_main_thread
 from .cache import StaticCache, StepPosition, kv_cache_bytes, require_memory
 
 CAPACITY_STEP = 256
 
 
-def compile_blocker(model, recording: bool) -> str | None:
-    """Why this model's decode step cannot be compiled right now, or None."""
+def compile_blocker(recording: bool) -> str | None:
+    """Why a decode step cannot be compiled, or None. Interventions compile: each set of them is its own plan,
+    and each plan its own traced step."""
     if recording:
         return "recording (recording runs eagerly)"
-    if any(b.intervention is not None for b in model.moe_blocks().values()):
-        return "an intervention is set (interventions run eagerly)"
+    if not on_main_thread():
+        return "not the main thread (mx.compile'd graphs used from other threads end the process at exit)"
     return None
 
 
@@ -91,6 +93,7 @@ class CompiledForward:
         self.last = logits
         return logits, plan
 
-    def rewind(self, n: int) -> None:
-        """Forget the last n positions (a step built and not taken); later writes overwrite their slots."""
-        self.position -= n
+    def rewind_to(self, position: int) -> None:
+        """Forget every position from `position` on (steps built and not taken); later writes overwrite their
+        slots."""
+        self.position = position

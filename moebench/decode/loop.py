@@ -2,19 +2,24 @@
 
 A Session holds what a decode carries from step to step (the KV cache, or a compiled step's static
 cache; the sampling key) and builds each step through the model's Executor, which decides how it runs.
-A built step is scheduled at once (mx.async_eval) and taken later: `generate_tokens` queues steps ahead
-of the token it reads, moebench.inspect.record.Stepper one, and either can roll a step back that it
-will not take. A step is counted in the dispatch counts when it is taken.
+A built step is scheduled at once (mx.async_eval) and taken later. Session.next is the one decode loop's
+step: `generate_tokens` asks it for a step and keeps steps queued ahead of the token it reads, and
+moebench.inspect.record.Stepper does the same with recording, one step ahead; a queued step built under
+another state or from another token is rolled back and built again. A step is counted in the dispatch
+counts when it is taken.
 """
 
 from __future__ import annotations
 
 import operator
+import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from numbers import Integral
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -30,8 +35,8 @@ from .compiled import CompiledForward, compile_blocker
 from .sampling import GREEDY, DecodeError, Sampling, sample, seen_tokens
 
 # Steps queued ahead of the token being read (mlx-lm's generate_step queues one): a step stays queued
-# behind the running one while the host reads a token and builds the next (docs/benchmarks/h200.md,
-# step 8); tokens are the same at any depth.
+# behind the running one while the host reads a token and builds the next
+# (docs/benchmarks/cache-writes-h200-2026-12-01.md); tokens are the same at any depth.
 STEPS_AHEAD = 2
 COMPILED_BY_DEFAULT = ("cuda",)  # backends whose fused decode was measured faster through the compiled step
 
@@ -60,7 +65,7 @@ def is_moebench_model(model) -> bool:
 
 def use_compiled(model, compiled: bool | None) -> bool:
     """Whether to decode through the compiled step: as asked, or by default (None) where it was measured
-    to win, a moebench model with the fused kernels on CUDA (docs/benchmarks/h200.md, steps 4-5);
+    to win, a moebench model with the fused kernels on CUDA (docs/benchmarks/attention-kernel-h200-2026-11-30.md);
     elsewhere (CPU, Metal, the fallback, other engines' models) eager."""
     if compiled is not None:
         return compiled
@@ -124,7 +129,8 @@ class Step:
     """A built (and scheduled) forward call: the token it chose, its logits, the plan it ran, how many tokens
     it fed, the position it started at, and the sampling key and token history before it (to roll it back).
     `checked` is the token, or the vocabulary size when the logits it was chosen from were not all finite
-    (computed on the device with the token, and read instead of it: no extra wait a step)."""
+    (computed on the device with the token, and read instead of it: no extra wait a step). `state`: what it
+    was built under (Session.state); `extras`: what its builder kept beside it (a Stepper's records)."""
 
     token: mx.array
     checked: mx.array
@@ -134,12 +140,32 @@ class Step:
     position: int
     key_before: mx.array | None
     history_before: mx.array | None
+    state: tuple = ()
+    extras: object = None
+
+
+class Mark(NamedTuple):
+    """A session after its last taken step: what Session.restore puts back."""
+
+    position: int
+    key: mx.array | None
+    history: mx.array | None
+    last_read: int | None
+
+
+# build(tokens [n], state) -> the scheduled Step feeding them
+Builder = Callable[[mx.array, tuple], Step]
 
 
 class Session:
     """One sequence being decoded (see the module docstring). `compiled`: through the compiled step (None:
-    use_compiled; it is declined while recording or with an intervention set). `capacity`: the most tokens
-    the sequence will hold (a compiled step's static cache is sized for it)."""
+    use_compiled; it is declined while recording). `capacity`: the most tokens the sequence will hold (a
+    compiled step's static cache is sized for it).
+
+    The one decode loop: `next` hands out the step that feeds the given tokens, from the queue of steps built
+    ahead when one was built from them under the same state, else built now (the queue rolled back), and
+    keeps `ahead` steps queued behind it. Everything a built step depends on besides its tokens is in its
+    state (`state`: the kernel settings, the interventions, and whatever the caller adds)."""
 
     def __init__(self, model, sampling: Sampling = GREEDY, compiled: bool | None = None, capacity: int = 0,
                  recording: bool = False):
@@ -151,31 +177,46 @@ class Session:
         self.key = mx.random.key(sampling.seed) if sampling.seed is not None else None
         self.history: mx.array | None = None  # the ids fed so far, when the repetition penalty needs them
         self.executor = executor(model) if is_moebench_model(model) else None
-        self._blocks = tuple(model.moe_blocks().values()) if self.executor is not None else ()
         if self.executor is not None:
             self.executor.refresh()
         self.compiled = None
-        if self.executor is not None and use_compiled(model, compiled) and compile_blocker(model, recording) is None:
+        if self.executor is not None and use_compiled(model, compiled) and compile_blocker(recording) is None:
             self.compiled = CompiledForward(self.executor, capacity)
         self.cache = make_cache(len(model.layers)) if self.compiled is None else None
+        self.queue: deque[Step] = deque()  # steps built ahead, oldest first
+        self.last_read: int | None = None  # the token id taken last
+        self.thread = threading.current_thread()  # where its arrays live
+        # one step of one model at a time across threads (its plans, traced steps and counts are shared)
+        self._lock = self.executor.lock if self.executor is not None else nullcontext()
+
+    def check_thread(self) -> None:
+        """MLX keeps its streams per thread: a session's arrays live on the stream of the thread that made it, and
+        another thread using them fails (or, evaluating them, can end the process). Raise before anything is
+        touched, so the session stays usable from its own thread."""
+        if threading.current_thread() is not self.thread:
+            raise DecodeError(f"this decode was started on thread {self.thread.name!r} and is used from "
+                              f"{threading.current_thread().name!r}: MLX keeps its streams per thread, so step it "
+                              "from the thread that started it (or start a decode on this one)")
 
     @property
     def position(self) -> int:
+        """Positions fed so far, the queued steps' included."""
         return self.compiled.position if self.compiled is not None else self.cache[0].offset
 
-    def state(self) -> tuple:
-        """What a built step depends on besides its tokens: the model's kernel settings and the interventions."""
+    def state(self, settings: KernelSettings | None = None, *extra: object) -> tuple:
+        """What a step built now depends on besides its tokens: its kernel settings (`settings`, else the model's),
+        the interventions set on the model, and `extra` (a caller's own, such as recording)."""
         if self.executor is None:
-            return ()
-        return (self.executor.settings, *(b.intervention for b in self._blocks))
+            return (None, (), *extra)
+        return (settings or self.executor.settings, self.executor.interventions(), *extra)
 
-    def build(self, tokens: mx.array, record: Record | None = None, settings: KernelSettings | None = None,
-              every_position: bool = False) -> Step:
-        """Build the forward over `tokens` [n] and the choice of the next token, and schedule both. `record`
-        (eager only) receives the internals; `every_position`: logits of every position [n, V] (else the
-        last's [V]); `settings`: this step's kernel settings instead of the model's."""
-        settings = settings or (self.executor.settings if self.executor is not None else None)
-        position = self.position
+    def build(self, tokens: mx.array, state: tuple | None = None, record: Record | None = None,
+              every_position: bool = False, extras: object = None) -> Step:
+        """Build the forward over `tokens` [n] and the choice of the next token under `state` (Session.state),
+        and schedule both. `record` (eager only) receives the internals; `every_position`: logits of every
+        position [n, V] (else the last's [V])."""
+        state = self.state() if state is None else state
+        settings, position = state[0], self.position
         if self.compiled is not None:
             if record is not None or every_position:
                 raise DecodeError("a compiled decode neither records nor returns every position's logits")
@@ -196,13 +237,32 @@ class Session:
         token = sample(last[None], self.sampling, sub, self.history)[0]
         checked = finite_or_flag(token, last, self.sampling)
         mx.async_eval(checked, logits)
-        return Step(token, checked, logits, plan, tokens.size, position, key_before, history_before)
+        return Step(token, checked, logits, plan, tokens.size, position, key_before, history_before, state, extras)
+
+    def next(self, feed: list[int], state: tuple, ahead: int, remaining: int, build: Builder | None = None) -> Step:
+        """The step feeding `feed` (the prompt, the token read last, or another) under `state`: the queued one
+        when it was built from the token read last and `feed` is that token, under the same state; else built
+        now, the queue rolled back first. Then up to `ahead` steps are queued behind it (at most `remaining` - 1:
+        `remaining` counts the steps the caller may still take, this one included), each from the lazy token of
+        the one before."""
+        self.check_thread()
+        build = build or self.build
+        with self._lock:
+            if self.queue and (feed != [self.last_read] or self.queue[0].state != state):
+                self.drop_queue()
+            step = self.queue.popleft() if self.queue else build(mx.array(feed, dtype=mx.uint32), state)
+            while len(self.queue) < min(ahead, remaining - 1):
+                behind = self.queue[-1] if self.queue else step
+                self.queue.append(build(behind.token.reshape(1).astype(mx.uint32), state))
+        return step
 
     def take(self, step: Step, count: bool = True) -> int:
         """The step's token id, once it is evaluated; the step is counted as run (unless `count` is False: the
         caller counts it, Session.count). Logits that hold NaN or Inf are a NonFiniteError, never a token."""
+        self.check_thread()
         try:
-            tid = step.checked.item()
+            with self._lock:
+                tid = step.checked.item()
         except RuntimeError as e:  # an allocation the device could not make (cudaMallocAsync, metal::malloc)
             if "memory" not in str(e).lower() and "malloc" not in str(e).lower():
                 raise
@@ -211,6 +271,7 @@ class Session:
             raise NonFiniteError(f"the logits at position {step.position + step.tokens - 1} hold NaN or Inf, so no "
                                  "token is chosen from them (moebench.checkpoint.weights.nonfinite_weights(model) "
                                  "names weights that hold them)")
+        self.last_read = tid
         if count:
             self.count(step)
         return tid
@@ -220,15 +281,38 @@ class Session:
         if step.plan is not None:
             self.executor.count(step.plan)
 
+    def _rewind(self, position: int) -> None:
+        """Forget every position from `position` on (later writes overwrite their slots)."""
+        if self.compiled is not None:
+            self.compiled.rewind_to(position)
+        else:
+            for c in self.cache:
+                c.rewind_to(position)
+
     def rollback(self, step: Step) -> None:
         """Undo the last built step, which will not be taken: the cache position, the sampling key and the
         token history."""
-        if self.compiled is not None:
-            self.compiled.rewind(step.tokens)
-        else:
-            for c in self.cache:
-                c.offset -= step.tokens
+        self._rewind(step.position)
         self.key, self.history = step.key_before, step.history_before
+
+    def drop_queue(self) -> None:
+        """Roll back every queued step, newest first."""
+        while self.queue:
+            self.rollback(self.queue.pop())
+
+    def mark(self) -> Mark:
+        """The session after the step taken last (the queued steps not included)."""
+        if self.queue:
+            first = self.queue[0]
+            return Mark(first.position, first.key_before, first.history_before, self.last_read)
+        return Mark(self.position, self.key, self.history, self.last_read)
+
+    def restore(self, mark: Mark) -> None:
+        """Back to `mark`: every layer's cache position (a forward stopped half-way leaves them apart), the
+        sampling key and token history, the token read last; the queue is dropped. Idempotent."""
+        self.queue.clear()
+        self._rewind(mark.position)
+        self.key, self.history, self.last_read = mark.key, mark.history, mark.last_read
 
 
 def finite_or_flag(token: mx.array, logits: mx.array, sampling: Sampling) -> mx.array:
@@ -247,44 +331,27 @@ def generate_tokens(
     """Yield (token id, next-token logits [V]) one step at a time; evaluation is pipelined `ahead` steps
     ahead of the token being read (a stop token leaves that many steps computed and not taken). A change of
     the kernel settings or the interventions between two tokens applies to the next one: the steps queued
-    under the old ones are rolled back and built again.
+    under the old ones are rolled back and built again (Session.next).
 
     `compiled` (default: use_compiled) decodes through one mx.compile'd step over a static cache
-    (moebench.decode.compiled) unless an intervention is set, which runs eagerly. Every argument is checked
-    before MLX is asked for anything, the length and memory too (check_length).
+    (moebench.decode.compiled), interventions included. Every argument is checked before MLX is asked for
+    anything, the length and memory too (check_length).
     """
     prompt_ids = check_prompt(model, prompt_ids)
     max_tokens, ahead = check_count("max_tokens", max_tokens), check_count("ahead", ahead)
     stop_ids = check_stop_ids(stop_ids)
     check_length(model, len(prompt_ids), len(prompt_ids) + max_tokens - 1)
     session = Session(model, sampling, compiled, len(prompt_ids) + max_tokens)
-    state = session.state()
-    queued = deque([session.build(mx.array(prompt_ids, dtype=mx.uint32))])
-    tid = None
+    feed = prompt_ids
     for n in range(max_tokens):
-        if n and session.state() != state:  # the caller changed the switch or an intervention since the last token
-            state = _rebuild(session, queued, tid)
-        # Queue the next steps before reading this one: the first token leaves after one (as before it),
-        # later ones after `ahead`, so the host is building step n + ahead while the device runs n + 1.
-        while len(queued) <= min(ahead, n + 1) and n + len(queued) < max_tokens:
-            queued.append(session.build(queued[-1].token.reshape(1).astype(mx.uint32)))
-        step = queued.popleft()
+        # The first token leaves after one step queued behind it (as before it), later ones after `ahead`, so
+        # the host is building step n + ahead while the device runs n + 1.
+        step = session.next(feed, session.state(), min(ahead, n + 1), max_tokens - n)
         tid = session.take(step)
         yield tid, step.logits
         if tid in stop_ids:
             return
-
-
-def _rebuild(session: Session, queued: deque[Step], last: int) -> tuple:
-    """Roll back the queued steps (built under the old settings or interventions) and build the next from `last`,
-    the token read last; the state it was built under. A compiled decode cannot take an intervention."""
-    if session.compiled is not None and (blocker := compile_blocker(session.model, False)) is not None:
-        raise DecodeError(f"{blocker} during a compiled decode; set it before the decode starts, or decode with "
-                          "compiled=False")
-    while queued:
-        session.rollback(queued.pop())
-    queued.append(session.build(mx.array([last], dtype=mx.uint32)))
-    return session.state()
+        feed = [tid]
 
 
 def check_stop_ids(stop_ids: Iterable[int]) -> frozenset[int]:

@@ -20,6 +20,7 @@ from ..errors import DecodeError
 # The smallest temperature and repetition penalty (other than temperature 0, greedy) that keep logits / x finite in
 # float32 for any logit below 1e32: below it a logit overflows to inf and ties with every other one that does.
 MIN_DIVISOR = 1e-6
+MAX_SEED = 2**64 - 1  # MLX's random keys (and numpy's generators, as moebench uses them) take 64-bit seeds
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,7 @@ class Sampling:
                               "overflow float32 (use 0 for greedy)")
         if not 0 < self.top_p <= 1:
             raise DecodeError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise DecodeError(f"seed must be an integer or None, got {self.seed!r}")
+        check_seed(self.seed)
         if not _is_int(self.top_k) or self.top_k < 0:
             raise DecodeError(f"top_k must be an integer >= 0 (0 keeps every token), got {self.top_k!r}")
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty < MIN_DIVISOR:
@@ -73,6 +73,14 @@ class Sampling:
         return cls(temperature=config.temperature if config.temperature is not None else 1.0,
                    top_p=config.top_p if config.top_p is not None else 1.0, seed=seed, top_k=config.top_k or 0,
                    repetition_penalty=penalty)
+
+
+def check_seed(seed: object, name: str = "seed") -> int | None:
+    """`seed` when it is None or an integer from 0 to MAX_SEED (what MLX's mx.random.key and numpy's default_rng
+    take); anything else (negative, past 64 bits, a bool or a float) is a DecodeError naming it."""
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
+        raise DecodeError(f"{name} must be an integer from 0 to 2**64 - 1 (or None), got {seed!r}")
+    return seed
 
 
 def _is_int(value: object) -> bool:

@@ -1,4 +1,4 @@
-"""The fused decode-attention step of one layer: q/k/v bias, the per-head q/k RMSNorm (Qwen3-MoE), RoPE and
+"""The fused decode-attention step of one layer: q/k/v bias, the per-head q/k RMSNorm (declared PER_HEAD), RoPE and
 attention over the KV cache for one new token in one launch (two past SPLIT_POSITIONS slots, where several
 threadgroups share a head's positions and a second launch joins them), instead of the five to eight graph
 nodes the unfused path builds for it.
@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import UnsupportedKernelConfig
+from ..models.declare import AttentionSpec
 from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend
+from .support import attention_reason
 
 ATTENTION = Stage("moebench_attn_decode", "attn_decode.body",
                   ("qkv", "bias", "inv_freq", "pos", "keys", "values", "block", "q_norm", "k_norm", "eps"),
@@ -35,29 +37,17 @@ COMBINE = Stage("moebench_attn_combine", "attn_combine.body", ("parts",), ("out"
 
 
 @dataclass(frozen=True)
-class Heads:
-    """Query heads, key/value heads and the head width of one attention layer."""
-
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-
-    @property
-    def width(self) -> int:
-        """Width of the stacked q/k/v projection: (H + 2 KV) * head_dim."""
-        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-
-
-@dataclass(frozen=True)
 class QKNorm:
-    """The per-head RMSNorm of q and of k before RoPE (Qwen3-MoE): weights [head_dim] in the activation dtype."""
+    """The per-head RMSNorm of q and of k before RoPE (an attention declaring PER_HEAD): weights [head_dim] in the
+    activation dtype."""
 
     q: mx.array
     k: mx.array
     eps: float
 
 
-# Warps a query head's positions are split over within a threadgroup (docs/benchmarks/h200.md, step 9).
+# Warps a query head's positions are split over within a threadgroup
+# (docs/benchmarks/attention-split-h200-2026-12-01.md).
 WARPS_PER_HEAD = 8
 # Threadgroups that share a head's positions: one per SPLIT_POSITIONS slots of the cache, at most
 # MAX_SPLITS (a long context is walked by many threadgroups at once, then their partials are joined).
@@ -70,15 +60,6 @@ def splits(capacity: int) -> int:
     return max(1, min(MAX_SPLITS, -(-capacity // SPLIT_POSITIONS)))
 
 
-def support_reason(heads: Heads) -> str | None:
-    """Why the kernel cannot run attention of this shape, or None when it can."""
-    if heads.head_dim % LANES:
-        return f"head_dim {heads.head_dim} (the kernel needs a multiple of {LANES})"
-    if heads.n_heads % heads.n_kv_heads:
-        return f"{heads.n_heads} query heads do not divide into {heads.n_kv_heads} key/value heads"
-    return None
-
-
 @functools.lru_cache(maxsize=16)
 def rope_frequencies(head_dim: int, base: float) -> mx.array:
     """float32 [head_dim / 2]: base ** (-2 i / head_dim), the rotation speed of dims i and i + head_dim / 2."""
@@ -88,9 +69,9 @@ def rope_frequencies(head_dim: int, base: float) -> mx.array:
 
 
 def _check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
-                  values: mx.array, heads: Heads, block: int, qk_norm: QKNorm | None) -> None:
+                  values: mx.array, heads: AttentionSpec, block: int, qk_norm: QKNorm | None) -> None:
     """Shapes and dtypes the kernel assumes (a bad launch would abort the process)."""
-    reason = support_reason(heads)
+    reason = attention_reason(heads)
     if reason:
         raise UnsupportedKernelConfig(reason)
     kv, hd = heads.n_kv_heads, heads.head_dim
@@ -129,7 +110,7 @@ def _signature(a: mx.array | None) -> tuple | None:
 
 
 def check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
-                 values: mx.array, heads: Heads, block: int, qk_norm: QKNorm | None = None) -> None:
+                 values: mx.array, heads: AttentionSpec, block: int, qk_norm: QKNorm | None = None) -> None:
     """_check_inputs, once per combination of shapes and dtypes (decode repeats one)."""
     key = (*map(_signature, (qkv, bias, inv_freq, slots, keys, values)), heads, block,
            qk_norm is not None and (_signature(qk_norm.q), _signature(qk_norm.k), qk_norm.eps))
@@ -155,7 +136,7 @@ def eps_array(eps: float) -> mx.array:
 
 
 def gpu_decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
-                         keys: mx.array, values: mx.array, heads: Heads, block: int = 0, write: bool = False,
+                         keys: mx.array, values: mx.array, heads: AttentionSpec, block: int = 0, write: bool = False,
                          qk_norm: QKNorm | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """The kernel on `backend` (see decode_attention), with `splits(CAP)` threadgroups a head and, past one,
     the launch that joins their partials."""
@@ -188,7 +169,7 @@ def _rotate(x: mx.array, cos: mx.array, sin: mx.array, dtype: mx.Dtype) -> mx.ar
 
 
 def reference_decode_attention(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
-                               keys: mx.array, values: mx.array, heads: Heads, block: int = 0,
+                               keys: mx.array, values: mx.array, heads: AttentionSpec, block: int = 0,
                                qk_norm: QKNorm | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """The kernel's arithmetic with MLX ops (the q/k norm as mx.fast.rms_norm, which the model runs); the
     position may be a traced array (a compiled step), so the cache is masked past it rather than sliced."""
@@ -217,7 +198,7 @@ def reference_decode_attention(qkv: mx.array, bias: mx.array | None, inv_freq: m
 
 
 def decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
-                     keys: mx.array, values: mx.array, heads: Heads, block: int = 0, write: bool = False,
+                     keys: mx.array, values: mx.array, heads: AttentionSpec, block: int = 0, write: bool = False,
                      qk_norm: QKNorm | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """One new token's attention on `backend`: (output [..., H * HD] in qkv's dtype, its rotated key and its
     value [1, KV, 1, HD] for the cache).
@@ -231,7 +212,7 @@ def decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_fre
     only a cache that orders every reader of the slot after this step may ask (a compiled step's static cache,
     moebench.decode.cache.StaticCache), and its buffers must be whole row-contiguous arrays (MLX hands a
     kernel a copy of any other input, and the write would land in the copy): a StaticCache's are (zeros,
-    then its updates' outputs). `qk_norm`: normalise each head of q and k first (Qwen3-MoE).
+    then its updates' outputs). `qk_norm`: normalise each head of q and k first.
     """
     check_backend(backend)
     check_inputs(qkv, bias, inv_freq, slots, keys, values, heads, block, qk_norm)

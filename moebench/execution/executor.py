@@ -13,6 +13,7 @@ one, for every model of this process and the ones opened later; it covers every 
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import Counter
 from collections.abc import Iterator
@@ -22,20 +23,20 @@ from dataclasses import replace
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..models.hooks import Record, layer_scope, scope
-from ..models.qwen2_moe import SparseMoeBlock
+from ..models.hooks import Record, layer_scope
 from ..models.sharding import attention_note, block_note
-from . import moe
+from . import support
 from .kernel import GPU_BACKENDS, available_backend
 from .plan import SWITCHED_OFF, Counts, Decision, LayerPlan, Plan, Shape, tokens_decision
 from .settings import KernelSettings, parse_switch
-from .steps import AttentionKernel, LayerWeights, MoeKernel, attention_reason, moe_note
+from .steps import AttentionKernel, LayerWeights, MoeKernel, attention_step_note, attention_step_reason, moe_note
 
 # Prompt tokens a forward call runs through the layers at once (mlx-lm's prefill step): a longer prompt runs in
 # chunks, so its activations (attention scores above all) take the memory of one chunk, not of the whole prompt.
 PREFILL_CHUNK = 2048
 _live: weakref.WeakSet[Executor] = weakref.WeakSet()
-_process: dict[str, bool] = {}  # what set_fused_moe() without a model set, for every model
+_process: dict[str, bool] = {}
+_making = threading.Lock()  # what set_fused_moe() without a model set, for every model
 
 
 def default_settings() -> KernelSettings:
@@ -49,14 +50,15 @@ class Executor:
     def __init__(self, model, settings: KernelSettings | None = None):
         self._model = weakref.ref(model)  # the model holds its executor: no cycle, so `del model` frees it
         self.settings = settings or default_settings()
-        self.weights = [LayerWeights(layer) for layer in model.layers]
         blocks = model.moe_blocks()
+        self.weights = [LayerWeights(layer, blocks.get(i)) for i, layer in enumerate(model.layers)]
         self.blocks, self.moe_layers = list(blocks.values()), list(blocks)
         self.taken: Counter[Plan] = Counter()  # steps taken, by the plan they ran
         self.last: Plan | None = None  # the plan of the step taken last
         self._plans: dict[tuple, Plan] = {}
         self.compiled: dict[tuple, object] = {}  # traced steps per plan (moebench.decode.compiled)
         self._fingerprint = self._weights_fingerprint()
+        self.lock = threading.RLock()  # held while a decode step of this model is built or read (decode.loop)
         _live.add(self)
 
     @property
@@ -86,7 +88,7 @@ class Executor:
         and the interventions set on the blocks (a traced step holds its plan's interventions, so each gets its
         own plan)."""
         settings = settings or self.settings
-        key = (settings, available_backend(), tokens, static, tuple(b.intervention for b in self.blocks))
+        key = (settings, available_backend(), tokens, static, self.interventions())
         plan = self._plans.get(key)
         if plan is None:
             if tokens > 1 and sum(k[2] > 1 for k in self._plans) >= 8:  # prefill plans: a few lengths kept
@@ -96,20 +98,25 @@ class Executor:
                                                       for i in range(len(self.model.layers))))
         return plan
 
+    def interventions(self) -> tuple:
+        """The intervention set on each MoE block (None where none is): the one place they are gathered."""
+        return tuple(b.intervention for b in self.blocks)
+
     def _layer_plan(self, i: int, shape: Shape, settings: KernelSettings, backend: str) -> LayerPlan:
         layer, weights = self.model.layers[i], self.weights[i]
         base = tokens_decision(shape.tokens) if shape.tokens != 1 else None if settings.fused else SWITCHED_OFF
-        reason = base.reason if base else attention_reason(layer.self_attn, weights)
+        reason = base.reason if base else attention_step_reason(layer.self_attn, weights)
         if reason is None and not settings.attention_kernel:
             reason = "the attention kernel switched off (KernelSettings.attention_kernel)"
-        heads = attention_note(layer.self_attn)
-        attn = Decision("fallback", reason, heads) if reason else Decision(backend, note=heads)
+        attn = Decision("fallback", reason, attention_note(layer.self_attn)) if reason else \
+            Decision(backend, note=attention_step_note(layer.self_attn))
         attention_step = AttentionKernel(layer.self_attn, weights, backend, shape.static and backend in GPU_BACKENDS) \
             if attn.fused else None
-        block = layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else None
+        block = weights.block
         if block is None:
             return LayerPlan(attn, None, attention_step)
-        reason = base.reason if base else moe.support_reason(block.switch_mlp, backend, settings.max_dff)
+        reason = base.reason if base else support.moe_reason(block.spec, block.switch_mlp.quantized_parts(), backend,
+                                                             settings.max_dff)
         if reason:
             return LayerPlan(attn, Decision("fallback", reason, block_note(block)), attention_step)
         return LayerPlan(attn, Decision(backend, note=moe_note(block, weights)), attention_step,
@@ -124,18 +131,14 @@ class Executor:
         m = self.model
         if record is None and not every_position and not cache[0].static:
             while tokens.shape[1] > PREFILL_CHUNK:  # a long prompt a chunk at a time, each evaluated before the next
-                self._layers(tokens[:, :PREFILL_CHUNK], cache, plan, None)
+                m.model(tokens[:, :PREFILL_CHUNK], cache, None, plan.layers)
                 mx.eval([c.state for c in cache])
                 tokens = tokens[:, PREFILL_CHUNK:]
-        x = self._layers(tokens, cache, plan, record)
-        return m.unembed(m.model.norm(x if every_position else x[:, -1]))
-
-    def _layers(self, tokens: mx.array, cache: list, plan: Plan, record: Record | None) -> mx.array:
-        m = self.model
-        x = m.model.embed_tokens(tokens)
-        for i, (layer, layer_plan) in enumerate(zip(m.layers, plan.layers, strict=True)):
-            x = layer_plan.run(layer, x, cache[i], scope(record, layer_scope(i)))
-        return x
+        h = m.model(tokens, cache, record, plan.layers)
+        if record is not None:
+            for i, layer_plan in enumerate(plan.layers):
+                layer_plan.record(record.scope(layer_scope(i)))
+        return m.unembed(h if every_position else h[:, -1])
 
     def count(self, plan: Plan) -> None:
         """Count one forward call that ran `plan` (a decode loop calls it once per step it takes): one tally a
@@ -182,10 +185,13 @@ def _summed(counts) -> dict:
 
 
 def executor(model) -> Executor:
-    """The model's Executor, made on first use."""
+    """The model's Executor, made on first use (once, when several threads ask at the same time)."""
     ex = getattr(model, "executor", None)
     if ex is None:
-        ex = model.executor = Executor(model)
+        with _making:
+            ex = getattr(model, "executor", None)
+            if ex is None:
+                ex = model.executor = Executor(model)
     return ex
 
 

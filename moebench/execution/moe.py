@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..checkpoint.quant import QuantizedParts
 from ..errors import ConfigError, UnsupportedKernelConfig
+from ..models.args import QuantizedParts
 from ..models.routing import route
 from ..models.switch import SwitchGLU, weighted_sum
 from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend, round_up
+from .support import parts_reason, shared_fold_reason
 
 ROUTER = Stage("moebench_moe_router", "moe_router.body", ("logits",), ("probs", "inds", "scores", "sgate"))
 GATE_UP = Stage("moebench_moe_gate_up", "moe_gate_up.body",
@@ -33,42 +34,6 @@ DOWN = Stage("moebench_moe_down", "moe_down.body",
               "resid"), ("y", "ys", "out"))
 DEFAULT_ROWS = 8  # simdgroups (output rows) per threadgroup
 MAX_ROWS = 32
-DEFAULT_MAX_DFF = {"metal": 4096, "cuda": 8192}  # expert width above which the GPU kernel lost to gather_qmm
-GATE_UP_BITS = (4, 8)
-DOWN_BITS = (4, 6, 8)
-GROUP_SIZES = (32, 64, 128)
-
-
-def support_reason(experts: SwitchGLU, backend: str, max_dff: int | None = None) -> str | None:
-    """Why the fused kernels cannot run these experts on `backend`, or None when they can. `max_dff`: the
-    expert-width cap (None: the backend's default; the reference has none)."""
-    parts = [p.quantized_parts() for p in (experts.gate_proj, experts.up_proj, experts.down_proj)]
-    if any(p is None for p in parts):
-        return "float experts (the kernel needs quantized weights)"
-    gate, up, down = parts
-    modes = {p.mode for p in parts}
-    if modes != {"affine"}:
-        return f"quantization mode {sorted(modes)} (the kernel needs affine)"
-    if any(p.biases is None for p in parts):
-        return "affine without biases"
-    if gate.bits != up.bits:
-        return f"gate bits {gate.bits} != up bits {up.bits}"
-    if gate.bits not in GATE_UP_BITS:
-        return f"gate/up bits {gate.bits} not in {GATE_UP_BITS}"
-    if down.bits not in DOWN_BITS:
-        return f"down bits {down.bits} not in {DOWN_BITS}"
-    sizes = {p.group_size for p in parts}
-    if len(sizes) != 1:
-        return f"group sizes differ {sorted(sizes)}"
-    if gate.group_size not in GROUP_SIZES:
-        return f"group size {gate.group_size} not in {GROUP_SIZES}"
-    dff = gate.out_features
-    if down.bits == 6 and dff % 16:
-        return f"6-bit down needs Dff % 16 == 0 (Dff {dff})"
-    cap = max_dff if max_dff is not None else DEFAULT_MAX_DFF.get(backend)
-    if backend in DEFAULT_MAX_DFF and dff > cap:
-        return f"Dff {dff} above the {backend} cap {cap} (MOEBENCH_FUSED_MOE_MAX_DFF)"
-    return None
 
 
 @dataclass(frozen=True)
@@ -97,14 +62,8 @@ def _check_pair(x: mx.array, indices: mx.array, scores: mx.array, gate: Quantize
     if not 1 <= rows <= MAX_ROWS:
         raise ConfigError(f"rows per threadgroup {rows}: expected 1 to {MAX_ROWS}")
     parts = (gate, up, down) + ((shared.gate, shared.up, shared.down) if shared is not None else ())
-    if any(p.mode != "affine" or p.biases is None for p in parts):
-        raise UnsupportedKernelConfig("the fused kernels need affine quantization with biases")
-    if gate.bits != up.bits or gate.bits not in GATE_UP_BITS or down.bits not in DOWN_BITS:
-        raise UnsupportedKernelConfig(f"bits {gate.bits}/{up.bits}/{down.bits}: the kernels take gate = up in "
-                                      f"{GATE_UP_BITS} and down in {DOWN_BITS}")
-    if len({p.group_size for p in parts}) != 1 or gate.group_size not in GROUP_SIZES:
-        raise UnsupportedKernelConfig(f"group sizes {sorted({p.group_size for p in parts})}: the kernels take one of "
-                                      f"{GROUP_SIZES}")
+    if (reason := parts_reason(gate, up, down)) is not None:
+        raise UnsupportedKernelConfig(f"the fused kernels cannot read these experts: {reason}")
     for p in parts:
         groups = p.in_features // p.group_size
         if p.scales.shape != (*p.weight.shape[:-1], groups) or p.biases.shape != p.scales.shape:
@@ -132,14 +91,13 @@ def _check_pair(x: mx.array, indices: mx.array, scores: mx.array, gate: Quantize
     if shared is None:
         return
     dffs = shared.gate.out_features
-    for name, p, routed_p, shape in (("gate", shared.gate, gate, (dffs, d)), ("up", shared.up, up, (dffs, d)),
-                                     ("down", shared.down, down, (d, dffs))):
+    for name, p, shape in (("gate", shared.gate, (dffs, d)), ("up", shared.up, (dffs, d)),
+                           ("down", shared.down, (d, dffs))):
         if p.weight.ndim != 2 or (p.out_features, p.in_features) != shape:
             raise UnsupportedKernelConfig(f"shared expert {name} is {tuple(p.weight.shape)} packed, expected {shape}")
-        if (p.bits, p.group_size, p.mode) != (routed_p.bits, routed_p.group_size, routed_p.mode):
-            raise UnsupportedKernelConfig(
-                f"shared expert {name} is {p.bits}-bit g{p.group_size} {p.mode}, the routed experts' "
-                f"{routed_p.bits}-bit g{routed_p.group_size} {routed_p.mode}")
+    names = {f"{name}_proj": p for name, p in (("gate", shared.gate), ("up", shared.up), ("down", shared.down))}
+    if (reason := shared_fold_reason((gate, up, down), names)) is not None:
+        raise UnsupportedKernelConfig(f"shared expert: {reason}")
     if shared.sigmoid_gate.shape != (*x.shape[:-1], 1):
         raise UnsupportedKernelConfig(f"shared expert gate has shape {tuple(shared.sigmoid_gate.shape)}, "
                                       f"expected {(*x.shape[:-1], 1)}")

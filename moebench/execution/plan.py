@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from ..models import hooks
 from ..models.hooks import Record
+from ..models.run import MODULES
 from .settings import ENV_SWITCH
 
 
@@ -59,30 +60,26 @@ MoeStep = Callable[[mx.array, mx.array, Record | None], mx.array]
 @dataclass(frozen=True)
 class LayerPlan:
     """One decoder layer: its decisions, and the kernel steps that carry out the fused ones (None: the model's
-    own module runs)."""
+    own module runs). The model's forward asks it to run each part (moebench.models.run.LayerRun)."""
 
     attention: Decision
     moe: Decision | None  # None: a dense MLP layer
     attention_step: AttentionStep | None = None
     moe_step: MoeStep | None = None
 
-    def run(self, layer, x: mx.array, cache, record: Record | None) -> mx.array:
-        """The layer on x: h = x + attn(norm(x)); out = h + mlp(norm(h)), each part by its step or module."""
-        if self.attention_step is None and self.moe_step is None:
-            out = layer(x, cache, record)
-        else:
-            attend = self.attention_step or layer.self_attn
-            h = x + attend(layer.input_layernorm(x), cache)
-            xn = layer.post_attention_layernorm(h)
-            inner = hooks.scope(record, hooks.MOE)
-            out = self.moe_step(xn, h, inner) if self.moe_step is not None else h + layer.mlp(xn, inner)
-            if record is not None:
-                hooks.record_residuals(record, x, h, out)
-        if record is not None:
-            record(hooks.ATTN_PATH, self.attention)
-            if self.moe is not None:
-                record.scope(hooks.MOE)(hooks.PATH, self.moe)
-        return out
+    def attend(self, attn, xn: mx.array, cache) -> mx.array:
+        return (self.attention_step or attn)(xn, cache)
+
+    def feed_forward(self, mlp, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
+        if self.moe_step is not None:
+            return self.moe_step(xn, residual, record)
+        return MODULES.feed_forward(mlp, xn, residual, record)
+
+    def record(self, record: Record) -> None:
+        """Hand a layer's record the decisions it ran under."""
+        record(hooks.ATTN_PATH, self.attention)
+        if self.moe is not None:
+            record.scope(hooks.MOE)(hooks.PATH, self.moe)
 
 
 @dataclass(frozen=True, eq=False)  # one object per key: hashed and compared by identity, cheaply

@@ -17,14 +17,15 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..models import hooks
+from ..models.declare import PER_HEAD, WHOLE_PROJECTION
 from ..models.hooks import Record
 from ..models.layers import ColumnShard
-from ..models.qwen2_moe import SparseMoeBlock
 from ..models.routing import route
-from ..models.sharding import block_note
+from ..models.sharding import attention_note, block_note
 from ..models.switch import ExpertShard, weighted_sum
 from . import attention, moe
-from .attention import Heads, QKNorm, rope_frequencies
+from .attention import QKNorm, rope_frequencies
+from .support import attention_reason
 from .weights import Derived, FusedWeights, RowStack
 
 ROUTE_NOTE = "routing by moebench.models.routing.route (an intervention is set), not the router kernel"
@@ -35,27 +36,37 @@ class LayerWeights:
     own arrays become views of them, so both cost the memory of one), the router's rows stacked with the
     shared expert gate's, and the experts' quantized parts; each rebuilt when a weight is replaced."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, block=None):
+        """`block`: the layer's MoE block (the model's moe_blocks()), None for a dense MLP layer."""
         attn = layer.self_attn
+        self.block = block
         self.qkv = RowStack(attn.q_proj, attn.k_proj, attn.v_proj)
         self.qkv.share_storage()
-        block = layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else None
-        self.router = RowStack(block.gate, block.shared_expert_gate) if block is not None and "shared_expert" in block \
+        self.router = RowStack(block.gate, block.shared_expert_gate) if block is not None and block.spec.shared \
             else None
         self.experts = Derived(FusedWeights.build) if block is not None else None
 
-    def fused(self, block: SparseMoeBlock) -> FusedWeights:
+    def fused(self, block) -> FusedWeights:
         e = block.switch_mlp
         shared = (block.shared_expert.gate_proj, block.shared_expert.up_proj, block.shared_expert.down_proj) \
-            if "shared_expert" in block else ()
+            if block.spec.shared else ()
         return self.experts.get(e.gate_proj, e.up_proj, e.down_proj, *shared)
 
 
-def attention_reason(attn, weights: LayerWeights) -> str | None:
+def attention_step_reason(attn, weights: LayerWeights) -> str | None:
     """Why the decode-attention kernel cannot run this layer's attention, whatever the token, or None."""
     if weights.qkv.get() is None:
         return "q, k and v are stored differently (no stacked projection for the kernel)"
-    return attention.support_reason(Heads(attn.n_heads, attn.n_kv_heads, attn.head_dim))
+    return attention_reason(attn.spec)
+
+
+PROJECTION_NORM_NOTE = "q and k normed over the whole projection by MLX ops before the kernel (it sees one head)"
+
+
+def attention_step_note(attn) -> str | None:
+    """What a fused attention layer runs beside the kernel, and on a sharded model which heads it holds."""
+    notes = [PROJECTION_NORM_NOTE if attn.spec.qk_norm == WHOLE_PROJECTION else None, attention_note(attn)]
+    return "; ".join(n for n in notes if n) or None
 
 
 class AttentionKernel:
@@ -64,32 +75,41 @@ class AttentionKernel:
 
     def __init__(self, attn, weights: LayerWeights, backend: str, write: bool):
         self.o_proj, self.qkv, self.backend, self.write = attn.o_proj, weights.qkv, backend, write
-        self.heads = Heads(attn.n_heads, attn.n_kv_heads, attn.head_dim)
+        self.heads = attn.spec
         self.inv_freq = rope_frequencies(attn.head_dim, attn.rope_theta)
-        self.norms = (attn.q_norm, attn.k_norm) if "q_norm" in attn else None  # Qwen3-MoE's per-head q/k norm
+        self.norms = (attn.q_norm, attn.k_norm) if self.heads.qk_norm is not None else None
 
     def __call__(self, xn: mx.array, cache) -> mx.array:
         stacked = self.qkv.get()
         keys, values, slots, block = cache.decode_buffers(self.heads.n_kv_heads, self.heads.head_dim, xn.dtype)
-        qk_norm = None if self.norms is None else QKNorm(self.norms[0]["weight"], self.norms[1]["weight"],
-                                                         self.norms[0].eps)
-        out, k, v = attention.decode_attention(self.backend, stacked.matmul(xn), stacked.get("bias"), self.inv_freq,
-                                               slots, keys, values, self.heads, block, self.write, qk_norm)
+        qkv, bias, qk_norm = stacked.matmul(xn), stacked.get("bias"), None
+        if self.heads.qk_norm == PER_HEAD:  # inside the kernel
+            qk_norm = QKNorm(self.norms[0]["weight"], self.norms[1]["weight"], self.norms[0].eps)
+        elif self.heads.qk_norm == WHOLE_PROJECTION:  # across every head: before the kernel, which sees one head
+            qkv, bias = self._whole_projection_norm(qkv if bias is None else qkv + bias), None
+        out, k, v = attention.decode_attention(self.backend, qkv, bias, self.inv_freq, slots, keys, values, self.heads,
+                                               block, self.write, qk_norm)
         if self.write:
             cache.written_in_place(k, v)
         else:
             cache.write(k, v)
         return self.o_proj(out)
 
+    def _whole_projection_norm(self, qkv: mx.array) -> mx.array:
+        """q and k of the stacked projection [..., (H + 2 KV) hd] each RMS-normed over its whole width."""
+        q_width, kv_width = self.heads.n_heads * self.heads.head_dim, self.heads.n_kv_heads * self.heads.head_dim
+        q, k, v = mx.split(qkv, [q_width, q_width + kv_width], axis=-1)
+        return mx.concatenate([self.norms[0](q), self.norms[1](k), v], axis=-1)
+
 
 class MoeKernel:
     """One MoE block for one token through the router kernel and the kernel pair on `backend`:
     residual + block(xn)."""
 
-    def __init__(self, block: SparseMoeBlock, weights: LayerWeights, backend: str, rows: int):
+    def __init__(self, block, weights: LayerWeights, backend: str, rows: int):
         self.block, self.weights, self.backend, self.rows = block, weights, backend, rows
         self.shard = block.switch_mlp if isinstance(block.switch_mlp, ExpertShard) else None
-        self.split_shared = "shared_expert" in block and isinstance(block.shared_expert.down_proj, ColumnShard)
+        self.split_shared = block.spec.shared is not None and isinstance(block.shared_expert.down_proj, ColumnShard)
 
     def __call__(self, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
         b, recording = self.block, record is not None
@@ -144,7 +164,7 @@ class MoeKernel:
         return out
 
 
-def moe_note(block: SparseMoeBlock, weights: LayerWeights) -> str | None:
+def moe_note(block, weights: LayerWeights) -> str | None:
     """What a fused MoE block runs beside the kernels, and why (None: nothing)."""
     notes = []
     shared_note = weights.fused(block).shared_note

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..checkpoint.quant import QuantizedParts
+from ..models.args import QuantizedParts
 from ..models.layers import Linear
 from ..models.switch import PROJECTIONS, SwitchLinear
+from .support import shared_fold_reason
 
 PARTS = ("weight", "scales", "biases", "bias")
 
@@ -110,23 +111,6 @@ class RowStack:
 
 
 
-def _storage(p: QuantizedParts) -> str:
-    return f"{p.bits}-bit g{p.group_size} {p.mode} ({str(p.scales.dtype).removeprefix('mlx.core.')} scales)"
-
-
-def shared_fold_reason(routed: list[QuantizedParts], shared: tuple[Linear, Linear, Linear]) -> str | None:
-    """Why the shared expert cannot run inside the kernel pair (it then runs as its own MLP), or None."""
-    for name, r, m in zip(PROJECTIONS, routed, shared, strict=True):
-        p = m.quantized_parts()
-        if p is None:
-            return f"its {name} is float (the kernels need quantized weights)"
-        if _storage(p) != _storage(r):
-            return f"its {name} is {_storage(p)}, the routed experts' {_storage(r)}"
-        if "bias" in m:
-            return f"its {name} has a bias"
-    return None
-
-
 @dataclass(frozen=True)
 class FusedWeights:
     """The arrays the kernels of one MoE block read: the routed experts' gate/up/down parts, and the shared
@@ -141,8 +125,11 @@ class FusedWeights:
     def build(cls, gate: SwitchLinear, up: SwitchLinear, down: SwitchLinear, *shared: Linear) -> FusedWeights:
         """From the routed experts' projections and, when the family has one, the shared expert's."""
         parts = tuple(p.quantized_parts() for p in (gate, up, down))
-        if any(p is None for p in parts):  # float experts: declined by moe.support_reason, nothing to read
+        if any(p is None for p in parts):  # float experts: declined by support.parts_reason, nothing to read
             return cls(parts)
-        note = shared_fold_reason(parts, shared) if shared else None
+        note = None
+        if shared:
+            projections = {name: m.quantized_parts() for name, m in zip(PROJECTIONS, shared, strict=True)}
+            note = shared_fold_reason(parts, projections, biased=any("bias" in m for m in shared))
         folded = tuple(m.quantized_parts() for m in shared) if shared and note is None else None
         return cls(parts, folded, note)

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import MoebenchError, UnsupportedKernelConfig
-from ..execution import moe
+from ..execution import moe, support
 from ..execution.executor import executor
 from ..execution.kernel import available_backend
 from ..models.sharding import describe, shard_of
@@ -77,7 +77,8 @@ def compare_step(model, step: StepRecord, layers: list[int] | None = None, dtype
         x = m.layers[layer].post_attention_layernorm(mx.array(rec.resid_mid)[None].astype(act))
         ids = mx.array(rec.topk_ids.astype(np.uint32))[None]
         scores = mx.array(rec.topk_scores.astype(np.float32))[None]
-        reason = moe.support_reason(block.switch_mlp, backend, executor(m).settings.max_dff)
+        reason = support.moe_reason(block.spec, block.switch_mlp.quantized_parts(), backend,
+                                    executor(m).settings.max_dff)
         if reason:
             raise UnsupportedKernelConfig(f"layer {layer}: the fused kernel declines: {reason}")
         outputs = {}

@@ -9,12 +9,19 @@ Frames, keyed by `step` (StepRecord.index) and `layer`:
                 the attention's path and reason
     vectors     one row per (step, layer, name[, rank]): the recorded vectors (hook names), as lists
 Any other frames (comparisons, statistics) can be saved beside them with save_frames.
+
+save_frames makes the folder it is given (with its parents) and writes only regular files there; read_frames
+reads only regular files (a FIFO would block the read). A path that cannot be used (a NUL byte, a file where a
+folder belongs or the reverse, a corrupt file) is a MoebenchError naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import stat
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -29,12 +36,41 @@ VECTOR_HOOKS = (hooks.EXPERT_OUT, hooks.ROUTED_OUT, hooks.SHARED_OUT, hooks.BLOC
                 hooks.RESID_PRE, hooks.RESID_MID, hooks.RESID_POST)
 
 
+def _path(value: object, what: str) -> Path:
+    """`value` as a Path, once it is one (str or os.PathLike) the operating system can take."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise MoebenchError(f"{what} must be a path (str or Path), got {type(value).__name__}")
+    path = Path(value)
+    if "\0" in str(path):
+        raise MoebenchError(f"{what} {str(path)!r}: a path cannot hold a NUL byte")
+    return path
+
+
+def _regular_or_absent(path: Path) -> bool:
+    """Whether a regular file (or a link to one) is at `path`; False when nothing is. Anything else (a folder, a
+    FIFO that would block, a link that dangles) is a MoebenchError naming it."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise MoebenchError(f"{path}: a link to {os.readlink(path)}, which does not exist") from None
+        return False
+    except OSError as e:
+        raise MoebenchError(f"{path}: cannot use it: {e}") from e
+    if not stat.S_ISREG(mode):
+        raise MoebenchError(f"{path}: not a regular file")
+    return True
+
+
 def _norm(v: np.ndarray | None) -> float:
     return float(np.linalg.norm(v)) if v is not None else float("nan")
 
 
 def to_frames(trace: Trace, vectors: bool = True) -> dict[str, pd.DataFrame]:
     """Every record type of a trace as a long-format DataFrame (see the module docstring)."""
+    if not isinstance(trace, Trace):
+        raise MoebenchError(f"to_frames takes a Trace (Stepper.trace, decode(..., record=True)), got "
+                            f"{type(trace).__name__}")
     rows: dict[str, list[dict]] = {k: [] for k in ("tokens", "candidates", "routing", "router", "layers", "vectors")}
     for s in trace.steps:
         rows["tokens"].append({
@@ -77,10 +113,20 @@ def to_frames(trace: Trace, vectors: bool = True) -> dict[str, pd.DataFrame]:
 
 
 def save_frames(frames: dict[str, pd.DataFrame], folder: str | Path, fmt: str = "parquet") -> list[Path]:
-    """Write each frame to `folder/{name}.parquet` or `.json` (records orientation); returns the paths."""
-    if fmt not in FORMATS:
+    """Write each frame to `folder/{name}.parquet` or `.json` (records orientation); returns the paths. The folder
+    is made when missing (with its parents); every name must be a plain file name and every frame a DataFrame,
+    all checked before anything is written."""
+    if not isinstance(fmt, str) or fmt not in FORMATS:
         raise MoebenchError(f"export format must be one of {FORMATS}, got {fmt!r}")
-    folder = Path(folder)
+    folder = _path(folder, "export folder")
+    if not isinstance(frames, Mapping):
+        raise MoebenchError(f"frames must be a mapping of name to DataFrame (to_frames' result), got "
+                            f"{type(frames).__name__}")
+    for name, frame in frames.items():
+        if not isinstance(name, str) or not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):
+            raise MoebenchError(f"frame name {name!r}: must be a plain file name")
+        if not isinstance(frame, pd.DataFrame):
+            raise MoebenchError(f"frame {name!r}: expected a pandas DataFrame, got {type(frame).__name__}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file in the way, no permission, a read-only disk
@@ -88,12 +134,13 @@ def save_frames(frames: dict[str, pd.DataFrame], folder: str | Path, fmt: str = 
     paths = []
     for name, frame in frames.items():
         path = folder / f"{name}.{fmt}"
+        _regular_or_absent(path)  # never write into a FIFO (the write would block) or onto a folder
         try:
             if fmt == "parquet":
                 frame.to_parquet(path, index=False)
             else:
                 frame.to_json(path, orient="records", indent=1)
-        except OSError as e:
+        except (OSError, ValueError, TypeError) as e:  # a full disk; columns parquet cannot store
             raise MoebenchError(f"{path}: cannot write the {name} frame: {e}") from e
         paths.append(path)
     return paths
@@ -105,14 +152,22 @@ def save_trace(trace: Trace, folder: str | Path, fmt: str = "parquet", vectors: 
 
 
 def read_frames(folder: str | Path) -> dict[str, pd.DataFrame]:
-    """Read back every .parquet / .json frame in a folder, keyed by file stem."""
-    folder = Path(folder)
+    """Read back every .parquet / .json frame in a folder, keyed by file stem. Each must be a regular file (checked
+    before it is opened: a FIFO would block) that its reader can parse; else a MoebenchError naming it."""
+    folder = _path(folder, "frames folder")
     if not folder.is_dir():
         raise MoebenchError(f"{folder}: not a folder of exported frames")
     frames = {}
     for path in sorted(folder.iterdir()):
-        if path.suffix == ".parquet":
-            frames[path.stem] = pd.read_parquet(path)
-        elif path.suffix == ".json":
-            frames[path.stem] = pd.read_json(path, orient="records")
+        if path.suffix not in (".parquet", ".json"):
+            continue
+        _regular_or_absent(path)
+        try:
+            if path.suffix == ".parquet":
+                frames[path.stem] = pd.read_parquet(path)
+            else:
+                frames[path.stem] = pd.read_json(path, orient="records")
+        except Exception as e:  # noqa: BLE001 -- pyarrow and pandas raise many kinds for a corrupt file
+            raise MoebenchError(f"{path}: cannot read it as an exported {path.suffix[1:]} frame: "
+                                f"{type(e).__name__}: {e}") from e
     return frames

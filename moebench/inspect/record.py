@@ -34,7 +34,7 @@ import numpy as np
 
 from ..checkpoint.chat import prompt_ids as chat_prompt_ids
 from ..checkpoint.tokenizer import stop_ids as default_stop_ids
-from ..decode.loop import GenerationResult, Session, Step, check_length, check_prompt, check_stop_ids
+from ..decode.loop import GenerationResult, Mark, Session, Step, check_length, check_prompt, check_stop_ids
 from ..decode.sampling import Sampling
 from ..errors import DecodeError, MoebenchError
 from ..execution.plan import Decision
@@ -173,25 +173,11 @@ class Trace:
         return self.result().decode_tps
 
 
-@dataclass
-class _Pending:
-    """A step whose graph is built (and possibly evaluating) but not yet handed to the caller."""
-
-    inputs: list[int] | None  # None while the fed token is still the lazy choice of the step before
-    step: Step
-    position: int
-    top: tuple[mx.array, mx.array] | None
-    recorded: dict[str, object] | None
-    state: tuple
-
-
 class _Mark(NamedTuple):
     """A stepper at its last whole step: what a failed call puts back (Stepper._restore)."""
 
-    positions: int
-    key: mx.array | None
-    history: mx.array | None
-    last_token: int | None
+    session: Mark
+    steps: int
     generated: int
     first_token_at: float | None
     done: bool
@@ -237,9 +223,6 @@ class Stepper:
         self.stop_ids = default_stop_ids(model.args.eos_token_id, tokenizer) if stop_ids is None else tuple(
             check_stop_ids(stop_ids))
         self.trace = Trace(prompt_ids, special_ids=tokenizer.special_ids if tokenizer is not None else frozenset())
-        self._blocks = model.moe_blocks()
-        self._pending: _Pending | None = None
-        self._last_token: int | None = None
         self._generated = 0
         self._first_token_at: float | None = None
         self.done = False
@@ -252,7 +235,7 @@ class Stepper:
         return settings if self.fused is None or settings.fused == self.fused else replace(settings, fused=self.fused)
 
     def _state(self) -> tuple:
-        return self._settings(), self.record, tuple(b.intervention for b in self._blocks.values())
+        return self.session.state(self._settings(), self.record)
 
     def _text(self, token_id: int) -> str | None:
         """One token as it is, a control token's name included (Trace.text leaves those out)."""
@@ -260,11 +243,8 @@ class Stepper:
 
     # -- a call either finishes or leaves the stepper at its last whole step ------------------------------
     def _current_mark(self) -> _Mark:
-        """The state after the last whole step: a speculative step's key and history are those before it."""
-        p = self._pending
-        key, history = (p.step.key_before, p.step.history_before) if p else (self.session.key, self.session.history)
-        return _Mark(len(self.trace.steps), key, history, self._last_token, self._generated, self._first_token_at,
-                     self.done, self.trace.prompt_seconds, self.trace.decode_seconds)
+        return _Mark(self.session.mark(), len(self.trace.steps), self._generated, self._first_token_at, self.done,
+                     self.trace.prompt_seconds, self.trace.decode_seconds)
 
     def _settle(self) -> None:
         """Put back the last whole step when the previous call did not finish (a second interrupt during the
@@ -272,73 +252,63 @@ class Stepper:
         if self._open:
             self._restore()
 
-    def _end(self, pending: _Pending | None) -> None:
+    def _end(self, step: Step | None) -> None:
         """Finish a call: count the step it took, and mark the stepper whole there (the mark made first, so that
         only the count and the assignment lie between the two)."""
         mark = self._current_mark()
-        if pending is not None:
-            self.session.count(pending.step)
+        if step is not None:
+            self.session.count(step)
         self._mark, self._open = mark, False
 
     def _restore(self) -> None:
-        """Back to the last whole step (every layer's cache position included: a forward stopped half-way leaves
-        them apart); the step being built is dropped. Idempotent, so an interrupt inside it is harmless."""
+        """Back to the last whole step (Session.restore; the steps built ahead are dropped). Idempotent, so an
+        interrupt inside it is harmless."""
         m = self._mark
-        self._pending = None
-        for c in self.session.cache:
-            c.offset = m.positions
-        self.session.key, self.session.history = m.key, m.history
-        del self.trace.steps[m.positions:]
-        self._last_token, self._generated, self._first_token_at, self.done = (m.last_token, m.generated,
-                                                                              m.first_token_at, m.done)
+        self.session.restore(m.session)
+        del self.trace.steps[m.steps:]
+        self._generated, self._first_token_at, self.done = m.generated, m.first_token_at, m.done
         self.trace.prompt_seconds, self.trace.decode_seconds = m.prompt_seconds, m.decode_seconds
         self._open = False
 
-    # -- building, rolling back and finishing steps -----------------------------------------------
-    def _build(self, tokens: mx.array, inputs: list[int] | None) -> _Pending:
-        recorder = Recorder() if self.record else None
-        position = self.session.position
-        state = self._state()
-        step = self.session.build(tokens, recorder, state[0], every_position=True)
-        logits = step.logits
+    # -- building and finishing steps -------------------------------------------------------------
+    def _build(self, tokens: mx.array, state: tuple) -> Step:
+        """One step with recording as `state` says (its last word), its top candidates scheduled beside it."""
+        recorder = Recorder() if state[-1] else None
+        step = self.session.build(tokens, state, recorder, every_position=True)
         top = None
         if self.top:
+            logits = step.logits
             ids = mx.argpartition(-logits, kth=self.top - 1, axis=-1)[:, : self.top]
             picked = mx.take_along_axis(logits, ids, axis=-1).astype(mx.float32)
             top = ids, mx.exp(picked - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True))
             mx.async_eval(*top)
         if recorder is not None:
             mx.async_eval(*recorder.arrays())
-        return _Pending(inputs, step, position, top, recorder.values if recorder else None, state)
+        step.extras = (top, recorder.values if recorder is not None else None)
+        return step
 
-    def _rollback(self, pending: _Pending) -> None:
-        """Undo a speculative step (the cache position and the sampling key); it was never counted."""
-        self.session.rollback(pending.step)
-
-    def _speculate(self, pending: _Pending) -> _Pending | None:
-        """Build the step after `pending` from its (still lazy) chosen token (not past max_tokens or the model's
-        max_position_embeddings)."""
-        if not self.pipeline or (self.max_tokens is not None and self._generated + 1 >= self.max_tokens):
-            return None
+    def _next(self, feed: list[int]) -> Step:
+        """The step feeding `feed` through the session's loop (Session.next), one step built ahead when
+        pipelining, not past max_tokens or the model's max_position_embeddings."""
+        remaining = self.max_tokens - self._generated if self.max_tokens is not None else 2
         limit = self.model.args.max_position_embeddings
-        if limit is not None and pending.position + pending.step.tokens >= limit:
-            return None
-        return self._build(pending.step.token.reshape(1).astype(mx.uint32), None)
+        if limit is not None:
+            remaining = min(remaining, 1 + limit - len(self.trace.steps) - len(feed))
+        return self.session.next(feed, self._state(), 1 if self.pipeline else 0, remaining, self._build)
 
-    def _finish(self, pending: _Pending, phase: str) -> list[StepRecord]:
+    def _finish(self, step: Step, inputs: list[int], phase: str) -> list[StepRecord]:
         """Wait for a step and turn what it computed into records, one per input position."""
-        token_id = self.session.take(pending.step, count=False)
-        if self._pending is not None:
-            self._pending.inputs = [token_id]
-        inputs = pending.inputs
+        token_id = self.session.take(step, count=False)
+        top, recorded = step.extras
         start = len(self.trace.steps)
         top_ids = top_probs = None
-        if pending.top is not None:
-            top_ids, top_probs = pending.top[0].tolist(), pending.top[1].tolist()
-        logits = _numpy(pending.step.logits) if self.keep_logits else None
-        layers = _layer_records(pending.recorded) if pending.recorded is not None else [{}] * len(inputs)
-        switch = pending.state[0].fused
-        interventions = {i: v for i, v in zip(self._blocks, pending.state[2], strict=True) if v is not None}
+        if top is not None:
+            top_ids, top_probs = top[0].tolist(), top[1].tolist()
+        logits = _numpy(step.logits) if self.keep_logits else None
+        layers = _layer_records(recorded) if recorded is not None else [{}] * len(inputs)
+        settings, interventions = step.state[0], step.state[1]
+        interventions = {i: v for i, v in zip(self.session.executor.moe_layers, interventions, strict=True)
+                         if v is not None}
         records = []
         for j, input_id in enumerate(inputs):
             last = j == len(inputs) - 1
@@ -347,10 +317,10 @@ class Stepper:
                 ranked = sorted(zip(top_ids[j], top_probs[j], strict=True), key=lambda c: -c[1])
                 candidates = [Candidate(t, self._text(t), p) for t, p in ranked]
             records.append(StepRecord(
-                index=start + j, phase=phase, position=pending.position + j, input_id=input_id,
+                index=start + j, phase=phase, position=step.position + j, input_id=input_id,
                 input_text=self._text(input_id), token_id=token_id if last else None,
                 token_text=self._text(token_id) if last else None, candidates=candidates, seconds=0.0,
-                fused_switch=switch, interventions=interventions, layers=layers[j],
+                fused_switch=settings.fused, interventions=interventions, layers=layers[j],
                 logits=None if logits is None else logits[j],
             ))
         return records
@@ -364,15 +334,9 @@ class Stepper:
         else:
             self.trace.decode_seconds = now - self._first_token_at
         token = records[-1].token_id
-        self._last_token = token
         if token in self.stop_ids or (self.max_tokens is not None and self._generated >= self.max_tokens):
-            self._drop_pending()
+            self.session.drop_queue()
             self.done = True
-
-    def _drop_pending(self) -> None:
-        if self._pending is not None:
-            self._rollback(self._pending)
-            self._pending = None
 
     # -- the public stepping API -------------------------------------------------------------------
     @property
@@ -381,6 +345,7 @@ class Stepper:
 
     def prefill(self) -> list[StepRecord]:
         """Run the prompt; one record per prompt token, the last carrying the first generated token."""
+        self.session.check_thread()
         self._settle()
         if self.prefilled:
             raise MoebenchError("prefill already ran for this stepper")
@@ -389,16 +354,15 @@ class Stepper:
         self._open = True
         try:
             start = time.perf_counter()
-            prompt = self.trace.prompt_ids
-            pending = self._build(mx.array(prompt, dtype=mx.uint32), list(prompt))
-            self._pending = self._speculate(pending)
-            records = self._finish(pending, "prefill")
+            prompt = list(self.trace.prompt_ids)
+            step = self._next(prompt)
+            records = self._finish(step, prompt, "prefill")
             seconds = time.perf_counter() - start
             for r in records:
                 r.seconds = seconds
             self.trace.prompt_seconds = seconds
             self._accept(records)
-            self._end(pending)
+            self._end(step)
         except BaseException:
             self._restore()
             raise
@@ -406,12 +370,13 @@ class Stepper:
 
     def step(self, feed: int | None = None) -> StepRecord:
         """One decode step: feed the last chosen token (or `feed`, for teacher forcing); return its record."""
+        self.session.check_thread()
         self._settle()
         if not self.prefilled:
             raise MoebenchError("call prefill() before step() (iterating the stepper does both)")
         if self.done:
             raise MoebenchError("the decode has finished (stop token or max_tokens); start a new Stepper")
-        fed = self._last_token if feed is None else feed
+        fed = self.session.last_read if feed is None else feed
         vocab = self.model.args.vocab_size
         if isinstance(fed, bool) or not isinstance(fed, Integral) or not 0 <= fed < vocab:
             raise DecodeError(f"feed token id {fed!r} is not an id of the vocabulary 0..{vocab - 1}")
@@ -423,17 +388,11 @@ class Stepper:
         self._open = True
         try:
             start = time.perf_counter()
-            pending, self._pending = self._pending, None
-            if pending is not None and (fed != self._last_token or pending.state != self._state()):
-                self._rollback(pending)
-                pending = None
-            if pending is None:
-                pending = self._build(mx.array([fed], dtype=mx.uint32), [fed])
-            self._pending = self._speculate(pending)
-            records = self._finish(pending, "decode")
+            step = self._next([fed])
+            records = self._finish(step, [fed], "decode")
             records[0].seconds = time.perf_counter() - start
             self._accept(records)
-            self._end(pending)
+            self._end(step)
         except BaseException:
             self._restore()
             raise
@@ -449,9 +408,13 @@ class Stepper:
     def run(self, n: int) -> Trace:
         """Generate up to n tokens (counting the one prefill chooses) synchronously; returns the trace. The
         positions they take are checked first (check_length), so a run past the model's length never starts."""
+        self.session.check_thread()
         self._settle()
         if isinstance(n, bool) or not isinstance(n, Integral) or n < 1:
             raise DecodeError(f"n must be an integer >= 1, got {n!r}")
+        if self.done:
+            raise MoebenchError(f"the decode has finished ({len(self.trace.generated)} tokens generated, at a stop "
+                                "token or max_tokens): its trace is stepper.trace; start a new Stepper to decode again")
         prompt = len(self.trace.prompt_ids)
         fed = len(self.trace.steps) + n if self.prefilled else prompt + n - 1
         check_length(self.model, 1 if self.prefilled else prompt, fed, every_position=not self.prefilled)
@@ -466,9 +429,10 @@ class Stepper:
 
     def close(self) -> None:
         """Drop a speculative step and end the decode."""
+        self.session.check_thread()
         self._settle()
         self._open = True
-        self._drop_pending()
+        self.session.drop_queue()
         self.done = True
         self._end(None)
 

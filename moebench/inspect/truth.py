@@ -8,8 +8,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..checkpoint.quant import QuantizedParts
 from ..errors import UnsupportedKernelConfig
+from ..models.args import QuantizedParts
 
 
 def f64(a: mx.array) -> np.ndarray:

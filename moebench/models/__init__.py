@@ -1,4 +1,4 @@
-"""Model families, chosen by config.json's model_type: one module per family (qwen2_moe, qwen3_moe),
+"""Model families, chosen by config.json's model_type: one module per family (qwen2_moe, qwen3_moe, olmoe),
 imported when a checkpoint of that family is opened."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import ModuleType
 
 from ..errors import ConfigError
 
-FAMILIES = ("qwen2_moe", "qwen3_moe")
+FAMILIES = ("olmoe", "qwen2_moe", "qwen3_moe")
 
 
 def family(model_type: str, source: str = "config.json") -> ModuleType:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..checkpoint.quant import QuantizedParts
+from .args import QuantizedParts
 
 
 class QuantizedWeight(nn.Module):

@@ -5,27 +5,40 @@ block (router softmax over all experts in float32, top-k, routed SwiGLU experts,
 shared expert) or, per decoder_sparse_step / mlp_only_layers, a dense SwiGLU MLP.
 
 Modules are built from ModelArgs with placeholder weights; moebench.checkpoint fills them, and their
-paths are the checkpoint's tensor names. How a decode token runs (a fused kernel or these modules,
-and why) is moebench.execution's business: nothing here knows about kernels. A forward pass given a
-Record hands it the internals named in moebench.models.hooks.
+paths are the checkpoint's tensor names. Each attention and MoE block declares what it computes (`spec`,
+in moebench.models.declare's words). How a decode token runs (a fused kernel or these modules, and why)
+is moebench.execution's business: it reads the declarations and hands the forward a LayerRun per layer
+(moebench.models.run); nothing here knows about kernels. A forward pass given a Record hands it the
+internals named in moebench.models.hooks.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..checkpoint.config import ModelArgs
 from ..errors import DecodeError
 from . import hooks
+from .args import ModelArgs
+from .declare import SIGMOID_GATED, AttentionSpec, MoeSpec
 from .hooks import Record
 from .layers import Embedding, Linear, RMSNorm
 from .routing import Intervention, InterventionError, route
+from .run import MODULES, LayerRun
 from .switch import SwitchGLU, swiglu, weighted_sum
+
+
+def config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Fields this family's config.json may leave out, as transformers' Qwen2MoeConfig defaults them."""
+    return {"qkv_bias": True if cfg.get("qkv_bias") is None else cfg["qkv_bias"]}
 
 
 class Attention(nn.Module):
     """Multi-head (or grouped-query) attention with q/k/v bias and rotate-half RoPE."""
+
+    qk_norm: str | None = None  # where a family normalises q and k (moebench.models.declare)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -37,6 +50,12 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_heads * hd, d)
         self.rope_theta = args.rope_theta
         self.scale = hd**-0.5
+
+    @property
+    def spec(self) -> AttentionSpec:
+        """What this layer computes, for the execution layer (the heads this process holds)."""
+        return AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, qkv_bias="bias" in self.q_proj,
+                             qk_norm=self.qk_norm)
 
     def heads(self, q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """[B, L, heads * hd] projections -> [B, heads, L, hd] (a family that normalises q and k does it here)."""
@@ -64,7 +83,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = Linear(dims, hidden), Linear(dims, hidden), Linear(hidden, dims)
 
-    def __call__(self, x: mx.array, record: Record | None = None) -> mx.array:
+    def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -107,6 +126,12 @@ class SparseMoeBlock(nn.Module):
             super().__setattr__(name, value)
 
     @property
+    def spec(self) -> MoeSpec:
+        """What this block computes, for the execution layer."""
+        return MoeSpec(self.num_experts, self.top_k, renormalize=self.norm_topk_prob,
+                       shared=SIGMOID_GATED if "shared_expert" in self else None)
+
+    @property
     def shared_on(self) -> bool:
         """Whether the shared expert takes part (the family has one and no intervention switched it off)."""
         return "shared_expert" in self and (self._intervention is None or self._intervention.shared_expert)
@@ -138,14 +163,15 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, attention: type[Attention] = Attention):
         super().__init__()
         self.self_attn = attention(args)
-        is_moe = args.is_moe_layer(layer)
-        self.mlp = SparseMoeBlock(args) if is_moe else MLP(args.hidden_size, args.intermediate_size)
+        self.is_moe = args.is_moe_layer(layer)
+        self.mlp = SparseMoeBlock(args) if self.is_moe else MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache=None, record: Record | None = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        out = h + self.mlp(self.post_attention_layernorm(h), hooks.scope(record, hooks.MOE))
+    def __call__(self, x: mx.array, cache=None, record: Record | None = None, run: LayerRun = MODULES) -> mx.array:
+        h = x + run.attend(self.self_attn, self.input_layernorm(x), cache)
+        inner = hooks.scope(record, hooks.MOE) if self.is_moe else None
+        out = run.feed_forward(self.mlp, self.post_attention_layernorm(h), h, inner)
         if record is not None:
             hooks.record_residuals(record, x, h, out)
         return out
@@ -158,10 +184,13 @@ class Qwen2MoeModel(nn.Module):
         self.layers = [DecoderLayer(args, i, attention) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, tokens: mx.array, cache=None, record: Record | None = None) -> mx.array:
+    def __call__(self, tokens: mx.array, cache=None, record: Record | None = None,
+                 runs: tuple[LayerRun, ...] | None = None) -> mx.array:
+        """The final-normed hidden states [B, L, D]; `runs`: what runs each layer's parts (default: its modules)."""
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cache[i] if cache is not None else None, hooks.scope(record, hooks.layer_scope(i)))
+            x = layer(x, cache[i] if cache is not None else None, hooks.scope(record, hooks.layer_scope(i)),
+                      runs[i] if runs is not None else MODULES)
         return self.norm(x)
 
 

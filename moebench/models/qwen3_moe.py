@@ -8,16 +8,26 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
-from ..checkpoint.config import ModelArgs
 from ..errors import ConfigError
 from . import qwen2_moe
+from .args import ModelArgs
+from .declare import PER_HEAD
 from .layers import RMSNorm
+
+
+def config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Fields this family's config.json may leave out, as transformers' Qwen3MoeConfig defaults them."""
+    return {"qkv_bias": False if cfg.get("attention_bias") is None else cfg["attention_bias"]}
 
 
 class Attention(qwen2_moe.Attention):
     """Attention with per-head RMSNorm on q and k."""
+
+    qk_norm = PER_HEAD
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)

@@ -102,8 +102,8 @@ def route(
     router_logits: mx.array, top_k: int, norm_topk_prob: bool, intervention: Intervention | None = None,
     ordered: bool = False,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """router logits [N, E] -> (probabilities [N, E] f32, expert ids [N, K] uint32, scores [N, K] f32); the
-    ids in no particular order (argpartition, as mlx-lm), or highest probability first when `ordered`."""
+    """router logits [..., E] -> (probabilities [..., E] f32, expert ids [..., K] uint32, scores [..., K] f32);
+    the ids in no particular order (argpartition, as mlx-lm), or highest probability first when `ordered`."""
     logits = router_logits.astype(mx.float32)
     probs = mx.softmax(logits, axis=-1, precise=True)
     select_from = probs
@@ -115,7 +115,7 @@ def route(
         select_from = mx.where(mask, -1.0, probs)
     if intervention is not None and intervention.force_experts is not None:
         ids = mx.array(intervention.force_experts, dtype=mx.uint32)
-        inds = mx.broadcast_to(ids, (probs.shape[0], ids.size))
+        inds = mx.broadcast_to(ids, (*probs.shape[:-1], ids.size))
     else:
         k = intervention.top_k if intervention is not None and intervention.top_k else top_k
         # Selection is discrete: stop_gradient so autodiff (training) flows through the scores only.

@@ -6,22 +6,36 @@ checkpoints that store them one by one).
 
 from __future__ import annotations
 
-from functools import partial
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..checkpoint.quant import QuantizedParts
+from .args import QuantizedParts
 from .layers import QuantizedWeight
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 SORT_THRESHOLD = 64  # indices.size at or above which tokens are sorted by expert (prefill)
 
 
-@partial(mx.compile, shapeless=True)
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return gate * mx.sigmoid(gate) * up
+
+
+_swiglu_compiled = mx.compile(_swiglu, shapeless=True)
+
+
+def on_main_thread() -> bool:
+    """Whether this is the main thread: the one thread moebench uses mx.compile on. Measured here (MLX 0.32.4),
+    a compiled function called from any other thread ends the process at exit ("terminate called without an
+    active exception"), and several threads using one concurrently can hang."""
+    return threading.current_thread() is threading.main_thread()
+
+
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    """silu(gate) * up as one fused kernel (two separate ops cost a launch each at decode)."""
-    return nn.silu(gate) * up
+    """silu(gate) * up, on the main thread as one compiled kernel (two separate ops cost a launch each at
+    decode), elsewhere as the two ops."""
+    return (_swiglu_compiled if on_main_thread() else _swiglu)(gate, up)
 
 
 class SwitchLinear(QuantizedWeight):

@@ -33,10 +33,12 @@ from tqdm.auto import tqdm
 
 from ..checkpoint.loader import default_model_path, load
 from ..decode.loop import COMPILED_BY_DEFAULT, STEPS_AHEAD, GenerationResult, generate_tokens
+from ..decode.sampling import check_seed
 from ..errors import MoebenchError
 from ..execution.executor import executor, fused_moe
 from ..execution.kernel import available_backend
 from ..models.sharding import MODES, TENSOR_MODE, init_group, report
+from .flags import SEED, at_least
 
 SCHEMA = "moebench.tools.bench/2"  # /2: a block per prompt length (lengths[]); weights and own peak per arm
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -210,23 +212,35 @@ def moebench_arms(model, fused: str, compiled: str = "off") -> list[Arm]:
 SNAPSHOT = "moebench_snapshot"  # the module name an earlier revision's package is imported under
 
 
+def snapshot_init(root: Path) -> Path:
+    """The earlier revision's moebench/__init__.py under `root`; a MoebenchError naming --snapshot when it has none."""
+    init = Path(root) / "moebench" / "__init__.py"
+    if not init.is_file():
+        raise MoebenchError(f"--snapshot {root}: no moebench/__init__.py there (git archive REV moebench kernels)")
+    return init
+
+
 def snapshot_arms(root: Path, path: Path, fused: str) -> list[Arm]:
     """Arms of an earlier revision of moebench (`root`/moebench, with its kernels/ beside it, as `git archive
     REV moebench kernels` writes them) on the same checkpoint, decoding through its own top-level API (load,
     fused_moe, decode.generate_tokens) with its defaults, so a change is measured side by side with the code
     before it in one interleaved run. Imported as SNAPSHOT: its imports inside the package are relative."""
-    init = Path(root) / "moebench" / "__init__.py"
-    if not init.is_file():
-        raise MoebenchError(f"--snapshot {root}: no moebench/__init__.py there (git archive REV moebench kernels)")
-    spec = importlib.util.spec_from_file_location(SNAPSHOT, init, submodule_search_locations=[str(init.parent)])
-    package = importlib.util.module_from_spec(spec)
-    sys.modules[SNAPSHOT] = package
-    spec.loader.exec_module(package)
-    decode = importlib.import_module(f"{SNAPSHOT}.decode")
-    generate_tokens_before = getattr(decode, "generate_tokens", None) or importlib.import_module(
-        f"{SNAPSHOT}.decode.loop").generate_tokens
-    model, _ = package.load(path)
-    dtype = float_dtype(model)
+    init = snapshot_init(root)
+    try:  # an earlier revision is code of its own: any failure to import or load it is named, and forgotten
+        spec = importlib.util.spec_from_file_location(SNAPSHOT, init, submodule_search_locations=[str(init.parent)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[SNAPSHOT] = package
+        spec.loader.exec_module(package)
+        decode = importlib.import_module(f"{SNAPSHOT}.decode")
+        generate_tokens_before = getattr(decode, "generate_tokens", None) or importlib.import_module(
+            f"{SNAPSHOT}.decode.loop").generate_tokens
+        model, _ = package.load(path)
+        dtype = float_dtype(model)
+    except Exception as e:  # noqa: BLE001 -- SyntaxError, ImportError, its own errors: all mean it cannot run
+        for name in [m for m in sys.modules if m == SNAPSHOT or m.startswith(SNAPSHOT + ".")]:
+            del sys.modules[name]
+        raise MoebenchError(f"--snapshot {root}: cannot import its moebench or load {path} with it: "
+                            f"{type(e).__name__}: {e}") from e
 
     def stream(on: bool) -> TokenStream:
         def run(ids: list[int], n: int) -> Iterator[tuple[int, mx.array]]:
@@ -304,7 +318,7 @@ def prompt_token_ids(vocab_size: int, n: int, seed: int = 0) -> list[int]:
     """A fixed pseudo-random prompt: bench works on token ids, so random checkpoints need no tokenizer."""
     if n < 1:
         raise MoebenchError(f"--prompt-tokens {n}: need at least 1")
-    return np.random.default_rng(seed).integers(0, vocab_size, size=n).tolist()
+    return np.random.default_rng(check_seed(seed)).integers(0, vocab_size, size=n).tolist()
 
 
 def platform_info() -> dict:
@@ -474,11 +488,11 @@ def _length_table(record: dict, length: dict) -> str:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="decode speed: moebench fused vs fallback (vs mlx-lm), interleaved repeats")
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
-    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[64], metavar="N",
+    p.add_argument("--prompt-tokens", type=at_least(1), nargs="+", default=[64], metavar="N",
                    help="prompt length; several (64 2048 4096) run one after the other on the models loaded once, "
                         "each a full interleaved bench of every arm")
-    p.add_argument("--gen-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--gen-tokens", type=at_least(1), default=128)
+    p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--fused", choices=("on", "off", "both"), default="both")
     p.add_argument("--compiled", choices=("on", "off", "both", "auto"), default="auto",
                    help="moebench arms through the mx.compile'd decode step (on), eager (off) or both; auto: "
@@ -487,7 +501,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--snapshot", metavar="DIR", default=None,
                    help="also run an earlier revision of moebench on the same checkpoint, interleaved: DIR holds "
                         "its moebench/ and kernels/ (git archive REV moebench kernels | tar -x -C DIR)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt's token ids")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of the prompt's token ids")
     p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
     p.add_argument("--no-progress", action="store_true")
     add_shard_argument(p)
@@ -514,6 +528,8 @@ def _writable(path: Path) -> None:
 def _run(a: argparse.Namespace) -> int:
     if a.json:
         _writable(Path(a.json))
+    if a.snapshot:
+        snapshot_init(Path(a.snapshot))  # before the model loads
     path = Path(a.model) if a.model else default_model_path()
     group = init_group(a.shard) if a.shard else None
     quiet = group is not None and group.rank() != 0  # every rank runs every arm in step; rank 0 reports

@@ -22,11 +22,13 @@ from datetime import datetime, timezone
 
 import mlx.core as mx
 
-from ..checkpoint.quant import QuantizedParts
+from ..decode.sampling import check_seed
 from ..errors import ConfigError
-from ..execution import moe
+from ..execution import moe, support
 from ..execution.kernel import GPU_BACKENDS, available_backend
+from ..models.args import QuantizedParts
 from ..models.switch import SwitchGLU
+from .flags import at_least, whole_number
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,9 @@ class StackShape:
     bits: int = 4
     group_size: int = 64
     dtype: str = "bfloat16"
+
+
+SHAPE_FIELDS = ("layers", "experts", "top_k", "hidden", "dff", "bits", "group_size")  # each an integer >= 1
 
 
 @dataclass(frozen=True)
@@ -124,8 +129,14 @@ def _time_arm(arm: Arm, stack, x0, ids, scores) -> tuple[float, float]:
 def run(shape: StackShape, tokens: int = 16, repeats: int = 7, rows: list[int] | None = None,
         compiled: bool = False, seed: int = 0) -> dict:
     """Time the arms interleaved; returns a JSON-ready dict (environment, shape, arms, dispatch counts)."""
-    if repeats < 1 or tokens < 1:
-        raise ConfigError(f"repeats ({repeats}) and tokens ({tokens}) must be at least 1")
+    for name in SHAPE_FIELDS:  # a zero width or count reaches the kernels as a division by zero (SIGFPE)
+        whole_number(getattr(shape, name), name)
+    whole_number(repeats, "repeats")
+    whole_number(tokens, "tokens")
+    for r in rows or ():
+        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= moe.MAX_ROWS:
+            raise ConfigError(f"rows {r!r}: rows per threadgroup must be integers from 1 to {moe.MAX_ROWS}")
+    check_seed(seed)
     if shape.bits not in (4, 8) or shape.hidden % shape.group_size or shape.dff % shape.group_size:
         raise ConfigError(f"stack {shape}: bits must be 4 or 8 and hidden and dff multiples of group_size")
     if not 1 <= shape.top_k <= shape.experts:
@@ -135,7 +146,7 @@ def run(shape: StackShape, tokens: int = 16, repeats: int = 7, rows: list[int] |
     stack = build_stack(shape)
     ids, scores = random_routing(shape, tokens)
     x0 = (mx.random.normal((1, shape.hidden)) * 0.5).astype(getattr(mx, shape.dtype))
-    reason = moe.support_reason(stack[0], backend)
+    reason = support.experts_reason(stack[0].quantized_parts(), backend)
     fused = backend if reason is None else "fallback"  # the fused arms say so in their path when declined
     arms = [Arm("fallback", "fallback")]
     for r in (rows or [None]) if backend in GPU_BACKENDS else [None]:
@@ -190,11 +201,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     """`moebench microbench`: fused vs fallback on the routed-expert stack (defaults: A2.7B shapes)."""
     p = sub.add_parser("microbench", help="time the fused decode-MoE kernels against gather_qmm on a layer stack")
     defaults = StackShape()
-    for field_name in ("layers", "experts", "top_k", "hidden", "dff", "bits", "group_size"):
-        p.add_argument(f"--{field_name.replace('_', '-')}", type=int, default=getattr(defaults, field_name))
+    for field_name in SHAPE_FIELDS:
+        p.add_argument(f"--{field_name.replace('_', '-')}", type=at_least(1), default=getattr(defaults, field_name))
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=defaults.dtype)
-    p.add_argument("--tokens", type=int, default=16, help="decode steps per sample")
-    p.add_argument("--repeats", type=int, default=7, help="interleaved samples per arm")
+    p.add_argument("--tokens", type=at_least(1), default=16, help="decode steps per sample")
+    p.add_argument("--repeats", type=at_least(1), default=7, help="interleaved samples per arm")
     p.add_argument("--rows", default=None, help="comma-separated rows per threadgroup to sweep (GPU)")
     p.add_argument("--compiled", action="store_true",
                    help="also time both paths replayed through mx.compile (GPU work without the Python graph build)")

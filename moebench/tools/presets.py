@@ -19,17 +19,21 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm.auto import tqdm
 
-from ..checkpoint.config import AFFINE_BITS, AFFINE_GROUP_SIZES, ModelArgs
+from ..checkpoint.config import model_args
 from ..checkpoint.weights import LAYOUTS, tensor_shapes
+from ..decode.sampling import check_seed
 from ..errors import ConfigError
+from ..models.args import AFFINE_BITS, AFFINE_GROUP_SIZES
+from .flags import SEED, finite, finite_number
 from .writer import quantize_tensors, qwen2_moe_config, random_tensors, save_checkpoint
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 DEFAULT_SHARD_GB = 5.0  # mlx-lm's shard size
 # how the family's MLX checkpoints store the routed experts, so mlx-lm loads what make-random writes as it loads
 # the checkpoints people run: mlx-community's Qwen1.5-MoE conversions keep experts.{i}; mlx-lm's convert stacks
-# Qwen3-MoE's into switch_mlp (and mlx-lm's qwen3_moe stacks per-expert weights only when they are unquantized)
-FAMILY_LAYOUTS = {"qwen2_moe": "per-expert", "qwen3_moe": "stacked"}
+# Qwen3-MoE's into switch_mlp (and mlx-lm's qwen3_moe stacks per-expert weights only when they are unquantized);
+# mlx-lm's olmoe stacks OLMoE's into switch_mlp when it converts (its sanitize)
+FAMILY_LAYOUTS = {"qwen2_moe": "per-expert", "qwen3_moe": "stacked", "olmoe": "stacked"}
 EXPERT_NAMES = {"stacked": "mlp.switch_mlp.*", "per-expert": "mlp.experts.{i}.*"}
 
 
@@ -67,6 +71,19 @@ QWEN2_57B_A14B = {**QWEN15_MOE_A27B, "hidden_size": 3584, "num_hidden_layers": 2
                   "shared_expert_intermediate_size": 20480, "num_experts": 64, "num_experts_per_tok": 8,
                   "max_position_embeddings": 32768, "max_window_layers": 28}
 
+# allenai/OLMoE-1B-7B-0924's config.json (the -0125 release computes the same): `intermediate_size` is the expert
+# width (OLMoE has no moe_intermediate_size and no shared expert); the top-8 probabilities are not renormalised;
+# q_norm / k_norm are RMSNorms over the whole q and k projections
+OLMOE_1B_7B = {
+    "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "vocab_size": 50304, "hidden_size": 2048,
+    "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 1024,
+    "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "rope_theta": 10000.0,
+    "rope_scaling": None, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    "attention_bias": False, "attention_dropout": 0.0, "clip_qkv": None, "hidden_act": "silu",
+    "initializer_range": 0.02, "bos_token_id": None, "eos_token_id": 50279, "pad_token_id": 1,
+    "output_router_logits": False, "router_aux_loss_coef": 0.01, "torch_dtype": "bfloat16", "use_cache": True,
+}
+
 PRESETS = {p.name: p for p in (
     Preset("qwen1.5-moe-a2.7b", "Qwen1.5-MoE-A2.7B: 24 layers, D 2048, 60 experts top-4 of width 1408, shared "
            "expert 5632, vocab 151936 (14.3B parameters, 2.7B active; ~8 GB at 4-bit)", QWEN15_MOE_A27B),
@@ -86,6 +103,14 @@ PRESETS = {p.name: p for p in (
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256,
                "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
                "max_position_embeddings": 4096, "bos_token_id": None, "eos_token_id": None}),
+    Preset("olmoe-1b-7b", "OLMoE-1B-7B: 16 layers, D 2048, 16 heads (MHA, head_dim 128), 64 experts top-8 of width "
+           "1024 not renormalised, no shared expert, vocab 50304 (6.9B parameters, 1.3B active; ~3.9 GB at 4-bit)",
+           OLMOE_1B_7B),
+    Preset("olmoe-tiny", "the olmoe family at the tiny preset's size: 2 layers, D 128, GQA 4/2 with q/k norm over "
+           "the whole projections, 8 experts top-2 of width 128 not renormalised, vocab 256", {
+               **OLMOE_1B_7B, "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "num_experts": 8,
+               "num_experts_per_tok": 2, "eos_token_id": None, "pad_token_id": None}),
     Preset("small", "a small Qwen2-MoE for quick runs: 4 layers, D 256, GQA 4/2, 16 experts top-4 of width 256, "
            "shared expert 512, vocab 8192", qwen2_moe_config(
                vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -108,17 +133,16 @@ def default_layout(preset: str) -> str:
 
 
 def parameter_counts(config: dict) -> tuple[int, int]:
-    """(total, active per token) parameters of a Qwen2-MoE config: active counts top-k routed experts."""
-    args = ModelArgs.from_dict(config)
-    total = active = 0
+    """(total, active per token) parameters of a config of any family: active counts top-k of each MoE layer's
+    routed experts (all of one size), read off the float checkpoint's tensors."""
+    args = model_args(config)
+    total = routed = 0
     for name, shape in tensor_shapes(args):
         n = math.prod(shape)
         total += n
-        if ".experts." not in name:
-            active += n
-    routed_per_expert = 3 * args.hidden_size * args.moe_intermediate_size
-    moe_layers = sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers))
-    return total, active + moe_layers * args.num_experts_per_tok * routed_per_expert
+        if ".experts." in name:
+            routed += n
+    return total, total - routed + routed * args.num_experts_per_tok // max(args.num_experts, 1)
 
 
 def write_random(
@@ -137,13 +161,13 @@ def write_random(
                           f"in {AFFINE_GROUP_SIZES}")
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
-    if not shard_gb > 0:
-        raise ConfigError(f"shard size {shard_gb} GB must be positive")
+    finite_number(shard_gb, "shard size (GB)", 0)
+    check_seed(seed)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: exists and is not an empty folder (choose a new folder)")
     config = {**p.config, "torch_dtype": dtype}
-    args = ModelArgs.from_dict(config, source=f"preset {preset}")
+    args = model_args(config, source=f"preset {preset}")
     count = len(tensor_shapes(args))
     tensors = tqdm(random_tensors(args, seed, DTYPES[dtype], generator), total=count, unit="tensor",
                    desc=f"make-random {preset}", disable=not progress, mininterval=2.0)
@@ -161,8 +185,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--group-size", type=int, default=64, choices=AFFINE_GROUP_SIZES)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                    help="dtype of scales, biases, norms (float32 for CPU comparisons with mlx-lm)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shard-gb", type=float, default=DEFAULT_SHARD_GB)
+    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--shard-gb", type=finite(0), default=DEFAULT_SHARD_GB)
     p.add_argument("--generator", choices=("mlx", "numpy"), default="mlx",
                    help="mlx: fast on a GPU; numpy: the generator test checkpoints use")
     p.add_argument("--layout", choices=LAYOUTS, default=None,

@@ -22,16 +22,19 @@ import mlx.core as mx
 import numpy as np
 
 from ..checkpoint.loader import default_model_path, load
-from ..checkpoint.quant import QuantizedParts
 from ..checkpoint.weights import nonfinite_weights
-from ..execution import attention, moe
-from ..execution.attention import Heads, rope_frequencies
+from ..execution import attention, moe, support
+from ..execution.attention import rope_frequencies
 from ..execution.kernel import available_backend
-from ..execution.moe import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES, SharedExpert
+from ..execution.moe import SharedExpert
+from ..execution.support import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES
 from ..inspect.truth import expert_outputs, f64, nmax, nrms
+from ..models.args import QuantizedParts
+from ..models.declare import AttentionSpec
 from ..models.qwen2_moe import MLP
 from ..models.switch import SwitchGLU, weighted_sum
 from .bench import compare_traces, moebench_arms, platform_info, prompt_token_ids, reference_arm, run_arms, summary
+from .flags import at_least
 
 SCHEMA = "moebench.tools.selfcheck/1"
 FUSED_NRMS = 5e-4  # fused vs float truth (and vs the CPU reference): the parity class of the fused kernel
@@ -102,7 +105,7 @@ def parity_case(backend: str, label: str, x: mx.array, indices: mx.array, scores
     row = {"case": label, "backend": backend, "bits": f"{gate.bits}/{up.bits}/{down.bits}", "group_size":
            gate.group_size, "dtype": str(x.dtype).replace("mlx.core.", "")}
     experts = SwitchGLU.from_parts(gate, up, down)
-    reason = moe.support_reason(experts, backend)
+    reason = support.experts_reason(experts.quantized_parts(), backend)
     if reason:
         return {**row, "status": "declined", "reason": reason, "passed": True}
     try:
@@ -176,7 +179,7 @@ def model_weights_parity(backend: str, model, seed: int = 0) -> list[dict]:
     parts = block.switch_mlp.quantized_parts()
     if any(p is None or p.biases is None for p in parts):
         return [{"case": f"model layer {layer} experts", "status": "declined", "passed": True,
-                 "reason": moe.support_reason(block.switch_mlp, backend)}]
+                 "reason": support.moe_reason(block.spec, block.switch_mlp.quantized_parts(), backend)}]
     key_x, key_s = mx.random.split(mx.random.key(seed), 2)
     d, e, k = model.args.hidden_size, model.args.num_experts, model.args.num_experts_per_tok
     dtype = parts[0].scales.dtype
@@ -267,8 +270,8 @@ def attention_parity(backend: str, model, seed: int = 0) -> list[dict]:
     own, at ATTENTION_CASES' positions of short and long caches; and its in-place cache write."""
     a, dtype = model.args, model.dtype
     own_norm = any("q_norm" in layer.self_attn for layer in model.layers)
-    geometries = {(Heads(*A27B_HEADS), True, False), (Heads(*QWEN3_HEADS), False, True),
-                  (Heads(a.num_attention_heads, a.num_key_value_heads, a.head_dim), a.qkv_bias, own_norm)}
+    geometries = {(AttentionSpec(*A27B_HEADS), True, False), (AttentionSpec(*QWEN3_HEADS), False, True),
+                  (AttentionSpec(a.num_attention_heads, a.num_key_value_heads, a.head_dim), a.qkv_bias, own_norm)}
     rows = []
     for (heads, bias, qknorm), (position, slots) in itertools.product(sorted(geometries, key=str), ATTENTION_CASES):
         row = {"case": f"attention {heads.n_heads}x{heads.head_dim} ({heads.n_kv_heads} kv heads)"
@@ -278,7 +281,7 @@ def attention_parity(backend: str, model, seed: int = 0) -> list[dict]:
             rows.append({**row, "status": "not applicable", "passed": True,
                          "reason": "on a CPU the reference is the attention: nothing separate to compare"})
             continue
-        reason = attention.support_reason(heads)
+        reason = support.attention_reason(heads)
         if reason:
             rows.append({**row, "status": "declined", "reason": reason, "passed": True})
             continue
@@ -306,7 +309,8 @@ def attention_parity(backend: str, model, seed: int = 0) -> list[dict]:
 
 
 def writes_in_place(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
-                    keys: mx.array, values: mx.array, heads: Heads, qk_norm: attention.QKNorm | None = None) -> bool:
+                    keys: mx.array, values: mx.array, heads: AttentionSpec,
+                    qk_norm: attention.QKNorm | None = None) -> bool:
     """Whether the kernel with `write` (as the compiled decode step runs it) stores the token's key and value
     at its slot of the cache buffers, exactly as it outputs them, and changes nothing else there."""
     caches = [keys + 0, values + 0]  # buffers of their own, for the kernel to write into
@@ -480,9 +484,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                          "greedy on vs off, speed; exits 1 on a failed check")
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
     p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
-    p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--gen-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prompt-tokens", type=at_least(1), default=16)
+    p.add_argument("--gen-tokens", type=at_least(1), default=32)
+    p.add_argument("--repeats", type=at_least(1), default=5)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=_run)
 

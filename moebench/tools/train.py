@@ -41,11 +41,13 @@ from tqdm.auto import tqdm
 from ..checkpoint.loader import load
 from ..checkpoint.tokenizer import Tokenizer
 from ..checkpoint.weights import checkpoint_tensors
-from ..errors import MoebenchError
+from ..decode.sampling import check_seed
+from ..errors import MoebenchError, NonFiniteError
 from ..inspect import stats
 from ..models import hooks
 from ..models.hooks import Record
 from .corpus import DEFAULT_CACHE, DOMAINS, Document, load_corpus
+from .flags import SEED, at_least, finite, finite_number, whole_number
 from .local_group import is_rank, run_local_group
 from .writer import quantize_tensors, qwen2_moe_config, save_checkpoint, write_random_checkpoint
 
@@ -245,6 +247,18 @@ def heldout_loss(model, stream: np.ndarray, seq_len: int, max_tokens: int, batch
     return total / count
 
 
+def check_settings(s: TrainSettings) -> None:
+    """Counts >= 1, finite coefficients and rates, a seed numpy and MLX take: a ConfigError (a DecodeError for the
+    seed) naming the setting, before any step runs."""
+    for name in ("steps", "hidden_size", "num_layers", "num_experts", "top_k", "batch", "seq_len", "warmup",
+                 "vocab_size", "eval_every", "eval_windows", "final_eval_tokens"):
+        whole_number(getattr(s, name), f"train setting {name}")
+    for name in ("prose_share", "peak_lr", "final_lr_fraction", "weight_decay", "balance_coef", "domain_coef",
+                 "grad_clip"):
+        finite_number(getattr(s, name), f"train setting {name}")
+    check_seed(s.seed, "train setting seed")
+
+
 def rows_per_domain(s: TrainSettings, domains: int) -> list[int]:
     """Windows per step from the code and the prose stream, in that order (corpus.DOMAINS)."""
     if domains != len(DOMAINS):
@@ -275,8 +289,11 @@ def train(model, train_streams: list[np.ndarray], s: TrainSettings,
     """AdamW on the model's parameters; returns the cross entropy of every step (of the whole batch).
 
     In a group of n processes every one draws the same batch and computes rows [r*batch/n, (r+1)*batch/n) of
-    it; the averaged gradients keep their weights equal. Only rank 0 logs and evaluates.
+    it; the averaged gradients keep their weights equal. Only rank 0 logs and evaluates. A step whose loss or
+    gradients are NaN or Inf stops the run with a NonFiniteError (the weights would stay NaN, and a model written
+    from them could not be loaded).
     """
+    check_settings(s)
     rng = np.random.default_rng(s.seed)
     mx.random.seed(s.seed)
     size, rank = (1, 0) if group is None else (group.size(), group.rank())
@@ -300,6 +317,9 @@ def train(model, train_streams: list[np.ndarray], s: TrainSettings,
         opt.update(model, grads)
         mx.eval(model.parameters(), opt.state, ce, bal, sep, grad_norm)
         losses.append(ce.item())
+        if not (math.isfinite(losses[-1]) and math.isfinite(grad_norm.item())):
+            raise NonFiniteError(f"training step {step + 1}: the cross entropy ({losses[-1]}) or the gradient norm "
+                                 f"({grad_norm.item()}) is NaN or Inf; stopped before writing a model")
         if rank > 0:
             continue
         bar.set_postfix(ce=f"{losses[-1]:.3f}", bal=f"{bal.item():.3f}")
@@ -344,6 +364,7 @@ def train_tiny(out_dir: str | Path, settings: TrainSettings = TrainSettings(), f
     In a group of processes every one builds the same tokenizer and model and trains its rows of each batch;
     rank 0 alone evaluates and writes files (the others return {}).
     """
+    check_settings(settings)
     group = mx.distributed.init()
     rank = group.rank()
     out_dir = Path(out_dir)
@@ -411,20 +432,20 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     defaults = TrainSettings()
     p = sub.add_parser("train-tiny", help="train the shipped tiny Qwen2-MoE on the CPU and write it to OUT_DIR")
     p.add_argument("out_dir", help="output folder (the shipped one is data/tiny-qwen2-moe)")
-    p.add_argument("--steps", type=int, default=defaults.steps)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--hidden", type=int, default=defaults.hidden_size, help="hidden size, a multiple of 128")
-    p.add_argument("--layers", type=int, default=defaults.num_layers)
-    p.add_argument("--experts", type=int, default=defaults.num_experts, help="routed experts per layer")
-    p.add_argument("--top-k", type=int, default=defaults.top_k, help="experts per token")
-    p.add_argument("--balance-coef", type=float, default=defaults.balance_coef,
+    p.add_argument("--steps", type=at_least(1), default=defaults.steps)
+    p.add_argument("--seed", type=SEED, default=defaults.seed)
+    p.add_argument("--hidden", type=at_least(1), default=defaults.hidden_size, help="hidden size, a multiple of 128")
+    p.add_argument("--layers", type=at_least(1), default=defaults.num_layers)
+    p.add_argument("--experts", type=at_least(1), default=defaults.num_experts, help="routed experts per layer")
+    p.add_argument("--top-k", type=at_least(1), default=defaults.top_k, help="experts per token")
+    p.add_argument("--balance-coef", type=finite(), default=defaults.balance_coef,
                    help="weight of the load-balancing loss")
-    p.add_argument("--domain-coef", type=float, default=defaults.domain_coef,
+    p.add_argument("--domain-coef", type=finite(), default=defaults.domain_coef,
                    help="weight of the reward for routing code and prose to different experts")
-    p.add_argument("--batch", type=int, default=defaults.batch, help="sequences per step")
-    p.add_argument("--prose-share", type=float, default=defaults.prose_share,
+    p.add_argument("--batch", type=at_least(1), default=defaults.batch, help="sequences per step")
+    p.add_argument("--prose-share", type=finite(), default=defaults.prose_share,
                    help="the share of each batch's sequences that is prose (the rest is code)")
-    p.add_argument("--processes", type=int, default=1,
+    p.add_argument("--processes", type=at_least(1), default=1,
                    help="train as this many processes of this machine, each on its share of every batch "
                         "(the same steps as one process, faster on several cores)")
     p.add_argument("--float-dir", default=str(DEFAULT_CACHE / "tiny-qwen2-moe-float"),
@@ -437,7 +458,7 @@ def openblas_env(env: Mapping[str, str], platform: str = sys.platform) -> dict[s
     """The environment that runs MLX's CPU matmuls on OpenBLAS, or None: not Linux, no OpenBLAS installed, or
     already preloaded. MLX's Linux wheels link the reference BLAS (~2-4 GFLOP/s here); OpenBLAS (Debian
     libopenblas0-pthread) defines the same cblas symbols at ~60 GFLOP/s, and training ran about 4x faster on it
-    (docs/benchmarks/cpu-train-throughput-2026-12-01.md). One thread: a second bought nothing on the shared CPU."""
+    (docs/benchmarks/train-throughput-cpu-2026-12-01.md). One thread: a second bought nothing on the shared CPU."""
     lib = ctypes.util.find_library("openblas") if platform.startswith("linux") else None
     if lib is None or "openblas" in env.get("LD_PRELOAD", ""):
         return None

@@ -12,8 +12,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..checkpoint.config import ModelArgs
+from ..checkpoint.config import model_args
 from ..checkpoint.weights import LAYOUTS, stacked_name, tensor_shapes
+from ..decode.sampling import check_seed
+from ..models.args import ModelArgs
 
 
 def _scaled(name: str, shape: tuple[int, ...], z):
@@ -168,7 +170,8 @@ def write_random_checkpoint(
     dtype=mx.float32,
 ) -> Path:
     """A random checkpoint: float HF layout when bits is None, else MLX-quantized in `layout`."""
-    args = ModelArgs.from_dict(config)
+    check_seed(seed)
+    args = model_args(config)
     tensors = random_tensors(args, seed, dtype)
     if bits is not None:
         tensors = quantize_tensors(tensors, group_size, bits, layout, args.num_experts)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import ipywidgets as widgets
 
+from ..errors import MoebenchError
 from ..inspect.export import save_frames, to_frames
 from .mainthread import Owner
 from .static import show
@@ -55,7 +56,9 @@ class ExportBar:
         return button
 
     def records(self, fmt: str) -> list[Path]:
-        """The current trace's frames, one file per record type."""
+        """The current trace's frames, one file per record type, as parquet or CSV."""
+        if fmt not in ("parquet", "csv"):
+            raise MoebenchError(f"ExportBar.records: format {fmt!r} is not 'parquet' or 'csv'")
         folder = Path(self.folder.value) / "records"
         frames = to_frames(self.trace())
         if fmt == "parquet":

@@ -13,9 +13,9 @@ import pytest
 
 import moebench
 from moebench.checkpoint.files import INDEX_FILE
-from moebench.checkpoint.quant import QuantizedParts
 from moebench.checkpoint.weights import SAMPLED_ABOVE, SAMPLED_ROWS, finite_flags, nonfinite_weights
 from moebench.errors import CheckpointError, ConfigError, NonFiniteError
+from moebench.models.args import QuantizedParts
 from moebench.models.layers import Linear
 from moebench.tools.writer import qwen2_moe_config
 
@@ -460,3 +460,48 @@ def test_load_dtype_must_be_an_activation_float(per_expert, dtype):
 def test_load_path_must_be_a_folder_name(path):
     with pytest.raises(ConfigError, match="load: path must be a folder name"):
         moebench.load(path)
+
+
+# -- issue 37: JSON past Python's parser, links that dangle, eos ids past the vocabulary ---------------------------
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("name, error", [("config.json", ConfigError), ("generation_config.json", ConfigError),
+                                         ("tokenizer_config.json", ConfigError), (INDEX_FILE, CheckpointError)])
+def test_json_nested_past_pythons_parser_is_named(make_checkpoint, name, error):
+    folder = make_checkpoint(tokenizer=True, bits=4, shard_bytes=100_000)  # sharded: it has an index
+    (folder / name).write_text('{"a": ' + DEEP + "}")
+    with pytest.raises(error, match=rf"{name}: JSON nested too deeply to read"):
+        moebench.load(folder)
+
+
+@pytest.mark.parametrize("name, error", [
+    ("generation_config.json", ConfigError), ("tokenizer_config.json", ConfigError),
+    ("special_tokens_map.json", ConfigError), ("tokenizer.json", CheckpointError), ("chat_template.jinja", ConfigError),
+    (INDEX_FILE, CheckpointError)])
+def test_a_link_that_dangles_is_named_not_taken_for_an_absent_file(make_checkpoint, name, error):
+    folder = make_checkpoint(tokenizer=True)
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).symlink_to(folder / "gone.json")
+    with pytest.raises(error, match=rf"{name}: a link to .*gone.json, which does not exist"):
+        moebench.load(folder)
+
+
+def test_a_template_that_links_to_itself_is_named(make_checkpoint):
+    folder = make_checkpoint(tokenizer=True)
+    (folder / "chat_template.jinja").symlink_to("chat_template.jinja")
+    with pytest.raises(ConfigError, match="chat_template.jinja: cannot read"):
+        moebench.load(folder)
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+@pytest.mark.parametrize("eos", [256, 10**12])
+def test_eos_ids_outside_the_vocabulary_are_named_at_load(make_checkpoint, name, eos):
+    folder = make_checkpoint()  # a vocabulary of 256
+    path = folder / name
+    config = json.loads(path.read_text()) if path.exists() else {}
+    config["eos_token_id"] = [1, eos]
+    path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=rf"{name}: field 'eos_token_id' names id {eos}, outside the model's "
+                                          "vocabulary of 256"):
+        moebench.load(folder)

@@ -11,12 +11,15 @@ tool-call and <think> handling and its enable_thinking switch.
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from moebench.checkpoint.chat import ChatError, builtin_chat_template, chat_messages, prompt_ids
+from moebench.checkpoint import chat
+from moebench.checkpoint.chat import ChatError, ChatTemplate, builtin_chat_template, chat_messages, prompt_ids
 from moebench.checkpoint.tokenizer import Tokenizer as MoebenchTokenizer
 from moebench.checkpoint.tokenizer import stop_ids
 from moebench.errors import CheckpointError, ConfigError
@@ -153,6 +156,9 @@ def test_declared_id_disagreeing_with_tokenizer_json_is_named(folders, tmp_path)
     ("tokenizer_config.json", {"chat_template": [{"name": "tool_use", "template": "x"}]}, "chat_template"),
     ("tokenizer_config.json", {"eos_token": 5}, "eos_token"),
     ("tokenizer_config.json", {"added_tokens_decoder": {"x": {"content": "a"}}}, "added_tokens_decoder"),
+    *[("tokenizer_config.json", {"added_tokens_decoder": {key: {"content": "a"}}},
+       re.escape(f"added_tokens_decoder key {key!r} is not a token id")) for key in ("1.5", "abc", "-3", " 7", "+7",
+                                                                                    "1_0", "²", "٣", "")],
     ("special_tokens_map.json", {"additional_special_tokens": "<|im_end|>"}, "additional_special_tokens"),
     ("added_tokens.json", {"<x>": "5"}, "'<x>'"),
     ("added_tokens.json", [1], "JSON object"),
@@ -304,3 +310,108 @@ def test_generate_chat_on_the_shipped_model_uses_builtin_chatml(capsys):
     assert main(["generate", "--chat", "--system", "Be brief.", "--prompt", "Hi", "--max-tokens", "2"]) == 0
     err = capsys.readouterr().err
     assert "[chat template: moebench's built-in ChatML" in err and "UserWarning" not in err
+
+
+# -- issue 37: a template is untrusted input: bounded in time and size; tools and enable_thinking as transformers ------
+def render(text: str, messages=QUESTION, **variables) -> str:
+    return ChatTemplate(text, "/ckpt/chat_template.jinja").render(messages, **variables)
+
+
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{{ body }}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("text, words", [
+    (LOOPS.replace("{{ body }}", ""), "time budget of 0.3 s"),
+    ("{% set moebench_steps = none %}{% set environment = none %}" + LOOPS.replace("{{ body }}", ""), "time budget"),
+    ("{% set r = range(100000) %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}", "time budget"),
+    ("{% macro m() %}" + LOOPS.replace("{{ body }}", "{{ '' }}") + "{% endmacro %}{{ m() }}", "budget"),
+    ("{% set r = range(100000) %}{% for x in [r] recursive %}{% for y in r %}{% endfor %}{{ loop([r]) }}{% endfor %}",
+     "time budget"),
+    (LOOPS.replace("{{ body }}", "x" * 64), "its output would hold"),
+    ("{{ 'x' * 10**10 }}", "'*' would hold 10000000000 characters or items, past the size budget of 1000000"),
+    ("{{ [0] * 10**9 }}", "'*' would hold"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "joined text"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "'+'"),
+    ("{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}", "bits"),
+    ("{{ (10 ** 100000000) > 1 }}", "'**' would build an integer"),
+    ("{{ 'a' | center(10**10) }}", "center()"), ("{{ 'a'.ljust(10**10) }}", "ljust()"),
+    ("{{ ('a' * 1000000) | replace('a', 'b' * 1000) }}", "replace()"),
+    ("{{ ('\n' * 1000000) | indent('x' * 1000) }}", "indent()"),
+    ("{{ '%0900000000d' % 1 }}", "'%'"), ("{{ '{:>900000000}'.format(1) }}", "format()"),
+    ("{{ '%0900000000d' | format(1) }}", "format()"), ("{{ range(100000) | join('x' * 100000) }}", "join()"),
+    ("{{ messages | tojson(indent=100000) }}", "tojson indent"), ("{{ lipsum(n=10000000) }}", "lipsum()"),
+    ("{% macro m(n) %}{{ m(n + 1) }}{% endmacro %}{{ m(0) }}", "recursed too deeply"),
+    ("{% for x in [1] recursive %}{{ loop([1]) }}{% endfor %}", "recursed too deeply"),
+    ("{{ range(10**12) | list }}", "overflowed: Range too big"),
+    ("{{ 10.0 ** 400 }}", "overflowed"),
+])
+def test_a_hostile_template_is_stopped_and_named(monkeypatch, text, words):
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.3)
+    monkeypatch.setattr(chat, "RENDER_CHARS", 1_000_000)
+    start = time.monotonic()
+    with pytest.raises(ChatError, match=r"/ckpt/chat_template.jinja: the chat template") as error:
+        render(text)
+    assert words in str(error.value)
+    assert time.monotonic() - start < 10
+    assert render("{{ messages[0].content }}") == "What is 2+2?"  # the next render has its own budget
+
+
+@pytest.mark.parametrize("text", [
+    "{{ messages.__class__.__mro__ }}", "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ cycler.__init__.__globals__ }}", "{{ messages.append(1) }}", "{{ range.__self__ }}",
+    "{{ self.__init__.__globals__ }}", "{{ raise_exception.__globals__ }}", "{{ lipsum.__globals__.os }}",
+    "{{ strftime_now.__globals__ }}", "{{ environment }}", "{{ moebench_steps }}", "{{ config }}"])
+def test_every_sandbox_protection_stays(text):
+    """An escape is refused (a ChatError) or reaches nothing (jinja2's sandbox renders an unsafe attribute as
+    undefined); neither the environment nor the budget is reachable from a template."""
+    try:
+        assert render(text) == ""
+    except ChatError as e:
+        assert "unsafe" in str(e) or "undefined" in str(e)
+
+
+def test_a_template_too_deep_to_compile_names_the_file():
+    with pytest.raises(ConfigError, match="chat_template.jinja: the chat template cannot be compiled"):
+        render("{{ " + "[" * 100000 + "]" * 100000 + " }}")
+
+
+def test_message_content_nested_too_deeply_is_named():
+    content: list = []
+    for _ in range(100_000):
+        content = [content]
+    with pytest.raises(ChatError, match=r"message 0 field 'content': nested more than 100 levels deep"):
+        render("{{ messages }}", [{"role": "user", "content": content}])
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}]
+
+
+def test_tools_reach_the_template_as_transformers_passes_them(folders):
+    from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
+
+    tok = MoebenchTokenizer.from_folder(folders["qwen3"])
+    ids = prompt_ids(QUESTION, tok, tools=TOOLS)
+    assert ids == list(load_mlx_lm_tokenizer(folders["qwen3"]).apply_chat_template(
+        QUESTION, add_generation_prompt=True, tools=TOOLS))
+    assert '"name": "add"' in tok.decode(ids) and ids != prompt_ids(QUESTION, tok)
+    for bad in ({"name": "add"}, [lambda a, b: a + b], "add"):
+        with pytest.raises(ChatError, match="tools"):
+            prompt_ids(QUESTION, tok, tools=bad)
+    with pytest.raises(ChatError, match="'messages' is the chat itself"):
+        prompt_ids(QUESTION, tok, **{"messages": []})
+
+
+@pytest.mark.parametrize("value, on", [(False, False), ("off", False), ("OFF", False), (0, False), ("0", False),
+                                       ("false", False), ("no", False), (True, True), ("on", True), (1, True),
+                                       ("true", True), ("yes", True)])
+def test_enable_thinking_words(folders, value, on):
+    tok = MoebenchTokenizer.from_folder(folders["qwen3"])
+    assert prompt_ids(QUESTION, tok, enable_thinking=value) == prompt_ids(QUESTION, tok, enable_thinking=on)
+    assert prompt_ids(QUESTION, tok, enable_thinking=None) == prompt_ids(QUESTION, tok)
+
+
+@pytest.mark.parametrize("value", ["maybe", "", 2, -1, 0.0, [], "offf"])
+def test_enable_thinking_that_is_no_clear_yes_or_no_is_named(folders, value):
+    with pytest.raises(ChatError, match="enable_thinking: expected True or False"):
+        prompt_ids(QUESTION, MoebenchTokenizer.from_folder(folders["qwen3"]), enable_thinking=value)

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench.checkpoint.config import ModelArgs
+from moebench.checkpoint.config import model_args
 from moebench.checkpoint.files import INDEX_FILE, TensorStore, checkpoint_files, read_safetensors_header
 from moebench.checkpoint.tokenizer import Tokenizer
 from moebench.checkpoint.weights import tensor_shapes
@@ -112,7 +112,7 @@ def test_folder_without_weights(tmp_path):
 def test_store_holds_every_tensor_and_reports_leftovers(make_checkpoint):
     folder = make_checkpoint(shard_bytes=200_000)
     store = TensorStore(folder, progress=False)
-    expected = dict(tensor_shapes(ModelArgs.from_dict(qwen2_moe_config())))
+    expected = dict(tensor_shapes(model_args(qwen2_moe_config())))
     assert {n: tuple(store.peek(n).shape) for n in store.names()} == expected
     assert all(store.where(n).endswith(".safetensors") for n in expected)
     for name in list(expected):

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from moebench.checkpoint.config import DEFAULT_ROPE_THETA, GenerationConfig, ModelArgs, QuantSpec
+from moebench.checkpoint.config import DEFAULT_ROPE_THETA, GenerationConfig, model_args, read_model_args
 from moebench.errors import ConfigError
+from moebench.models.args import QuantSpec
 from moebench.tools.writer import qwen2_moe_config
 
 REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "num_experts",
@@ -17,7 +18,7 @@ REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermed
 def test_reads_every_computation_field():
     cfg = qwen2_moe_config(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True,
                            tie_word_embeddings=True, rope_theta=5e5, rms_norm_eps=1e-5, eos_token_id=[7, 9])
-    args = ModelArgs.from_dict(cfg)
+    args = model_args(cfg)
     assert (args.hidden_size, args.num_hidden_layers, args.vocab_size) == (128, 4, 256)
     assert (args.num_attention_heads, args.num_key_value_heads, args.head_dim) == (4, 2, 32)
     assert (args.num_experts, args.num_experts_per_tok) == (8, 2)
@@ -30,18 +31,18 @@ def test_reads_every_computation_field():
 
 
 def test_moe_layer_rule_follows_sparse_step_and_mlp_only_layers():
-    args = ModelArgs.from_dict(qwen2_moe_config(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]))
+    args = model_args(qwen2_moe_config(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]))
     assert [args.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
-    dense = ModelArgs.from_dict(qwen2_moe_config(num_experts=0, num_experts_per_tok=1))
+    dense = model_args(qwen2_moe_config(num_experts=0, num_experts_per_tok=1))
     assert not any(dense.is_moe_layer(i) for i in range(dense.num_hidden_layers))
 
 
 def test_rope_theta_under_rope_parameters_and_default():
     cfg = qwen2_moe_config()
     del cfg["rope_theta"]
-    assert ModelArgs.from_dict(cfg).rope_theta == DEFAULT_ROPE_THETA
+    assert model_args(cfg).rope_theta == DEFAULT_ROPE_THETA
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 123456.0}
-    assert ModelArgs.from_dict(cfg).rope_theta == 123456.0
+    assert model_args(cfg).rope_theta == 123456.0
 
 
 def test_explicit_head_dim_and_defaults_for_optional_fields():
@@ -49,7 +50,7 @@ def test_explicit_head_dim_and_defaults_for_optional_fields():
     for key in ("num_key_value_heads", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
                 "tie_word_embeddings", "qkv_bias"):
         del cfg[key]
-    args = ModelArgs.from_dict(cfg)
+    args = model_args(cfg)
     assert args.head_dim == 64
     assert args.num_key_value_heads == args.num_attention_heads
     assert not args.norm_topk_prob and not args.tie_word_embeddings and args.qkv_bias
@@ -60,15 +61,15 @@ def test_null_optional_fields_take_their_defaults():
     nulls = dict.fromkeys(("num_key_value_heads", "shared_expert_intermediate_size", "norm_topk_prob",
                            "decoder_sparse_step", "mlp_only_layers", "tie_word_embeddings", "qkv_bias", "hidden_act",
                            "rope_scaling", "head_dim"))
-    args = ModelArgs.from_dict(qwen2_moe_config(**nulls))
+    args = model_args(qwen2_moe_config(**nulls))
     assert (args.num_key_value_heads, args.shared_expert_intermediate_size, args.decoder_sparse_step) == (4, 0, 1)
     assert (args.norm_topk_prob, args.tie_word_embeddings, args.qkv_bias, args.mlp_only_layers) == (False, False,
                                                                                                     True, ())
 
 
 def test_unknown_keys_are_ignored():
-    args = ModelArgs.from_dict(qwen2_moe_config(some_future_field={"x": 1}, layer_types=["full_attention"] * 2))
-    assert args == ModelArgs.from_dict(qwen2_moe_config())
+    args = model_args(qwen2_moe_config(some_future_field={"x": 1}, layer_types=["full_attention"] * 2))
+    assert args == model_args(qwen2_moe_config())
 
 
 @pytest.mark.parametrize("key", REQUIRED)
@@ -76,7 +77,7 @@ def test_missing_required_field_is_named(key):
     cfg = qwen2_moe_config()
     del cfg[key]
     with pytest.raises(ConfigError, match=f"'{key}'.*missing|missing.*'{key}'"):
-        ModelArgs.from_dict(cfg, source="some/config.json")
+        model_args(cfg, source="some/config.json")
 
 
 @pytest.mark.parametrize(
@@ -112,33 +113,33 @@ def test_missing_required_field_is_named(key):
 )
 def test_invalid_values_are_named(overrides, field):
     with pytest.raises(ConfigError, match=field):
-        ModelArgs.from_dict(qwen2_moe_config(**overrides))
+        model_args(qwen2_moe_config(**overrides))
 
 
 def test_quantization_block_with_per_module_overrides():
     block = {"group_size": 64, "bits": 4, "model.layers.0.mlp.switch_mlp.down_proj": {"bits": 8},
              "model.layers.0.mlp.gate": False, "model.embed_tokens": {"group_size": 32, "bits": 6}}
-    q = ModelArgs.from_dict(qwen2_moe_config(quantization=block)).quantization
+    q = model_args(qwen2_moe_config(quantization=block)).quantization
     assert q.for_module("model.layers.1.mlp.switch_mlp.down_proj") == QuantSpec(64, 4)
     assert q.for_module("model.layers.0.mlp.switch_mlp.down_proj") == QuantSpec(64, 8)
     assert q.for_module("model.layers.0.mlp.gate") is None
     assert q.for_module("model.embed_tokens") == QuantSpec(32, 6)
-    mx_block = ModelArgs.from_dict(qwen2_moe_config(quantization={"group_size": 32, "bits": 4, "mode": "mxfp4"}))
+    mx_block = model_args(qwen2_moe_config(quantization={"group_size": 32, "bits": 4, "mode": "mxfp4"}))
     assert mx_block.quantization.default == QuantSpec(32, 4, "mxfp4")
 
 
 def test_from_file_names_the_file(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
-        ModelArgs.from_file(tmp_path / "config.json")
+        read_model_args(tmp_path / "config.json")
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match=str(bad)):
-        ModelArgs.from_file(bad)
+        read_model_args(bad)
     bad.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
-        ModelArgs.from_file(bad)
+        read_model_args(bad)
     bad.write_text(json.dumps(qwen2_moe_config()))
-    assert ModelArgs.from_file(bad).hidden_size == 128
+    assert read_model_args(bad).hidden_size == 128
 
 
 def test_mixed_recipe_null_group_size_is_the_mode_default():
@@ -146,7 +147,7 @@ def test_mixed_recipe_null_group_size_is_the_mode_default():
     block = {"group_size": 64, "bits": 4, "mode": "affine",
              "model.embed_tokens": {"group_size": None, "bits": 3, "mode": "affine"},
              "lm_head": {"group_size": None, "bits": 6, "mode": "affine"}}
-    q = ModelArgs.from_dict(qwen2_moe_config(quantization=block)).quantization
+    q = model_args(qwen2_moe_config(quantization=block)).quantization
     assert q.for_module("model.embed_tokens") == QuantSpec(64, 3)
     assert q.for_module("lm_head") == QuantSpec(64, 6)
 
@@ -155,12 +156,12 @@ def test_entries_never_inherit_the_top_level():
     """mlx-lm passes an entry to MLX's to_quantized as written: no mode is affine, no group size the mode's default."""
     block = {"group_size": 32, "bits": 4, "mode": "mxfp4", "model.layers.0.mlp.gate": {"group_size": 64, "bits": 8},
              "model.layers.1.mlp.gate": {"bits": 8}, "model.layers.2.mlp.gate": {"mode": "mxfp8"}}
-    q = ModelArgs.from_dict(qwen2_moe_config(quantization=block)).quantization
+    q = model_args(qwen2_moe_config(quantization=block)).quantization
     assert q.default == QuantSpec(32, 4, "mxfp4")
     assert q.for_module("model.layers.0.mlp.gate") == QuantSpec(64, 8)
     assert q.for_module("model.layers.1.mlp.gate") == QuantSpec(64, 8)
     assert q.for_module("model.layers.2.mlp.gate") == QuantSpec(32, 8, "mxfp8")
-    nulls = ModelArgs.from_dict(qwen2_moe_config(quantization={"group_size": None, "bits": None, "mode": "nvfp4"}))
+    nulls = model_args(qwen2_moe_config(quantization={"group_size": None, "bits": None, "mode": "nvfp4"}))
     assert nulls.quantization.default == QuantSpec(16, 4, "nvfp4")
 
 
@@ -169,14 +170,14 @@ def test_entry_flags_moebench_cannot_compute_are_refused(flag):
     block = {"group_size": 16, "bits": 4, "mode": "nvfp4", "model.layers.0.mlp.switch_mlp.up_proj": {
         "group_size": 16, "bits": 4, "mode": "nvfp4", flag: True}}
     with pytest.raises(ConfigError, match=rf"quantization\['model.layers.0.mlp.switch_mlp.up_proj'\].{flag}"):
-        ModelArgs.from_dict(qwen2_moe_config(quantization=block), source="c/config.json")
+        model_args(qwen2_moe_config(quantization=block), source="c/config.json")
 
 
 def test_stop_ids_are_config_and_generation_config_together(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(qwen2_moe_config(eos_token_id=151645)))
-    assert ModelArgs.from_file(tmp_path / "config.json").eos_token_id == (151645,)
+    assert read_model_args(tmp_path / "config.json").eos_token_id == (151645,)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
-    assert ModelArgs.from_file(tmp_path / "config.json").eos_token_id == (151645, 151643)
+    assert read_model_args(tmp_path / "config.json").eos_token_id == (151645, 151643)
 
 
 def test_generation_config_sampling_settings(tmp_path):
@@ -197,4 +198,4 @@ def test_bad_generation_config_field_is_named(tmp_path, field, value):
         GenerationConfig.from_file(path)
     (tmp_path / "config.json").write_text(json.dumps(qwen2_moe_config()))
     with pytest.raises(ConfigError, match=str(path)):
-        ModelArgs.from_file(tmp_path / "config.json")
+        read_model_args(tmp_path / "config.json")

@@ -13,7 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import moebench
-from moebench.checkpoint.config import ModelArgs
+from moebench.checkpoint.config import model_args
 from moebench.checkpoint.loader import ENV_MODEL, default_model_path
 from moebench.checkpoint.tokenizer import Tokenizer
 from moebench.checkpoint.weights import checkpoint_tensors, stacked_name
@@ -159,7 +159,7 @@ def test_bias_free_mode_checkpoint_matches_its_dequantized_float_twin(tmp_path):
     """An mxfp4 checkpoint (uint8 scales, no biases) computes what its dequantized weights compute."""
     cfg = qwen2_moe_config()
     quantized, dense = {}, {}
-    for name, w in random_tensors(ModelArgs.from_dict(cfg), seed=6):
+    for name, w in random_tensors(model_args(cfg), seed=6):
         if w.ndim == 2 and w.shape[-1] % 32 == 0:
             q, scales = mx.quantize(w, group_size=32, bits=4, mode="mxfp4")
             quantized.update({name: q, name.replace(".weight", ".scales"): scales})

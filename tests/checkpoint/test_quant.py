@@ -5,9 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from moebench.checkpoint.config import AFFINE_BITS, AFFINE_GROUP_SIZES, QuantSpec
 from moebench.checkpoint.quant import infer_bits, make_parts
 from moebench.errors import CheckpointError, ConfigError
+from moebench.models.args import AFFINE_BITS, AFFINE_GROUP_SIZES, QuantSpec
 
 IN, OUT = 256, 8
 

@@ -66,15 +66,21 @@ def test_compiled_step_logits_match_eager_cache(quantized_checkpoint):
         fast(mx.zeros((fast.capacity,), dtype=mx.uint32), ex.settings)
 
 
-def test_recording_and_interventions_run_eagerly(quantized_checkpoint):
+def test_recording_runs_eagerly_and_interventions_compile(quantized_checkpoint):
+    """Recording declines the compiled step; an intervention is part of the plan, so it compiles (its own traced
+    step) and decodes the eager path's tokens, which differ from the unintervened ones."""
     model, _ = moebench.load(quantized_checkpoint)
-    assert compile_blocker(model, False) is None
-    assert "recording" in compile_blocker(model, True)
+    assert compile_blocker(False) is None
+    assert "recording" in compile_blocker(True)
+    plain = generate(model, PROMPT, 6, compiled=True).token_ids
     block = next(iter(model.moe_blocks().values()))
-    block.intervention = Intervention(top_k=1)
-    assert "intervention" in compile_blocker(model, False)
-    eager = generate(model, PROMPT, 6)
-    assert generate(model, PROMPT, 6, compiled=True).token_ids == eager.token_ids
+    for intervention in (Intervention(top_k=1), Intervention(force_experts=(0, 1)), Intervention(ablate=(0,))):
+        block.intervention = intervention
+        eager = generate(model, PROMPT, 6, compiled=False)
+        assert generate(model, PROMPT, 6, compiled=True).token_ids == eager.token_ids
+    block.intervention = Intervention(force_experts=(2, 3))
+    assert generate(model, PROMPT, 6, compiled=True).token_ids != plain
+    block.intervention = None
 
 
 def test_each_call_schedules_the_previous_call_first(quantized_checkpoint, monkeypatch):

@@ -82,6 +82,19 @@ def test_bad_settings_are_named(bad):
         Sampling(**bad)
 
 
+@pytest.mark.parametrize("seed", [-1, 2**64, 10**30, True, 1.0, "3", np.int64(3)])
+def test_seeds_mlx_and_numpy_cannot_take_are_named(seed):
+    with pytest.raises(DecodeError, match=r"seed must be an integer from 0 to 2\*\*64 - 1"):
+        Sampling(temperature=1.0, seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 2**63, 2**64 - 1, None])
+def test_every_64_bit_seed_samples(seed):
+    token = sample(mx.array([[0.0, 1.0, 2.0]]), Sampling(temperature=1.0, seed=seed),
+                   mx.random.key(seed) if seed is not None else None)
+    assert 0 <= token.item() < 3
+
+
 def test_generation_config_read_as_transformers_reads_it():
     qwen3 = GenerationConfig((151645, 151643), do_sample=True, temperature=0.6, top_p=0.95, top_k=20)
     assert Sampling.from_generation_config(qwen3, seed=1) == Sampling(0.6, 0.95, 1, top_k=20)

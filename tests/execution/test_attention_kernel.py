@@ -11,13 +11,15 @@ import moebench
 from moebench.decode.loop import generate
 from moebench.errors import UnsupportedKernelConfig
 from moebench.execution import attention
-from moebench.execution.attention import Heads, QKNorm, decode_attention, rope_frequencies, splits, support_reason
+from moebench.execution.attention import QKNorm, decode_attention, rope_frequencies, splits
+from moebench.execution.support import attention_reason
 from moebench.inspect.truth import f64, nrms
+from moebench.models.declare import AttentionSpec
 
 BASE = 10000.0
 
 
-def _inputs(heads: Heads, p: int, cap: int, dtype: mx.Dtype, bias: bool = True, seed: int = 0):
+def _inputs(heads: AttentionSpec, p: int, cap: int, dtype: mx.Dtype, bias: bool = True, seed: int = 0):
     keys = mx.random.split(mx.random.key(seed), 4)
     qkv = mx.random.normal((1, 1, heads.width), key=keys[0]).astype(dtype)
     b = mx.random.normal((heads.width,), key=keys[1]).astype(dtype) if bias else None
@@ -26,7 +28,7 @@ def _inputs(heads: Heads, p: int, cap: int, dtype: mx.Dtype, bias: bool = True, 
     return qkv, b, rope_frequencies(heads.head_dim, BASE), mx.array([p, cap], mx.int32), cached_k, cached_v
 
 
-def _mlx_attention(qkv, bias, p, cached_k, cached_v, heads: Heads, qk_norm: QKNorm | None = None):
+def _mlx_attention(qkv, bias, p, cached_k, cached_v, heads: AttentionSpec, qk_norm: QKNorm | None = None):
     """What the unfused layer computes: bias add, (Qwen3's per-head q/k RMSNorm,) mx.fast.rope, cache fetch,
     mx.fast SDPA."""
     h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
@@ -41,7 +43,8 @@ def _mlx_attention(qkv, bias, p, cached_k, cached_v, heads: Heads, qk_norm: QKNo
     return out.reshape(1, 1, h * hd), k, v
 
 
-@pytest.mark.parametrize("heads,bias", [(Heads(4, 4, 64), True), (Heads(8, 2, 32), False), (Heads(2, 1, 96), True)])
+@pytest.mark.parametrize("heads,bias", [(AttentionSpec(4, 4, 64), True), (AttentionSpec(8, 2, 32), False),
+                                        (AttentionSpec(2, 1, 96), True)])
 @pytest.mark.parametrize("p", [0, 1, 9, 40])
 def test_reference_matches_mlx_attention(heads, bias, p):
     qkv, b, inv, slots, cached_k, cached_v = _inputs(heads, p, 48, mx.float32, bias, seed=p)
@@ -53,7 +56,7 @@ def test_reference_matches_mlx_attention(heads, bias, p):
 
 
 def test_reference_never_reads_the_slots_past_the_position():
-    heads = Heads(4, 2, 64)
+    heads = AttentionSpec(4, 2, 64)
     qkv, b, inv, slots, cached_k, cached_v = _inputs(heads, 5, 16, mx.float32)
     unread = mx.arange(16)[None, None, :, None] >= 5
     poisoned = [mx.where(unread, mx.nan, a) for a in (cached_k, cached_v)]
@@ -64,7 +67,7 @@ def test_reference_never_reads_the_slots_past_the_position():
 
 
 def test_bfloat16_rounds_where_mlx_rounds():
-    heads = Heads(4, 4, 64)
+    heads = AttentionSpec(4, 4, 64)
     inputs = _inputs(heads, 20, 32, mx.bfloat16)
     out, k_new, _ = decode_attention("reference", *inputs, heads)
     _, k, _ = _mlx_attention(inputs[0], inputs[1], 20, inputs[4], inputs[5], heads)
@@ -78,7 +81,7 @@ def test_bfloat16_rounds_where_mlx_rounds():
 def test_bad_inputs_are_named_before_any_launch():
     """Each case differs from a good call in one respect, and raises every time (a failed check is never
     remembered as passed)."""
-    heads = Heads(4, 4, 64)
+    heads = AttentionSpec(4, 4, 64)
     qkv, b, inv, slots, cached_k, cached_v = _inputs(heads, 3, 16, mx.float32)
     decode_attention("reference", qkv, b, inv, slots, cached_k, cached_v, heads)
     cases = {
@@ -89,7 +92,7 @@ def test_bad_inputs_are_named_before_any_launch():
         "cached keys": ((qkv, b, inv, slots, cached_k[:, :2], cached_v, heads), {}),
         "cached values": ((qkv, b, inv, slots, cached_k, cached_v.astype(mx.bfloat16), heads), {}),
         "cache block 1 is outside": ((qkv, b, inv, slots, cached_k, cached_v, heads, 1), {}),
-        "multiple of 32": ((qkv, b, inv, slots, cached_k, cached_v, Heads(4, 4, 48)), {}),
+        "multiple of 32": ((qkv, b, inv, slots, cached_k, cached_v, AttentionSpec(4, 4, 48)), {}),
         "cannot write the cache in place": ((qkv, b, inv, slots, cached_k, cached_v, heads), {"write": True}),
     }
     for message, (args, kwargs) in cases.items():
@@ -101,14 +104,14 @@ def test_bad_inputs_are_named_before_any_launch():
 
 
 def test_support_reasons_and_splits():
-    assert support_reason(Heads(16, 16, 128)) is None and support_reason(Heads(4, 2, 32)) is None
-    assert "multiple of 32" in support_reason(Heads(4, 4, 48))
-    assert "do not divide" in support_reason(Heads(6, 4, 64))
+    assert attention_reason(AttentionSpec(16, 16, 128)) is None and attention_reason(AttentionSpec(4, 2, 32)) is None
+    assert "multiple of 32" in attention_reason(AttentionSpec(4, 4, 48))
+    assert "do not divide" in attention_reason(AttentionSpec(6, 4, 64))
     assert splits(1) == splits(attention.SPLIT_POSITIONS) == 1  # a short cache: one threadgroup a head, no join
     assert splits(attention.SPLIT_POSITIONS + 1) == 2 and splits(10**7) == attention.MAX_SPLITS
 
 
-@pytest.mark.parametrize("heads", [Heads(4, 2, 64), Heads(8, 8, 32)])
+@pytest.mark.parametrize("heads", [AttentionSpec(4, 2, 64), AttentionSpec(8, 8, 32)])
 @pytest.mark.parametrize("p", [0, 700, 2999])
 def test_reference_with_the_qk_norm_matches_the_qwen3_attention(heads, p):
     """Qwen3's per-head q/k RMSNorm before RoPE, deep into a long cache too. Past a few hundred positions the

@@ -9,14 +9,14 @@ import pytest
 
 import moebench
 from moebench.checkpoint.loader import load
-from moebench.checkpoint.quant import QuantizedParts
 from moebench.decode.cache import make_cache
 from moebench.decode.loop import generate, generate_tokens
 from moebench.errors import ConfigError
-from moebench.execution import moe
+from moebench.execution import moe, support
 from moebench.execution.executor import executor, fused_moe, fused_moe_enabled, set_fused_moe
 from moebench.execution.settings import KernelSettings
 from moebench.inspect.record import Recorder
+from moebench.models.args import QuantizedParts
 from moebench.models.routing import Intervention
 from moebench.models.switch import SwitchGLU
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
@@ -57,28 +57,29 @@ DECLINES = {
 def test_each_unsupported_layout_declines_with_its_reason(reason):
     experts = DECLINES[reason]()
     for backend in ("reference", "cuda", "metal"):
-        assert reason in (moe.support_reason(experts, backend) or "")
+        assert reason in (support.experts_reason(experts.quantized_parts(), backend) or "")
 
 
 def test_affine_without_biases_declines():
     experts = _experts()
     del experts.down_proj.biases
-    assert moe.support_reason(experts, "reference") == "affine without biases"
+    assert support.experts_reason(experts.quantized_parts(), "reference") == "affine without biases"
 
 
 def test_six_bit_down_needs_dff_divisible_by_16():
     """MLX group sizes keep real Dff a multiple of 32; a gate of 40 rows stands in for a shape the 6-bit
     byte addressing could not handle."""
     experts = SwitchGLU.from_parts(_parts(40, 128, 4), _parts(40, 128, 4, seed=1), _parts(128, 64, 6, seed=2))
-    assert moe.support_reason(experts, "cuda") == "6-bit down needs Dff % 16 == 0 (Dff 40)"
-    assert moe.support_reason(_experts(down=(6, 64)), "cuda") is None
+    assert support.experts_reason(experts.quantized_parts(), "cuda") == "6-bit down needs Dff % 16 == 0 (Dff 40)"
+    assert support.experts_reason(_experts(down=(6, 64)).quantized_parts(), "cuda") is None
 
 
 def test_dff_above_the_gpu_cap_declines():
     experts = _experts(dff=128)
-    assert moe.support_reason(experts, "cuda") is None and moe.support_reason(experts, "metal") is None
-    assert "Dff 128 above the cuda cap 64" in moe.support_reason(experts, "cuda", max_dff=64)
-    assert moe.support_reason(experts, "reference", max_dff=64) is None  # the CPU reference has no cap
+    parts = experts.quantized_parts()
+    assert support.experts_reason(parts, "cuda") is None and support.experts_reason(parts, "metal") is None
+    assert "Dff 128 above the cuda cap 64" in support.experts_reason(parts, "cuda", max_dff=64)
+    assert support.experts_reason(parts, "reference", max_dff=64) is None  # the CPU reference has no cap
 
 
 def test_fused_and_fallback_routed_experts_agree_in_float32():

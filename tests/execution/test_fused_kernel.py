@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from moebench.checkpoint.loader import load
-from moebench.checkpoint.quant import QuantizedParts
 from moebench.decode.loop import generate
 from moebench.errors import ConfigError, UnsupportedKernelConfig
 from moebench.execution import moe
@@ -23,6 +22,7 @@ from moebench.execution.executor import fused_moe
 from moebench.execution.kernel import LANES
 from moebench.execution.settings import ENV_ROWS
 from moebench.inspect.truth import expert_outputs, f64, nrms
+from moebench.models.args import QuantizedParts
 from moebench.models.switch import SwitchGLU, weighted_sum
 
 
@@ -141,7 +141,7 @@ def _bad_calls(parts):
         "shared expert gate is": (x, idx, sc, *parts, moe.SharedExpert(*parts, gate)),  # stacks, not one expert
         "shared expert gate has shape": (x, idx, sc, *parts, moe.SharedExpert(*one, gate[None])),
         "do not fit packed weights": (x, idx, sc, short_scales, parts[1], parts[2]),  # reads out of bounds
-        "the kernels take gate = up in": (x, idx, sc, *two_bit),
+        "gate/up bits 2 not in": (x, idx, sc, *two_bit),
     }
 
 

@@ -22,7 +22,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench.checkpoint.quant import QuantizedParts
 from moebench.errors import UnsupportedKernelConfig
 from moebench.execution import attention, moe
 from moebench.execution.attention import (
@@ -30,7 +29,6 @@ from moebench.execution.attention import (
     COMBINE,
     SPLIT_POSITIONS,
     WARPS_PER_HEAD,
-    Heads,
     QKNorm,
     reference_decode_attention,
     rope_frequencies,
@@ -38,16 +36,16 @@ from moebench.execution.attention import (
 from moebench.execution.kernel import KERNEL_DIR, LANES, Stage, kernel_source
 from moebench.execution.moe import (
     DOWN,
-    DOWN_BITS,
     GATE_UP,
-    GATE_UP_BITS,
-    GROUP_SIZES,
     ROUTER,
     SharedExpert,
     reference_select,
     routed,
 )
+from moebench.execution.support import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES
 from moebench.inspect.truth import nrms
+from moebench.models.args import QuantizedParts
+from moebench.models.declare import AttentionSpec
 
 EXPERTS = {"E": 4, "K": 3, "DIN": 256, "DFF": 128}  # DFF divides by every group size and by 16 (6-bit)
 E, K, DIN, DFF = EXPERTS.values()
@@ -307,7 +305,7 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs):
     moe.gpu_routed("metal", x, mx.array([2, 0, 3]), mx.array([0.5, 0.3, 0.2]), gate, up, down, shared,
                    x if dffs else None, rows=rows)
     moe.gpu_select("metal", mx.zeros((1, 4 + bool(dffs)), mx.bfloat16), 4, 2, True, bool(dffs))
-    heads = Heads(8, 2, 64)
+    heads = AttentionSpec(8, 2, 64)
     qkv = mx.array(rng.standard_normal((1, heads.width)).astype(np.float32), dtype=mx.bfloat16)
     capacity = SPLIT_POSITIONS + 1 if dffs else CAP  # with dffs: two threadgroups a head, and the launch joining them
     cache = mx.zeros((1, 2, capacity, 64), mx.bfloat16)
@@ -454,7 +452,7 @@ def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bia
     With `write` it stores the new key and value at slot pos of its block, and changes nothing else; with
     `qknorm` it normalises each head of q and k first; with `splits` threadgroups a head their partials are
     joined by the second launch."""
-    heads = Heads(*shape)
+    heads = AttentionSpec(*shape)
     block = pos % 3
     rng = np.random.default_rng(sum(shape) * 100 + pos * 2 + bias + 4 * qknorm + 8 * splits)
     qkv, qkv_bias = (rng.standard_normal(heads.width).astype(np.float32) for _ in range(2))

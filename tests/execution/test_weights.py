@@ -10,10 +10,10 @@ import mlx.core as mx
 import numpy as np
 
 from moebench.checkpoint.loader import load
-from moebench.checkpoint.quant import QuantizedParts
 from moebench.decode.cache import make_cache
 from moebench.execution.executor import executor
 from moebench.execution.weights import RowStack, stack_rows
+from moebench.models.args import QuantizedParts
 from moebench.models.layers import Linear
 
 KEY = mx.random.key(7)

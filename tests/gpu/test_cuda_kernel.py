@@ -14,16 +14,17 @@ import numpy as np
 import pytest
 
 from moebench.checkpoint.loader import load
-from moebench.checkpoint.quant import QuantizedParts
 from moebench.decode.cache import make_cache
 from moebench.decode.compiled import CompiledForward
 from moebench.decode.loop import generate
 from moebench.execution import attention, moe
-from moebench.execution.attention import Heads, rope_frequencies
+from moebench.execution.attention import rope_frequencies
 from moebench.execution.executor import executor, fused_moe
 from moebench.execution.kernel import available_backend
 from moebench.execution.moe import gpu_routed
 from moebench.inspect.truth import expert_outputs, f64, nrms
+from moebench.models.args import QuantizedParts
+from moebench.models.declare import AttentionSpec
 from moebench.models.switch import SwitchGLU, weighted_sum
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
@@ -208,7 +209,7 @@ def test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step(t
 
 
 def _attention_truth(qkv: np.ndarray, bias: np.ndarray | None, p: int, keys: np.ndarray, values: np.ndarray,
-                     heads: Heads, base: float, norms: tuple[np.ndarray, np.ndarray, float] | None = None
+                     heads: AttentionSpec, base: float, norms: tuple[np.ndarray, np.ndarray, float] | None = None
                      ) -> np.ndarray:
     """float64 attention of one token over positions 0..p (the new one rotated here, earlier ones cached), with
     each head of q and k RMS-normalised first when `norms` gives (q weight, k weight, eps)."""
@@ -241,16 +242,20 @@ def _attention_truth(qkv: np.ndarray, bias: np.ndarray | None, p: int, keys: np.
 # (heads, bias, position, dtype, cache slots, q/k norm): A2.7B's MHA and Qwen3-30B-A3B's GQA (with its q/k norm),
 # one threadgroup a head (256 slots) and several (past SPLIT_POSITIONS: a 4352-slot cache is 9 a head)
 @pytest.mark.parametrize("heads,bias,p,dtype,cap,qknorm", [
-    (Heads(16, 16, 128), True, 0, mx.bfloat16, 256, False), (Heads(16, 16, 128), True, 9, mx.bfloat16, 256, False),
-    (Heads(16, 16, 128), True, 191, mx.bfloat16, 256, False), (Heads(16, 16, 128), False, 255, mx.bfloat16, 256, False),
-    (Heads(32, 4, 128), False, 100, mx.bfloat16, 256, False), (Heads(8, 8, 64), True, 37, mx.bfloat16, 256, False),
-    (Heads(4, 2, 32), True, 17, mx.bfloat16, 256, False), (Heads(16, 16, 128), True, 130, mx.float32, 256, False),
-    (Heads(32, 4, 128), False, 100, mx.bfloat16, 256, True),
-    (Heads(32, 4, 128), False, 2047, mx.bfloat16, 2304, True),
-    (Heads(16, 16, 128), True, 4000, mx.bfloat16, 4352, False),
-    (Heads(16, 16, 128), True, 600, mx.bfloat16, 4352, False),
-    (Heads(16, 16, 128), True, 3000, mx.float32, 3072, False),
-    (Heads(32, 4, 128), False, 1500, mx.float32, 2048, True)])
+    (AttentionSpec(16, 16, 128), True, 0, mx.bfloat16, 256, False),
+    (AttentionSpec(16, 16, 128), True, 9, mx.bfloat16, 256, False),
+    (AttentionSpec(16, 16, 128), True, 191, mx.bfloat16, 256, False),
+    (AttentionSpec(16, 16, 128), False, 255, mx.bfloat16, 256, False),
+    (AttentionSpec(32, 4, 128), False, 100, mx.bfloat16, 256, False),
+    (AttentionSpec(8, 8, 64), True, 37, mx.bfloat16, 256, False),
+    (AttentionSpec(4, 2, 32), True, 17, mx.bfloat16, 256, False),
+    (AttentionSpec(16, 16, 128), True, 130, mx.float32, 256, False),
+    (AttentionSpec(32, 4, 128), False, 100, mx.bfloat16, 256, True),
+    (AttentionSpec(32, 4, 128), False, 2047, mx.bfloat16, 2304, True),
+    (AttentionSpec(16, 16, 128), True, 4000, mx.bfloat16, 4352, False),
+    (AttentionSpec(16, 16, 128), True, 600, mx.bfloat16, 4352, False),
+    (AttentionSpec(16, 16, 128), True, 3000, mx.float32, 3072, False),
+    (AttentionSpec(32, 4, 128), False, 1500, mx.float32, 2048, True)])
 def test_cuda_attention_kernel_matches_reference_and_truth(heads, bias, p, dtype, cap, qknorm):
     base = 1_000_000.0
     rng = np.random.default_rng(p + heads.head_dim)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import numpy as np
 import pandas as pd
@@ -74,3 +76,70 @@ def test_other_frames_save_beside_and_bad_format_is_rejected(tmp_path):
         save_frames({"stats": frame}, tmp_path, "csv")
     with pytest.raises(MoebenchError, match="not a folder"):
         read_frames(tmp_path / "missing")
+
+
+# -- issue 37: paths and files an export cannot use are named, never raw and never a hang ---------------------------
+FRAME = {"stats": pd.DataFrame({"layer": [0, 1], "entropy": [1.5, 2.0]})}
+
+
+def test_an_export_makes_a_missing_folder_with_its_parents(tmp_path):
+    [path] = save_frames(FRAME, tmp_path / "a" / "b", "json")
+    assert path == tmp_path / "a" / "b" / "stats.json" and path.is_file()
+
+
+@pytest.mark.parametrize("frames, fmt, words", [
+    ({"stats": [1, 2]}, "json", "frame 'stats': expected a pandas DataFrame, got list"),
+    ([pd.DataFrame()], "json", "frames must be a mapping of name to DataFrame"),
+    ({"../up": pd.DataFrame()}, "json", "frame name '../up': must be a plain file name"),
+    ({"": pd.DataFrame()}, "json", "frame name ''"), ({1: pd.DataFrame()}, "json", "frame name 1"),
+    (FRAME, "csv", "export format must be one of"), (FRAME, None, "export format must be one of"),
+    (FRAME, ["json"], "export format must be one of"),
+])
+def test_what_save_frames_cannot_write_is_named_before_anything_is_written(tmp_path, frames, fmt, words):
+    with pytest.raises(MoebenchError, match=re.escape(words)):
+        save_frames(frames, tmp_path / "out", fmt)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_paths_that_cannot_be_used_are_named(tmp_path):
+    with pytest.raises(MoebenchError, match="a path cannot hold a NUL byte"):
+        save_frames(FRAME, f"{tmp_path}/a\0b", "json")
+    with pytest.raises(MoebenchError, match="export folder must be a path"):
+        save_frames(FRAME, 3, "json")
+    (tmp_path / "file").write_text("in the way")
+    with pytest.raises(MoebenchError, match=re.escape(f"{tmp_path / 'file'}: cannot make the export folder")):
+        save_frames(FRAME, tmp_path / "file", "json")
+    (tmp_path / "folder" / "stats.json").mkdir(parents=True)  # a folder where the file goes
+    with pytest.raises(MoebenchError, match="stats.json: not a regular file"):
+        save_frames(FRAME, tmp_path / "folder", "json")
+    os.mkfifo(tmp_path / "fifo.json")  # writing would block until a reader comes
+    with pytest.raises(MoebenchError, match="fifo.json: not a regular file"):
+        save_frames({"fifo": FRAME["stats"]}, tmp_path, "json")
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("stats.parquet", b"not parquet", "cannot read it as an exported parquet frame"),
+    ("stats.json", b"{corrupt", "cannot read it as an exported json frame"),
+    ("stats.json", b"\xff\xfe\x00", "cannot read it as an exported json frame"),
+])
+def test_read_frames_names_a_corrupt_file(tmp_path, name, content, words):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(MoebenchError, match=re.escape(f"{tmp_path / name}: {words}")):
+        read_frames(tmp_path)
+
+
+def test_read_frames_never_opens_what_is_not_a_regular_file(tmp_path):
+    os.mkfifo(tmp_path / "stats.json")  # opening it would block for ever
+    with pytest.raises(MoebenchError, match="stats.json: not a regular file"):
+        read_frames(tmp_path)
+    (tmp_path / "stats.json").unlink()
+    (tmp_path / "stats.json").symlink_to(tmp_path / "gone.json")
+    with pytest.raises(MoebenchError, match="stats.json: a link to .*gone.json, which does not exist"):
+        read_frames(tmp_path)
+    with pytest.raises(MoebenchError, match="a path cannot hold a NUL byte"):
+        read_frames(f"{tmp_path}/a\0b")
+
+
+def test_to_frames_takes_a_trace():
+    with pytest.raises(MoebenchError, match="to_frames takes a Trace"):
+        to_frames([1, 2])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -134,3 +136,58 @@ def test_bad_interventions_are_rejected_before_any_is_set(tiny):
         set_interventions(tiny, {0: "top_k=1"})
     with pytest.raises(InterventionError, match="not a MoE layer"):
         clear_interventions(tiny, [99])
+
+
+@pytest.mark.parametrize("interventions, words", [
+    ([Intervention(top_k=1)], "a mapping {layer: Intervention}, got list"), (None, "got NoneType"),
+    ((Intervention(top_k=1),), "got tuple"), ({True: Intervention(top_k=1)}, "layer True is not a MoE layer"),
+    ({"0": Intervention(top_k=1)}, "layer '0' is not a MoE layer"), ({-1: Intervention(top_k=1)}, "layer -1"),
+    ({1.0: Intervention(top_k=1)}, "layer 1.0"), ({np.int64(1): None}, "expected a moebench.Intervention"),
+])
+def test_interventions_given_in_another_shape_are_named(tiny, interventions, words):
+    with pytest.raises(InterventionError, match=re.escape(words)):
+        set_interventions(tiny, interventions)
+    with pytest.raises(InterventionError, match=re.escape(words)), intervene(tiny, interventions):
+        pass
+    assert active_interventions(tiny) == {}
+
+
+def test_numpy_layer_indices_are_layers(tiny):
+    set_interventions(tiny, {np.int64(1): Intervention(top_k=1)})
+    assert list(active_interventions(tiny)) == [1] and type(next(iter(active_interventions(tiny)))) is int
+    clear_interventions(tiny, [np.int64(1)])
+    assert active_interventions(tiny) == {}
+
+
+@pytest.mark.parametrize("layers, words", [(5, "layers must be a list"), ("01", "layers must be a list"),
+                                           ({0: 1}, "layers must be a list"), ([True], "layer True"),
+                                           ([0, 99], "layer 99"), ([None], "layer None")])
+def test_clearing_names_what_is_not_a_list_of_moe_layers(tiny, layers, words):
+    set_interventions(tiny, {0: Intervention(top_k=1)})
+    with pytest.raises(InterventionError, match=re.escape(words)):
+        clear_interventions(tiny, layers)
+    assert list(active_interventions(tiny)) == [0]  # all checked before any is cleared
+
+
+@pytest.mark.parametrize("intervention", [Intervention(force_experts=(1, 2)), Intervention(ablate=(0, 3), top_k=1),
+                                          Intervention(shared_expert=False), Intervention(shared_gate_scale=0.5)],
+                         ids=["force", "ablate-topk", "shared-off", "gate-scale"])
+def test_every_decode_path_takes_every_intervention(tiny, intervention):
+    """generate (eager and compiled) and a Stepper (recording or not), with the fused kernels on and off: one
+    set of tokens for each switch position, and the forced experts are what the records show."""
+    with intervene(tiny, {1: intervention}):
+        tokens = {}
+        for fused in (True, False):
+            with moebench.fused_moe(fused, tiny):
+                for compiled in (False, True):
+                    result = moebench.generate(tiny, PROMPT, 6, compiled=compiled)
+                    tokens[fused, "generate", compiled] = result.token_ids
+                for record in (False, True):
+                    trace = Stepper(tiny, None, PROMPT, record=record, max_tokens=6).run(6)
+                    tokens[fused, "stepper", record] = trace.token_ids
+                    if record and intervention.force_experts is not None:
+                        assert all(set(s.layers[1].topk_ids) == {1, 2} for s in trace.steps)
+        for fused in (True, False):
+            assert len({tuple(t) for (f, *_), t in tokens.items() if f == fused}) == 1, tokens
+    moe_counts = moebench.dispatch(tiny)["moe"][1]
+    assert moe_counts["fused"] and any("intervention is set" in n for n in moe_counts["notes"])

@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench.checkpoint.quant import QuantizedParts
 from moebench.inspect.truth import dequantize_f64, expert_outputs, nmax, nrms
+from moebench.models.args import QuantizedParts
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])

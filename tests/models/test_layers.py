@@ -9,10 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench.checkpoint.config import Quantization, QuantSpec
 from moebench.checkpoint.files import TensorStore
 from moebench.checkpoint.weights import load_norm, load_weight
 from moebench.errors import CheckpointError
+from moebench.models.args import Quantization, QuantSpec
 from moebench.models.layers import Embedding, Linear, RMSNorm
 
 KEY = mx.random.key(7)

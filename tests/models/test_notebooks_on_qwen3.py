@@ -26,13 +26,19 @@ def qwen3_checkpoint(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
-def test_notebook_runs_on_qwen3(notebook, qwen3_checkpoint, monkeypatch):
-    monkeypatch.setenv("MOEBENCH_MODEL", str(qwen3_checkpoint))
+def run_notebook_on(notebook: Path, folder: Path, model_type: str, monkeypatch) -> None:
+    """Run `notebook` with `folder` first in its model picker; no cell may fail, and the model it opened must be
+    of `model_type` (not the shipped model)."""
+    monkeypatch.setenv("MOEBENCH_MODEL", str(folder))
     nb = nbformat.read(notebook, as_version=4)
-    # proves the notebook opened the checkpoint MOEBENCH_MODEL names (its model picker's first), not the shipped model
-    nb.cells.append(nbformat.v4.new_code_cell('assert picker.model.args.model_type == "qwen3_moe", picker.model.args'))
+    nb.cells.append(nbformat.v4.new_code_cell(f'assert picker.model.args.model_type == "{model_type}", '
+                                              'picker.model.args'))
     NotebookClient(nb, timeout=180, kernel_name="python3",
                    resources={"metadata": {"path": str(notebook.parent)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
+def test_notebook_runs_on_qwen3(notebook, qwen3_checkpoint, monkeypatch):
+    run_notebook_on(notebook, qwen3_checkpoint, "qwen3_moe", monkeypatch)

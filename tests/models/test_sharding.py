@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from sharded_run import RECORDED
 
-from moebench.checkpoint.config import ModelArgs
+from moebench.checkpoint.config import read_model_args
 from moebench.checkpoint.files import TensorStore
 from moebench.checkpoint.loader import SHIPPED_MODEL, load
 from moebench.checkpoint.weights import load_weights
@@ -40,7 +40,7 @@ from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 RUN = Path(__file__).with_name("sharded_run.py")
 PROMPT = [40, 69, 12, 7, 230, 18, 91, 3]
 TOKENS = 10
-SHIPPED_EXPERTS = ModelArgs.from_file(SHIPPED_MODEL / "config.json").num_experts
+SHIPPED_EXPERTS = read_model_args(SHIPPED_MODEL / "config.json").num_experts
 NEAR_TIE = 1e-3  # a top-two logit margin this small may flip under a different float32 summation order
 
 
@@ -78,7 +78,7 @@ def test_expert_spans_cover_every_expert_once(total, size):
 
 
 def test_a_rank_left_without_experts_is_a_config_error():
-    model = family("qwen2_moe").Model(ModelArgs.from_file(SHIPPED_MODEL / "config.json"))
+    model = family("qwen2_moe").Model(read_model_args(SHIPPED_MODEL / "config.json"))
     ranks = SHIPPED_EXPERTS + 4
     with pytest.raises(ConfigError, match=f"{ranks} ranks for layer 0's {SHIPPED_EXPERTS} experts: rank 0 would hold "
                                           "none"):
@@ -91,7 +91,7 @@ def test_load_takes_only_an_mx_distributed_group():
 
 
 def _loaded(folder: Path, group: Ranks | None, tensor: bool = False):
-    args = ModelArgs.from_file(folder / "config.json")
+    args = read_model_args(folder / "config.json")
     model = family(args.model_type).Model(args)
     if group is not None:
         shard_experts(model, group)
@@ -155,7 +155,7 @@ def test_each_rank_loads_exactly_its_heads(model, qwen3_stacked):
 
 
 def test_heads_that_do_not_split_evenly_are_a_config_error():
-    model = family("qwen2_moe").Model(ModelArgs.from_file(SHIPPED_MODEL / "config.json"))  # 4 heads, 2 key/value
+    model = family("qwen2_moe").Model(read_model_args(SHIPPED_MODEL / "config.json"))  # 4 heads, 2 key/value
     with pytest.raises(ConfigError, match="layer 0's 4 query and 2 key/value heads do not split evenly over 4 ranks"):
         shard_heads(model, Ranks(0, 4))
 
@@ -187,7 +187,7 @@ def test_each_rank_loads_exactly_its_share_of_every_mlp(model, qwen3_stacked):
 
 
 def test_an_mlp_width_that_does_not_split_evenly_is_a_config_error():
-    model = family("qwen2_moe").Model(ModelArgs.from_file(SHIPPED_MODEL / "config.json"))
+    model = family("qwen2_moe").Model(read_model_args(SHIPPED_MODEL / "config.json"))
     with pytest.raises(ConfigError, match="layer 0's shared expert of width 128 does not split evenly over 3 ranks"):
         shard_mlps(model, Ranks(0, 3))
 

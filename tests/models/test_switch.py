@@ -8,12 +8,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from moebench.checkpoint.config import Quantization, QuantSpec
 from moebench.checkpoint.files import TensorStore
 from moebench.checkpoint.quant import make_parts
 from moebench.checkpoint.weights import load_weight, stack_experts
 from moebench.errors import CheckpointError
 from moebench.models import switch
+from moebench.models.args import Quantization, QuantSpec
 from moebench.models.switch import SwitchGLU, SwitchLinear, weighted_sum
 
 E, D, F, K = 6, 128, 64, 2

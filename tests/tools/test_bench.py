@@ -293,3 +293,30 @@ def test_a_length_where_every_arm_fails_is_reported_and_the_others_stand(quantiz
     assert "prompt 6 tokens, 2 generated, 1 repeats: every arm failed\nskipped short: warm-up failed" in table
     assert main([*argv, "6"]) == 2
     assert "every arm failed: short: warm-up failed: RuntimeError: out of memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("init", ["this is not python(", "raise ImportError('half an archive')",
+                                  "def load(path):\n    raise RuntimeError('its own bug')\n"])
+def test_a_broken_snapshot_folder_is_named_and_forgotten(quantized_checkpoint, tmp_path, capsys, init):
+    (tmp_path / "snap" / "moebench").mkdir(parents=True)
+    (tmp_path / "snap" / "moebench" / "__init__.py").write_text(init)
+    (tmp_path / "snap" / "moebench" / "decode.py").write_text("generate_tokens = None\n")
+    argv = ["bench", str(quantized_checkpoint), "--snapshot", str(tmp_path / "snap"), "--gen-tokens", "2",
+            "--prompt-tokens", "4", "--repeats", "1", "--no-progress"]
+    assert main(argv) == 2
+    assert f"--snapshot {tmp_path / 'snap'}: cannot import its moebench or load" in capsys.readouterr().err
+    assert not [m for m in sys.modules if m.startswith(bench.SNAPSHOT)]
+
+
+def test_a_missing_snapshot_is_named_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "load", lambda *a, **k: pytest.fail("loaded the model first"))
+    assert main(["bench", "--snapshot", str(tmp_path), "--no-progress"]) == 2
+    assert "no moebench/__init__.py there" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--seed", "-1"), ("--seed", str(2**64)), ("--gen-tokens", "0"),
+                                         ("--repeats", "0"), ("--prompt-tokens", "-4")])
+def test_bench_flags_out_of_range_are_usage_errors(capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", flag, value])
+    assert exit_.value.code == 2 and f"argument {flag}:" in capsys.readouterr().err

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 
 from moebench import fused_moe, load
-from moebench.checkpoint.config import ModelArgs
+from moebench.checkpoint.config import model_args
 from moebench.checkpoint.files import checkpoint_files, read_safetensors_header
 from moebench.checkpoint.weights import tensor_shapes
 from moebench.cli import main
-from moebench.tools.presets import PRESETS, get_preset, parameter_counts, write_random
+from moebench.tools.presets import PRESETS, default_layout, get_preset, parameter_counts, write_random
 from moebench.tools.writer import random_tensors
 
 
 def test_a27b_preset_is_qwen15_moe_a27b():
-    args = ModelArgs.from_dict(get_preset("qwen1.5-moe-a2.7b").config)
+    args = model_args(get_preset("qwen1.5-moe-a2.7b").config)
     assert (args.hidden_size, args.num_hidden_layers, args.num_attention_heads, args.num_key_value_heads,
             args.head_dim) == (2048, 24, 16, 16, 128)
     assert (args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
@@ -42,12 +42,40 @@ def test_qwen3_preset_is_config_only():
     ("qwen2-57b-a14b", (3584, 28, 28, 4, 128, 64, 8, 2560, 20480), (57, 14)),
 ])
 def test_the_presets_past_one_device_are_the_published_models(preset, shape, published):
-    args = ModelArgs.from_dict(get_preset(preset).config)
+    args = model_args(get_preset(preset).config)
     assert (args.hidden_size, args.num_hidden_layers, args.num_attention_heads, args.num_key_value_heads,
             args.head_dim, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
             args.shared_expert_intermediate_size) == shape
     total, active = parameter_counts(get_preset(preset).config)
     assert (int(total / 1e9), int(active / 1e9)) == published  # the names' figures: 235B total, 22B active
+
+
+def test_olmoe_preset_is_olmoe_1b_7b():
+    """OLMoE-1B-7B as transformers' OlmoeConfig writes it (intermediate_size is the expert width), checked by shape
+    only: the real-size model is never materialised."""
+    cfg = get_preset("olmoe-1b-7b").config
+    assert (cfg["model_type"], cfg["architectures"]) == ("olmoe", ["OlmoeForCausalLM"])
+    assert "moe_intermediate_size" not in cfg and "shared_expert_intermediate_size" not in cfg
+    assert (cfg["intermediate_size"], cfg["clip_qkv"], cfg["attention_bias"]) == (1024, None, False)
+    args = model_args(cfg)
+    assert (args.hidden_size, args.num_hidden_layers, args.num_attention_heads, args.num_key_value_heads,
+            args.head_dim) == (2048, 16, 16, 16, 128)
+    assert (args.num_experts, args.num_experts_per_tok, args.shared_expert_intermediate_size) == (64, 8, 0)
+    assert (args.vocab_size, args.rope_theta, args.rms_norm_eps, args.max_position_embeddings) == (
+        50304, 10000.0, 1e-5, 4096)
+    assert not args.norm_topk_prob and not args.tie_word_embeddings and not args.qkv_bias
+    assert all(args.is_moe_layer(i) for i in range(16))
+    shapes = dict(tensor_shapes(args))
+    assert shapes["model.layers.0.mlp.experts.63.gate_proj.weight"] == (1024, 2048)  # the expert width
+    assert shapes["model.layers.0.mlp.experts.0.down_proj.weight"] == (2048, 1024)
+    assert shapes["model.layers.15.mlp.gate.weight"] == (64, 2048)
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (2048,)  # over the whole projection, not per head
+    assert shapes["model.layers.0.self_attn.k_norm.weight"] == (2048,)
+    assert shapes["lm_head.weight"] == (50304, 2048)
+    assert not any("shared_expert" in name for name in shapes)
+    total, active = parameter_counts(cfg)
+    assert round(total / 1e9, 1) == 6.9 and round(active / 1e9, 1) == 1.3  # the model card's 6.9B, 1.3B active
+    assert default_layout("olmoe-1b-7b") == default_layout("olmoe-tiny") == "stacked"  # as mlx-lm converts OLMoE
 
 
 def test_make_random_refuses_bad_input(tmp_path, capsys):
@@ -66,7 +94,7 @@ def expected_tensors(config: dict, bits: int, group_size: int, dtype: str) -> di
     """What a per-expert MLX affine checkpoint of `config` holds: name -> (shape, safetensors dtype)."""
     out = {}
     float_dtype = {"float32": "F32", "bfloat16": "BF16"}[dtype]
-    for name, shape in tensor_shapes(ModelArgs.from_dict(config)):
+    for name, shape in tensor_shapes(model_args(config)):
         if len(shape) == 2 and shape[1] % group_size == 0:
             base = name.removesuffix(".weight")
             out[f"{base}.weight"] = ((shape[0], shape[1] * bits // 32), "U32")
@@ -102,7 +130,7 @@ def test_make_random_writes_a_loadable_sharded_checkpoint_with_the_presets_tenso
 
 
 @pytest.mark.parametrize("preset,layout,stacked", [("qwen3-tiny", None, True), ("tiny", None, False),
-                                                   ("tiny", "stacked", True)])
+                                                   ("tiny", "stacked", True), ("olmoe-tiny", None, True)])
 def test_make_random_writes_the_familys_mlx_layout_and_mlx_lm_computes_what_moebench_does(
         tmp_path, capsys, preset, layout, stacked):
     """By default as the family's MLX checkpoints (mlx-lm convert stacks Qwen3-MoE's experts, mlx-community's
@@ -159,12 +187,12 @@ def test_write_random_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(presets, "random_tensors", spy)
     monkeypatch.setattr(presets, "save_checkpoint", save)
     write_random(tmp_path / "t", "tiny", progress=False)
-    assert len(drawn) == sum(1 for _ in tensor_shapes(ModelArgs.from_dict(PRESETS["tiny"].config)))
+    assert len(drawn) == sum(1 for _ in tensor_shapes(model_args(PRESETS["tiny"].config)))
     assert max(live) == 1  # only the tensor just drawn is not yet in the checkpoint
 
 
 def test_mlx_generator_matches_numpy_generator_statistics():
-    args = ModelArgs.from_dict(get_preset("small").config)
+    args = model_args(get_preset("small").config)
     by_gen = {g: dict(random_tensors(args, seed=3, generator=g)) for g in ("numpy", "mlx")}
     for name, shape in (("model.layers.0.self_attn.q_proj.weight", (256, 256)),
                         ("model.layers.0.input_layernorm.weight", (256,))):
@@ -173,3 +201,23 @@ def test_mlx_generator_matches_numpy_generator_statistics():
         assert abs(a.mean() - b.mean()) < 0.02 and abs(a.std() - b.std()) < 0.1 * a.std()
     q = np.array(by_gen["mlx"]["model.layers.0.self_attn.q_proj.weight"])
     assert math.isclose(q.std(), 1 / 16, rel_tol=0.05)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, True, 1.0])
+def test_a_seed_numpy_and_mlx_cannot_take_is_named_before_a_file_is_written(tmp_path, seed):
+    from moebench.errors import DecodeError
+    from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
+
+    with pytest.raises(DecodeError, match="seed must be an integer from 0 to 2"):
+        write_random(tmp_path / "preset", "tiny", seed=seed, progress=False)
+    with pytest.raises(DecodeError, match="seed must be an integer from 0 to 2"):
+        write_random_checkpoint(tmp_path / "ckpt", qwen2_moe_config(), seed=seed)
+    assert not (tmp_path / "preset").exists() and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("shard_gb", [0, -1, float("inf"), float("nan")])
+def test_a_shard_size_that_is_not_a_positive_number_is_named(tmp_path, shard_gb):
+    from moebench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"shard size \(GB\) must be a finite number above 0"):
+        write_random(tmp_path / "preset", "tiny", shard_gb=shard_gb, progress=False)

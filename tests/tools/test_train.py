@@ -83,6 +83,39 @@ def test_a_few_steps_reduce_the_loss():
     assert all(0.5 < r["balance"] < TINY["num_experts"] for r in records)
 
 
+@pytest.mark.parametrize("change, words", [
+    (dict(balance_coef=float("nan")), "balance_coef must be a finite number"),
+    (dict(domain_coef=float("inf")), "domain_coef must be a finite number"),
+    (dict(steps=-1), "steps must be an integer >= 1"), (dict(steps=0), "steps must be an integer >= 1"),
+    (dict(batch=0), "batch must be"), (dict(peak_lr=float("nan")), "peak_lr"),
+    (dict(seed=-1), "seed must be an integer from 0 to 2**64 - 1"),
+])
+def test_settings_that_cannot_train_are_named_before_any_step(change, words):
+    with pytest.raises(moebench.MoebenchError, match=re.escape(words)):
+        train(None, [], TrainSettings(**change))
+    with pytest.raises(moebench.MoebenchError, match=re.escape(words)):
+        train_module.train_tiny("/nonexistent/out", TrainSettings(**change))
+
+
+def test_a_run_whose_loss_turns_non_finite_stops_with_an_error():
+    model = init_model(TINY, seed=0)
+    stream = np.tile(np.arange(1, 40, dtype=np.int32), 50)
+    settings = TrainSettings(steps=6, batch=4, seq_len=32, peak_lr=1e38, warmup=1, eval_every=100)
+    with pytest.raises(moebench.NonFiniteError, match=r"training step \d: the cross entropy .* is NaN or Inf"):
+        train(model, [stream, stream[::-1].copy()], settings)
+
+
+@pytest.mark.parametrize("flag, value", [("--steps", "-1"), ("--steps", "0"), ("--balance-coef", "nan"),
+                                         ("--domain-coef", "inf"), ("--seed", "-1"), ("--hidden", "0"),
+                                         ("--layers", "0"), ("--batch", "0"), ("--processes", "0"),
+                                         ("--prose-share", "nan"), ("--top-k", "-2")])
+def test_train_tiny_flags_out_of_range_are_usage_errors(tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train-tiny", str(tmp_path / "out"), flag, value])
+    assert exit_.value.code == 2 and f"argument {flag}:" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_batches_take_the_prose_share_from_the_prose_stream():
     code, prose = np.full(200, 1, dtype=np.int32), np.full(200, 2, dtype=np.int32)
     per_stream = rows_per_domain(TrainSettings(batch=8, prose_share=0.625), 2)

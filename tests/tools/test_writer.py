@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moebench.checkpoint.config import ModelArgs
+from moebench.checkpoint.config import model_args
 from moebench.checkpoint.files import INDEX_FILE, read_safetensors_header
 from moebench.checkpoint.weights import tensor_shapes
 from moebench.tools.writer import (
@@ -21,7 +21,7 @@ from moebench.tools.writer import (
 
 
 def test_tensor_shapes_follow_the_config():
-    args = ModelArgs.from_dict(qwen2_moe_config(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3],
+    args = model_args(qwen2_moe_config(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3],
                                                 tie_word_embeddings=True))
     shapes = dict(tensor_shapes(args))
     assert "lm_head.weight" not in shapes
@@ -41,7 +41,7 @@ def test_tensor_shapes_follow_the_config():
 def test_tensor_shapes_are_in_file_order_experts_one_by_one():
     """The order random draws follow (seeded checkpoints depend on it): each layer's norms, attention, then the
     router, the experts one by one (gate, up, down), the shared expert."""
-    names = [n for n, _ in tensor_shapes(ModelArgs.from_dict(qwen2_moe_config(num_hidden_layers=1)))]
+    names = [n for n, _ in tensor_shapes(model_args(qwen2_moe_config(num_hidden_layers=1)))]
     layer = [n.removeprefix("model.layers.0.") for n in names if n.startswith("model.layers.0.")]
     assert layer[:4] == ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
                          "self_attn.q_proj.bias"]
@@ -52,7 +52,7 @@ def test_tensor_shapes_are_in_file_order_experts_one_by_one():
 
 
 def test_random_tensors_are_reproducible():
-    args = ModelArgs.from_dict(qwen2_moe_config(num_hidden_layers=1))
+    args = model_args(qwen2_moe_config(num_hidden_layers=1))
     a, b, c = (dict(random_tensors(args, seed)) for seed in (0, 0, 1))
     assert all(np.array_equal(np.array(a[n]), np.array(b[n])) for n in a)
     assert not np.array_equal(np.array(a["model.embed_tokens.weight"]), np.array(c["model.embed_tokens.weight"]))

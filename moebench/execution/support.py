@@ -1,0 +1,116 @@
+"""What each fused kernel supports, stated once: every rule returns the reason it declines, or None.
+
+The plan (moebench.execution.executor) asks these before choosing a kernel and records the reason when it
+declines; the kernels' own input checks (moebench.execution.moe, .attention) ask the same rules again
+before a launch, so a direct call with inputs the plan would have declined is refused with the same words.
+A block is judged by its declaration (moebench.models.declare) and its stored weights, never by its family.
+"""
+
+from __future__ import annotations
+
+from ..models.args import QuantizedParts
+from ..models.declare import SIGMOID_GATED, SOFTMAX_THEN_TOPK, SWIGLU, AttentionSpec, MoeSpec
+from .kernel import LANES
+
+GATE_UP_BITS = (4, 8)
+DOWN_BITS = (4, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_MAX_DFF = {"metal": 4096, "cuda": 8192}  # expert width above which the GPU kernel lost to gather_qmm
+
+
+def moe_declaration_reason(spec: MoeSpec) -> str | None:
+    """Why the router kernel and the kernel pair cannot compute what this block declares, or None."""
+    if spec.scoring != SOFTMAX_THEN_TOPK:
+        return f"routing by {spec.scoring} (the router kernel takes {SOFTMAX_THEN_TOPK})"
+    if spec.router_bias:
+        return "a router with a bias (the router kernel takes none)"
+    if spec.activation != SWIGLU:
+        return f"expert activation {spec.activation} (the kernels compute {SWIGLU})"
+    if spec.expert_bias:
+        return "experts with biases (the kernels take none)"
+    if spec.shared not in (None, SIGMOID_GATED):
+        return f"a shared expert joined as {spec.shared} (the kernels take a {SIGMOID_GATED})"
+    return None
+
+
+def parts_reason(gate: QuantizedParts | None, up: QuantizedParts | None, down: QuantizedParts | None) -> str | None:
+    """Why the kernel pair cannot read experts stored as these gate/up/down parts (None: float), or None."""
+    parts = (gate, up, down)
+    if any(p is None for p in parts):
+        return "float experts (the kernel needs quantized weights)"
+    modes = {p.mode for p in parts}
+    if modes != {"affine"}:
+        return f"quantization mode {sorted(modes)} (the kernel needs affine)"
+    if any(p.biases is None for p in parts):
+        return "affine without biases"
+    if gate.bits != up.bits:
+        return f"gate bits {gate.bits} != up bits {up.bits}"
+    if gate.bits not in GATE_UP_BITS:
+        return f"gate/up bits {gate.bits} not in {GATE_UP_BITS}"
+    if down.bits not in DOWN_BITS:
+        return f"down bits {down.bits} not in {DOWN_BITS}"
+    sizes = {p.group_size for p in parts}
+    if len(sizes) != 1:
+        return f"group sizes differ {sorted(sizes)}"
+    if gate.group_size not in GROUP_SIZES:
+        return f"group size {gate.group_size} not in {GROUP_SIZES}"
+    if down.bits == 6 and gate.out_features % 16:
+        return f"6-bit down needs Dff % 16 == 0 (Dff {gate.out_features})"
+    return None
+
+
+def width_reason(dff: int, backend: str, max_dff: int | None = None) -> str | None:
+    """Why experts of width `dff` do not pay on `backend` (`max_dff`: the cap, None for the backend's default;
+    the CPU reference has none), or None."""
+    if backend not in DEFAULT_MAX_DFF:
+        return None
+    cap = max_dff if max_dff is not None else DEFAULT_MAX_DFF[backend]
+    return f"Dff {dff} above the {backend} cap {cap} (MOEBENCH_FUSED_MOE_MAX_DFF)" if dff > cap else None
+
+
+def experts_reason(parts: list[QuantizedParts | None], backend: str, max_dff: int | None = None) -> str | None:
+    """Why the kernel pair cannot run experts stored as `parts` (gate, up, down; SwitchGLU.quantized_parts) on
+    `backend`, or None when it can."""
+    return parts_reason(*parts) or width_reason(parts[0].out_features, backend, max_dff)
+
+
+def moe_reason(spec: MoeSpec, parts: list[QuantizedParts | None], backend: str,
+               max_dff: int | None = None) -> str | None:
+    """Why the fused MoE kernels cannot run a block declaring `spec` whose experts are stored as `parts`
+    on `backend`, or None when they can."""
+    return moe_declaration_reason(spec) or experts_reason(parts, backend, max_dff)
+
+
+def storage(p: QuantizedParts) -> str:
+    return f"{p.bits}-bit g{p.group_size} {p.mode} ({str(p.scales.dtype).removeprefix('mlx.core.')} scales)"
+
+
+def shared_fold_reason(routed: tuple[QuantizedParts, ...], shared: dict[str, QuantizedParts | None],
+                       biased: bool = False) -> str | None:
+    """Why a shared expert with these projections (name -> parts, None when float) cannot run inside the kernel
+    pair beside routed experts stored as `routed` (gate, up, down), or None. It then runs as its own MLP."""
+    if biased:
+        return "it has biases"
+    for r, (name, p) in zip(routed, shared.items(), strict=True):
+        if p is None:
+            return f"its {name} is float (the kernels need quantized weights)"
+        if storage(p) != storage(r):
+            return f"its {name} is {storage(p)}, the routed experts' {storage(r)}"
+    return None
+
+
+def attention_reason(spec: AttentionSpec) -> str | None:
+    """Why the decode-attention kernel cannot run an attention layer declaring `spec`, or None when it can."""
+    if spec.head_dim % LANES:
+        return f"head_dim {spec.head_dim} (the kernel needs a multiple of {LANES})"
+    if spec.n_heads % spec.n_kv_heads:
+        return f"{spec.n_heads} query heads do not divide into {spec.n_kv_heads} key/value heads"
+    if spec.rope_fraction != 1.0:
+        return f"rotary on {spec.rope_fraction:g} of each head (the kernel rotates whole heads)"
+    if spec.window is not None:
+        return f"a sliding window of {spec.window} positions (the kernel attends to every position)"
+    if spec.sinks:
+        return "attention sinks (the kernel has none)"
+    if spec.clip_qkv is not None:
+        return f"q, k and v clamped at {spec.clip_qkv:g} (the kernel does not clamp)"
+    return None

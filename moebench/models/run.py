@@ -1,0 +1,35 @@
+"""How a decoder layer runs its two parts: by its own modules, or by the steps an execution plan chose.
+
+The layer's forward (h = x + attention(norm(x)); out = h + mlp(norm(h))) is written once, in the model
+file; what runs each part is a LayerRun. A call without a plan runs the modules (MODULES); the execution
+layer (moebench.execution.plan.LayerPlan) hands in a fused kernel step where it decided one can run.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import mlx.core as mx
+
+from .hooks import Record
+
+
+class LayerRun(Protocol):
+    def attend(self, attn, xn: mx.array, cache) -> mx.array:
+        """The attention output for the normed input `xn`, continuing `cache`."""
+
+    def feed_forward(self, mlp, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
+        """residual + the MLP (or MoE block) of the normed input `xn`; `record` only for a MoE block."""
+
+
+class Modules:
+    """Each part by the model's own module."""
+
+    def attend(self, attn, xn: mx.array, cache) -> mx.array:
+        return attn(xn, cache)
+
+    def feed_forward(self, mlp, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
+        return residual + (mlp(xn) if record is None else mlp(xn, record))
+
+
+MODULES = Modules()
