@@ -35,8 +35,8 @@ from .steps import AttentionKernel, LayerWeights, MoeKernel, attention_step_note
 # chunks, so its activations (attention scores above all) take the memory of one chunk, not of the whole prompt.
 PREFILL_CHUNK = 2048
 _live: weakref.WeakSet[Executor] = weakref.WeakSet()
-_process: dict[str, bool] = {}
-_making = threading.Lock()  # what set_fused_moe() without a model set, for every model
+_process: dict[str, bool] = {}  # what set_fused_moe() without a model set, for every model
+_making = threading.Lock()  # one Executor a model, whichever thread asks first
 
 
 def default_settings() -> KernelSettings:

@@ -40,16 +40,16 @@ class LayerWeights:
         """`block`: the layer's MoE block (the model's moe_blocks()), None for a dense MLP layer."""
         attn = layer.self_attn
         self.block = block
+        self.has_shared = block is not None and block.spec.shared is not None  # decided once, read every step
         self.qkv = RowStack(attn.q_proj, attn.k_proj, attn.v_proj)
         self.qkv.share_storage()
-        self.router = RowStack(block.gate, block.shared_expert_gate) if block is not None and block.spec.shared \
-            else None
+        self.router = RowStack(block.gate, block.shared_expert_gate) if self.has_shared else None
         self.experts = Derived(FusedWeights.build) if block is not None else None
 
     def fused(self, block) -> FusedWeights:
         e = block.switch_mlp
         shared = (block.shared_expert.gate_proj, block.shared_expert.up_proj, block.shared_expert.down_proj) \
-            if block.spec.shared else ()
+            if self.has_shared else ()
         return self.experts.get(e.gate_proj, e.up_proj, e.down_proj, *shared)
 
 

@@ -290,11 +290,12 @@ class Stepper:
     def _next(self, feed: list[int]) -> Step:
         """The step feeding `feed` through the session's loop (Session.next), one step built ahead when
         pipelining, not past max_tokens or the model's max_position_embeddings."""
-        remaining = self.max_tokens - self._generated if self.max_tokens is not None else 2
+        ahead = 1 if self.pipeline else 0
+        remaining = self.max_tokens - self._generated if self.max_tokens is not None else ahead + 1  # no bound
         limit = self.model.args.max_position_embeddings
         if limit is not None:
             remaining = min(remaining, 1 + limit - len(self.trace.steps) - len(feed))
-        return self.session.next(feed, self._state(), 1 if self.pipeline else 0, remaining, self._build)
+        return self.session.next(feed, self._state(), ahead, remaining, self._build)
 
     def _finish(self, step: Step, inputs: list[int], phase: str) -> list[StepRecord]:
         """Wait for a step and turn what it computed into records, one per input position."""
