@@ -6,8 +6,9 @@ error (exit 2, no traceback), or, where the input is fine, with what the user as
 The classes: hostile chat templates (time and size budgets, recursion, huge ranges, deeply nested content, tools=
 and enable_thinking as transformers passes them), JSON nested past Python's parser, added_tokens_decoder keys that
 are no plain integers, links that dangle or loop, eos ids past the vocabulary, seeds past 64 bits, exports and
-read_frames on paths and files they cannot use, interventions in another shape, and the tools' numeric flags. The
-processes run a few at a time (the cases are independent), so the file takes well under a minute and a half.
+read_frames on paths and files they cannot use, interventions in another shape, threads and forced experts on
+every decode path, and the tools' numeric flags. The processes run a few at a time (the cases are independent), so
+the file takes well under two minutes.
 """
 
 from __future__ import annotations
@@ -226,7 +227,43 @@ CASES = {
                                       INTERVENTIONS + "clear_interventions(m, 5)"),
     "clear_interventions(m, [True])": Case("InterventionError", "layer True is not a MoE layer",
                                            INTERVENTIONS + "clear_interventions(m, [True])"),
-    # -- 9. the tools -------------------------------------------------------------------------------------------------
+    # -- 9. threads and forced experts on every path ---------------------------------------------------------------
+    "two threads decode one model, a Stepper and generate": Case(
+        None, "SAME True", MODEL + "import threading\nfrom moebench.inspect.record import Stepper\n"
+        "want = moebench.generate(m, [1, 2, 3], 6).token_ids\nout = {}\n"
+        "def go(i):\n    out[i] = (Stepper(m, None, [1, 2, 3], record=i == 0).run(6) if i < 2 else "
+        "moebench.generate(m, [1, 2, 3], 6, compiled=i == 3)).token_ids\n"
+        "ts = [threading.Thread(target=go, args=(i,)) for i in range(4)]\n[t.start() for t in ts]\n"
+        "[t.join() for t in ts]\nprint('SAME', len(out) == 4 and all(v == want for v in out.values()))"),
+    "a Stepper stepped from another thread, then from its own": Case(
+        None, "OWN 4", MODEL + "import threading\nfrom moebench.errors import DecodeError\n"
+        "s = Stepper(m, None, [1, 2, 3])\ns.prefill()\ns.step()\nseen = []\n"
+        "def other():\n    try:\n        s.step()\n    except DecodeError as e:\n        seen.append(str(e))\n"
+        "t = threading.Thread(target=other)\nt.start()\nt.join()\nassert 'from the thread that started it' in seen[0]\n"
+        "s.step()\ns.step()\nprint('OWN', len(s.trace.generated))"),
+    **{f"forced experts, {path}": Case(
+        None, "FORCED ok", INTERVENTIONS + f"set_interventions(m, {{0: Intervention(force_experts=(0, 3))}})\n"
+        f"with moebench.fused_moe({fused}, model=m):\n    {call}\n"
+        "print('FORCED', 'ok' if len(ids) == 4 else ids)")
+       for path, fused, call in (
+           ("generate eager, fused", True, "ids = moebench.generate(m, [1, 2], 4).token_ids"),
+           ("generate compiled, fused", True, "ids = moebench.generate(m, [1, 2], 4, compiled=True).token_ids"),
+           ("Stepper without recording, fused", True, "ids = Stepper(m, None, [1, 2]).run(4).token_ids"),
+           ("Stepper recording, fallback", False,
+            "tr = Stepper(m, None, [1, 2], record=True).run(4)\n    ids = tr.token_ids\n"
+            "    assert all(sorted(s.layers[0].topk_ids.tolist()) == [0, 3] for s in tr.generated)"))},
+    "forced experts past the layer's experts": Case(
+        "InterventionError", "valid ids are 0..",
+        INTERVENTIONS + "set_interventions(m, {0: Intervention(force_experts=(0, 10**6))})"),
+    "forced experts with top_k": Case(
+        "InterventionError", "set force_experts or top_k, not both",
+        INTERVENTIONS + "set_interventions(m, {0: Intervention(force_experts=(0, 1), top_k=2)})"),
+    "forced experts naming one twice": Case(
+        "InterventionError", "names an expert twice",
+        INTERVENTIONS + "set_interventions(m, {0: Intervention(force_experts=(2, 2))})"),
+    "forced expert ids as floats": Case("InterventionError", "expert id 1.0 is not an integer",
+                                        "Intervention(force_experts=(1.0, 2))", checkpoint=False),
+    # -- 10. the tools ------------------------------------------------------------------------------------------------
     **{f"microbench {flag} {value}": Case("usage", f"argument {flag}:", argv=("microbench", flag, value),
                                           checkpoint=False)
        for flag, value in (("--hidden", "0"), ("--layers", "0"), ("--group-size", "-64"), ("--tokens", "0"))},

@@ -255,7 +255,7 @@ def _agree(one: dict, two: dict) -> None:
 
 @pytest.mark.parametrize("name", ["shipped", "qwen3"])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("fused", ["on", "off"])
+@pytest.mark.parametrize("fused", ["on", "off", "forced on", "forced off", "ablated on", "ablated off"])
 def test_two_processes_decode_as_one(decodes, name, mode, fused):
     one, (rank0, rank1) = decodes[name, mode][0][fused], [r[fused] for r in decodes[name, mode][1]]
     spans = {"notes": None, "attention_notes": None}  # each rank names its own experts and heads
@@ -278,7 +278,22 @@ def test_two_processes_decode_as_one(decodes, name, mode, fused):
                 worst = max(worst, float(np.abs(a - b).max() / (np.abs(a).max() + 1e-12)))
     # the fallback joins expert outputs, each slot non-zero on one rank: exact; the fused pair, and attention split
     # by heads, join partial sums
-    assert worst == 0.0 if (fused, mode) == ("off", "experts") else worst < 1e-4, worst
+    assert worst == 0.0 if (fused.split()[-1], mode) == ("off", "experts") else worst < 1e-4, worst
+
+
+@pytest.mark.parametrize("fused", ["on", "off"])
+def test_forced_and_ablated_experts_hold_on_every_rank(decodes, fused):
+    """The interventions sharded_run.py sets (experts forced from both ends of the range, expert 0 ablated) are what
+    every rank's records show at every step, fused or not."""
+    for (name, mode), (one, ranks) in decodes.items():
+        total = SHIPPED_EXPERTS if name == "shipped" else 16
+        for run in (one, *ranks):
+            forced = [sorted(rec["topk_ids"]) for step in run[f"forced {fused}"]["records"] for rec in step.values()]
+            top_k = len(forced[0])
+            assert all(ids == sorted({0, total - 1, *range(1, top_k - 1)}) for ids in forced), (name, mode)
+            ablated = [rec["topk_ids"] for step in run[f"ablated {fused}"]["records"] for rec in step.values()]
+            assert ablated and not any(0 in ids for ids in ablated), (name, mode)
+            assert run[f"forced {fused}"]["tokens"] != run[fused]["tokens"], (name, mode)
 
 
 def test_each_rank_holds_half_the_experts_and_says_which(decodes):
