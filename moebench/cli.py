@@ -22,28 +22,33 @@ from .tools.train import add_train_command
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="decode a prompt and report tokens, text, timings and dispatch counts")
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True,
+                   help="the text to continue (with --chat: the user's message)")
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user turn through the checkpoint's chat template (chat_template.jinja or "
                         "tokenizer_config.json; moebench's built-in ChatML where the folder has none)")
     p.add_argument("--system", default=None, help="a system message first (implies --chat)")
     p.add_argument("--thinking", choices=("on", "off"), default=None,
                    help="the template's enable_thinking switch (Qwen3; implies --chat; default: the template's)")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=32,
+                   help="tokens to generate at most (fewer when an eos token ends the decode; default %(default)s)")
     p.add_argument("--sampling", choices=("flags", "model"), default="flags",
                    help="model: start from the checkpoint's generation_config.json (do_sample, temperature, top_p, "
                         "top_k, repetition_penalty); flags given still win. flags (default): greedy unless set")
     p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default)")
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample from the smallest set of tokens whose probabilities reach this (0 < p <= 1)")
     p.add_argument("--top-k", type=int, default=None, help="keep the k likeliest tokens (0: all)")
     p.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages tokens already seen")
     p.add_argument("--repetition-context", type=int, default=None,
                    help="how many recent tokens the penalty looks at (default: all, as transformers; mlx-lm uses 20)")
-    p.add_argument("--seed", type=SEED, default=None)
+    p.add_argument("--seed", type=SEED, default=None, help="seed of the sampler (a whole number 0..2**64-1)")
     p.add_argument("--fused", choices=("on", "off"), default=None, help="override MOEBENCH_FUSED_MOE")
     p.add_argument("--compiled", choices=("on", "off"), default=None,
                    help="decode through the compiled step (default: on for the fused kernels on CUDA, else off)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--verbose", action="store_true",
+                   help="under the one-line model summary, its full path and each module kind's quantization")
     add_shard_argument(p)
     p.set_defaults(run=_run_generate)
 
@@ -54,7 +59,7 @@ def _run_generate(a: argparse.Namespace) -> int:
 
     from .checkpoint.chat import prompt_ids
     from .checkpoint.config import GENERATION_CONFIG, GenerationConfig
-    from .checkpoint.loader import load
+    from .checkpoint.loader import load, load_details
     from .checkpoint.tokenizer import stop_ids
     from .decode.loop import generate, use_compiled
     from .decode.sampling import Sampling
@@ -66,6 +71,8 @@ def _run_generate(a: argparse.Namespace) -> int:
     group = init_group(a.shard) if a.shard else None
     quiet = group is not None and group.rank() != 0  # every rank decodes; rank 0 speaks for them
     model, tok = load(a.model, verbose=not (a.json or quiet), shard=group, tensor_parallel=a.shard == TENSOR_MODE)
+    if a.verbose and not (a.json or quiet):
+        print(load_details(model))
     if tok is None:
         raise MoebenchError(f"{model.load_info.source}: no tokenizer.json, so a text prompt cannot be encoded")
     chat = a.chat or a.system is not None or a.thinking is not None
@@ -91,7 +98,8 @@ def _run_generate(a: argparse.Namespace) -> int:
         return 0
     if a.json:
         print(json.dumps({
-            "model": str(model.load_info.source), "prompt": a.prompt, "system": a.system, "chat_template": template,
+            "model": str(model.load_info.source), "quantization": model.load_info.bits, "prompt": a.prompt,
+            "system": a.system, "chat_template": template,
             "prompt_ids": result.prompt_ids, "token_ids": result.token_ids, "text": text, "stop_ids": list(stops),
             "sampling": asdict(sampling),
             "timings": {"prompt_seconds": result.prompt_seconds, "decode_seconds": result.decode_seconds,
@@ -121,12 +129,24 @@ COMMANDS = [_add_generate, _add_microbench, add_train_command, add_eval_command,
             _add_selfcheck, _add_profile]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moebench", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = """Look inside Mixture-of-Experts decoding on MLX and measure it: decode a prompt with the fused
+decode-MoE kernels or the fallback and see which ran and why (generate), compare their speed with mlx-lm's
+(bench), check the kernels on this machine (selfcheck), and more below. Given no checkpoint folder, a command
+uses MOEBENCH_MODEL or the small trained Qwen2-MoE that ships with moebench."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: every command of COMMANDS under one parser."""
+    parser = argparse.ArgumentParser(prog="moebench", description=DESCRIPTION)
+    sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND",
+                                help="one of these; moebench COMMAND --help describes its options")
     for add in COMMANDS:
         add(sub)
-    a = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         return a.run(a)
     except (MoebenchError, OSError) as e:  # OSError: a file given on the command line (its name is in the message)

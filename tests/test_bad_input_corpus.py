@@ -233,7 +233,7 @@ def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.Complet
     (["generate", "--prompt", "hi", "--max-tokens", "-5"], "max_tokens must be at least 1"),
     (["generate", "--prompt", "hi", "--temperature", "1e-45"], "below 1e-06"),
     (["generate", "--prompt", "hi", "--top-p", "0"], "top_p"),
-    (["generate", "/nonexistent/folder", "--prompt", "hi"], "not a checkpoint folder"),
+    (["generate", "/nonexistent/folder", "--prompt", "hi"], "/nonexistent/folder: does not exist"),
 ])
 def test_cli_errors_are_one_line(argv, fragment):
     proc = run_cli(*argv)

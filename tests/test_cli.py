@@ -1,7 +1,9 @@
-"""`moebench generate`: token ids, text, timings and dispatch counts, the --fused switch, and clean errors."""
+"""`moebench generate`: token ids, text, timings and dispatch counts, the --fused switch, and clean errors; the
+command line as a whole: help on every option, the one-line model summary, paths that are missing or no checkpoint."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -11,9 +13,12 @@ from pathlib import Path
 import pytest
 
 import moebench
+from moebench import cli
+from moebench.checkpoint.loader import model_bytes
 from moebench.checkpoint.tokenizer import Tokenizer
-from moebench.cli import main
+from moebench.cli import build_parser, main
 from moebench.decode.loop import generate
+from moebench.units import byte_size
 
 
 @pytest.fixture(autouse=True)
@@ -119,3 +124,76 @@ def test_the_largest_seed_decodes(float_checkpoint, capsys):
     out = run_json(capsys, str(float_checkpoint), "--prompt", "hi", "--temperature", "1", "--seed", str(2**64 - 1),
                    "--max-tokens", "2")
     assert out["sampling"]["seed"] == 2**64 - 1 and len(out["token_ids"]) == 2
+
+
+def every_parser() -> list[tuple[str, argparse.ArgumentParser]]:
+    """The top-level parser and each command's, walked from the parser main() runs."""
+    top = build_parser()
+    found, stack = [], [("moebench", top)]
+    while stack:
+        name, parser = stack.pop()
+        found.append((name, parser))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack += [(f"{name} {command}", sub) for command, sub in action.choices.items()]
+    return found
+
+
+def test_every_option_of_every_command_has_help():
+    parsers = every_parser()
+    commands = {name for name, _ in parsers}
+    assert {"moebench generate", "moebench bench", "moebench microbench", "moebench selfcheck", "moebench profile",
+            "moebench make-random", "moebench train-tiny", "moebench eval-tiny"} <= commands
+    missing = [f"{name} {'/'.join(action.option_strings) or action.dest}" for name, parser in parsers
+               for action in parser._actions if not (action.help or "").strip()]
+    assert missing == []
+    top = build_parser()
+    (listing,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    assert all(choice.help for choice in listing._choices_actions)  # each command's line in `moebench --help`
+
+
+def test_the_top_level_help_speaks_to_users(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert cli.__doc__.strip() not in text  # the module docstring is for developers
+    for command in ("generate", "bench", "selfcheck", "MOEBENCH_MODEL", "Mixture-of-Experts"):
+        assert command in text
+
+
+def test_a_missing_path_is_named_as_missing(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    assert main(["generate", str(missing), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip() == f"moebench: error: {missing}: does not exist"
+
+
+def test_what_is_there_but_no_checkpoint_keeps_its_own_message(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["generate", str(empty), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"{empty / 'config.json'}" in err and "does not exist" not in err
+    a_file = tmp_path / "weights.bin"
+    a_file.write_bytes(b"x")
+    assert main(["bench", str(a_file), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == f"moebench: error: {a_file}: not a checkpoint folder"
+
+
+def test_the_loaded_line_is_one_short_line_and_verbose_adds_the_details(quantized_checkpoint, capsys):
+    model, _ = moebench.load(quantized_checkpoint)
+    argv = ["generate", str(quantized_checkpoint), "--prompt", "Hi", "--max-tokens", "2"]
+    assert main(argv) == 0
+    (loaded,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("loaded ")]
+    a = model.args
+    assert loaded.startswith(f"loaded {quantized_checkpoint.name}: {a.model_type}, {a.num_hidden_layers} layers, "
+                             f"{a.num_experts} experts top-{a.num_experts_per_tok}, ")
+    assert model.load_info.bits["mlp.switch_mlp.gate_proj"] in loaded
+    assert loaded.endswith(f", {byte_size(model_bytes(model))}")  # its weights, in a unit that suits them
+    assert len(loaded) <= 120 and str(quantized_checkpoint.parent) not in loaded
+    assert main([*argv, "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert str(quantized_checkpoint) in out  # the full path and every module kind's quantization
+    assert all(kind in out for kind in model.load_info.bits)
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quantization"] == model.load_info.bits

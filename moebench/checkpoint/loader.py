@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import os
 import re
-from collections import defaultdict
+import textwrap
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..errors import CheckpointError, ConfigError
 from ..models import family
 from ..models.args import ModelArgs
 from ..models.layers import QuantizedWeight
 from ..models.sharding import shard_experts, shard_heads, shard_mlps
+from ..units import byte_size
 from .config import GENERATION_CONFIG, GenerationConfig, read_model_args
 from .files import TensorStore, is_present
 from .tokenizer import Tokenizer
@@ -95,6 +98,43 @@ def bits_report(model: nn.Module) -> dict[str, str]:
     return {k: ", ".join(sorted(v)) for k, v in sorted(found.items())}
 
 
+def model_bytes(model: nn.Module) -> int:
+    """The bytes of a model's weights (moebench's or mlx-lm's: both hold them as MLX arrays)."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def quantization_text(bits: dict[str, str]) -> str:
+    """A bits_report in a few words: the quantization most module kinds have, and how many have each other one
+    ('4-bit g64 (2 module kinds 8-bit g64)'). Which kinds is load_details' to say."""
+    (main, _), *others = Counter(bits.values()).most_common()
+    rest = ", ".join(f"{n} module kind{'s' if n > 1 else ''} {value}" for value, n in others)
+    return f"{main} ({rest})" if rest else main
+
+
+def load_summary(model: nn.Module) -> str:
+    """One short line a person reads when a command opens a checkpoint: folder name, family, layers,
+    experts and top-k, quantization and the weights' size."""
+    a, info = model.args, model.load_info
+    return (f"loaded {info.source.name}: {a.model_type}, {a.num_hidden_layers} layers, {a.num_experts} experts "
+            f"top-{a.num_experts_per_tok}, {quantization_text(info.bits)}, {byte_size(model_bytes(model))}")
+
+
+def quantization_details(bits: dict[str, str]) -> list[str]:
+    """A bits_report grouped by quantization, one line each: '8-bit g64: mlp.gate, mlp.shared_expert_gate'."""
+    kinds: dict[str, list[str]] = defaultdict(list)
+    for kind, value in bits.items():
+        kinds[value].append(kind)
+    return [f"{value}: {', '.join(names)}" for value, names in kinds.items()]
+
+
+def load_details(model: nn.Module) -> str:
+    """What load_summary leaves out: the full path and the quantization of every module kind."""
+    info = model.load_info
+    lines = [str(info.source), *quantization_details(info.bits)]
+    return "\n".join(textwrap.fill(line, 100, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
+                     for line in lines)
+
+
 def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress: bool | None = None,
          verbose: bool = False, check_finite: bool = True, shard: mx.distributed.Group | None = None,
          tensor_parallel: bool = False):
@@ -114,6 +154,8 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
         raise ConfigError(f"load: dtype must be one of {', '.join(map(_name, ACTIVATION_DTYPES))} or None, got "
                           f"{dtype!r}")
     folder = Path(path) if path is not None else default_model_path()
+    if not folder.exists():
+        raise ConfigError(f"{folder}: does not exist")
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a checkpoint folder")
     args = read_model_args(folder / "config.json")
@@ -135,7 +177,7 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
     store.check_all_used()
     model.load_info = LoadInfo(folder, bits_report(model))
     if verbose:
-        print(f"loaded {folder}: " + "; ".join(f"{k}: {v}" for k, v in model.load_info.bits.items()))
+        print(load_summary(model))
     tok_path = folder / "tokenizer.json"  # plus the other tokenizer files; ids checked against the vocabulary
     tokenizer = Tokenizer.from_folder(folder, args.vocab_size, verbose) if is_present(tok_path) else None
     return model, tokenizer

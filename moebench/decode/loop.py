@@ -58,6 +58,12 @@ class GenerationResult:
         n = len(self.token_ids) - 1
         return n / self.decode_seconds if n > 0 and self.decode_seconds else 0.0
 
+    def __repr__(self) -> str:
+        """A summary line: a long prompt's ids would bury the numbers (the ids stay in the fields)."""
+        return (f"{type(self).__name__}: {len(self.prompt_ids)} prompt tokens, {len(self.token_ids)} generated; "
+                f"prefill {self.prompt_seconds * 1e3:.1f} ms ({self.prompt_tps:.1f} tok/s), decode "
+                f"{self.decode_seconds * 1e3:.1f} ms ({self.decode_tps:.1f} tok/s); data: .token_ids, .prompt_ids")
+
 
 def is_moebench_model(model) -> bool:
     return hasattr(model, "moe_blocks")

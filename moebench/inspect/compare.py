@@ -29,7 +29,7 @@ from ..execution.executor import executor
 from ..execution.kernel import available_backend
 from ..models.sharding import describe, shard_of
 from .interventions import active_interventions, set_interventions
-from .record import Stepper, StepRecord, Trace
+from .record import Stepper, StepRecord, Trace, span_text, token_label
 from .truth import expert_outputs, f64, nrms
 
 PAIRS = (("fused", "truth"), ("fallback", "truth"), ("fused", "fallback"))
@@ -162,6 +162,33 @@ class DecodeComparison:
             "agree": [a == b for a, b in zip(self.on.token_ids, self.off.token_ids, strict=True)],
             "kl": self.kl, "mean_jaccard": mean_j.reindex(range(len(self.kl))).to_numpy(),
         })
+
+    def __repr__(self) -> str:
+        """A summary: agreement, the first divergence, the largest differences; the data stays in the fields."""
+        on, off = self.on.generated, self.off.generated
+        agree = sum(a.token_id == b.token_id for a, b in zip(on, off, strict=True))
+        if self.first_divergence is None:
+            divergence = "no divergence: the arms choose the same token at every step"
+        else:
+            i, m = self.first_divergence, self.margins
+            divergence = (f"first divergence at generated token {i}: on {token_label(on[i].token_id, on[i].token_text)}"
+                          f" vs off {token_label(off[i].token_id, off[i].token_text)}; top-1 margin there "
+                          f"{m['on']['logit']:.3g} (on), {m['off']['logit']:.3g} (off) logits")
+        logits = max(float(np.abs(a.logits.astype(np.float64) - b.logits).max()) for a, b in zip(on, off, strict=True))
+        worst = int(np.argmax(self.kl))
+        low = self.jaccard.loc[self.jaccard["jaccard"].idxmin()]
+        where = f" (token {int(low['step'])}, layer {int(low['layer'])})" if low["jaccard"] < 1 else ""
+        return "\n".join([
+            f"DecodeComparison: fused switch on vs off, greedy, {self.dtype.removeprefix('mlx.core.')}, "
+            f"{len(self.on.prompt_ids)} prompt + {len(on)} generated tokens",
+            f"  greedy agreement {agree}/{len(on)} tokens (the off arm fed the on arm's tokens)",
+            f"  {divergence}",
+            f"  next-token logits: max |on - off| {logits:.3g}; KL(on || off) max {self.kl[worst]:.3g} nats "
+            f"(token {worst}), mean {float(self.kl.mean()):.3g}",
+            f"  routing agreement (top-k Jaccard, MoE layers {span_text(self.jaccard['layer'])}): mean "
+            f"{self.jaccard['jaccard'].mean():.3f}, min {low['jaccard']:.3f}{where}",
+            "  data: .frame() (one row per token), .kl, .jaccard, .margins, .on / .off (Traces)",
+        ])
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

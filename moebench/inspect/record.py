@@ -24,8 +24,9 @@ step twice in moebench.dispatch; tokens and records are right either way.)
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, fields, replace
 from numbers import Integral
 from typing import NamedTuple
 
@@ -68,6 +69,67 @@ def _numpy(value: mx.array | None) -> np.ndarray | None:
     return np.array(value)
 
 
+# -- summaries: every record's repr is a few lines whatever the decode's length, the data one attribute away --
+MAX_LISTED = 8  # experts, layer spans or path kinds a summary lists before it says how many more
+
+
+def clip(text: str, width: int) -> str:
+    """`text` cut after `width` characters, the cut marked."""
+    return text if len(text) <= width else text[:width] + "..."
+
+
+def short_text(text: str, width: int = 24) -> str:
+    """A token or a text as Python writes it (whitespace visible), cut after `width` characters."""
+    return repr(text[:width]) + ("..." if len(text) > width else "")
+
+
+def token_label(token_id: int, text: str | None) -> str:
+    """A token as its text and id ("' a' (263)"), the id alone without a tokenizer."""
+    return str(token_id) if text is None else f"{short_text(text)} ({token_id})"
+
+
+def span_text(indices: Iterable[int]) -> str:
+    """Sorted integers as runs ("0-3, 5, 7-9"), the first MAX_LISTED runs and how many more."""
+    runs: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:MAX_LISTED])
+    return text + (f", ... ({len(runs) - MAX_LISTED} more runs)" if len(runs) > MAX_LISTED else "")
+
+
+def decision_text(decision: Decision | None) -> str:
+    """A path as a reader wants it: the backend, or fallback and why (its note left to the caller)."""
+    if decision is None:
+        return "none"
+    return decision.path + (f" ({clip(decision.reason, 60)})" if decision.reason else "")
+
+
+def intervention_text(pairs: Iterable[tuple[int, Intervention]]) -> str:
+    """(layer, intervention) pairs grouped by intervention, each with its layers and the fields it changes."""
+    groups: dict[Intervention, set[int]] = {}
+    for layer, intervention in pairs:
+        groups.setdefault(intervention, set()).add(layer)
+    if not groups:
+        return "none"
+    parts = []
+    for intervention, layers in list(groups.items())[:MAX_LISTED]:
+        changed = ", ".join(f"{f.name}={getattr(intervention, f.name)!r}" for f in fields(intervention)
+                            if getattr(intervention, f.name) != f.default) or "no change"
+        parts.append(f"layers {span_text(layers)}: {clip(changed, 80)}")
+    more = f"; ... ({len(groups) - MAX_LISTED} more)" if len(groups) > MAX_LISTED else ""
+    return "; ".join(parts) + more
+
+
+def path_counts(decisions: Iterable[Decision]) -> str:
+    """How often each path ran, most frequent first ("reference x64, fallback (2 tokens ...) x8")."""
+    counts = Counter(decision_text(d) for d in decisions)
+    text = ", ".join(f"{path} x{n}" for path, n in counts.most_common(MAX_LISTED // 2))
+    return text + (f", {len(counts) - MAX_LISTED // 2} other kinds" if len(counts) > MAX_LISTED // 2 else "")
+
+
 @dataclass
 class LayerRecord:
     """One MoE layer at one token position. Fields are named after the hook names (moebench.models.hooks).
@@ -104,6 +166,26 @@ class LayerRecord:
         """L2 norm of the residual stream leaving the MoE block (and the layer)."""
         return float(np.linalg.norm(self.resid_post))
 
+    def __repr__(self) -> str:
+        """A summary: the routing and the norms, not the vectors (the fields hold those)."""
+        experts = ", ".join(f"{e} {p:.3f}" for e, p in zip(self.topk_ids[:MAX_LISTED].tolist(),
+                                                          self.topk_scores[:MAX_LISTED].tolist(), strict=True))
+        more = f", ... {len(self.topk_ids) - MAX_LISTED} more" if len(self.topk_ids) > MAX_LISTED else ""
+        gate = "none" if self.shared_gate is None else f"{self.shared_gate:.3f}"
+        notes = [f"  {what} note: {clip(d.note, 100)}"
+                 for what, d in (("MoE", self.path), ("attention", self.attn_path)) if d is not None and d.note]
+        return "\n".join([
+            f"LayerRecord: MoE layer {self.layer}, path {decision_text(self.path)}"
+            f" (attention {decision_text(self.attn_path)})",
+            *notes,
+            f"  top-{len(self.topk_ids)} of {len(self.router_probs)} experts (id score): {experts}{more};"
+            f" shared gate {gate}",
+            f"  residual norm {self.resid_mid_norm:.4g} into the MoE block, {self.resid_post_norm:.4g} out;"
+            f" block output norm {float(np.linalg.norm(self.block_out)):.4g}",
+            f"  data: .router_probs {list(self.router_probs.shape)}, .expert_out {list(self.expert_out.shape)},"
+            f" .resid_post {list(self.resid_post.shape)}, ... (named as the hooks)",
+        ])
+
 
 class Candidate(NamedTuple):
     token_id: int
@@ -134,6 +216,27 @@ class StepRecord:
     interventions: dict[int, Intervention]
     layers: dict[int, LayerRecord] = field(default_factory=dict)
     logits: np.ndarray | None = None
+
+    def __repr__(self) -> str:
+        """A summary: the token fed and chosen, the candidates, what ran; the layers stay in .layers."""
+        chose = ("the next prompt token follows" if self.token_id is None
+                 else f"chose {token_label(self.token_id, self.token_text)}")
+        seconds = f"{self.seconds * 1e3:.1f} ms" + (" (the whole prompt)" if self.phase == "prefill" else "")
+        candidates = ", ".join(f"{c.token_id if c.text is None else short_text(c.text, 12)} {c.prob:.3f}"
+                               for c in self.candidates[:MAX_LISTED])
+        layers = (f"{len(self.layers)} MoE layers recorded ({span_text(self.layers)}), paths "
+                  f"{path_counts(r.path for r in self.layers.values())}" if self.layers
+                  else "not recorded (record=False)")
+        logits = "" if self.logits is None else f", .logits {list(self.logits.shape)}"
+        return "\n".join([
+            f"StepRecord {self.index}: {self.phase} at position {self.position}, fed "
+            f"{token_label(self.input_id, self.input_text)}, {chose}",
+            f"  candidates: {candidates or 'none kept (top=0)'}",
+            f"  fused switch {'on' if self.fused_switch else 'off'}, {seconds}; interventions: "
+            f"{intervention_text(self.interventions.items())}",
+            f"  internals: {layers}",
+            f"  data: .layers[layer] (LayerRecord), .candidates{logits}",
+        ])
 
 
 @dataclass
@@ -171,6 +274,37 @@ class Trace:
     @property
     def decode_tps(self) -> float:
         return self.result().decode_tps
+
+    def __repr__(self) -> str:
+        """A summary: tokens, text, speed, paths and interventions; the records stay in .steps."""
+        generated = self.generated
+        head = f"Trace: {len(self.prompt_ids)} prompt tokens, {len(generated)} generated"
+        if not self.steps:
+            return f"{head} (nothing decoded yet)\n  data: .prompt_ids"
+        recorded = [s for s in self.steps if s.layers]
+        on = sum(s.fused_switch for s in generated)
+        result = self.result()
+        if recorded:
+            layers = sorted({layer for s in recorded for layer in s.layers})
+            internals = (f"  internals: {len(recorded)} of {len(self.steps)} positions recorded, MoE layers "
+                         f"{span_text(layers)}; paths (layer x position) "
+                         f"{path_counts(r.path for s in recorded for r in s.layers.values())}")
+        else:
+            internals = "  internals: not recorded (record=False)"
+        touched = sum(bool(s.interventions) for s in self.steps)
+        return "\n".join([
+            head,
+            f"  text: {short_text(self.text, 72)}" if any(s.token_text is not None for s in generated)
+            else f"  token ids (no tokenizer): {clip(str(self.token_ids), 72)}",
+            f"  prefill {self.prompt_seconds * 1e3:.1f} ms ({result.prompt_tps:.1f} tok/s), decode "
+            f"{self.decode_seconds * 1e3:.1f} ms ({self.decode_tps:.1f} tok/s); fused switch on for {on} of "
+            f"{len(generated)} generated tokens",
+            internals,
+            f"  interventions: {intervention_text(p for s in self.steps for p in s.interventions.items())}"
+            + (f" (on {touched} of {len(self.steps)} positions)" if touched else ""),
+            f"  data: .steps ({len(self.steps)} StepRecords; .prefill, .generated), .text, .token_ids, "
+            "moebench.inspect.export.to_frames(trace)",
+        ])
 
 
 class _Mark(NamedTuple):

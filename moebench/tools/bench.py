@@ -6,8 +6,9 @@ arm order rotates each repeat) so machine noise hits every arm alike; several pr
 the other on the same loaded models, each such a bench of every arm. Per arm: prompt tok/s, time to first
 token, decode tok/s (tokens after the first over the time after the first), memory (its model's weights, its
 working memory beyond what was resident when it began, and the two together: every arm's own, although the
-process holds every arm's model), the MoE dispatch counts, and whether its greedy tokens equal the reference
-arm's (first divergence and the reference's logit margin there otherwise). selfcheck reuses this timing code.
+process holds every arm's model), the MoE dispatch counts, and whether its greedy tokens equal the baseline
+arm's (first divergence and the baseline's logit margin there otherwise). The printed report is bench_table's;
+selfcheck reuses this timing code.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm.auto import tqdm
 
-from ..checkpoint.loader import default_model_path, load
+from ..checkpoint.loader import default_model_path, load, model_bytes
 from ..decode.loop import COMPILED_BY_DEFAULT, STEPS_AHEAD, GenerationResult, generate_tokens
 from ..decode.sampling import check_seed
 from ..errors import MoebenchError
 from ..execution.executor import executor, fused_moe
 from ..execution.kernel import available_backend
 from ..models.sharding import MODES, TENSOR_MODE, init_group, report
+from .bench_table import format_table, overlapping_arms
 from .flags import SEED, at_least
 
 SCHEMA = "moebench.tools.bench/2"  # /2: a block per prompt length (lengths[]); weights and own peak per arm
@@ -100,11 +102,6 @@ def float_dtype(model) -> str:
         if mx.issubdtype(value.dtype, mx.floating):
             return str(value.dtype).replace("mlx.core.", "")
     return "none"
-
-
-def model_bytes(model) -> int:
-    """The bytes of a model's weights (either engine's: both hold them as MLX arrays)."""
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 def settled_memory() -> int:
@@ -389,9 +386,10 @@ def snapshot_ratios(results: list[ArmResult]) -> list[dict]:
 def length_record(prompt_ids: list[int], results: list[ArmResult], skipped: list[dict]) -> dict:
     """One prompt length's bench: every arm that ran (none when each failed) and those skipped, with why."""
     reference = reference_arm(results) if results else None
+    arms = [arm_record(r, reference) for r in results]
     return {"prompt_tokens": len(prompt_ids), "prompt_ids": prompt_ids,
-            "reference_arm": reference.arm.name if reference else None,
-            "arms": [arm_record(r, reference) for r in results], "skipped": skipped,
+            "reference_arm": reference.arm.name if reference else None,  # the baseline of ratios and greedy
+            "arms": arms, "unranked": overlapping_arms(arms), "skipped": skipped,
             "snapshot_ratios": snapshot_ratios(results)}
 
 
@@ -406,7 +404,7 @@ def bench_record(lengths: list[dict], model, gen_tokens: int, repeats: int, argu
         "model": {"path": str(model.load_info.source), "model_type": a.model_type, "layers": a.num_hidden_layers,
                   "hidden_size": a.hidden_size, "experts": a.num_experts, "top_k": a.num_experts_per_tok,
                   "expert_width": a.moe_intermediate_size, "vocab_size": a.vocab_size,
-                  "quantization": model.load_info.bits},
+                  "quantization": model.load_info.bits, "weights_bytes": model_bytes(model)},
         "prompt_tokens": [length["prompt_tokens"] for length in lengths], "gen_tokens": gen_tokens,
         "repeats": repeats,
         "moebench_loop": {"steps_ahead": STEPS_AHEAD},  # the 'moebench' loops queue this many steps ahead
@@ -414,86 +412,27 @@ def bench_record(lengths: list[dict], model, gen_tokens: int, repeats: int, argu
     }
 
 
-MEMORY_COLUMNS = ("weights_gb", "working_memory_gb", "own_peak_memory_gb")
-
-
-def _greedy_text(g: dict) -> str:
-    if g["identical"]:
-        return "identical"
-    if g["margin"] is None:
-        return f"length differs at {g['first_divergence']}"
-    return f"diverges at {g['first_divergence']} (margin {g['margin']:.3g})"
-
-
-def _dispatch_text(d: dict | None) -> str:
-    if d is None:
-        return "-"
-    fused = ", ".join(f"{n} {b}" for b, n in sorted(d["fused"].items())) or "0 fused"
-    notes = "".join(f"; {n} layers: {note}" for note, n in sorted(d.get("notes", {}).items()))
-    attention = d.get("attention")
-    if attention:
-        notes += "; attention " + (", ".join(f"{n} {b}" for b, n in sorted(attention["fused"].items())) or "0 fused")
-        notes += f", {attention['fallback']} fallback"
-    return f"{fused}; {d['fallback']} fallback{notes}"
-
-
-def format_table(record: dict) -> str:
-    """The model and platform, then a llama-bench-like markdown table per prompt length: mean +- sd over the
-    repeats; memory per arm with its own model's weights only (weights GB + work GB = own peak GB)."""
-    m, p = record["model"], record["platform"]
-    head = (f"model {m['path']} ({m['model_type']}, {m['layers']} layers, {m['experts']} experts top-{m['top_k']}, "
-            f"experts {m['quantization'].get('mlp.switch_mlp.gate_proj', '?')}); prompt "
-            f"{', '.join(map(str, record['prompt_tokens']))} tokens, {record['gen_tokens']} generated, "
-            f"{record['repeats']} repeats; MLX {p['mlx']} on {p['device']}")
-    for key, label in (("mlx_environment", "MLX settings for every arm"),
-                       ("moebench_environment", "moebench settings")):
-        if p.get(key):
-            head += f"; {label}: " + ", ".join(f"{k}={v}" for k, v in p[key].items())
-    if record.get("shard"):
-        s = record["shard"]
-        head += (f"\nsharded over {s['ranks']} processes (rank 0 reports: {s['experts']}; {s['attention']}; "
-                 f"MLPs: {s['mlps']}); resident experts per rank "
-                 f"{', '.join(f'{b / 1e9:.3g}' for b in s['expert_bytes_per_rank'])} GB, process peak per rank "
-                 f"{', '.join(f'{b / 1e9:.3g}' for b in s['peak_bytes_per_rank'])} GB")
-    return "\n\n".join([head, *(_length_table(record, length) for length in record["lengths"])])
-
-
-def _length_table(record: dict, length: dict) -> str:
-    arms = length["arms"]
-    title = f"prompt {length['prompt_tokens']} tokens, {record['gen_tokens']} generated, {record['repeats']} repeats"
-    tail = [f"{s['arm']} / {s['snapshot']}, round by round: {s['ratio']['median']:.3f}x "
-            f"({s['ratio']['min']:.3f}-{s['ratio']['max']:.3f})" for s in length["snapshot_ratios"]]
-    tail += [f"skipped {s['arm']}: {s['reason']}" for s in length["skipped"]]
-    if not arms:
-        return "\n".join([title + ": every arm failed", *tail])
-    ref = next(a for a in arms if a["name"] == length["reference_arm"])
-    rows = [["arm", "experts", "dtype", "prompt tok/s", "TTFT ms", "decode tok/s", "vs ref (median)", "weights GB",
-             "work GB", "own peak GB", "dispatch", f"greedy vs {ref['name']}"]]
-    for a in arms:
-        def pm(s: dict, digits: int) -> str:
-            return f"{s['mean']:.{digits}f} ± {s['sd']:.{digits}f}"
-        ratio = a["decode_ratio_vs_reference"]["median"]
-        greedy = "reference" if a is ref else _greedy_text(a["greedy_vs_reference"])
-        if not a["deterministic"]:
-            greedy += "; NOT deterministic"
-        rows.append([a["name"], a["experts"], a["dtype"], pm(a["prompt_tps"], 1), pm(a["ttft_ms"], 1),
-                     pm(a["decode_tps"], 2), f"{ratio:.2f}x", *(f"{a[k]:.4g}" for k in MEMORY_COLUMNS),
-                     _dispatch_text(a["dispatch"]), greedy])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join([title, *lines, *tail])
-
-
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="decode speed: moebench fused vs fallback (vs mlx-lm), interleaved repeats")
+    p = sub.add_parser("bench", help="decode speed: moebench fused vs fallback (vs mlx-lm), interleaved repeats",
+                       description="Decode speed of moebench with the fused kernels and with its fallback (and "
+                                   "mlx-lm with --compare) on one checkpoint: every arm decodes the same random "
+                                   "prompt greedily, the timed repeats interleaved. One row per arm: decode tok/s "
+                                   "as median [min-max], the ratio to the baseline arm (moebench fallback when it "
+                                   "runs, else the first), its "
+                                   "own peak memory and whether its greedy tokens match the baseline's; a warning "
+                                   "when the spread is too wide to rank the arms.")
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
     p.add_argument("--prompt-tokens", type=at_least(1), nargs="+", default=[64], metavar="N",
                    help="prompt length; several (64 2048 4096) run one after the other on the models loaded once, "
                         "each a full interleaved bench of every arm")
-    p.add_argument("--gen-tokens", type=at_least(1), default=128)
-    p.add_argument("--repeats", type=at_least(1), default=3)
-    p.add_argument("--fused", choices=("on", "off", "both"), default="both")
+    p.add_argument("--gen-tokens", type=at_least(1), default=128,
+                   help="tokens each arm decodes greedily (at least 2: decode speed counts those after the first)")
+    p.add_argument("--repeats", type=at_least(1), default=3,
+                   help="timed rounds, arms interleaved, after one untimed warm-up each; the table gives median "
+                        "[min-max] over them and warns when the arms' ranges overlap (default 3; 5+ to rank close "
+                        "arms)")
+    p.add_argument("--fused", choices=("on", "off", "both"), default="both",
+                   help="moebench arms with the fused kernels (on), the fallback (off) or both (default)")
     p.add_argument("--compiled", choices=("on", "off", "both", "auto"), default="auto",
                    help="moebench arms through the mx.compile'd decode step (on), eager (off) or both; auto: "
                         "both on CUDA, where generate decodes compiled by default, else off")
@@ -502,8 +441,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also run an earlier revision of moebench on the same checkpoint, interleaved: DIR holds "
                         "its moebench/ and kernels/ (git archive REV moebench kernels | tar -x -C DIR)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of the prompt's token ids")
-    p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="also write the full record as JSON (every repeat's timings, memory, dispatch, tokens)")
+    p.add_argument("--verbose", action="store_true",
+                   help="after the table, every arm's detail: prompt tok/s, time to first token, mean and sd, memory "
+                        "split, dispatch counts, greedy divergence margin; the model's path and quantization per "
+                        "module")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_shard_argument(p)
     p.set_defaults(run=_run)
 
@@ -533,7 +477,7 @@ def _run(a: argparse.Namespace) -> int:
     path = Path(a.model) if a.model else default_model_path()
     group = init_group(a.shard) if a.shard else None
     quiet = group is not None and group.rank() != 0  # every rank runs every arm in step; rank 0 reports
-    model, _ = load(path, verbose=not quiet, shard=group, tensor_parallel=a.shard == TENSOR_MODE)
+    model, _ = load(path, shard=group, tensor_parallel=a.shard == TENSOR_MODE)  # the report opens with the model
     prompts = [prompt_token_ids(model.args.vocab_size, n, a.seed) for n in a.prompt_tokens]
     compiled = a.compiled if a.compiled != "auto" else ("both" if available_backend() in COMPILED_BY_DEFAULT else "off")
     arms, skipped = moebench_arms(model, a.fused, compiled), []
@@ -559,7 +503,7 @@ def _run(a: argparse.Namespace) -> int:
     if quiet:
         return 0
     record = bench_record(lengths, model, a.gen_tokens, a.repeats, arguments, shard)
-    print(format_table(record))
+    print(format_table(record, verbose=a.verbose))
     if a.json:
         try:
             Path(a.json).write_text(json.dumps(record, indent=2) + "\n")

@@ -44,6 +44,10 @@ class StackShape:
 
 
 SHAPE_FIELDS = ("layers", "experts", "top_k", "hidden", "dff", "bits", "group_size")  # each an integer >= 1
+SHAPE_HELP = {"layers": "MoE layers in the stack", "experts": "routed experts per layer",
+              "top_k": "experts each token is routed to", "hidden": "hidden size D",
+              "dff": "expert width, moe_intermediate_size", "bits": "quantization bits of the expert weights",
+              "group_size": "quantization group size of the expert weights"}
 
 
 @dataclass(frozen=True)
@@ -202,8 +206,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("microbench", help="time the fused decode-MoE kernels against gather_qmm on a layer stack")
     defaults = StackShape()
     for field_name in SHAPE_FIELDS:
-        p.add_argument(f"--{field_name.replace('_', '-')}", type=at_least(1), default=getattr(defaults, field_name))
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=defaults.dtype)
+        p.add_argument(f"--{field_name.replace('_', '-')}", type=at_least(1), default=getattr(defaults, field_name),
+                       help=f"{SHAPE_HELP[field_name]} (default %(default)s, as Qwen1.5-MoE-A2.7B)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=defaults.dtype,
+                   help="activation dtype, and of the scales and biases (default %(default)s)")
     p.add_argument("--tokens", type=at_least(1), default=16, help="decode steps per sample")
     p.add_argument("--repeats", type=at_least(1), default=7, help="interleaved samples per arm")
     p.add_argument("--rows", default=None, help="comma-separated rows per threadgroup to sweep (GPU)")

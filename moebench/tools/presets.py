@@ -180,13 +180,17 @@ def write_random(
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-random", help="write a random-weight quantized checkpoint of a named model shape")
     p.add_argument("out_dir", help="new folder to write (config.json, shards, index)")
-    p.add_argument("--preset", default="qwen1.5-moe-a2.7b", choices=sorted(PRESETS))
-    p.add_argument("--bits", type=int, default=4, choices=AFFINE_BITS)
-    p.add_argument("--group-size", type=int, default=64, choices=AFFINE_GROUP_SIZES)
+    p.add_argument("--preset", default="qwen1.5-moe-a2.7b", choices=sorted(PRESETS),
+                   help="the model shape to write (default %(default)s)")
+    p.add_argument("--bits", type=int, default=4, choices=AFFINE_BITS,
+                   help="affine quantization bits of every quantized weight (default %(default)s)")
+    p.add_argument("--group-size", type=int, default=64, choices=AFFINE_GROUP_SIZES,
+                   help="quantization group size (default %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                    help="dtype of scales, biases, norms (float32 for CPU comparisons with mlx-lm)")
-    p.add_argument("--seed", type=SEED, default=0)
-    p.add_argument("--shard-gb", type=finite(0), default=DEFAULT_SHARD_GB)
+    p.add_argument("--seed", type=SEED, default=0, help="seed of the random weights (default %(default)s)")
+    p.add_argument("--shard-gb", type=finite(0), default=DEFAULT_SHARD_GB,
+                   help="largest safetensors shard, in GB (default %(default)s)")
     p.add_argument("--generator", choices=("mlx", "numpy"), default="mlx",
                    help="mlx: fast on a GPU; numpy: the generator test checkpoints use")
     p.add_argument("--layout", choices=LAYOUTS, default=None,

@@ -250,11 +250,13 @@ def format_table(record: dict) -> str:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="per-token decode profile: graph build vs eval time, graph nodes per layer")
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
-    p.add_argument("--prompt-tokens", type=at_least(1), default=64)
+    p.add_argument("--prompt-tokens", type=at_least(1), default=64,
+                   help="length of the random prompt decoded from (default %(default)s)")
     p.add_argument("--steps", type=at_least(1), default=32, help="timed synchronous decode steps")
     p.add_argument("--warmup", type=at_least(0), default=3, help="untimed decode steps before them")
     p.add_argument("--gen-tokens", type=at_least(1), default=64, help="tokens of the pipelined decode")
-    p.add_argument("--fused", choices=("on", "off", "both"), default="both")
+    p.add_argument("--fused", choices=("on", "off", "both"), default="both",
+                   help="profile moebench with the fused kernels (on), the fallback (off) or both (default)")
     p.add_argument("--compare", choices=("mlx-lm",), default=None, help="also profile mlx-lm's model of the folder")
     p.add_argument("--seed", type=SEED, default=0, help="seed of the prompt's token ids")
     p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")

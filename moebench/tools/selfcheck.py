@@ -484,10 +484,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                                          "greedy on vs off, speed; exits 1 on a failed check")
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
     p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
-    p.add_argument("--prompt-tokens", type=at_least(1), default=16)
-    p.add_argument("--gen-tokens", type=at_least(1), default=32)
-    p.add_argument("--repeats", type=at_least(1), default=5)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--prompt-tokens", type=at_least(1), default=16,
+                   help="length of the random prompt the decode checks start from (default %(default)s)")
+    p.add_argument("--gen-tokens", type=at_least(1), default=32,
+                   help="tokens each decode check generates, fused on and off (default %(default)s)")
+    p.add_argument("--repeats", type=at_least(1), default=5,
+                   help="timed decodes per arm for the tok/s table, interleaved (default %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=_run)
 
 

@@ -432,10 +432,12 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     defaults = TrainSettings()
     p = sub.add_parser("train-tiny", help="train the shipped tiny Qwen2-MoE on the CPU and write it to OUT_DIR")
     p.add_argument("out_dir", help="output folder (the shipped one is data/tiny-qwen2-moe)")
-    p.add_argument("--steps", type=at_least(1), default=defaults.steps)
-    p.add_argument("--seed", type=SEED, default=defaults.seed)
+    p.add_argument("--steps", type=at_least(1), default=defaults.steps, help="optimizer steps (default %(default)s)")
+    p.add_argument("--seed", type=SEED, default=defaults.seed,
+                   help="seed of the initial weights and the batches (default %(default)s)")
     p.add_argument("--hidden", type=at_least(1), default=defaults.hidden_size, help="hidden size, a multiple of 128")
-    p.add_argument("--layers", type=at_least(1), default=defaults.num_layers)
+    p.add_argument("--layers", type=at_least(1), default=defaults.num_layers,
+                   help="decoder layers, each with a MoE block (default %(default)s)")
     p.add_argument("--experts", type=at_least(1), default=defaults.num_experts, help="routed experts per layer")
     p.add_argument("--top-k", type=at_least(1), default=defaults.top_k, help="experts per token")
     p.add_argument("--balance-coef", type=finite(), default=defaults.balance_coef,

@@ -91,6 +91,9 @@ def test_decode_comparison_in_bfloat16(model):
     top2 = np.sort(on_logits)[-2:]
     assert result.margins["on"]["logit"] == pytest.approx(top2[1] - top2[0])
     assert set(result.margins["off"]) == {"logit", "prob"}
+    on_id, off_id = result.on.token_ids[first], result.off.token_ids[first]  # no tokenizer: the ids
+    assert (f"first divergence at generated token {first}: on {on_id} vs off {off_id}; top-1 margin there "
+            f"{result.margins['on']['logit']:.3g} (on)") in repr(result)
     frame = result.frame()
     assert list(frame["agree"]) == [a == b for a, b in zip(result.on.token_ids, result.off.token_ids, strict=True)]
     assert frame["kl"].tolist() == result.kl.tolist()

@@ -14,7 +14,21 @@ from moebench.checkpoint.loader import default_model_path, load
 from moebench.cli import main
 from moebench.decode.loop import STEPS_AHEAD
 from moebench.tools import bench
-from moebench.tools.bench import Arm, Run, arm_record, compare_traces, mlx_lm_arms, model_bytes, run_arms, summary
+from moebench.tools.bench import (
+    Arm,
+    ArmResult,
+    Run,
+    arm_record,
+    bench_record,
+    compare_traces,
+    length_record,
+    mlx_lm_arms,
+    model_bytes,
+    run_arms,
+    summary,
+)
+from moebench.tools.bench_table import format_table
+from moebench.units import byte_size
 
 STAT_KEYS = {"mean", "sd", "median", "min", "max", "values"}
 
@@ -81,9 +95,9 @@ def test_bench_cli_on_a_quantized_checkpoint(quantized_checkpoint, tmp_path, cap
                "--fused", "both", "--compare", "mlx-lm", "--json", str(out), "--no-progress"])
     assert rc == 0
     table = capsys.readouterr().out
-    for column in ("prompt tok/s", "TTFT ms", "decode tok/s", "weights GB", "work GB", "own peak GB", "dispatch",
-                   "greedy vs moebench fallback"):
-        assert column in table
+    assert "| arm " in table and "| decode tok/s " in table and "| vs baseline |" in table
+    assert "baseline: moebench fallback;" in table and "vs ref" not in table
+    assert max(map(len, table.splitlines())) <= 100
     record = json.loads(out.read_text())
     assert record["schema"] == "moebench.tools.bench/2" and record["prompt_tokens"] == [3]
     assert record["platform"]["mlx"] == mx.__version__ and record["platform"]["backend"] == "reference"
@@ -94,8 +108,13 @@ def test_bench_cli_on_a_quantized_checkpoint(quantized_checkpoint, tmp_path, cap
     assert names == ["moebench fallback", "moebench fused (reference)", "mlx-lm stream_generate",
                      "mlx-lm model, moebench loop"]
     moe_layers = 2
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("| ")]
+    rows = {row[0]: row for row in cells}
     for arm in length["arms"]:
-        assert arm["name"] in table
+        decode = arm["decode_tps"]
+        _, tps, _, memory, _ = rows[arm["name"]]
+        assert tps == f"{decode['median']:.1f} [{decode['min']:.1f}-{decode['max']:.1f}]"
+        assert memory == byte_size(arm["own_peak_memory_gb"] * 1e9)
         for key in ("prompt_tps", "ttft_ms", "decode_tps"):
             assert set(arm[key]) == STAT_KEYS and len(arm[key]["values"]) == 1 and arm[key]["mean"] > 0
         assert len(arm["tokens"]) == 4 and arm["deterministic"] and arm["dtype"] == "float32"
@@ -216,7 +235,7 @@ def test_several_prompt_lengths_bench_every_arm_on_models_loaded_once(quantized_
             assert len(arm["decode_tps"]["values"]) == 2 and len(arm["tokens"]) == 3
         assert length["arms"][0]["dispatch"]["fallback"] == 2 * 3  # this length's runs, counted afresh
     table = capsys.readouterr().out
-    assert "prompt 3, 9 tokens" in table
+    assert "prompt 3 tokens, 3 generated" in table and "prompt 9 tokens, 3 generated" in table
     assert table.index("prompt 3 tokens, 3 generated") < table.index("prompt 9 tokens, 3 generated")
     assert all(table.count(f"| {name} ") == 2 for name in names)  # one table per length
 
@@ -320,3 +339,56 @@ def test_bench_flags_out_of_range_are_usage_errors(capsys, flag, value):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", flag, value])
     assert exit_.value.code == 2 and f"argument {flag}:" in capsys.readouterr().err
+
+
+def timed_result(name: str, decode_tps: list[float], weight_bytes: int = 8_812_000) -> ArmResult:
+    """An arm whose repeats decoded 3 tokens at the given tok/s (2 tokens after the first), with no stream; its
+    experts by the CPU backend when its name says fused."""
+    trace = Run([1], [4, 5, 6], 0.01, 0.02, logits=[np.eye(8)[t] for t in (4, 5, 6)])
+    runs = [Run([1], [4, 5, 6], 0.01, 2 / tps, peak_bytes=weight_bytes + 3_000_000, start_bytes=weight_bytes)
+            for tps in decode_tps]
+    experts = "reference" if "fused" in name else "gather_qmm"
+    arm = Arm(name, "moebench", "moebench", experts, "float32", stream=None, weight_bytes=weight_bytes)
+    return ArmResult(arm, trace, runs)
+
+
+def report(quantized_checkpoint, speeds: dict[str, list[float]], verbose: bool = False) -> tuple[dict, str]:
+    model, _ = load(quantized_checkpoint)
+    length = length_record([1], [timed_result(name, tps) for name, tps in speeds.items()], [])
+    record = bench_record([length], model, 3, len(next(iter(speeds.values()))), {})
+    return record, format_table(record, verbose)
+
+
+def test_the_table_is_one_row_per_arm_with_median_range_ratio_and_readable_memory(quantized_checkpoint):
+    speeds = {"moebench fallback": [100.0, 102.0, 101.0], "moebench fused (reference)": [120.0, 122.4, 121.2]}
+    record, table = report(quantized_checkpoint, speeds)  # fused 1.2x the fallback in every round
+    assert max(map(len, table.splitlines())) <= 100
+    assert "| moebench fallback          | 101.0 [100.0-102.0] | 1.00x       | 11.8 MB | baseline " in table
+    assert "| moebench fused (reference) | 121.2 [120.0-122.4] | 1.20x       | 11.8 MB | identical " in table
+    assert "0.0088" not in table and "8.8 MB" not in table.split("| arm")[1]  # own peak shown, weights in --verbose
+    assert "fused (reference): the CPU backend" in table  # 'reference' names the backend, and only it
+    assert "warning" not in table and record["lengths"][0]["unranked"] == []
+    _, verbose = report(quantized_checkpoint, speeds, verbose=True)
+    assert "weights 8.8 MB + working 3.0 MB = own peak 11.8 MB" in verbose
+    assert "time to first token 10.0 [10.0-10.0] ms" in verbose and "vs moebench fallback round by round" in verbose
+
+
+def test_a_spread_too_wide_to_rank_the_arms_is_a_warning_naming_them_and_the_rule(quantized_checkpoint):
+    record, table = report(quantized_checkpoint, {"moebench fallback": [100.0, 140.0, 120.0],
+                                                  "moebench fused (reference)": [130.0, 150.0, 135.0],
+                                                  "mlx-lm stream_generate": [200.0, 210.0, 205.0]})
+    assert record["lengths"][0]["unranked"] == [["moebench fallback", "moebench fused (reference)"]]
+    warning = table.split("warning: ")[1].splitlines()
+    assert " ".join(line.strip() for line in warning[:-1]).startswith(
+        "the spread is too wide to rank 1 pair of arms, as their decode tok/s [min-max] ranges over the repeats "
+        "overlap")
+    assert warning[-1] == "  moebench fallback  vs  moebench fused (reference)"  # mlx-lm's range stands apart
+    _, single = report(quantized_checkpoint, {"moebench fallback": [100.0], "moebench fused (reference)": [101.0]})
+    assert "warning: one repeat measures no spread" in single
+
+
+def test_byte_sizes_read_in_the_unit_that_suits_them():
+    assert [byte_size(n) for n in (0, 999, 8_812_000, 99_960_000, 999_600_000, 1.34e9)] == [
+        "0 B", "999 B", "8.8 MB", "100 MB", "1.0 GB", "1.3 GB"]
+    with pytest.raises(ValueError, match="negative"):
+        byte_size(-1)
