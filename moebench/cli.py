@@ -10,6 +10,7 @@ from .errors import MoebenchError
 from .models.sharding import TENSOR_MODE, init_group, report
 from .tools.bench import add_shard_argument
 from .tools.bench import register as _add_bench
+from .tools.drift import register as _add_drift
 from .tools.eval_tiny import add_eval_command
 from .tools.flags import SEED
 from .tools.microbench import add_command as _add_microbench
@@ -126,7 +127,7 @@ def _run_generate(a: argparse.Namespace) -> int:
 
 
 COMMANDS = [_add_generate, _add_microbench, add_train_command, add_eval_command, _add_bench, _add_make_random,
-            _add_selfcheck, _add_profile]
+            _add_selfcheck, _add_profile, _add_drift]
 
 
 DESCRIPTION = """Look inside Mixture-of-Experts decoding on MLX and measure it: decode a prompt with the fused
