@@ -18,4 +18,12 @@ if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then
               "OpenBLAS train-tiny runs on the reference BLAS" >&2
   fi
 fi
+# The notebook output filter that .gitattributes names: outputs, counts, widget state and the kernel's
+# language_info details (all but its name) are stripped when git reads a notebook, so running the notebooks
+# leaves `git diff` empty. Only in moebench's own checkout; running it again changes nothing.
+if [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$(pwd -P)" ]; then
+  python3 -m nbstripout --install --attributes .gitattributes
+  details=(codemirror_mode file_extension mimetype nbconvert_exporter pygments_lexer version)
+  git config filter.nbstripout.extrakeys "${details[*]/#/metadata.language_info.}"
+fi
 echo "moebench installed: $(python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())')"

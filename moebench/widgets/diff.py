@@ -47,6 +47,18 @@ def log_ticks(values: np.ndarray) -> list[float]:
     return ticks[first: max(last, first + 1) + 1]
 
 
+def relation(a: float, b: float) -> str:
+    """How a compares with b, in words taken from the numbers ('about the same as' within a factor of 2)."""
+    if a == b:
+        return "equal to"
+    if min(a, b) <= 0:
+        return "larger than" if a > b else "smaller than"
+    ratio = max(a, b) / min(a, b)
+    if ratio < 2:
+        return "about the same as"
+    return f"{ratio:.0f}x {'larger' if a > b else 'smaller'} than"
+
+
 class DiffView:
     """Three panels: routed-output error per layer, per-expert partial error, routing agreement per layer."""
 
@@ -115,14 +127,16 @@ class DiffView:
                       "the fallback is closer to the truth" if fallback < fused else "both paths are equally close")
         took = f" Compared in {seconds:.2f} s." if seconds is not None else ""
         partial = float(experts[experts["pair"] == "fused~truth"]["nrms"].median())
+        cast = ("in float32 that cast changes nothing, so both panels show float32's summation order only"
+                if dtype == "float32" else f"the fallback rounds to {dtype} at every product, so both its panels "
+                                           f"show {dtype}'s rounding")
         self._step_text = (f"<b>errors under identical routing</b> ({dtype} activations, fused backend "
                            f"'{html.escape(backend)}'): median over layers, fused {fused:.2e} vs fallback "
-                           f"{fallback:.2e}: {closer}. Why the fused path's per-layer error (left, {fused:.1e}) "
-                           f"differs from its per-expert error (middle, {partial:.1e}): it keeps float32 inside and "
-                           f"casts the routed sum to {dtype} once at the end; the left panel includes that rounding "
-                           f"(unit roundoff {rounding or float('nan'):.1e}, the dashed line), the middle one compares "
-                           f"the float32 partials before it. The fallback rounds to {dtype} at every product, so "
-                           f"both its panels show {dtype}'s rounding.{took}")
+                           f"{fallback:.2e}: {closer}. The fused path's per-layer error (left, {fused:.1e}) is "
+                           f"{relation(fused, partial)} its per-expert error (middle, {partial:.1e}): the left panel "
+                           f"includes each path's final cast of the routed sum to {dtype} (unit roundoff "
+                           f"{rounding or float('nan'):.1e}, the dashed line), the middle one compares the float32 "
+                           f"partials before it; {cast}.{took}")
         shared = frame[frame["part"] == "shared"]
         if len(shared):
             s_fused, s_fallback = (float(shared[shared["pair"] == pair]["nrms"].median())

@@ -6,11 +6,16 @@ differing ones marked. Teacher-forced: the intervened model is fed the baseline'
 compares the same context: KL(baseline || intervened) of the next-token distributions (nats) and the
 change in log-probability of the token the baseline chose. Decodes run on the notebook's thread
 (mainthread.Owner); interventions are set only for the duration of a decode (interventions.intervene).
+
+Every intervened decode of the current baseline stays listed (a new prompt starts the list over), so the
+views show what was run, from the controls or from code, and any earlier result is one pick away; clearing
+puts the controls back to no intervention and keeps the list.
 """
 
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass
 
 import ipywidgets as widgets
 import numpy as np
@@ -65,19 +70,49 @@ def token_diff(baseline, other) -> str:
             f"baseline:&nbsp;&nbsp;&nbsp;{chips(baseline, other)}<br>intervened: {chips(other, baseline)}</div>")
 
 
+def describe(intervention: Intervention, where: str) -> str:
+    """The intervention's changes from the default, in a few words: 'ablate 47 on every MoE layer'."""
+    parts = []
+    if intervention.force_experts is not None:
+        parts.append("force " + ", ".join(map(str, intervention.force_experts)))
+    if intervention.ablate:
+        parts.append("ablate " + ", ".join(map(str, intervention.ablate))
+                     + (" (renormalized)" if intervention.renormalize_ablation else ""))
+    if intervention.top_k is not None:
+        parts.append(f"top-{intervention.top_k}")
+    if not intervention.shared_expert:
+        parts.append("shared expert off")
+    elif intervention.shared_gate_scale != 1.0:
+        parts.append(f"shared gate x{intervention.shared_gate_scale:g}")
+    return f"{'; '.join(parts) or 'no change'} on {where}"
+
+
+@dataclass(frozen=True)
+class Result:
+    """One intervened decode of the baseline: free-running, fed the baseline's tokens, and its effect."""
+
+    label: str
+    summary: str
+    intervened: object
+    forced: object
+    measured: dict[str, np.ndarray]
+
+
 class InterventionPanel:
     """Controls for one Intervention, the routing before/after, the token diff and the per-token effect."""
 
     def __init__(self, controls):
         self.controls = controls
         self.owner = Owner(on_error=self._failed)
-        self.baseline = self.intervened = self.forced = None
-        self.measured: dict[str, np.ndarray] | None = None
+        self.baseline = None
+        self.results: list[Result] = []  # every intervened decode of this baseline, oldest first
         self.summary = ""  # the last result in words (the status line shows it)
-        wide = widgets.Layout(width="420px")
         self.layer = widgets.Dropdown(description="layer")
-        self.force = widgets.IntsInput(value=[], min=0, layout=wide)
-        self.ablate = widgets.IntsInput(value=[], min=0, layout=wide)
+        self.force = widgets.IntsInput(value=[], min=0, placeholder="expert id, then Enter",
+                                       layout=widgets.Layout(min_width="420px"))
+        self.ablate = widgets.IntsInput(value=[], min=0, placeholder="expert id, then Enter",
+                                        layout=widgets.Layout(min_width="420px"))
+        self.hint = widgets.HTML()
         self.renormalize = widgets.Checkbox(value=False, description="renormalize over the experts left", indent=False)
         self.top_k = widgets.IntSlider(min=1, description="top-k")
         self.model = None
@@ -89,6 +124,10 @@ class InterventionPanel:
         self.apply.on_click(lambda _: self.owner.submit(self.run))
         self.reset = widgets.Button(description="clear", icon="undo", tooltip="back to the baseline: no intervention")
         self.reset.on_click(lambda _: self.owner.submit(self.clear))
+        self.shown = widgets.Dropdown(description="result", options=[], layout=widgets.Layout(width="640px"))
+        self.shown.add_class("moebench-intervene-result")
+        self._listing = False  # True while the picker's options are refilled: no redraw per option
+        self.shown.observe(lambda _: None if self._listing else self._draw(), names="value")
         self.step = widgets.IntSlider(value=0, min=0, max=0, description="token", continuous_update=False)
         self.step.observe(lambda _: self._draw_routing(), names="value")
         self.status = widgets.HTML()
@@ -107,14 +146,32 @@ class InterventionPanel:
         self.figure.update_yaxes(title_text="KL (nats)", rangemode="tozero", secondary_y=False)
         self.figure.update_yaxes(title_text="change in log p (nats)", secondary_y=True)
         labelled = [widgets.HBox([widgets.Label("force experts", layout=widgets.Layout(width="110px")), self.force]),
-                    widgets.HBox([widgets.Label("ablate experts", layout=widgets.Layout(width="110px")), self.ablate])]
+                    widgets.HBox([widgets.Label("ablate experts", layout=widgets.Layout(width="110px")), self.ablate]),
+                    self.hint]
         self.widget = widgets.VBox([
             widgets.HBox([self.layer, self.top_k]), *labelled, widgets.HBox([self.renormalize, self.shared,
                                                                              self.gate_scale]),
-            widgets.HBox([self.apply, self.reset]), self.status, self.diff, self.figure, self.step,
+            widgets.HBox([self.apply, self.reset]), self.status, self.shown, self.diff, self.figure, self.step,
             self.before.figure, self.after.figure, live_mark()])
         self.widget.add_class("moebench-interventions")
         controls.on_decode(self._new_baseline)
+
+    @property
+    def result(self) -> Result | None:
+        """The result the views show (picked under 'result'; the newest after every decode)."""
+        return self.results[self.shown.value] if self.shown.value is not None else None
+
+    @property
+    def intervened(self):
+        return self.result.intervened if self.result is not None else None
+
+    @property
+    def forced(self):
+        return self.result.forced if self.result is not None else None
+
+    @property
+    def measured(self) -> dict[str, np.ndarray] | None:
+        return self.result.measured if self.result is not None else None
 
     def intervention(self) -> Intervention:
         """The Intervention the controls describe (force wins over top-k: forcing fixes the count)."""
@@ -133,15 +190,17 @@ class InterventionPanel:
         self.layer.value = EVERY_LAYER
         for box in (self.force, self.ablate):
             box.value, box.max = [], n_experts - 1
+        self.hint.value = (f"<span style='color:#555;font-size:12px'>expert ids 0-{n_experts - 1}: type one and "
+                           "press Enter to add it (again for more); click a tag's \u00d7 to remove it</span>")
         self.top_k.max, self.top_k.value = n_experts, self.default_k
 
     def _new_baseline(self, trace) -> None:
         if self.controls.picker.model is not self.model:
             self._configure(self.controls.picker.model)
         self.baseline = trace
-        self.intervened = self.forced = self.measured = None
+        self.results = []  # measured against the old baseline: they no longer apply
         self.step.max = len(trace.generated) - 1
-        self._draw()
+        self._list_results()
 
     def run(self) -> None:
         """Decode with the intervention (free-running, then fed the baseline's tokens) and draw the effect."""
@@ -152,31 +211,45 @@ class InterventionPanel:
         try:
             n = len(self.baseline.generated)
             with intervene(self.controls.picker.model, chosen):
-                self.intervened = self.controls.stepper(max_tokens=n, keep_logits=False).run(n)
+                intervened = self.controls.stepper(max_tokens=n, keep_logits=False).run(n)
                 forced = self.controls.stepper(keep_logits=True, stop_ids=())
                 forced.prefill()
                 for token in self.baseline.token_ids[:-1]:
                     forced.step(feed=token)
-                self.forced = forced.trace
         finally:
             self.apply.disabled = False
-        self.measured = effect(self.baseline, self.forced)
+        measured = effect(self.baseline, forced.trace)
         where = "every MoE layer" if self.layer.value == EVERY_LAYER else f"layer {self.layer.value}"
-        self.summary = (f"{intervention!r} on {where}: mean KL {self.measured['kl'].mean():.3g} nats, largest "
-                        f"{self.measured['kl'].max():.3g}; mean change in log p of the baseline's token "
-                        f"{self.measured['dlogp'].mean():+.3g}")
-        self._draw()  # the views first: the status says the decode is done only once they show it
+        self.summary = (f"{intervention!r} on {where}: mean KL {measured['kl'].mean():.3g} nats, largest "
+                        f"{measured['kl'].max():.3g}; mean change in log p of the baseline's token "
+                        f"{measured['dlogp'].mean():+.3g}")
+        label = f"{len(self.results) + 1}: {describe(intervention, where)} (mean KL {measured['kl'].mean():.3g})"
+        self.results.append(Result(label, self.summary, intervened, forced.trace, measured))
+        self._list_results()  # the views first: the status says the decode is done only once they show it
         self.status.value = html.escape(self.summary)
 
     def clear(self) -> None:
-        """Controls back to 'no intervention' and the intervened decode forgotten: the views show the baseline."""
+        """Controls back to 'no intervention' (the model runs its baseline routing); the results stay listed."""
         self.layer.value, self.force.value, self.ablate.value = EVERY_LAYER, [], []
         self.renormalize.value, self.shared.value, self.gate_scale.value = False, True, 1.0
         self.top_k.value = self.default_k
-        self.intervened = self.forced = self.measured = None
-        self.summary = "cleared: no intervention is set (the model runs its baseline routing)"
-        self.status.value = self.summary
-        self._draw()
+        kept = (f"; the {len(self.results)} result(s) decoded so far stay listed under 'result'" if self.results
+                else "")
+        self.summary = f"cleared: no intervention is set (the model runs its baseline routing){kept}"
+        self.status.value = html.escape(self.summary)
+
+    def _list_results(self) -> None:
+        """Refill the result picker and show its newest entry, or the baseline alone when there is none."""
+        self._listing = True
+        try:
+            self.shown.options = [(r.label, i) for i, r in enumerate(self.results)]
+        finally:
+            self._listing = False
+        newest = len(self.results) - 1 if self.results else None
+        if self.shown.value == newest:
+            self._draw()
+        else:
+            self.shown.value = newest  # draws it
 
     def _draw(self) -> None:
         self.diff.value = token_diff(self.baseline, self.intervened) if self.intervened is not None else ""

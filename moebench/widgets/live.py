@@ -7,20 +7,24 @@ token reads, and queues its chart mark; one that arrives while nothing decodes q
 show the new path on the decoding thread. A point's rate is 1 / the time since the token before it
 (the whole loop a user waits on: step, views and chart), so arms are compared as they are lived.
 
-`run(n)` decodes n tokens in the calling cell (what CI executes); `start(n)` returns an asyncio task that
-gives the notebook's event loop a turn after every token. Await the task before reading its result.
+`run(n)` decodes n tokens in the calling cell (what CI executes); `start(n, seconds)` returns an asyncio
+task that gives the notebook's event loop a turn after every token and ends after n tokens, after `seconds`,
+or, with neither, when stop is pressed (what the **decode live** button starts with its token box at 0, so
+a person has all the time needed to click). Await the task before reading its result.
 """
 
 from __future__ import annotations
 
 import asyncio
 import html
+import math
 import time
 from collections import deque
 from collections.abc import Callable
 
 import ipywidgets as widgets
 
+from ..errors import DecodeError
 from .mainthread import Owner
 from .static import live_mark, show
 from .text import error_html
@@ -58,18 +62,20 @@ class LiveDecode:
         self.text.add_class("moebench-live-text")
         self.status = widgets.HTML()
         self.status.add_class("moebench-live-status")
-        self.count = widgets.BoundedIntText(value=100, min=1, max=10000, description="tokens",
+        self.count = widgets.BoundedIntText(value=0, min=0, max=1_000_000, description="tokens",
                                             layout=widgets.Layout(width="170px"))
+        self.count.add_class("moebench-live-count")
+        count_hint = widgets.Label("(0: until you press stop)")
         self.button = widgets.Button(description="decode live", icon="play", button_style="primary")
         self.button.add_class("moebench-live-run")
-        self.button.on_click(lambda _: self.owner.submit(lambda: self.start(self.count.value)))
+        self.button.on_click(lambda _: self.owner.submit(lambda: self.start(self.count.value or None)))
         self.stop_button = widgets.Button(description="stop", icon="stop")
         self.stop_button.add_class("moebench-live-stop")
         self.stop_button.on_click(lambda _: self.stop())
         self._stopping = False
         self.task: asyncio.Task | None = None
-        self.widget = widgets.VBox([self.toggle.widget, widgets.HBox([self.record_box, self.count, self.button,
-                                                                      self.stop_button]),
+        self.widget = widgets.VBox([self.toggle.widget, widgets.HBox([self.record_box, self.count, count_hint,
+                                                                      self.button, self.stop_button]),
                                     self.chart.figure, self.text, self.status, live_mark()])
         self.restart(stepper)
 
@@ -111,8 +117,10 @@ class LiveDecode:
         self._draw_marks()
         self.chart.flush()
         self._show_text()
+        ended = (" The decode has reached its end (a stop token, its token limit or the model's context): decode "
+                 "the prompt again to go on." if self.stepper.done else "")
         self.status.value = (f"{self.decoded} tokens decoded; over the chart's window: "
-                             + "; ".join(map(html.escape, self.chart.summaries())))
+                             + "; ".join(map(html.escape, self.chart.summaries())) + ended)
 
     def run(self, n: int) -> list:
         """Decode n tokens now (synchronously); returns their records."""
@@ -122,15 +130,20 @@ class LiveDecode:
         finally:
             self._end()
 
-    def start(self, n: int) -> asyncio.Task:
-        """Decode n tokens as an asyncio task that yields to the event loop between tokens."""
+    def start(self, n: int | None = None, seconds: float | None = None) -> asyncio.Task:
+        """Decode as an asyncio task that yields to the event loop between tokens, until n tokens are decoded,
+        `seconds` have passed or stop is pressed (whichever comes first; with neither limit, until stop)."""
+        for name, value in (("n", n), ("seconds", seconds)):
+            if value is not None and not value > 0:
+                raise DecodeError(f"LiveDecode.start: {name} must be positive or None, got {value!r}")
         self._begin()
 
         async def loop() -> list:
             records = []
+            deadline = time.perf_counter() + seconds if seconds is not None else math.inf
             try:
-                for _ in range(n):
-                    if self.stepper.done or self._stopping:
+                while n is None or len(records) < n:
+                    if self.stepper.done or self._stopping or time.perf_counter() >= deadline:
                         break
                     records.append(self._one())
                     if len(records) % 8 == 0:

@@ -5,7 +5,11 @@ open markers and a dotted line, clean decoding solid), so the cost of looking an
 each show as a gap between traces. The last `window` tokens are kept as one window for all traces (a
 trace never keeps points older than the others), a line never bridges tokens of another arm, and the
 figure is redrawn at most `redraw_hz` times a second with one `batch_update`. Marks (a flip of the
-switch or of recording) stack in rows so their labels never overlap.
+switch or of recording) are dotted lines with a label above the plot: each label is measured (its text at
+the label's font, against the narrowest plot the chart is drawn at), written left of its line where the
+right would run past the axis, and put in the lowest row where it overlaps no other, so labels are neither
+clipped nor stacked on one another; a mark with no room in any row keeps its line and says so in the
+label before it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,11 @@ TITLE = "decode speed: tokens per second, one point per token (higher is faster)
 ARMS = [(fused, recording) for fused in (True, False) for recording in (False, True)]
 COLORS = {True: "#1f77b4", False: "#ff7f0e"}
 MARK_ROWS = 4
-MARK_GAP = 0.15  # marks closer than this share of the window's width go to different rows
+MARK_ROW_STEP = 0.07  # a row's height, as a share of the plot's height
+MARK_FONT_PX = 10
+CHAR_PX = 6.5  # widest average character of the label font at MARK_FONT_PX (upper case included)
+LABEL_PAD_PX = 8  # the label's background box and the gap kept to the next label
+PLOT_PX = 600  # the narrowest plot area the chart is drawn at (plotly's default 700 px figure less margins)
 
 
 def arm_name(fused: bool, recording: bool) -> str:
@@ -48,22 +56,32 @@ def with_gaps(points: list[tuple[int, float]]) -> tuple[list, list]:
     return xs, ys
 
 
-def place_marks(marks: list[tuple[int, str]], width: float) -> list[tuple[int, str, int]]:
-    """(x, label, row) per label: each mark takes the lowest row whose last label ends `width` before it;
-    when every row is that crowded it joins the nearest row's last label, so no two labels overlap."""
+def label_extent(x: float, text: str, lo: float, hi: float) -> tuple[float, float, str]:
+    """(left, right, xanchor) of a mark's label in axis units: right of the line, or left of it where the
+    right side would pass the axis's end."""
+    width = (CHAR_PX * len(text) + LABEL_PAD_PX) * (hi - lo) / PLOT_PX
+    if x + width <= hi or x - width < lo:
+        return x, x + width, "left"
+    return x - width, x, "right"
+
+
+def place_marks(marks: list[tuple[float, str]], lo: float, hi: float) -> list[tuple[float, str, int, str, str]]:
+    """(x, label, row, xanchor, hover) per labelled mark on the axis range [lo, hi]: each label takes the lowest
+    row in which it overlaps no label placed before it. A mark that fits in no row gets no label (its line is
+    still drawn); the label placed last before it names it in its hover text."""
     placed: list[list] = []
-    last: list[int] = []  # per row, the index in `placed` of its last label
-    for x, text in marks:
-        row = next((r for r, i in enumerate(last) if x - placed[i][0] >= width), None)
-        if row is None and len(last) < MARK_ROWS:
-            row = len(last)
-            last.append(-1)
-        if row is None:
-            nearest = max(last, key=lambda i: placed[i][0])
-            placed[nearest][1] += f", {text} ({x})"
-            continue
-        placed.append([x, text, row])
-        last[row] = len(placed) - 1
+    ends: list[float] = []  # per row, where its rightmost label ends
+    for x, text in sorted(marks, key=lambda m: m[0]):
+        left, right, anchor = label_extent(x, text, lo, hi)
+        row = next((r for r, end in enumerate(ends) if left >= end), None)
+        if row is None and len(ends) < MARK_ROWS:
+            row = len(ends)
+            ends.append(-math.inf)
+        if row is not None:
+            ends[row] = right
+            placed.append([x, text, row, anchor, f"{text} at token {x}"])
+        elif placed:
+            placed[-1][4] += f"<br>{text} at token {x} (no room for its label)"
     return [tuple(p) for p in placed]
 
 
@@ -138,7 +156,10 @@ class TokensPerSecondChart:
     def _draw(self) -> None:
         oldest = self._points[0][0] if self._points else 0
         newest = self._points[-1][0] if self._points else 1
-        marks = place_marks([(s, t) for s, t in self._marks if s >= oldest], MARK_GAP * max(newest - oldest, 10))
+        lo, hi = oldest - 0.5, max(newest, oldest + 1) + 0.5
+        shown = [(s, t) for s, t in self._marks if s >= oldest]
+        marks = place_marks(shown, lo, hi)
+        tops = {x: 1 + MARK_ROW_STEP * row for x, _, row, _, _ in marks}
         with self.figure.batch_update():
             for fused, rec in ARMS:
                 trace = self.trace(rec, fused)
@@ -146,15 +167,16 @@ class TokensPerSecondChart:
                 trace.x, trace.y = xs, ys
                 trace.name = self.summary(rec, fused)
                 trace.showlegend = bool(xs)
-            self.figure.layout.xaxis.range = [oldest - 0.5, max(newest, oldest + 1) + 0.5]
+            self.figure.layout.xaxis.range = [lo, hi]
             self.figure.layout.shapes = [
-                {"type": "line", "x0": s, "x1": s, "yref": "paper", "y0": 0, "y1": 1 + 0.07 * row,
-                 "line": {"dash": "dot", "color": "#555", "width": 1}} for s, _, row in marks
+                {"type": "line", "x0": s, "x1": s, "yref": "paper", "y0": 0, "y1": tops.get(s, 1),
+                 "line": {"dash": "dot", "color": "#555", "width": 1}} for s in sorted({s for s, _ in shown})
             ]
             self.figure.layout.annotations = [
-                {"x": s, "y": 1 + 0.07 * row, "yref": "paper", "text": t, "showarrow": False, "xanchor": "left",
-                 "yanchor": "bottom", "font": {"size": 10}, "bgcolor": "rgba(255,255,255,0.8)"}
-                for s, t, row in marks
+                {"x": s, "y": 1 + MARK_ROW_STEP * row, "yref": "paper", "text": t, "hovertext": hover,
+                 "showarrow": False, "xanchor": anchor, "yanchor": "bottom", "font": {"size": MARK_FONT_PX},
+                 "bgcolor": "rgba(255,255,255,0.8)"}
+                for s, t, row, anchor, hover in marks
             ]
         self._last_draw = time.monotonic()
         self._dirty = False

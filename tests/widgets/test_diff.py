@@ -1,5 +1,5 @@
 from moebench.inspect.compare import compare_decode, compare_step
-from moebench.widgets.diff import DiffView
+from moebench.widgets.diff import DiffView, relation
 
 
 def test_step_errors_per_layer_and_per_expert(tiny, trace):
@@ -15,6 +15,15 @@ def test_step_errors_per_layer_and_per_expert(tiny, trace):
     assert "errors under identical routing" in view.summary.value
     assert "match the truth to float32 rounding" in view.summary.value  # float32 on CPU: both are exact
     assert "Shared expert (unweighted output)" in view.summary.value
+    routed, partial = (frame[(frame["part"] == part) & (frame["pair"] == "fused~truth")]["nrms"].median()
+                       for part in ("routed", "expert"))
+    assert f"per-layer error (left, {routed:.1e}) is {relation(routed, partial)} its per-expert" in view.summary.value
+
+
+def test_relation_says_what_the_numbers_say():
+    assert relation(3.0e-7, 3.2e-7) == "about the same as"  # issue 40: not "far above"
+    assert relation(4e-3, 1e-4) == "40x larger than" and relation(1e-4, 4e-3) == "40x smaller than"
+    assert relation(0.0, 1e-7) == "smaller than" and relation(2e-7, 2e-7) == "equal to"
 
 
 def test_half_precision_names_the_closer_path(tiny, trace):

@@ -1,6 +1,9 @@
 import asyncio
 
+import pytest
+
 import moebench
+from moebench.errors import DecodeError
 from moebench.inspect.record import Stepper
 from moebench.widgets.live import AFTER_TOGGLE_TOKENS, LiveDecode
 
@@ -45,3 +48,38 @@ def test_the_async_task_yields_between_tokens(tiny):
     records = asyncio.run(main())
     assert len(records) == 5 and not live.running
     assert len(set(progress)) > 2  # other code ran between tokens
+
+
+def test_a_live_decode_without_a_token_count_runs_until_stopped_or_its_time_is_up(tiny):
+    model, tokenizer = tiny
+    live = LiveDecode(Stepper(model, tokenizer, "hello", stop_ids=()))
+    assert live.count.value == 0  # the button's default: decode until stop is pressed
+
+    async def until_stopped():
+        task = live.start()
+        while live.decoded < 12:  # far past any fixed count a test would pick, then stop
+            await asyncio.sleep(0)
+        live.stop()
+        return await task
+
+    async def timed():
+        return await live.start(seconds=0.05)
+
+    records = asyncio.run(until_stopped())
+    assert len(records) >= 12 and not live.running
+    assert asyncio.run(timed()) and not live.running  # ends by itself
+
+
+def test_start_refuses_a_limit_that_is_not_positive(tiny):
+    model, tokenizer = tiny
+    live = LiveDecode(Stepper(model, tokenizer, "hello"))
+    for bad in ({"n": 0}, {"seconds": -1.0}):
+        with pytest.raises(DecodeError, match=next(iter(bad))):
+            live.start(**bad)
+    assert not live.running
+
+
+def test_a_decode_that_reaches_its_end_says_so(tiny):
+    model, tokenizer = tiny
+    live = LiveDecode(Stepper(model, tokenizer, "hello", max_tokens=2, stop_ids=()))
+    assert len(live.run(5)) < 5 and live.stepper.done and "reached its end" in live.status.value

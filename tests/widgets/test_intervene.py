@@ -1,0 +1,53 @@
+"""The intervention panel keeps what it ran: every intervened decode of the baseline stays listed and shown."""
+
+import pytest
+
+import moebench
+from moebench.checkpoint.loader import SHIPPED_MODEL
+from moebench.widgets.controls import ModelPicker, PromptControls
+from moebench.widgets.intervene import InterventionPanel, describe
+
+
+@pytest.fixture
+def panel(tiny):
+    picker = ModelPicker([str(SHIPPED_MODEL)])
+    picker._open["tiny"] = tiny
+    picker.dropdown.options = [str(SHIPPED_MODEL), "tiny"]
+    picker.dropdown.value = "tiny"
+    return InterventionPanel(PromptControls(picker, "def add(a, b):", tokens=4, keep_logits=True))
+
+
+def test_each_run_is_listed_and_shown_and_clearing_keeps_them(panel):
+    draws, draw = [], panel._draw
+    panel._draw = lambda: (draws.append(panel.shown.value), draw())
+    panel.ablate.value = [0]
+    panel.run()
+    panel.ablate.value, panel.gate_scale.value = [], 0.5
+    panel.run()
+    assert [r.label.split(" (")[0] for r in panel.results] == ["1: ablate 0 on every MoE layer",
+                                                              "2: shared gate x0.5 on every MoE layer"]
+    assert draws == [0, 1]  # each run shows its own result once
+    assert panel.measured is panel.results[1].measured and panel.status.value.startswith("Intervention(")
+    panel.clear()
+    assert panel.intervention() == moebench.Intervention() and "2 result(s)" in panel.status.value
+    assert panel.intervened is panel.results[1].intervened and panel.diff.value  # still shown after clearing
+    panel.shown.value = 0  # an earlier result, one pick away
+    assert "moebench-token-diff" in panel.diff.value and panel.measured is panel.results[0].measured
+    assert not moebench.inspect.interventions.active_interventions(panel.controls.picker.model)
+
+
+def test_a_new_baseline_starts_the_list_over(panel):
+    panel.top_k.value = 1
+    panel.run()
+    panel.controls.decode()
+    assert panel.results == [] and panel.intervened is None and panel.shown.options == ()
+
+
+def test_a_result_is_named_by_what_it_changes():
+    assert describe(moebench.Intervention(force_experts=(6, 7), top_k=None), "layer 2") == "force 6, 7 on layer 2"
+    assert describe(moebench.Intervention(), "every MoE layer") == "no change on every MoE layer"
+
+
+def test_the_hint_names_the_expert_range(panel):
+    assert "expert ids 0-7" in panel.hint.value and "Enter" in panel.hint.value
+    assert all("Enter" in box.placeholder for box in (panel.force, panel.ablate))
