@@ -274,6 +274,19 @@ def new_prompt_redraws_the_stepper(page) -> None:
     page.wait_for_function("(el) => el.querySelectorAll(\"span[title^='step ']\").length === 5",
                            arg=strip.element_handle(), timeout=30_000)
     assert "range" in strip.inner_text()
+    # a click on a router cell names its layer and expert under the chart
+    page.wait_for_function(KERNEL_IDLE_JS, timeout=30_000)
+    cells = page.locator(".moebench-router-view .draglayer .xy .nsewdrag").first
+    cells.scroll_into_view_if_needed()
+    area = cells.bounding_box()
+    page.mouse.move(area["x"] + area["width"] / 2, area["y"] + area["height"] / 2)
+    hover = page.locator(".moebench-router-view .hoverlayer .hovertext", has_text="expert").first
+    hover.wait_for(state="attached", timeout=10_000)  # plotly finds the hovered cell; the click reports it
+    page.mouse.down()
+    page.mouse.up()
+    readout = page.locator(".moebench-router-view .widget-html", has_text="router probability").first
+    readout.wait_for(timeout=30_000)
+    assert "layer" in readout.inner_text() and "expert" in readout.inner_text()
 
 
 @control("02_router_and_experts")
@@ -281,8 +294,18 @@ def text_picker_steps_the_prose(page) -> None:
     strip = page.locator(".moebench-token-strip").first
     before = strip.inner_text()
     page.locator(".moebench-text-picker button", has_text="prose").click()
+    title = page.locator(".moebench-router-view .gtitle").first
+    routed = title.text_content()
     page.wait_for_function("([el, t]) => el.innerText !== t && el.innerText.includes('winter')",
                            arg=[strip.element_handle(), before], timeout=30_000)
+    # the router figure follows (its updates reach the browser), and the load map reorders by code minus prose
+    page.wait_for_function("([el, t]) => el.textContent !== t", arg=[title.element_handle(), routed], timeout=30_000)
+    chart = page.locator(".jupyter-widgets .js-plotly-plot", has_text="code minus prose").first
+    ticks = chart.evaluate(TICK_BOXES_JS)["x3tick"]
+    page.locator(".widget-toggle-buttons button", has_text="by code minus prose").click()
+    page.wait_for_function("([el, t]) => [...el.querySelectorAll('.x3tick text')].map(e => e.textContent).join() !== t",
+                           arg=[chart.element_handle(), ",".join(t[2] for t in ticks)], timeout=30_000)
+    no_overlapping_ticks(chart, "02 load map, reordered")
 
 
 @control("03_fused_vs_fallback")
@@ -294,6 +317,8 @@ def token_picker_compares_another_token(page) -> None:
     picker.select_option(index=0)
     page.wait_for_function("([el, t]) => el.innerText !== t", arg=[summary.element_handle(), before], timeout=30_000)
     assert "float32" in title.text_content()
+    # the relation between the two error panels is stated from the numbers shown beside it
+    assert "per-layer error (left, " in summary.inner_text() and "far above" not in summary.inner_text()
 
 
 @control("04_live_tokens_per_second")
@@ -305,6 +330,15 @@ def benchmark_button_measures(page) -> None:
     page.locator(".moebench-bench-run").click()
     page.wait_for_function("([el, t]) => el.innerText !== t && el.innerText.includes('median')",
                            arg=[table.element_handle(), before], timeout=60_000)
+    # a flip while idle marks the chart 8 tokens before its right end: every label whole and apart
+    page.wait_for_function(KERNEL_IDLE_JS, timeout=60_000)
+    before = last_mark(page, ("fused ON", "fused OFF"))
+    page.locator(".moebench-fused-toggle").last.click()
+    page.wait_for_function(f"(n) => ({MARKS_JS})().some(([x, t]) => x > n && t.startsWith('fused'))", arg=before,
+                           timeout=30_000)
+    page.wait_for_function(KERNEL_IDLE_JS, timeout=60_000)
+    page.wait_for_timeout(1000)  # the chart's last redraw
+    mark_labels_whole_and_apart(page.locator(".js-plotly-plot.moebench-tps-chart").last)
 
 
 @control("05_interventions")
@@ -320,6 +354,10 @@ def ablating_shows_the_effect(page) -> None:
     page.wait_for_function("(el) => el.innerText.includes('ablate=(3,)') && el.innerText.includes('mean KL')",
                            arg=status.element_handle(), timeout=60_000)
     assert page.locator(".moebench-token-diff").count() == 1
+    # the new result joins the three the cells ran, and is the one shown
+    picked = page.locator(".moebench-intervene-result select")
+    shown = picked.evaluate("(el) => el.options[el.selectedIndex].text").replace("\xa0", " ")
+    assert picked.locator("option").count() == 4 and "4: ablate 3" in shown, shown
 
 
 @pytest.mark.parametrize("notebook", [nb.name for nb in NOTEBOOKS])
@@ -542,3 +580,205 @@ def test_reopened_after_the_kernel_stopped_the_static_pictures_show(lab, browser
         shot(page, f"{stem}-reopened")
     finally:
         page.close()
+
+
+# -- heatmaps at scale (issue 40) --
+HEATMAP_CELLS = ['''import tempfile
+
+import moebench
+from moebench.inspect.interventions import intervene
+from moebench.inspect.record import Stepper
+from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
+from moebench.widgets import ExpertLoadMap, RouterView
+
+N = {n}
+config = qwen2_moe_config(num_experts=N, num_experts_per_tok=8, num_hidden_layers=3, hidden_size=64,
+                          moe_intermediate_size=32, intermediate_size=64, shared_expert_intermediate_size=64)
+model, _ = moebench.load(write_random_checkpoint(tempfile.mkdtemp() + "/model", config, seed=3))
+with intervene(model, moebench.Intervention(force_experts=(0, 1, 2, 3, 4, 5, 6, N - 1))):  # boxes on both edges
+    trace = Stepper(model, None, [1, 2, 3, 4], record=True).run(2)
+router = RouterView()
+router.scale_to(trace.steps)
+router.show(trace.steps[-1])
+router''', '''import pandas as pd
+
+
+def load(favourite):
+    """Every layer sends half its selections to `favourite`, the rest evenly to the others."""
+    shares = [0.5 if e == favourite else 0.5 / (N - 1) for e in range(N)]
+    return pd.DataFrame([{{"layer": layer, "expert": e, "count": 0, "fraction": shares[e]}}
+                         for layer in range(3) for e in range(N)])
+
+
+load_map = ExpertLoadMap({{"code": load(N - 1), "prose": load(0)}})  # code minus prose: + on expert N-1, - on 0
+load_map''']
+# Per x axis of a chart ('xtick', 'x2tick', ...): its tick labels' boxes [left, right, text], left to right.
+TICK_BOXES_JS = """(el) => {
+    const axes = {};
+    for (const text of el.querySelectorAll('.xaxislayer-above text')) {
+        const r = text.getBoundingClientRect();
+        if (!text.textContent || r.width === 0) continue;
+        (axes[text.parentNode.getAttribute('class')] ||= []).push([r.left, r.right, text.textContent]);
+    }
+    for (const boxes of Object.values(axes)) boxes.sort((a, b) => a[0] - b[0]);
+    return axes;
+}"""
+# The router's plot area and its top-k boxes, [left, right] each.
+BOXES_JS = """(el) => {
+    const area = el.querySelector('.draglayer .xy .nsewdrag').getBoundingClientRect();
+    const boxes = [...el.querySelectorAll('.subplot.xy .scatterlayer .trace:first-child .points path')]
+        .map(p => p.getBoundingClientRect());
+    return {area: [area.left, area.right], boxes: boxes.map(b => [b.left, b.right])};
+}"""
+# The colour of one cell of the third panel's heatmap (row, column of rows x columns), read from its image.
+CELL_RGB_JS = """async ([el, row, col, rows, cols]) => {
+    const image = el.querySelector('.subplot.x3y3 .heatmaplayer image');
+    const picture = new Image();
+    picture.src = image.getAttribute('href') || image.getAttribute('xlink:href');
+    await picture.decode();
+    const canvas = document.createElement('canvas');
+    canvas.width = picture.naturalWidth;
+    canvas.height = picture.naturalHeight;
+    const context = canvas.getContext('2d');
+    context.drawImage(picture, 0, 0);
+    const x = Math.floor((col + 0.5) / cols * canvas.width), y = Math.floor((row + 0.5) / rows * canvas.height);
+    return [...context.getImageData(x, y, 1, 1).data.slice(0, 3)];
+}"""
+# Each colour bar: its title, its tick labels from top to bottom, and the colours at its top and bottom edges
+# (its fill is an SVG linear gradient: the stop nearest each edge along the gradient's direction).
+COLORBARS_JS = """(el) => [...el.querySelectorAll('.colorbar')].map(bar => {
+    const fill = bar.querySelector('.cbfill');
+    const id = (fill.style.fill || fill.getAttribute('fill')).match(/#([^"')]+)/)[1];
+    const gradient = document.getElementById(id);
+    const at = (name, missing) => parseFloat(gradient.getAttribute(name) ?? missing) /
+        (String(gradient.getAttribute(name) ?? '').endsWith('%') ? 100 : 1);
+    const [x1, y1, x2, y2] = [at('x1', 0), at('y1', 0), at('x2', 1), at('y2', 0)];
+    const along = (x, y) => ((x - x1) * (x2 - x1) + (y - y1) * (y2 - y1)) / ((x2 - x1) ** 2 + (y2 - y1) ** 2);
+    const stops = [...gradient.querySelectorAll('stop')].map(s => [parseFloat(s.getAttribute('offset')) /
+        (s.getAttribute('offset').endsWith('%') ? 100 : 1), s.getAttribute('stop-color') || s.style.stopColor]);
+    const colour = (t) => stops.reduce((best, s) => Math.abs(s[0] - t) < Math.abs(best[0] - t) ? s : best)[1];
+    return {
+        title: (bar.querySelector('.cbtitle') || {textContent: ''}).textContent,
+        ticks: [...bar.querySelectorAll('.cbaxis text')].map(t => [t.getBoundingClientRect().top, t.textContent])
+            .sort((a, b) => a[0] - b[0]).map(t => t[1]),
+        top: colour(along(0.5, 0)), bottom: colour(along(0.5, 1)),
+    };
+})"""
+
+
+def rgb(colour: str) -> tuple[int, ...]:
+    """'rgb(103, 0, 31)' or '#67001f' as (103, 0, 31)."""
+    if colour.startswith("#"):
+        return tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    return tuple(int(float(v)) for v in colour[colour.index("(") + 1:colour.index(")")].split(",")[:3])
+
+
+def heatmap_notebook(lab, n: int) -> str:
+    """A notebook that draws the router heatmap and the load maps of an `n`-expert model."""
+    cells = [{"cell_type": "code", "execution_count": None, "id": str(i), "metadata": {}, "outputs": [],
+              "source": source.format(n=n)} for i, source in enumerate(HEATMAP_CELLS)]
+    name = f"heatmap-{n}.ipynb"
+    (lab[2] / name).write_text(json.dumps({"cells": cells, "metadata": {"kernelspec": {
+        "display_name": "Python 3", "language": "python", "name": "python3"}}, "nbformat": 4, "nbformat_minor": 5}))
+    return name
+
+
+def no_overlapping_ticks(chart, what: str) -> int:
+    """Every x axis of `chart` has labels that do not touch each other; returns how many labels the widest holds."""
+    axes = chart.evaluate(TICK_BOXES_JS)
+    assert axes, f"{what}: no x tick labels drawn"
+    for axis, boxes in axes.items():
+        for (_, right, text), (left, _, after) in zip(boxes, boxes[1:], strict=False):
+            assert left >= right, f"{what} {axis}: labels {text!r} and {after!r} overlap ({right:.1f} > {left:.1f})"
+    return max(len(b) for b in axes.values())
+
+
+@pytest.mark.parametrize("n", [128, 512])
+def test_heatmap_at_many_experts_has_readable_ticks_unclipped_boxes_and_a_true_colour_key(lab, browser, n):
+    """An n-expert model's router heatmap and code-minus-prose map, measured in the rendered SVG: no two x tick
+    labels overlap, the top-k boxes on experts 0 and n-1 lie inside the plot, and the expert code uses more
+    (known positive) is drawn in the colour the colour bar's "code uses it more" end has."""
+    errors: list[str] = []
+    page = open_notebook(browser, lab, heatmap_notebook(lab, n), errors)
+    try:
+        run_all_cells(page)
+        no_error_outputs(page, f"heatmap-{n}")
+        page.wait_for_timeout(1500)
+        widgets_rendered(page, f"heatmap-{n}")
+        router, load_map = page.locator(".jp-OutputArea-output > .jupyter-widgets .js-plotly-plot").all()
+        shown = [no_overlapping_ticks(router, "router"), no_overlapping_ticks(load_map, "load map")]
+        assert all(8 <= s < n for s in shown), f"labels thinned to too few or none: {shown}"
+        marks = router.evaluate(BOXES_JS)
+        (left, right), boxes = marks["area"], marks["boxes"]
+        assert len(boxes) == 8 * 3, marks  # 8 forced experts in each of 3 layers
+        assert all(left - 0.5 <= a and b <= right + 0.5 for a, b in boxes), f"a box is clipped: {marks}"
+        key = {bar["title"]: bar for bar in load_map.evaluate(COLORBARS_JS)}["code minus prose"]
+        assert key["ticks"][0].endswith("code uses it more") and key["ticks"][-1].endswith("prose uses it more"), key
+        top, bottom = rgb(key["top"]), rgb(key["bottom"])  # the colours those two labels stand beside
+        cell = page.evaluate(CELL_RGB_JS, [load_map.element_handle(), 0, n - 1, 3, n])  # code's: known positive
+        assert max(abs(a - b) for a, b in zip(cell, top, strict=True)) <= 3, f"expert {n - 1}: {cell}, key: {key}"
+        assert cell[0] > 2 * max(cell[1:]), f"expert {n - 1}, which code uses more, is drawn {cell}, not red"
+        cell = page.evaluate(CELL_RGB_JS, [load_map.element_handle(), 0, 0, 3, n])  # prose's: known negative
+        assert max(abs(a - b) for a, b in zip(cell, bottom, strict=True)) <= 3, f"expert 0: {cell}, key: {key}"
+        shot(page, f"heatmap-{n}")
+        assert not errors, "JavaScript errors:\n" + "\n".join(errors)
+    finally:
+        page.close()
+
+
+# -- notebooks 03-05 (issue 40) --
+# Each annotation's box and the figure's, [left, top, right, bottom], in the page.
+ANNOTATION_BOXES_JS = """(el) => {
+    const box = (e) => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+    return {figure: box(el.querySelector('.main-svg')),
+            labels: [...el.querySelectorAll('.annotation')].map(a => [a.textContent, box(a)])};
+}"""
+
+
+def mark_labels_whole_and_apart(chart) -> None:
+    """The tok/s chart's mark labels, measured as drawn: each inside the figure, no two overlapping."""
+    drawn = chart.evaluate(ANNOTATION_BOXES_JS)
+    (fl, ft, fr, fb), labels = drawn["figure"], drawn["labels"]
+    assert labels, "no mark label drawn"
+    for i, (text, (left, top, right, bottom)) in enumerate(labels):
+        inside = fl - 0.5 <= left and right <= fr + 0.5 and ft - 0.5 <= top and bottom <= fb + 0.5
+        assert inside, f"label {text!r} is clipped: {drawn}"
+        for other, (l2, t2, r2, b2) in labels[i + 1:]:
+            apart = right <= l2 + 0.5 or r2 <= left + 0.5 or bottom <= t2 + 0.5 or b2 <= top + 0.5
+            assert apart, f"labels {text!r} and {other!r} overlap: {drawn}"
+
+
+def test_05_after_run_all_shows_what_its_cells_did_and_saving_leaves_git_clean(lab, browser, tmp_path):
+    """Run All in JupyterLab: the effect chart and both routing heatmaps are drawn with points, the panel lists
+    the three interventions its cells ran (none says 'no intervened decode yet'), the export bar is there, no
+    JavaScript error; then JupyterLab's save of the run notebook, committed through the checkout's output
+    filter, leaves `git diff` empty."""
+    from gitfilter import assert_git_clean_after_run, scratch_repo
+
+    notebook = "05_interventions.ipynb"
+    repo_copy = scratch_repo(tmp_path / "repo", notebook)
+    name = fresh_copy(lab, notebook, "saved-05.ipynb")
+    errors: list[str] = []
+    page = open_notebook(browser, lab, name, errors)
+    try:
+        run_all_cells(page)
+        no_error_outputs(page, name)
+        page.wait_for_timeout(1500)
+        widgets_rendered(page, name)
+        panel = page.locator(".moebench-interventions")
+        assert "no intervened decode yet" not in panel.inner_text()
+        charts = panel.locator(".js-plotly-plot").all()
+        assert len(charts) == 3 and all(drawn_points(c) > 0 for c in charts), [drawn_points(c) for c in charts]
+        options = [o.replace("\xa0", " ") for o in page.locator(".moebench-intervene-result option").all_inner_texts()]
+        assert [o.split(":")[0] for o in options] == ["1", "2", "3"] and "shared gate x0.25" in options[-1], options
+        assert page.locator(".moebench-token-diff").count() == 1 and page.locator(".moebench-export").count() == 1
+        placeholder = panel.locator("input[placeholder*='Enter']")
+        assert placeholder.count() == 2 and all(b.bounding_box()["width"] > 100 for b in placeholder.all())
+        shot(page, "05-run-all-results")
+        page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        page.wait_for_function("() => !window.jupyterapp.shell.currentWidget.context.model.dirty", timeout=30_000)
+        assert not errors, "JavaScript errors:\n" + "\n".join(errors)
+    finally:
+        page.close()
+    shutil.copy(lab[2] / name, repo_copy)
+    assert_git_clean_after_run(repo_copy.parents[1], notebook)
