@@ -61,7 +61,8 @@ def _dispatch(d: dict | None) -> str:
     return f"MoE {fused}; {d['fallback']} fallback{notes}"
 
 
-def _markdown(rows: list[list[str]]) -> list[str]:
+def markdown_table(rows: list[list[str]]) -> list[str]:
+    """Rows of cells as a Markdown table, the first row its header, columns padded to one width."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -123,7 +124,7 @@ def _length_table(record: dict, length: dict, verbose: bool) -> str:
         legend.append(f"fused ({CPU_BACKEND}): the CPU backend, the fused kernels' arithmetic as MLX ops (no Metal "
                       "or CUDA here)")
     details = [line for a in arms for line in _arm_details(a, baseline)] if verbose else []
-    return "\n".join([title, *_markdown(rows), *(line for text in legend for line in _wrapped(text)),
+    return "\n".join([title, *markdown_table(rows), *(line for text in legend for line in _wrapped(text)),
                       *_warnings(record, length), *tail, *details])
 
 

@@ -40,6 +40,7 @@ from ..errors import MoebenchError
 from ..execution.executor import executor, fused_moe
 from ..execution.kernel import available_backend
 from .bench import mlx_lm_model, platform_info, prompt_token_ids, summary
+from .bench_table import markdown_table
 from .flags import SEED, at_least
 
 SCHEMA = "moebench.tools.profile/1"
@@ -197,13 +198,6 @@ def profile_record(arms: list[dict], model, prompt_ids: list[int], steps: int, w
     }
 
 
-def _table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return lines
-
-
 def format_table(record: dict) -> str:
     """The per-token table (one column per arm), then primitive counts by name x arm."""
     arms = record["arms"]
@@ -244,7 +238,7 @@ def format_table(record: dict) -> str:
         tail.append("note: on CPU mx.fast ops (rms_norm, rope, sdpa) decompose into several primitives; "
                     "compare node counts between arms on one device only")
     tail += [f"skipped {s['arm']}: {s['reason']}" for s in record["skipped"]]
-    return "\n".join([head, "", *_table(rows), "", *_table(prim), *tail])
+    return "\n".join([head, "", *markdown_table(rows), "", *markdown_table(prim), *tail])
 
 
 def register(sub: argparse._SubParsersAction) -> None:
