@@ -293,9 +293,9 @@ def new_prompt_redraws_the_stepper(page) -> None:
 def text_picker_steps_the_prose(page) -> None:
     strip = page.locator(".moebench-token-strip").first
     before = strip.inner_text()
-    page.locator(".moebench-text-picker button", has_text="prose").click()
     title = page.locator(".moebench-router-view .gtitle").first
-    routed = title.text_content()
+    routed = title.text_content()  # read before the click: the new title can arrive before the next line runs
+    page.locator(".moebench-text-picker button", has_text="prose").click()
     page.wait_for_function("([el, t]) => el.innerText !== t && el.innerText.includes('winter')",
                            arg=[strip.element_handle(), before], timeout=30_000)
     # the router figure follows (its updates reach the browser), and the load map reorders by code minus prose
