@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from ..errors import UnsupportedKernelConfig
 from ..models.declare import AttentionSpec
-from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend
+from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend, run_compiled
 from .support import attention_reason
 
 ATTENTION = Stage("moebench_attn_decode", "attn_decode.body",
@@ -220,4 +220,14 @@ def decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_fre
         return gpu_decode_attention(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write, qk_norm)
     if write:
         raise UnsupportedKernelConfig("the reference attention returns new arrays: it cannot write the cache in place")
+    norm = None if qk_norm is None else (qk_norm.q, qk_norm.k)
+    return run_compiled(_traced_reference, (heads, block, None if qk_norm is None else qk_norm.eps), qkv, bias,
+                        inv_freq, slots, keys, values, norm)
+
+
+def _traced_reference(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
+                      values: mx.array, norm: tuple | None, heads: AttentionSpec, block: int,
+                      eps: float | None) -> tuple[mx.array, mx.array, mx.array]:
+    """reference_decode_attention with the q/k norm given as its weights and eps (run_compiled takes arrays)."""
+    qk_norm = None if norm is None else QKNorm(*norm, eps)
     return reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads, block, qk_norm)

@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import UnsupportedKernelConfig
+from ..models.switch import on_main_thread
 
 KERNEL_DIR = Path(str(resources.files("moebench") / "kernel_sources"))
 LANES = 32  # threads of a simdgroup (Metal) or warp (CUDA)
@@ -78,6 +79,22 @@ def built_kernel(backend: str, stage: Stage):
         _kernels[key] = factory(name=stage.name, input_names=list(stage.inputs), output_names=list(stage.outputs),
                                 source=source, header=header)
     return _kernels[key]
+
+
+_traced: dict[tuple, Callable] = {}
+
+
+def run_compiled(fn: Callable, constants: tuple, *arrays) -> object:
+    """fn(*arrays, *constants), on the main thread as one compiled graph traced once per `fn` and `constants`
+    (hashable values fixed for a model and shape; `arrays`: arrays, or tuples of arrays and None), elsewhere op by
+    op (moebench.models.switch.on_main_thread says why). The reference backend is many small MLX ops a layer, and
+    on the CPU each costs a dispatch: compiled, its element-wise runs fuse (the results are the same bits)."""
+    if not on_main_thread():
+        return fn(*arrays, *constants)
+    key = (fn, constants)
+    if key not in _traced:
+        _traced[key] = mx.compile(lambda *a: fn(*a, *constants))
+    return _traced[key](*arrays)
 
 
 class CheckedOnce:

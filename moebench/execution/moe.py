@@ -22,7 +22,7 @@ from ..errors import ConfigError, UnsupportedKernelConfig
 from ..models.args import QuantizedParts
 from ..models.routing import route
 from ..models.switch import SwitchGLU, weighted_sum
-from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend, round_up
+from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend, round_up, run_compiled
 from .support import parts_reason, shared_fold_reason
 
 ROUTER = Stage("moebench_moe_router", "moe_router.body", ("logits",), ("probs", "inds", "scores", "sgate"))
@@ -223,7 +223,7 @@ def select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_to
     check_select((tuple(logits.shape), num_experts, top_k, gate_row), logits, num_experts, top_k, gate_row)
     if backend in GPU_BACKENDS:
         return gpu_select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row)
-    return reference_select(logits, num_experts, top_k, norm_topk_prob, gate_row)
+    return run_compiled(reference_select, (num_experts, top_k, norm_topk_prob, gate_row), logits)
 
 
 def matmul_f32(p: QuantizedParts, v: mx.array, indices: mx.array | None = None) -> mx.array:
@@ -274,6 +274,25 @@ def routed(
         return gpu_routed(backend, x, indices, scores, gate, up, down, shared, residual, rows)
     signature = pair_signature(x, indices, scores, gate, up, down, shared, residual, rows)
     check_pair(signature, x, indices, scores, gate, up, down, shared, residual, rows)
+    parts = (gate, up, down, *((shared.gate, shared.up, shared.down) if shared is not None else ()))
+    arrays = tuple((p.weight, p.scales, p.biases) for p in parts)
+    formats = tuple((p.group_size, p.bits, p.mode) for p in parts)
+    return run_compiled(_traced_reference, (formats,), x, indices, scores, arrays,
+                        None if shared is None else shared.sigmoid_gate, residual)
+
+
+def _traced_reference(x: mx.array, indices: mx.array, scores: mx.array, arrays: tuple, sigmoid_gate: mx.array | None,
+                      residual: mx.array | None, formats: tuple) -> tuple[mx.array, mx.array, mx.array | None]:
+    """reference_routed with each QuantizedParts given as its arrays and its format (run_compiled takes arrays)."""
+    parts = [QuantizedParts(*a, *f) for a, f in zip(arrays, formats, strict=True)]
+    shared = SharedExpert(*parts[3:], sigmoid_gate) if sigmoid_gate is not None else None
+    return reference_routed(x, indices, scores, *parts[:3], shared, residual)
+
+
+def reference_routed(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
+                     down: QuantizedParts, shared: SharedExpert | None,
+                     residual: mx.array | None) -> tuple[mx.array, mx.array, mx.array | None]:
+    """routed's arithmetic with MLX ops (the reference backend)."""
     lead = tuple(x.shape[:-1])
     flat_x = x.reshape(-1)
     y = reference_expert_outputs(flat_x, indices.reshape(-1), gate, up, down)

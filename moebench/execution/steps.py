@@ -25,6 +25,7 @@ from ..models.sharding import attention_note, block_note
 from ..models.switch import ExpertShard, weighted_sum
 from . import attention, moe
 from .attention import QKNorm, rope_frequencies
+from .kernel import run_compiled
 from .support import attention_reason
 from .weights import Derived, FusedWeights, RowStack
 
@@ -155,13 +156,21 @@ class MoeKernel:
                 shared = mx.distributed.all_sum(shared if mine else mx.zeros(xn.shape, mx.float32),
                                                 group=self.shard.group)
         if recording:
-            weighted = weighted_sum(expert_out, scores)  # float32, as inside kernel B
-            if block_out is None:
-                block_out = (weighted if shared is None else weighted + gate * shared).astype(xn.dtype)
-            hooks.record_moe(record, logits, probs, inds, scores, expert_out, weighted.astype(xn.dtype), shared, gate,
-                             block_out)
+            weighted, mixed = run_compiled(recorded_mix, (xn.dtype,), expert_out, scores, shared, gate)
+            hooks.record_moe(record, logits, probs, inds, scores, expert_out, weighted, shared, gate,
+                             mixed if block_out is None else block_out)
             out = out.reshape(shape)
         return out
+
+
+def recorded_mix(expert_out: mx.array, scores: mx.array, shared: mx.array | None, gate: mx.array | None,
+                 dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """What a recorded fused block hands its record beside the kernels' outputs: the routed experts' weighted sum
+    and the block's output (with the shared expert's gated share), summed in float32 as inside kernel B, each
+    cast to the activation dtype."""
+    weighted = weighted_sum(expert_out, scores)
+    mixed = weighted if shared is None else weighted + gate * shared
+    return weighted.astype(dtype), mixed.astype(dtype)
 
 
 def moe_note(block, weights: LayerWeights) -> str | None:

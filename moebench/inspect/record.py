@@ -415,9 +415,7 @@ class Stepper:
             ids = mx.argpartition(-logits, kth=self.top - 1, axis=-1)[:, : self.top]
             picked = mx.take_along_axis(logits, ids, axis=-1).astype(mx.float32)
             top = ids, mx.exp(picked - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True))
-            mx.async_eval(*top)
-        if recorder is not None:
-            mx.async_eval(*recorder.arrays())
+        mx.async_eval(*(top or ()), *(recorder.arrays() if recorder is not None else ()))
         step.extras = (top, recorder.values if recorder is not None else None)
         return step
 
