@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..models import family
-from ..models.args import MODE_DEFAULTS, QUANT_MODES, ModelArgs, Quantization, QuantSpec
+from ..models.args import MODE_DEFAULTS, QUANT_MODES, ModelArgs, Quantization, QuantSpec, YarnScaling
 from .files import checkpoint_file, parse_json
 
 # transformers' Qwen2MoeConfig default, used when config.json gives no rope_theta at all.
@@ -79,14 +79,19 @@ def model_args(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
     if head_dim % 2:
         raise ConfigError(f"{source}: field 'head_dim' must be even for rotary embeddings, got {head_dim}")
 
-    rope_theta = cfg.get("rope_theta")
+    module = family(model_type, source)
+    rope_theta, rope_scaling = cfg.get("rope_theta"), None
     for key in ("rope_parameters", "rope_scaling"):  # transformers 5 / 4 names of the RoPE settings
         rope = cfg.get(key)
         if not isinstance(rope, dict):
             continue
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"{source}: field {key!r}: rope_type {rope_type!r} is not supported (only 'default')")
+        supported = getattr(module, "ROPE_TYPES", ("default",))
+        if rope_type not in supported:
+            raise ConfigError(f"{source}: field {key!r}: rope_type {rope_type!r} is not supported for {model_type} "
+                              f"(supported: {list(supported)})")
+        if rope_type == "yarn" and rope_scaling is None:
+            rope_scaling = _yarn(rope, f"{source}: field {key!r}")
         if rope_theta is None:
             rope_theta = rope.get("rope_theta")
     if optional("use_sliding_window", False) is not False:
@@ -103,6 +108,16 @@ def model_args(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
     if num_experts and top_k > num_experts:
         raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})")
     layers = integer("num_hidden_layers", need("num_hidden_layers"))
+    layer_types = optional("layer_types", [])
+    kinds = getattr(module, "LAYER_TYPES", ("full_attention",))
+    if not isinstance(layer_types, list) or (layer_types and len(layer_types) != layers) or \
+            not all(t in kinds for t in layer_types):
+        raise ConfigError(f"{source}: field 'layer_types' must list one of {list(kinds)} for each of the {layers} "
+                          f"layers, got {layer_types!r}")
+    window = None
+    if "sliding_attention" in layer_types:
+        window = integer("sliding_window", need("sliding_window"))
+    limits = {key: None if cfg.get(key) is None else number(key, cfg[key]) for key in ("swiglu_limit", "swiglu_alpha")}
     mlp_only = optional("mlp_only_layers", [])
     if not isinstance(mlp_only, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only
@@ -131,12 +146,44 @@ def model_args(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
         tie_word_embeddings=flag("tie_word_embeddings", optional("tie_word_embeddings", False)),
         vocab_size=integer("vocab_size", need("vocab_size")),
         qkv_bias=flag("qkv_bias", need("qkv_bias")),
-        quantization=_parse_quantization(cfg.get("quantization"), source),
+        quantization=_parse_quantization(cfg.get("quantization", _hub_quantization(cfg, source)), source),
         eos_token_id=token_ids(cfg.get("eos_token_id"), f"{source}: field 'eos_token_id'"),
         max_position_embeddings=None if cfg.get("max_position_embeddings") is None else integer(
             "max_position_embeddings", cfg["max_position_embeddings"]),
         clip_qkv=None if cfg.get("clip_qkv") is None else number("clip_qkv", cfg["clip_qkv"]),
+        rope_scaling=rope_scaling,
+        layer_types=tuple(layer_types) if window else (),  # every layer full: said as no types
+        sliding_window=window,
+        **limits,
     )
+
+
+def _yarn(rope: dict[str, Any], where: str) -> YarnScaling:
+    """A YaRN entry of `rope_parameters` / `rope_scaling`, with transformers' defaults (beta_fast 32, beta_slow 1,
+    truncate true)."""
+
+    def value(key: str, default: Any = None, kind: type = float) -> Any:
+        v = rope.get(key)
+        if v is None:
+            if default is None and key in ("factor", "original_max_position_embeddings"):
+                raise ConfigError(f"{where}: yarn needs {key!r}")
+            return default
+        if kind is bool:
+            if not isinstance(v, bool):
+                raise ConfigError(f"{where}: {key!r} must be true or false, got {v!r}")
+            return v
+        low = 0 if key.startswith("mscale") else math.ulp(0)  # an mscale of 0 means none (transformers)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= FLOAT32_MAX or \
+                (kind is int and v != int(v)):
+            raise ConfigError(f"{where}: {key!r} must be a positive {'integer' if kind is int else 'number'}, "
+                              f"got {v!r}")
+        return kind(v)
+
+    return YarnScaling(factor=value("factor"),
+                       original_max_position_embeddings=value("original_max_position_embeddings", kind=int),
+                       beta_fast=value("beta_fast", 32.0), beta_slow=value("beta_slow", 1.0),
+                       truncate=value("truncate", True, bool), attention_factor=value("attention_factor"),
+                       mscale=value("mscale"), mscale_all_dim=value("mscale_all_dim"))
 
 def read_model_args(path: str | Path) -> ModelArgs:
     """config.json, with the stop ids of generation_config.json beside it added (as mlx-lm stops on both)."""
@@ -254,6 +301,16 @@ def _parse_quantization(block: Any, source: str) -> Quantization | None:
         elif value is False:
             overrides[key] = False
     return Quantization(default=default, overrides=overrides)
+
+
+def _hub_quantization(cfg: dict[str, Any], source: str) -> dict | None:
+    """The `quantization` block a config.json without one means by transformers' `quantization_config`: gpt-oss's
+    published mxfp4 experts (quant_method 'mxfp4'; the tensors with scales are the quantized ones) as MLX's mxfp4
+    reads them, as mlx-lm does. Any other method: None (a quantized tensor is then an error naming it)."""
+    block = cfg.get("quantization_config")
+    if isinstance(block, dict) and block.get("quant_method") == "mxfp4":
+        return {"mode": "mxfp4"}
+    return None
 
 
 def _quant_spec(entry: dict, where: str) -> QuantSpec:

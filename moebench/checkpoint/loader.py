@@ -20,12 +20,15 @@ from ..models.args import ModelArgs
 from ..models.layers import QuantizedWeight
 from ..models.sharding import shard_experts, shard_heads, shard_mlps
 from ..units import byte_size
+from . import gpt_oss_layouts
 from .config import GENERATION_CONFIG, GenerationConfig, read_model_args
 from .files import TensorStore, is_present
 from .tokenizer import Tokenizer
 from .weights import load_weights
 
 ACTIVATION_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# Families whose published checkpoints name or shape tensors unlike moebench's modules: the renaming, per model_type
+STORED_LAYOUTS = {"gpt_oss": gpt_oss_layouts.to_moebench_names}
 SHIPPED_MODEL = Path(str(resources.files("moebench") / "shipped" / "tiny-qwen2-moe"))  # data/, in the wheel too
 ENV_MODEL = "MOEBENCH_MODEL"
 
@@ -161,6 +164,8 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
     args = read_model_args(folder / "config.json")
     _check_eos_ids(args, folder)
     store = TensorStore(folder, progress=progress)
+    if args.model_type in STORED_LAYOUTS:
+        args = STORED_LAYOUTS[args.model_type](store, args)
     _check_layer_count(args, store, folder)
     model = family(args.model_type, str(folder / "config.json")).Model(args)
     if shard is not None:

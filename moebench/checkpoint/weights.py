@@ -90,9 +90,10 @@ def finite_flags(tree: nn.Module, prefix: str = "", full: bool = True) -> dict[s
     array, where an elementwise isfinite costs several times that on CPU."""
     flags = {}
     for path, module in tree.named_modules():
-        if not isinstance(module, (QuantizedWeight, RMSNorm)):
-            continue
         name = ".".join(p for p in (prefix, path) if p)
+        if not isinstance(module, (QuantizedWeight, RMSNorm)):
+            flags.update({f"{name}.{key}": _finite(module[key], key, None) for key in own_arrays(module)})
+            continue
         mode = getattr(module, "mode", None)
         for part in (*PARTS, "bias"):
             if part not in module:
@@ -144,6 +145,9 @@ def _load_tree(tree: nn.Module, prefix: str, store: TensorStore, dtype: mx.Dtype
     for path, module in modules:
         if isinstance(module, RMSNorm):
             load_norm(store, path, module, dtype)
+        elif not isinstance(module, QuantizedWeight):
+            for key in own_arrays(module):
+                load_array(store, f"{path}.{key}", module, key, dtype)
         elif isinstance(module, ColumnShard):
             load_columns(store, path, module, dtype, quantization)
         elif isinstance(module, QuantizedWeight):
@@ -170,10 +174,10 @@ def load_weight(store: TensorStore, name: str, module: QuantizedWeight, dtype: m
         raise CheckpointError(f"{where}: {name}.weight {tuple(weight.shape)} holds {weight.shape[0]} experts, "
                               f"config.json has {expected[0]} stacked experts")
     bias = store.take(f"{name}.bias") if "bias" in module else None
-    if bias is not None:
-        if tuple(bias.shape) != expected[-2:-1]:
+    if bias is not None:  # [out], or [E, out] for an expert stack
+        if tuple(bias.shape) != expected[:-1]:
             raise CheckpointError(f"{store.where(name + '.bias')}: {name}.bias has shape {tuple(bias.shape)}, "
-                                  f"expected {expected[-2:-1]}")
+                                  f"expected {expected[:-1]}")
         if not mx.issubdtype(bias.dtype, mx.floating):
             raise CheckpointError(f"{store.where(name + '.bias')}: {name}.bias is {bias.dtype}, expected floating "
                                   "point")
@@ -237,6 +241,22 @@ def load_columns(store: TensorStore, name: str, module: ColumnShard, dtype: mx.D
                          None if parts.biases is None else mx.contiguous(parts.biases[:, groups]),
                          parts.group_size, parts.bits, parts.mode)
     module.set_weight(cut.weight, cut, bias)
+
+
+def own_arrays(module: nn.Module) -> list[str]:
+    """The parameters a module holds itself, not through a child (gpt-oss attention's `sinks`); as MLX's
+    parameters(), a name starting with '_' is not one."""
+    return [key for key, value in module.items() if isinstance(value, mx.array) and not key.startswith("_")]
+
+
+def load_array(store: TensorStore, name: str, module: nn.Module, key: str, dtype: mx.Dtype) -> None:
+    """The float tensor `name` into `module[key]`, checked against its shape."""
+    w, size = store.take(name), tuple(module[key].shape)
+    if tuple(w.shape) != size:
+        raise CheckpointError(f"{store.where(name)}: {name} has shape {tuple(w.shape)}, expected {size}")
+    if not mx.issubdtype(w.dtype, mx.floating):
+        raise CheckpointError(f"{store.where(name)}: {name} is {w.dtype}, expected floating point")
+    module[key] = w.astype(dtype)
 
 
 def load_norm(store: TensorStore, name: str, module: RMSNorm, dtype: mx.Dtype) -> None:

@@ -1,4 +1,5 @@
-"""Model families, chosen by config.json's model_type: one module per family (qwen2_moe, qwen3_moe, olmoe),
+"""Model families, chosen by config.json's model_type: one module per family (qwen2_moe, qwen3_moe, olmoe,
+gpt_oss),
 imported when a checkpoint of that family is opened."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from types import ModuleType
 
 from ..errors import ConfigError
 
-FAMILIES = ("olmoe", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("gpt_oss", "olmoe", "qwen2_moe", "qwen3_moe")
 
 
 def family(model_type: str, source: str = "config.json") -> ModuleType:

@@ -63,6 +63,22 @@ class Quantization:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rotary scaling as config.json's `rope_parameters` / `rope_scaling` writes it (transformers' meaning):
+    `truncate` rounds the correction range to whole dimensions; `attention_factor` None: derived from `factor`
+    (and `mscale` / `mscale_all_dim` when both are given)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     model_type: str
     hidden_size: int
@@ -87,6 +103,11 @@ class ModelArgs:
     eos_token_id: tuple[int, ...] = ()
     max_position_embeddings: int | None = None  # the longest sequence the model was made for (None: not given)
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE's option; None: not)
+    rope_scaling: YarnScaling | None = None  # None: plain RoPE at rope_theta
+    layer_types: tuple[str, ...] = ()  # per layer 'full_attention' or 'sliding_attention' (empty: every layer full)
+    sliding_window: int | None = None  # positions a 'sliding_attention' layer sees, its own included
+    swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU: the clamp and the sigmoid's gain
+    swiglu_alpha: float | None = None
 
     def is_moe_layer(self, layer: int) -> bool:
         """Qwen2-MoE's rule: MoE unless listed as MLP-only, and only every `decoder_sparse_step`-th layer."""

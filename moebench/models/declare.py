@@ -20,6 +20,7 @@ SIGMOID_GATED = "sigmoid-gated shared expert"
 
 # The experts' activation.
 SWIGLU = "swiglu"
+CLAMPED_SWIGLU = "clamped swiglu: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)"
 
 # Where attention normalises q and k before rotary (RMSNorm).
 PER_HEAD = "per head"

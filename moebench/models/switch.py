@@ -1,4 +1,5 @@
-"""The expert layer every MoE family shares: SwitchLinear (E stacked matrices) and SwitchGLU (SwiGLU experts).
+"""The expert layer every MoE family shares: SwitchLinear (E stacked matrices) and SwitchGLU (SwiGLU experts);
+BiasedSwitchLinear for experts with biases (gpt-oss), whose family also overrides SwitchGLU.activate.
 
 Experts are held stacked `[E, out, in]`, float or quantized (moebench.checkpoint.weights stacks
 checkpoints that store them one by one).
@@ -58,6 +59,17 @@ class SwitchLinear(QuantizedWeight):
         )
 
 
+class BiasedSwitchLinear(SwitchLinear):
+    """E stacked linear maps, each with its own bias [E, out] added to the rows routed to it."""
+
+    def __init__(self, in_features: int, out_features: int, num_experts: int):
+        super().__init__(in_features, out_features, num_experts)
+        self.bias = mx.zeros((num_experts, out_features))
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return super().__call__(x, indices, sorted_indices) + mx.expand_dims(self["bias"][indices], -2)
+
+
 class SwitchGLU(nn.Module):
     """SwiGLU experts: down_e(silu(gate_e(x)) * up_e(x)) for each selected expert e."""
 
@@ -83,6 +95,10 @@ class SwitchGLU(nn.Module):
         """gate, up and down quantized parts (None for a float projection)."""
         return [p.quantized_parts() for p in (self.gate_proj, self.up_proj, self.down_proj)]
 
+    def activate(self, gate: mx.array, up: mx.array) -> mx.array:
+        """The experts' activation of the gate and up projections: silu(gate) * up."""
+        return swiglu(gate, up)
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x [N, D], indices [N, K] -> each selected expert's output, unweighted, [N, K, D]."""
         n, k = indices.shape
@@ -96,7 +112,7 @@ class SwitchGLU(nn.Module):
         else:
             xs = mx.expand_dims(x, (-2, -3))  # [N, 1, 1, D]: one row-vector matvec per (token, slot)
             idx = indices
-        h = swiglu(self.gate_proj(xs, idx, do_sort), self.up_proj(xs, idx, do_sort))
+        h = self.activate(self.gate_proj(xs, idx, do_sort), self.up_proj(xs, idx, do_sort))
         y = self.down_proj(h, idx, do_sort)
         if do_sort:
             y = y[inverse].reshape(n, k, 1, -1)

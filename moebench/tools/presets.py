@@ -33,7 +33,7 @@ DEFAULT_SHARD_GB = 5.0  # mlx-lm's shard size
 # the checkpoints people run: mlx-community's Qwen1.5-MoE conversions keep experts.{i}; mlx-lm's convert stacks
 # Qwen3-MoE's into switch_mlp (and mlx-lm's qwen3_moe stacks per-expert weights only when they are unquantized);
 # mlx-lm's olmoe stacks OLMoE's into switch_mlp when it converts (its sanitize)
-FAMILY_LAYOUTS = {"qwen2_moe": "per-expert", "qwen3_moe": "stacked", "olmoe": "stacked"}
+FAMILY_LAYOUTS = {"qwen2_moe": "per-expert", "qwen3_moe": "stacked", "olmoe": "stacked", "gpt_oss": "stacked"}
 EXPERT_NAMES = {"stacked": "mlp.switch_mlp.*", "per-expert": "mlp.experts.{i}.*"}
 
 
@@ -84,6 +84,23 @@ OLMOE_1B_7B = {
     "output_router_logits": False, "router_aux_loss_coef": 0.01, "torch_dtype": "bfloat16", "use_cache": True,
 }
 
+# openai/gpt-oss-20b's config.json: experts of width `intermediate_size` (2880, D too) with biases and the clamped
+# SwiGLU, router with a bias (top-4 logits then softmax), 64 query / 8 kv heads of 64 with biases and sinks, a
+# 128-position window on every other layer (sliding first), YaRN rotary (factor 32 over 4096, not truncated).
+# make-random writes moebench's stacked names (mlp.gate, mlp.switch_mlp) at affine bits, not the hub's mxfp4 blocks
+GPT_OSS_20B = {
+    "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880,
+    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+    "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02,
+    "router_aux_loss_coef": 0.9, "output_router_logits": False, "use_cache": True, "eos_token_id": 200002,
+    "pad_token_id": 199999, "torch_dtype": "bfloat16",
+}
+
 PRESETS = {p.name: p for p in (
     Preset("qwen1.5-moe-a2.7b", "Qwen1.5-MoE-A2.7B: 24 layers, D 2048, 60 experts top-4 of width 1408, shared "
            "expert 5632, vocab 151936 (14.3B parameters, 2.7B active; ~8 GB at 4-bit)", QWEN15_MOE_A27B),
@@ -111,6 +128,15 @@ PRESETS = {p.name: p for p in (
                **OLMOE_1B_7B, "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "num_experts": 8,
                "num_experts_per_tok": 2, "eos_token_id": None, "pad_token_id": None}),
+    Preset("gpt-oss-20b", "gpt-oss-20b: 24 layers, D 2880, 64 query heads over 8 kv heads of 64 with sinks, a "
+           "128-position window on alternate layers, 32 experts top-4 of width 2880 with biases and the clamped "
+           "SwiGLU, vocab 201088 (20.9B parameters, 4.2B active with the embeddings)", GPT_OSS_20B),
+    Preset("gpt-oss-tiny", "the gpt_oss family at the tiny preset's size: 2 layers (windowed, then full), D 128, "
+           "GQA 4/2 of 32 with sinks, window 4, 8 experts top-2 of width 128, vocab 256", {
+               **GPT_OSS_20B, "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128,
+               "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 4,
+               "layer_types": ["sliding_attention", "full_attention"], "eos_token_id": None, "pad_token_id": None}),
     Preset("small", "a small Qwen2-MoE for quick runs: 4 layers, D 256, GQA 4/2, 16 experts top-4 of width 256, "
            "shared expert 512, vocab 8192", qwen2_moe_config(
                vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

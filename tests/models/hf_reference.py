@@ -22,3 +22,36 @@ def save_hf_checkpoint(folder: Path, config_cls, model_cls, config: dict, seed: 
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
     model.save_pretrained(folder)
     return folder
+
+
+def save_hub_mxfp4(float_folder: Path, folder: Path) -> Path:
+    """A gpt-oss float folder saved by transformers, rewritten as openai/gpt-oss-* publish it: each expert matrix in
+    [E, rows, in] orientation (gate_up's rows interleaved) quantized to mxfp4 as `_blocks` (uint8 [E, rows, in / 32,
+    16]) and `_scales` (uint8 e8m0 [E, rows, in / 32]); the RoPE settings under `rope_scaling` / `rope_theta`
+    and `quantization_config` {quant_method: mxfp4}, as the hub's config.json writes them. Tokenizer files copied."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    folder.mkdir(parents=True)
+    tensors = load_file(float_folder / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = mx.array(tensors.pop(name)).swapaxes(1, 2)  # transformers' x @ W [E, in, rows] -> [E, rows, in]
+        words, scales = mx.quantize(rows, group_size=32, bits=4, mode="mxfp4")
+        blocks = np.array(mx.view(words, mx.uint8)).reshape(*rows.shape[:2], -1, 16)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, np.array(scales)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((float_folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in float_folder.iterdir():
+        if extra.name not in ("model.safetensors", "config.json"):
+            shutil.copy(extra, folder / extra.name)
+    return folder

@@ -129,6 +129,42 @@ def test_make_random_writes_a_loadable_sharded_checkpoint_with_the_presets_tenso
     assert logits.shape == (1, 3, 256) and bool(mx.all(mx.isfinite(logits)))
 
 
+def test_gpt_oss_preset_is_gpt_oss_20b():
+    """gpt-oss-20b as its config.json writes it, checked by shape only; the tiny preset keeps every gpt-oss part."""
+    from moebench.models.gpt_oss import Model
+
+    cfg = get_preset("gpt-oss-20b").config
+    assert (cfg["model_type"], cfg["architectures"]) == ("gpt_oss", ["GptOssForCausalLM"])
+    args = model_args(cfg)
+    assert (args.hidden_size, args.num_hidden_layers, args.num_attention_heads, args.num_key_value_heads,
+            args.head_dim) == (2880, 24, 64, 8, 64)
+    assert (args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size, args.vocab_size) == (
+        32, 4, 2880, 201088)
+    assert args.layer_types == ("sliding_attention", "full_attention") * 12 and args.sliding_window == 128
+    assert (args.rope_theta, args.rope_scaling.factor, args.rope_scaling.truncate) == (150000.0, 32.0, False)
+    assert (args.swiglu_limit, args.swiglu_alpha, args.qkv_bias) == (7.0, 1.702, True)
+    shapes = dict(tensor_shapes(args, "stacked"))
+    assert shapes["model.layers.0.mlp.switch_mlp.gate_proj.weight"] == (32, 2880, 2880)
+    assert shapes["model.layers.0.mlp.switch_mlp.down_proj.bias"] == (32, 2880)
+    assert shapes["model.layers.23.mlp.gate.bias"] == (32,)
+    assert shapes["model.layers.0.self_attn.sinks"] == (64,)
+    assert shapes["model.layers.0.self_attn.o_proj.bias"] == (2880,)
+    total, active = parameter_counts(cfg)
+    assert round(total / 1e9, 1) == 20.9  # the model card's 21B, and its 3.6B active: the input embedding left out
+    assert round((active - 201088 * 2880) / 1e9, 1) == 3.6
+    windows = [layer.self_attn.window for layer in Model(model_args(get_preset("gpt-oss-tiny").config)).layers]
+    assert windows == [4, None]
+
+
+def test_make_random_gpt_oss_tiny_loads_and_decodes(tmp_path):
+    folder = write_random(tmp_path / "gpt-oss", "gpt-oss-tiny", dtype="float32", group_size=32, progress=False)
+    model, _ = load(folder)
+    assert model.args.model_type == "gpt_oss"
+    assert model.load_info.bits["mlp.switch_mlp.down_proj"] == "4-bit g32"
+    logits = model(mx.array([[1, 2, 3, 4, 5, 6, 7]]))  # past the window of 4
+    assert logits.shape == (1, 7, 256) and bool(mx.all(mx.isfinite(logits)))
+
+
 @pytest.mark.parametrize("preset,layout,stacked", [("qwen3-tiny", None, True), ("tiny", None, False),
                                                    ("tiny", "stacked", True), ("olmoe-tiny", None, True)])
 def test_make_random_writes_the_familys_mlx_layout_and_mlx_lm_computes_what_moebench_does(

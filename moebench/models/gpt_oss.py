@@ -1,0 +1,181 @@
+"""gpt-oss (gpt-oss-20b / -120b): what differs from Qwen2-MoE, and nothing else.
+
+- router: a Linear with a bias; the top-k logits, then a softmax over those k. Computed as the softmax over all
+  experts renormalised over the k selected (the same numbers: exp(l_i) / sum over the k of exp(l_j)), so
+  `router_probs` is the softmax over all experts and interventions act as on every family. The recorded
+  `router_logits` are the bias-added logits (what the top-k is taken of);
+- experts: gate, up and down with a bias each, and the clamped SwiGLU: g = min(gate, limit), u = clip(up, -limit,
+  limit), out = (u + 1) * g * sigmoid(alpha * g) (config `swiglu_limit`, `swiglu_alpha`); no shared expert.
+  `expert_out` is each expert's output with its down bias;
+- attention: biases on q, k, v and o; a learned logit per head (`sinks`) that joins each softmax's denominator
+  and attends to nothing; on the layers config `layer_types` marks 'sliding_attention', a window of
+  `sliding_window` positions (the token's own included); YaRN rotary (config `rope_parameters` / `rope_scaling`,
+  as transformers computes its frequencies and attention factor). A windowed layer keeps its whole cache and masks
+  what lies outside the window: exact, and every cache moebench has works unchanged;
+- config.json: `intermediate_size` is the experts' width, `num_local_experts` their count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import mlx.core as mx
+
+from ..errors import ConfigError
+from . import qwen2_moe
+from .args import ModelArgs, YarnScaling
+from .declare import CLAMPED_SWIGLU, TOPK_THEN_SOFTMAX, AttentionSpec, MoeSpec
+from .layers import Linear
+from .switch import BiasedSwitchLinear, SwitchGLU
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+LAYER_TYPES = (FULL, SLIDING)  # what moebench.checkpoint.config accepts in `layer_types` for this family
+ROPE_TYPES = ("default", "yarn")  # and as rope_type
+# transformers' GptOssConfig defaults, for a config.json that leaves them out
+DEFAULTS = {"rope_theta": 150_000.0, "swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+
+
+def config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's config.json in the fields every family reads (moebench.checkpoint.config)."""
+    bias = cfg.get("attention_bias")
+    fields = {"moe_intermediate_size": cfg.get("intermediate_size"), "qkv_bias": True if bias is None else bias}
+    ropes = [r for r in (cfg.get("rope_parameters"), cfg.get("rope_scaling")) if isinstance(r, dict)]
+    if not ropes:
+        fields["rope_parameters"] = DEFAULT_ROPE
+    for key, default in DEFAULTS.items():
+        given = cfg.get(key)
+        if key == "rope_theta" and given is None:  # transformers 5 writes it inside rope_parameters
+            given = next((r["rope_theta"] for r in ropes if r.get("rope_theta") is not None), None)
+        fields[key] = default if given is None else given
+    if cfg.get("layer_types") is None and isinstance(cfg.get("num_hidden_layers"), int):
+        fields["layer_types"] = [SLIDING if i % 2 == 0 else FULL for i in range(cfg["num_hidden_layers"])]
+    return fields
+
+
+def yarn(head_dim: int, theta: float, scaling: YarnScaling) -> tuple[mx.array, float]:
+    """YaRN's inverse frequencies [head_dim / 2] and attention factor, as transformers computes them: each
+    frequency between theta's and theta's divided by `factor`, blended by a ramp over the dimensions whose
+    wavelength lies between `beta_fast` and `beta_slow` rotations of the original context."""
+
+    def correction_dim(rotations: float) -> float:
+        original = scaling.original_max_position_embeddings
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = mx.clip((mx.arange(head_dim // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    extrapolated = 1.0 / theta ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)
+    interpolated = extrapolated / scaling.factor
+    inv_freq = interpolated * ramp + extrapolated * (1 - ramp)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = scaling.attention_factor
+    if factor is None:
+        factor = mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim) \
+            if scaling.mscale and scaling.mscale_all_dim else mscale(scaling.factor)
+    return inv_freq, factor
+
+
+class Attention(qwen2_moe.Attention):
+    """Attention with biases everywhere, per-head sinks, an optional sliding window and YaRN rotary."""
+
+    def __init__(self, args: ModelArgs, window: int | None = None):
+        super().__init__(args)
+        self.o_proj = Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.qkv_bias)
+        self.sinks = mx.zeros((self.n_heads,))
+        self.window = window
+        if args.rope_scaling is None:
+            self._rope_freqs, self.rope_factor = None, 1.0
+        else:
+            inv_freq, self.rope_factor = yarn(self.head_dim, args.rope_theta, args.rope_scaling)
+            self._rope_freqs = 1.0 / inv_freq  # mx.fast.rope's freqs (wavelength / 2 pi); "_": not a parameter
+
+    @property
+    def spec(self) -> AttentionSpec:
+        return replace(super().spec, window=self.window, sinks=True)
+
+    def rope(self, x: mx.array, offset) -> mx.array:
+        if self.rope_factor != 1.0:  # transformers scales cos and sin: q and k each by the factor
+            x = x * self.rope_factor
+        base = self.rope_theta if self._rope_freqs is None else None
+        return mx.fast.rope(x, self.head_dim, traditional=False, base=base, scale=1.0, offset=offset,
+                            freqs=self._rope_freqs)
+
+    def mask(self, length: int, keys: int, offset, cache) -> mx.array | str | None:
+        """Full layers: causal (the cache's own mask). Windowed ones: query i, at position offset + i, sees the
+        cache slots p (slot p holds position p) with offset + i - window < p <= offset + i."""
+        if self.window is None:
+            return cache.attention_mask(length) if cache is not None else ("causal" if length > 1 else None)
+        query = offset + mx.arange(length, dtype=mx.int32)[:, None]
+        slot = mx.arange(keys, dtype=mx.int32)[None, :]
+        return (slot <= query) & (slot > query - self.window)
+
+    def __call__(self, x: mx.array, cache=None) -> mx.array:
+        b, length, _ = x.shape
+        q, k, v = self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
+                                                   mask=self.mask(length, k.shape[2], offset, cache),
+                                                   sinks=self["sinks"].astype(q.dtype))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+
+class Experts(SwitchGLU):
+    """Experts with biases on gate, up and down and the clamped SwiGLU."""
+
+    def __init__(self, in_features: int, hidden_features: int, num_experts: int, limit: float, alpha: float):
+        super().__init__(in_features, hidden_features, num_experts)
+        self.gate_proj = BiasedSwitchLinear(in_features, hidden_features, num_experts)
+        self.up_proj = BiasedSwitchLinear(in_features, hidden_features, num_experts)
+        self.down_proj = BiasedSwitchLinear(hidden_features, in_features, num_experts)
+        self.limit, self.alpha = limit, alpha
+
+    def activate(self, gate: mx.array, up: mx.array) -> mx.array:
+        gate = mx.minimum(gate, self.limit)
+        up = mx.clip(up, -self.limit, self.limit)
+        return (up + 1) * gate * mx.sigmoid(self.alpha * gate)
+
+
+class SparseMoeBlock(qwen2_moe.SparseMoeBlock):
+    """Router with a bias, top-k logits then softmax over the k (see the module docstring), biased experts."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.norm_topk_prob = True  # the softmax over the k selected logits
+        self.gate = Linear(args.hidden_size, args.num_experts, bias=True)
+        self.switch_mlp = Experts(args.hidden_size, args.moe_intermediate_size, args.num_experts,
+                                  args.swiglu_limit, args.swiglu_alpha)
+
+    @property
+    def spec(self) -> MoeSpec:
+        return MoeSpec(self.num_experts, self.top_k, scoring=TOPK_THEN_SOFTMAX, router_bias=True,
+                       activation=CLAMPED_SWIGLU, expert_bias=True)
+
+
+class Model(qwen2_moe.Model):
+    def __init__(self, args: ModelArgs):
+        if args.shared_expert_intermediate_size:
+            raise ConfigError("gpt_oss config sets shared_expert_intermediate_size, but gpt-oss has no shared expert")
+        if args.swiglu_limit is None or args.swiglu_alpha is None:
+            raise ConfigError("gpt_oss config: swiglu_limit and swiglu_alpha are needed (moebench.checkpoint fills "
+                              "transformers' defaults)")
+        super().__init__(args)
+        types = args.layer_types or (FULL,) * args.num_hidden_layers
+        for i, (layer, kind) in enumerate(zip(self.layers, types, strict=True)):
+            if not layer.is_moe:
+                raise ConfigError(f"gpt_oss config makes layer {i} a dense MLP layer; every gpt-oss layer is MoE")
+            layer.self_attn = Attention(args, args.sliding_window if kind == SLIDING else None)
+            layer.mlp = SparseMoeBlock(args)
