@@ -303,30 +303,46 @@ class Drift:
                                  int((a[:, e] & ~b[:, e]).sum()), int((b[:, e] & ~a[:, e]).sum())))
         return pd.DataFrame(rows, columns=["variant", "layer", "expert", "reference", "tokens", "lost", "gained"])
 
-    def worst(self, n: int = 10, context: int = 6) -> pd.DataFrame:
-        """The n tokens with the most real routing changes (then largest next-token KL), each in its context:
-        `context` tokens either side, the token itself in [brackets]."""
+    def worst(self, n: int = 10, context: int = 6, variant: str | None = None) -> pd.DataFrame:
+        """The n tokens with the most real routing changes (then largest next-token KL), of every variant or of
+        `variant`, each with its `index` into the concatenated tokens and in its context (Drift.context)."""
         t = self.by_token()
+        if variant is not None:
+            self._check_variant(variant)
+            t = t[t["variant"] == variant]
         t = t.sort_values(["real", "changed", "logits_kl"], ascending=False, kind="stable").head(n).copy()
-        starts = np.concatenate([[0], np.cumsum(np.bincount(self.seq))])
-        contexts = []
-        for s, p in zip(t["seq"], t["pos"], strict=True):
-            i = starts[s] + p
-            lo, hi = max(starts[s], i - context), min(starts[s + 1], i + context + 1)
-            contexts.append(f"{self._text(self.tokens[lo:i])}[{self._text(self.tokens[i:i + 1])}]"
-                            f"{self._text(self.tokens[i + 1:hi])}")
-        t["context"] = contexts
+        t.insert(3, "index", (self._starts()[t["seq"].to_numpy()] + t["pos"].to_numpy()).astype(int))
+        t["context"] = [self.context(i, context) for i in t["index"]]
         return t.reset_index(drop=True)
+
+    def context(self, index: int, n: int = 6) -> str:
+        """Token `index` (into the concatenated tokens) in [brackets], with up to `n` tokens of its own sequence
+        either side."""
+        self._check_index(index)
+        starts, s = self._starts(), self.seq[index]
+        lo, hi = max(starts[s], index - n), min(starts[s + 1], index + n + 1)
+        return (f"{self._text(self.tokens[lo:index])}[{self._text(self.tokens[index:index + 1])}]"
+                f"{self._text(self.tokens[index + 1:hi])}")
+
+    def _starts(self) -> np.ndarray:
+        """Where each sequence starts in the concatenated tokens, and the end."""
+        return np.concatenate([[0], np.cumsum(np.bincount(self.seq))])
+
+    def _check_variant(self, variant: str) -> None:
+        if variant not in self.routings or variant == self.reference:
+            raise MoebenchError(f"variant must be one of {self.names[1:]}, got {variant!r}")
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < len(self.tokens):
+            raise MoebenchError(f"index must be in 0..{len(self.tokens) - 1}, got {index!r}")
 
     def cell(self, variant: str, index: int, layer: int) -> pd.DataFrame:
         """Both routings at one token (index into the concatenated tokens) and layer: each variant's experts,
         scores and router probabilities, one row per (arm, rank)."""
-        if variant not in self.routings or variant == self.reference:
-            raise MoebenchError(f"variant must be one of {self.names[1:]}, got {variant!r}")
+        self._check_variant(variant)
         if layer not in self.layers:
             raise MoebenchError(f"layer must be one of the MoE layers {list(self.layers)}, got {layer!r}")
-        if not 0 <= index < len(self.tokens):
-            raise MoebenchError(f"index must be in 0..{len(self.tokens) - 1}, got {index!r}")
+        self._check_index(index)
         li = self.layers.index(layer)
         rows = []
         for arm in (self.reference, variant):
@@ -340,10 +356,12 @@ class Drift:
     def next_tokens(self, variant: str, index: int, top: int = 5) -> pd.DataFrame:
         """The likeliest next tokens after token `index` under the reference and `variant` (both models), with
         both probabilities: what the routing change did to the prediction there."""
+        self._check_variant(variant)
+        self._check_index(index)
         a, b = self.routings[self.reference].logits, self.routings[variant].logits
         if a is None or b is None:
             raise MoebenchError("next-token logits need two model variants (a routing file has none)")
-        pa_, pb = (np.exp(x[index] - x[index].max()) for x in (a.astype(np.float64), b.astype(np.float64)))
+        pa_, pb = (np.exp(x - x.max()) for x in (a[index].astype(np.float64), b[index].astype(np.float64)))
         pa_, pb = pa_ / pa_.sum(), pb / pb.sum()
         ids = list(dict.fromkeys([*np.argsort(-pa_)[:top].tolist(), *np.argsort(-pb)[:top].tolist()]))
         return pd.DataFrame({"token": ids, "text": [self._text([i]) for i in ids],

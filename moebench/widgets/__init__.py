@@ -6,11 +6,13 @@ those that start decodes run them on the notebook's thread (mainthread.Owner).
     RouterView, ExpertView, DiffView, CompareSteps, ExpertLoadMap   # plotly views (static copies for saved notebooks)
     FusedToggle, TokensPerSecondChart, LiveDecode, DecodeBenchmark  # the switch, live tok/s, the benchmark
     InterventionPanel, ExportBar                                    # interventions as controls; export buttons
+    DriftControls, DriftView                                        # routing drift of a model's variants
 """
 
 from .bench import DecodeBenchmark
 from .controls import ModelPicker, PromptControls
 from .diff import CompareSteps, DiffView
+from .drift import DriftControls, DriftView
 from .experts import ExpertView
 from .exportbar import ExportBar
 from .intervene import InterventionPanel
@@ -21,6 +23,6 @@ from .stepper import TokenStepper, TokenStrip
 from .toggle import FusedToggle
 from .tps import TokensPerSecondChart
 
-__all__ = ["CompareSteps", "DecodeBenchmark", "DiffView", "ExpertLoadMap", "ExpertView", "ExportBar", "FusedToggle",
-           "InterventionPanel", "LiveDecode", "ModelPicker", "PromptControls", "RouterView", "TokenStepper",
-           "TokenStrip", "TokensPerSecondChart"]
+__all__ = ["CompareSteps", "DecodeBenchmark", "DiffView", "DriftControls", "DriftView", "ExpertLoadMap", "ExpertView",
+           "ExportBar", "FusedToggle", "InterventionPanel", "LiveDecode", "ModelPicker", "PromptControls",
+           "RouterView", "TokenStepper", "TokenStrip", "TokensPerSecondChart"]

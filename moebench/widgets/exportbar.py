@@ -1,5 +1,6 @@
 """Export buttons: a view's records to parquet or CSV (the frames of moebench.inspect.export, one file per
-record type; in CSV the vectors' lists are JSON text), its figures to HTML or PNG.
+record type, or the named frames a view hands over; in CSV the vectors' lists are JSON text), its figures to HTML
+or PNG.
 
 HTML carries plotly.js inside the file, so it opens anywhere without a network. PNG goes through plotly's
 kaleido engine, which needs the `kaleido` package and a Chrome or Chromium; without them the button says
@@ -29,7 +30,8 @@ def slug(text: str) -> str:
 
 
 class ExportBar:
-    """`ExportBar(lambda: trace, figures, folder)`: buttons that write into `folder` and list what they wrote."""
+    """`ExportBar(lambda: trace, figures, folder)`: buttons that write into `folder` and list what they wrote; the
+    callable may instead return named frames ({name: DataFrame}), each written as one file."""
 
     def __init__(self, trace: Callable[[], object] | None, figures: list, folder: str = "moebench-export"):
         self.trace, self.figures = trace, list(figures)
@@ -56,11 +58,12 @@ class ExportBar:
         return button
 
     def records(self, fmt: str) -> list[Path]:
-        """The current trace's frames, one file per record type, as parquet or CSV."""
+        """The current trace's frames (or the named frames given), one file per record type, as parquet or CSV."""
         if fmt not in ("parquet", "csv"):
             raise MoebenchError(f"ExportBar.records: format {fmt!r} is not 'parquet' or 'csv'")
         folder = Path(self.folder.value) / "records"
-        frames = to_frames(self.trace())
+        records = self.trace()
+        frames = records if isinstance(records, dict) else to_frames(records)
         if fmt == "parquet":
             return self._done(save_frames(frames, folder, "parquet"))
         folder.mkdir(parents=True, exist_ok=True)

@@ -128,6 +128,27 @@ def test_near_ties_are_told_apart_by_the_margin():
     assert drift([ref, other], [[1, 2]], names=["ref", "other"], tie_margin=0.5).frame()["near_tie"].all()
 
 
+def test_worst_tokens_of_one_variant_point_at_their_token_in_context():
+    """worst(variant=) ranks that variant's changes alone; each row's index is its token's place in the fed tokens,
+    shown in [brackets] with neighbours from its own sequence only."""
+    Routing = moebench.inspect.routing_files.Routing
+    ids = np.tile([0, 1], (5, 1, 1))  # 5 tokens, one layer, top-2
+    at_3, at_1 = ids.copy(), ids.copy()
+    at_3[3, 0], at_1[1, 0] = [2, 3], [0, 4]
+    d = drift([Routing(ids, (0,)), Routing(at_3, (0,)), Routing(at_1, (0,))], [[10, 11, 12], [13, 14]],
+              names=["ref", "a", "b"])
+    worst = d.worst(1, context=1, variant="a").iloc[0]
+    assert (worst["variant"], worst["index"], worst["seq"], worst["pos"]) == ("a", 3, 1, 0)
+    assert worst["context"] == "[13]14"  # token 12 belongs to the first sequence
+    assert d.worst(1, variant="b")["index"].tolist() == [1]
+    assert d.context(1, 1) == "10[11]12"
+    with pytest.raises(MoebenchError, match="variant must be one of"):
+        d.worst(variant="ref")
+    with pytest.raises(MoebenchError, match=r"index must be in 0\.\.4, got 5"):
+        d.context(5)
+    with pytest.raises(MoebenchError, match="next-token logits need two model variants"):
+        d.next_tokens("a", 0)
+
 def test_routing_files_compare_like_models(base, tmp_path):
     """A model's routing written as SGLang bytes and read back compares as the model itself: zero set drift."""
     model, _ = moebench.load(base)

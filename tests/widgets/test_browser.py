@@ -360,6 +360,28 @@ def ablating_shows_the_effect(page) -> None:
     assert picked.locator("option").count() == 4 and "4: ablate 3" in shown, shown
 
 
+@control("06_routing_drift")
+def clicking_the_drift_map_shows_that_cell(page) -> None:
+    """Hover a cell of the flip map, click it: the readout names that token and shows both routings there and the
+    next-token change."""
+    page.wait_for_function(KERNEL_IDLE_JS, timeout=30_000)
+    readout = page.locator(".moebench-drift-readout").first
+    before = readout.inner_text()
+    cells = page.locator(".moebench-drift-view .draglayer .xy .nsewdrag").first
+    cells.scroll_into_view_if_needed()
+    area = cells.bounding_box()
+    page.mouse.move(area["x"] + area["width"] * 0.3, area["y"] + area["height"] / 2)
+    hover = page.locator(".moebench-drift-view .hoverlayer .hovertext", has_text="layer").first
+    hover.wait_for(state="attached", timeout=10_000)
+    token = hover.text_content().split()[1]  # "token N ..."
+    page.mouse.down()
+    page.mouse.up()
+    page.wait_for_function("([el, t]) => el.innerText !== t && el.innerText.includes('routing at layer')",
+                           arg=[readout.element_handle(), before], timeout=30_000)
+    text = readout.inner_text()
+    assert text.startswith(f"token {token} ") and "next token" in text and "expert" in text, text[:500]
+
+
 @pytest.mark.parametrize("notebook", [nb.name for nb in NOTEBOOKS])
 def test_notebook_runs_renders_and_its_controls_act(lab, browser, notebook):
     stem = notebook.removesuffix(".ipynb")

@@ -10,8 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
-def test_the_five_notebooks_exist():
-    assert [nb.name[:3] for nb in NOTEBOOKS] == ["01_", "02_", "03_", "04_", "05_"]
+def test_the_six_notebooks_exist():
+    assert [nb.name[:3] for nb in NOTEBOOKS] == ["01_", "02_", "03_", "04_", "05_", "06_"]
 
 
 def test_notebooks_are_committed_stripped():
