@@ -25,12 +25,16 @@ parser.add_argument("model", nargs="?", default="data/tiny-qwen2-moe", help="che
 parser.add_argument("--rounds", type=int, default=7, help="measured rounds (after one warm-up round)")
 parser.add_argument("--tokens", type=int, default=128, help="tokens decoded by each arm in each round")
 parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens")
+parser.add_argument("--cpu", action="store_true", help="run on the CPU on a machine with a GPU")
 a = parser.parse_args()
+if a.cpu:
+    mx.set_default_device(mx.cpu)
 model, tokenizer = moebench.load(a.model)
 ids = [(i * 7919 + 11) % model.args.vocab_size for i in range(a.prompt_tokens)]
 runs = measure(lambda **o: Stepper(model, tokenizer, ids, **o), tokens=a.tokens, rounds=a.rounds)
 kept = runs[~runs["warmup"]]
 out = {"moebench": moebench.__file__, "mlx": mx.__version__,
+       "device": str(mx.default_device()),
        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rounds": a.rounds, "tokens": a.tokens}
 for recording in (False, True):
     rows = kept[kept["recording"] == recording]
