@@ -1,0 +1,194 @@
+"""Gated DeltaNet linear attention (the token mixing of three in four Qwen3-Next / Qwen3.5 layers), top to bottom.
+
+For each token t, from the normed hidden state x_t:
+1. projections: q, k, v (key heads of key_dim for q and k, value heads of value_dim for v), z (the output gate,
+   per value head), b and a (one number per value head each). Qwen3-Next fuses them in two matrices whose rows
+   are grouped per key head (`in_proj_qkvz`: per key head its q, k, then its value heads' v and z; `in_proj_ba`:
+   per key head its value heads' b then a); Qwen3.5 keeps four (`in_proj_qkv` as [q | k | v], `in_proj_z`,
+   `in_proj_b`, `in_proj_a`). The numbers are the same either way once split.
+2. a causal depthwise convolution over the last `conv_kernel` positions of [q | k | v], then SiLU. The
+   conv_kernel - 1 positions before the first of a call are the conv state (zeros before the sequence).
+3. q and k L2-normalised per head (eps 1e-6 added to the sum of squares), q also scaled by key_dim^-1/2.
+4. the gated delta rule, per value head (a key head serves num_value_heads / num_key_heads consecutive value
+   heads), its state S [value_dim, key_dim] in float32:
+       decay g_t = exp(-exp(A_log) * softplus(a_t + dt_bias)),   beta_t = sigmoid(b_t)
+       S = g_t S;   S = S + beta_t (v_t - S k_t) k_t^T;   o_t = S q_t
+   token by token, a prompt as its tokens stepped (exactness first: the same updates in the same order).
+5. o_t RMSNorm'ed per value head (weight as stored, no +1), times silu(z_t); then the output projection.
+
+The conv and delta states live in the cache (moebench.decode.state.LinearAttentionState), never in the module.
+The arithmetic is mlx-lm's (mlx_lm.models.gated_delta and qwen3_next); transformers' torch functions compute the
+same numbers with the state transposed ([key_dim, value_dim]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import ConfigError
+from .args import ModelArgs
+from .layers import Linear
+
+FUSED_QKVZ = "in_proj_qkvz + in_proj_ba, rows grouped per key head (Qwen3-Next)"
+SPLIT_QKV_Z_B_A = "in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (Qwen3.5)"
+LAYOUTS = (FUSED_QKVZ, SPLIT_QKV_Z_B_A)
+L2_EPS = 1e-6  # added to the sum of squares of q and k (the FLA library's and transformers' l2norm)
+
+
+@dataclass(frozen=True)
+class LinearAttentionArgs:
+    """The linear-attention layers' sizes (config.json's linear_num_key_heads, linear_num_value_heads,
+    linear_key_head_dim, linear_value_head_dim, linear_conv_kernel_dim) and how the projections are stored."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    layout: str
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"linear attention layout {self.layout!r} is not one of {LAYOUTS}")
+        if self.num_value_heads % self.num_key_heads:
+            raise ConfigError(f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of "
+                              f"linear_num_key_heads ({self.num_key_heads})")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the convolution runs over: [q | k | v]."""
+        return 2 * self.key_dim + self.value_dim
+
+
+class DepthwiseConv1d(nn.Module):
+    """One filter of `kernel` taps per channel, weight [channels, kernel, 1] (MLX's layout; transformers stores
+    [channels, 1, kernel])."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = mx.zeros((channels, kernel, 1))
+
+    def __call__(self, window: mx.array) -> mx.array:
+        """[B, kernel - 1 + L, C] (the conv state, then L new positions) -> [B, L, C]."""
+        return mx.conv1d(window, self["weight"], groups=window.shape[-1])
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each value head's output (its weight as stored), times silu(z) in float32."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = mx.ones((dims,)), eps
+
+    def __call__(self, x: mx.array, z: mx.array) -> mx.array:
+        normed = mx.fast.rms_norm(x, self["weight"], self.eps).astype(mx.float32)
+        return (nn.silu(z.astype(mx.float32)) * normed).astype(x.dtype)
+
+
+def normalize_qk(q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
+    """q / |q| * key_dim^-1/2 and k / |k| per head (|x| = sqrt(sum x^2 + L2_EPS)), through the fused rms_norm:
+    rms_norm(x, eps / d) = x / sqrt((sum x^2 + eps) / d) = sqrt(d) * x / |x|."""
+    d = q.shape[-1]
+    q = mx.fast.rms_norm(q, None, L2_EPS / d) / d
+    k = mx.fast.rms_norm(k, None, L2_EPS / d) * d**-0.5
+    return q, k
+
+
+def gates(a: mx.array, b: mx.array, a_log: mx.array, dt_bias: mx.array) -> tuple[mx.array, mx.array]:
+    """(decay g, beta) per position and value head, float32: g = exp(-exp(A_log) * softplus(a + dt_bias)),
+    beta = sigmoid(b)."""
+    g = mx.exp(-mx.exp(a_log.astype(mx.float32)) * nn.softplus((a + dt_bias).astype(mx.float32)))
+    return g, mx.sigmoid(b.astype(mx.float32))
+
+
+def delta_step(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+               state: mx.array) -> tuple[mx.array, mx.array]:
+    """One token: q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H], state [B, H, Dv, Dk] -> (o [B, H, Dv], state)."""
+    state = state * g[..., None, None]
+    remembered = (state * k[..., None, :]).sum(axis=-1)  # S k: what the state already returns for k
+    state = state + ((v - remembered) * beta[..., None])[..., None] * k[..., None, :]
+    return (state * q[..., None, :]).sum(axis=-1), state
+
+
+def delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+               state: mx.array) -> tuple[mx.array, mx.array]:
+    """Positions in order: q, k [B, L, Hk, Dk], v [B, L, Hv, Dv], g, beta [B, L, Hv], state [B, Hv, Dv, Dk]
+    (float32) -> (o [B, L, Hv, Dv] float32, the state after the last position)."""
+    group = v.shape[2] // q.shape[2]
+    if group > 1:  # each key head serves `group` consecutive value heads
+        q, k = mx.repeat(q, group, axis=2), mx.repeat(k, group, axis=2)
+    q, k, v = (t.astype(mx.float32) for t in (q, k, v))
+    outputs = []
+    for t in range(q.shape[1]):
+        o, state = delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        outputs.append(o)
+    return mx.stack(outputs, axis=1), state
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention layer: x [B, L, D] -> [B, L, D], continuing the states in `cache` (a
+    LinearAttentionState; None: a sequence on its own)."""
+
+    def __init__(self, args: ModelArgs, linear: LinearAttentionArgs):
+        super().__init__()
+        d, self.linear = args.hidden_size, linear
+        nv = linear.num_value_heads
+        if linear.layout == FUSED_QKVZ:
+            self.in_proj_qkvz = Linear(d, 2 * linear.key_dim + 2 * linear.value_dim)
+            self.in_proj_ba = Linear(d, 2 * nv)
+        else:
+            self.in_proj_qkv = Linear(d, linear.conv_dim)
+            self.in_proj_z = Linear(d, linear.value_dim)
+            self.in_proj_b = Linear(d, nv)
+            self.in_proj_a = Linear(d, nv)
+        self.conv1d = DepthwiseConv1d(linear.conv_dim, linear.conv_kernel)
+        self.A_log = mx.zeros((nv,))
+        self.dt_bias = mx.ones((nv,))
+        self.norm = GatedRMSNorm(linear.value_head_dim, args.rms_norm_eps)
+        self.out_proj = Linear(linear.value_dim, d)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """x [B, L, D] -> ([q | k | v] [B, L, conv_dim], z [B, L, Hv, Dv], b [B, L, Hv], a [B, L, Hv])."""
+        lin, (batch, length, _) = self.linear, x.shape
+        nk, nv, dk, dv = lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
+        if lin.layout == SPLIT_QKV_Z_B_A:
+            return (self.in_proj_qkv(x), self.in_proj_z(x).reshape(batch, length, nv, dv), self.in_proj_b(x),
+                    self.in_proj_a(x))
+        per_key = nv // nk  # value heads per key head
+        qkvz = self.in_proj_qkvz(x).reshape(batch, length, nk, -1)
+        q, k, v, z = mx.split(qkvz, [dk, 2 * dk, 2 * dk + per_key * dv], axis=-1)
+        b, a = mx.split(self.in_proj_ba(x).reshape(batch, length, nk, 2 * per_key), [per_key], axis=-1)
+        qkv = mx.concatenate([t.reshape(batch, length, -1) for t in (q, k, v)], axis=-1)
+        return qkv, z.reshape(batch, length, nv, dv), b.reshape(batch, length, nv), a.reshape(batch, length, nv)
+
+    def __call__(self, x: mx.array, cache=None) -> mx.array:
+        lin, (batch, length, _) = self.linear, x.shape
+        qkv, z, b, a = self.project(x)
+        conv_state = cache.conv if cache is not None and cache.conv is not None else \
+            mx.zeros((batch, lin.conv_kernel - 1, lin.conv_dim), qkv.dtype)
+        window = mx.concatenate([conv_state, qkv], axis=1)
+        mixed = nn.silu(self.conv1d(window))
+        q, k, v = mx.split(mixed, [lin.key_dim, 2 * lin.key_dim], axis=-1)
+        q = q.reshape(batch, length, lin.num_key_heads, lin.key_head_dim)
+        k = k.reshape(batch, length, lin.num_key_heads, lin.key_head_dim)
+        v = v.reshape(batch, length, lin.num_value_heads, lin.value_head_dim)
+        q, k = normalize_qk(q, k)
+        g, beta = gates(a, b, self["A_log"], self["dt_bias"])
+        state = cache.delta if cache is not None and cache.delta is not None else \
+            mx.zeros((batch, lin.num_value_heads, lin.value_head_dim, lin.key_head_dim), mx.float32)
+        out, state = delta_rule(q, k, v, g, beta, state)
+        if cache is not None:
+            cache.write(window[:, window.shape[1] - (lin.conv_kernel - 1) :], state, length)
+        out = self.norm(out.astype(x.dtype), z)
+        return self.out_proj(out.reshape(batch, length, -1))

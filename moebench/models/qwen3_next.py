@@ -1,0 +1,200 @@
+"""Qwen3-Next (Qwen3-Next-80B-A3B) and Qwen3.5 / 3.6 MoE (text model): the hybrids, as what differs from Qwen2-MoE.
+
+- token mixing per layer, as config `layer_types` says (else every `full_attention_interval`-th layer full):
+  'linear_attention' layers run Gated DeltaNet (moebench.models.gated_delta; its state in a
+  moebench.decode.state.LinearAttentionState), 'full_attention' layers run GatedAttention: q_proj twice as wide
+  (per head its queries, then an output gate), an RMSNorm over each head of q and of k, rotary on the first
+  `partial_rotary_factor` of each head (rotate-half), and the attention output times sigmoid(gate) before o_proj;
+- MoE block: Qwen2-MoE's (routed experts plus a sigmoid-gated shared expert), top-k renormalised (Qwen3.5 always,
+  Qwen3-Next per norm_topk_prob). Routing, experts and recording are Qwen2-MoE's;
+- norms: transformers stores the decoder norms, the final norm and q/k norms as offsets from 1 (it computes
+  x_normed * (1 + w)); these modules hold 1 + w, as mlx-lm's conversions store them (a loader reading a
+  transformers folder adds the 1). The gated norm inside the linear attention is stored as is in both;
+- Qwen3.5 vs Qwen3-Next: only the linear attention's projections are stored differently (gated_delta.LAYOUTS);
+  Qwen3.5's multimodal rotary (mrope) gives a text token the same position in every section: plain rotary.
+
+ModelArgs holds no linear-attention sizes yet: HybridArgs carries them beside it (hybrid_args reads them from
+config.json).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import ConfigError
+from . import hooks, qwen2_moe, qwen3_moe
+from .args import ModelArgs
+from .declare import AttentionSpec
+from .gated_delta import FUSED_QKVZ, SPLIT_QKV_Z_B_A, GatedDeltaNet, LinearAttentionArgs
+from .hooks import Record
+from .layers import Embedding, Linear, RMSNorm
+from .run import MODULES, LayerRun
+
+LINEAR, FULL = "linear_attention", "full_attention"
+LAYER_TYPES = (LINEAR, FULL)  # what config `layer_types` may hold for these families
+QWEN3_5 = ("qwen3_5_moe", "qwen3_5_moe_text")  # the multimodal folder's model_type and its text_config's
+LAYOUT = {"qwen3_next": FUSED_QKVZ, **dict.fromkeys(QWEN3_5, SPLIT_QKV_Z_B_A)}
+DEFAULT_ROTARY_FRACTION = 0.25  # transformers' partial_rotary_factor default for both
+DEFAULT_FULL_ATTENTION_INTERVAL = 4
+
+
+@dataclass(frozen=True)
+class HybridArgs:
+    """What a hybrid computes beyond ModelArgs: the linear-attention layers' sizes and layout, and the fraction of
+    each full-attention head that is rotated."""
+
+    linear: LinearAttentionArgs
+    rotary_fraction: float = DEFAULT_ROTARY_FRACTION
+
+
+def _rope_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 writes rope_theta and partial_rotary_factor inside `rope_parameters`; older files and mlx-lm's
+    conversions at the top level (or under `rope_scaling`)."""
+    merged: dict[str, Any] = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(cfg.get(key), dict):
+            merged.update({k: v for k, v in cfg[key].items() if v is not None})
+    merged.update({k: cfg[k] for k in ("rope_theta", "partial_rotary_factor") if cfg.get(k) is not None})
+    return merged
+
+
+def config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Fields these families' config.json leaves out or names its own way, as transformers' Qwen3NextConfig and
+    Qwen3_5MoeTextConfig default them: no attention bias, the layer types from full_attention_interval, and for
+    Qwen3.5 every layer a MoE layer with its top-k renormalised (it has no dense MLP width either)."""
+    bias = cfg.get("attention_bias")
+    fields: dict[str, Any] = {"qkv_bias": False if bias is None else bias}
+    layers = cfg.get("num_hidden_layers")
+    if cfg.get("layer_types") is None and isinstance(layers, int):
+        every = cfg.get("full_attention_interval") or DEFAULT_FULL_ATTENTION_INTERVAL
+        fields["layer_types"] = [FULL if (i + 1) % every == 0 else LINEAR for i in range(layers)]
+    if cfg.get("model_type") in QWEN3_5:
+        fields.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      intermediate_size=cfg.get("intermediate_size") or cfg.get("moe_intermediate_size"))
+    elif cfg.get("norm_topk_prob") is None:
+        fields["norm_topk_prob"] = True
+    return fields
+
+
+def hybrid_args(cfg: dict[str, Any], source: str = "config.json") -> HybridArgs:
+    """HybridArgs from a parsed config.json (the text model's); a missing or invalid field is a ConfigError naming
+    it."""
+    model_type = cfg.get("model_type")
+    if model_type not in LAYOUT:
+        raise ConfigError(f"{source}: model_type {model_type!r} is not a hybrid (one of {sorted(LAYOUT)})")
+
+    def size(key: str) -> int:
+        value = cfg.get(key)
+        if value is None:
+            raise ConfigError(f"{source}: required field {key!r} is missing")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
+        return value
+
+    fraction = _rope_settings(cfg).get("partial_rotary_factor", DEFAULT_ROTARY_FRACTION)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ConfigError(f"{source}: field 'partial_rotary_factor' must be a number in (0, 1], got {fraction!r}")
+    linear = LinearAttentionArgs(size("linear_num_key_heads"), size("linear_num_value_heads"),
+                                 size("linear_key_head_dim"), size("linear_value_head_dim"),
+                                 size("linear_conv_kernel_dim"), LAYOUT[model_type])
+    return HybridArgs(linear, float(fraction))
+
+
+def layer_type(args: ModelArgs, layer: int) -> str:
+    """'linear_attention' or 'full_attention' for layer `layer` (ModelArgs.layer_types, one per layer)."""
+    types = args.layer_types
+    if len(types) != args.num_hidden_layers or not set(types) <= set(LAYER_TYPES):
+        raise ConfigError(f"{args.model_type}: layer_types must give one of {list(LAYER_TYPES)} for each of the "
+                          f"{args.num_hidden_layers} layers, got {list(types)!r}")
+    return types[layer]
+
+
+class GatedAttention(qwen3_moe.Attention):
+    """Attention with per-head q/k RMSNorm, partial rotary and a sigmoid output gate from the second half of each
+    head's q_proj rows."""
+
+    def __init__(self, args: ModelArgs, rotary_fraction: float):
+        super().__init__(args)
+        d, hd = args.hidden_size, self.head_dim
+        self.q_proj = Linear(d, 2 * self.n_heads * hd, bias=args.qkv_bias)
+        self.o_proj = Linear(self.n_heads * hd, d, bias=args.qkv_bias)
+        self.rotary_fraction = rotary_fraction
+        self.rotary_dims = int(hd * rotary_fraction)  # transformers' int(head_dim * partial_rotary_factor)
+
+    @property
+    def spec(self) -> AttentionSpec:
+        return replace(super().spec, rope_fraction=self.rotary_fraction)
+
+    def __call__(self, x: mx.array, cache=None) -> mx.array:
+        b, length, _ = x.shape
+        queries, gate = mx.split(self.q_proj(x).reshape(b, length, self.n_heads, 2 * self.head_dim), 2, axis=-1)
+        q, k, v = self.heads(queries.reshape(b, length, -1), self.k_proj(x), self.v_proj(x))
+        offset = cache.offset if cache is not None else 0
+        q = mx.fast.rope(q, self.rotary_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+        k = mx.fast.rope(k, self.rotary_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        mask = cache.attention_mask(length) if cache is not None else ("causal" if length > 1 else None)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(b, length, -1)
+        return self.o_proj(out * mx.sigmoid(gate.reshape(b, length, -1)))
+
+
+class DecoderLayer(nn.Module):
+    """Qwen2-MoE's pre-norm layer with the token mixing its layer type names: `linear_attn` (GatedDeltaNet, its
+    cache a LinearAttentionState) or `self_attn` (GatedAttention, its cache a KVCache)."""
+
+    def __init__(self, args: ModelArgs, hybrid: HybridArgs, layer: int):
+        super().__init__()
+        self.layer_type = layer_type(args, layer)
+        if self.layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(args, hybrid.linear)
+        else:
+            self.self_attn = GatedAttention(args, hybrid.rotary_fraction)
+        self.is_moe = args.is_moe_layer(layer)
+        self.mlp = qwen2_moe.SparseMoeBlock(args) if self.is_moe else \
+            qwen2_moe.MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    @property
+    def mixer(self) -> GatedDeltaNet | GatedAttention:
+        """This layer's token mixing module."""
+        return self["linear_attn"] if self.layer_type == LINEAR else self["self_attn"]
+
+    def __call__(self, x: mx.array, cache=None, record: Record | None = None, run: LayerRun = MODULES) -> mx.array:
+        h = x + run.attend(self.mixer, self.input_layernorm(x), cache)
+        inner = hooks.scope(record, hooks.MOE) if self.is_moe else None
+        out = run.feed_forward(self.mlp, self.post_attention_layernorm(h), h, inner)
+        if record is not None:
+            hooks.record_residuals(record, x, h, out)
+        return out
+
+
+class HybridModel(qwen2_moe.Qwen2MoeModel):
+    """Embedding, the hybrid layers, the final norm; the forward is Qwen2-MoE's (each layer its own cache)."""
+
+    def __init__(self, args: ModelArgs, hybrid: HybridArgs):
+        nn.Module.__init__(self)  # not Qwen2MoeModel's: it would build Qwen2-MoE layers
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, hybrid, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Model(qwen2_moe.Model):
+    """tokens [B, L] -> logits [B, L, vocab]; with a cache (per layer a LinearAttentionState or a KVCache, as its
+    layer_type says) it continues a sequence."""
+
+    def __init__(self, args: ModelArgs, hybrid: HybridArgs):
+        nn.Module.__init__(self)  # not qwen2_moe.Model's: it would build Qwen2-MoE layers
+        if not args.shared_expert_intermediate_size and args.num_experts:
+            raise ConfigError(f"{args.model_type} config gives no shared_expert_intermediate_size: the hybrids' MoE "
+                              "blocks have a shared expert")
+        self.args, self.hybrid = args, hybrid
+        self.model = HybridModel(args, hybrid)
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.hidden_size, args.vocab_size)

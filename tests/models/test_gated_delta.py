@@ -1,0 +1,240 @@
+"""Gated DeltaNet (moebench.models.gated_delta) against transformers' torch layers (Qwen3-Next's fused projections
+and Qwen3.5's split ones, float32) and mlx-lm's, on a whole prompt and token by token for 64 steps after it (the
+recurrent state must not drift); and its state cache (moebench.decode.state): a rewind after queued steps puts
+the layer back exactly, one too far is a DecodeError.
+
+The weights are random with decays near 1 (A = exp(A_log) in [0.01, 0.2]), so the state remembers the whole
+sequence and a drift would show.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from moebench.decode.loop import STEPS_AHEAD
+from moebench.decode.state import LinearAttentionState
+from moebench.errors import ConfigError, DecodeError
+from moebench.models.args import ModelArgs
+from moebench.models.gated_delta import FUSED_QKVZ, SPLIT_QKV_Z_B_A, GatedDeltaNet, LinearAttentionArgs
+
+torch = pytest.importorskip("torch", reason="the reference layers are transformers' (dev dependency torch)")
+
+TOLERANCE = 1e-4
+PROMPT, STEPS = 12, 64
+HIDDEN = 48
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4)
+LAYOUTS = {"qwen3_next": FUSED_QKVZ, "qwen3_5_moe": SPLIT_QKV_Z_B_A}
+
+
+def tiny_args(**fields) -> ModelArgs:
+    """ModelArgs of a tiny hybrid (what the layers read: sizes, eps, rope theta, layer types)."""
+    base = dict(model_type="qwen3_next", hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, intermediate_size=64, num_experts=0, num_experts_per_tok=1,
+                moe_intermediate_size=16, shared_expert_intermediate_size=0, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=(), rope_theta=10_000.0, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, vocab_size=64, qkv_bias=False, layer_types=("linear_attention",))
+    return ModelArgs(**{**base, **fields})
+
+
+def linear_args(family: str) -> LinearAttentionArgs:
+    return LinearAttentionArgs(LINEAR["linear_num_key_heads"], LINEAR["linear_num_value_heads"],
+                               LINEAR["linear_key_head_dim"], LINEAR["linear_value_head_dim"],
+                               LINEAR["linear_conv_kernel_dim"], LAYOUTS[family])
+
+
+OFFSET_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
+
+
+def offset_norm(name: str) -> bool:
+    """Whether transformers stores this norm's weight as an offset from 1 (moebench holds 1 + w)."""
+    return name.endswith(OFFSET_NORMS) or name == "model.norm.weight"
+
+
+def randomize(module, seed: int) -> None:
+    """Weights of useful size: matrices ~ 1/sqrt(fan_in), norms near 1 (offset norms near 0), decays near 1,
+    dt_bias around 0."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("A_log"):
+                p.copy_(torch.log(0.01 + 0.19 * torch.rand(p.shape, generator=gen)))
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * noise)
+            elif name.endswith("norm.weight"):
+                p.copy_((0.0 if offset_norm(name) else 1.0) + 0.1 * noise)
+            elif name.endswith("conv1d.weight"):
+                p.copy_(0.5 * noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+def to_mlx(name: str, value) -> mx.array:
+    """A transformers tensor as moebench and mlx-lm hold it: the depthwise conv's [C, 1, K] as [C, K, 1], an offset
+    norm's w as 1 + w."""
+    array = mx.array(value.detach().numpy())
+    if name.endswith("conv1d.weight"):
+        return array.moveaxis(2, 1)
+    return array + 1.0 if offset_norm(name) else array
+
+
+def linear_weights(torch_layer) -> list[tuple[str, mx.array]]:
+    return [(name, to_mlx(name, p)) for name, p in torch_layer.named_parameters()]
+
+
+def torch_config(family: str, **fields):
+    """transformers' config of the tiny hybrid (every fourth layer full)."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    base = dict(vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                shared_expert_intermediate_size=24, rms_norm_eps=1e-6, **LINEAR)
+    if family == "qwen3_next":
+        return Qwen3NextConfig(**base, intermediate_size=64, **fields)
+    return Qwen3_5MoeTextConfig(**base, **fields)
+
+
+def torch_layer(family: str, seed: int = 0):
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    cls = Qwen3NextGatedDeltaNet if family == "qwen3_next" else Qwen3_5MoeGatedDeltaNet
+    layer = cls(torch_config(family), 0).eval()
+    randomize(layer, seed)
+    return layer
+
+
+def our_layer(family: str, reference) -> GatedDeltaNet:
+    layer = GatedDeltaNet(tiny_args(), linear_args(family))
+    layer.load_weights(linear_weights(reference), strict=True)
+    return layer
+
+
+def inputs(seed: int, length: int = PROMPT + STEPS) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, length, HIDDEN)).astype(np.float32)
+
+
+def run_ours(layer: GatedDeltaNet, x: np.ndarray, prompt: int = PROMPT) -> tuple[np.ndarray, LinearAttentionState]:
+    """The prompt in one call, then one token a call; the outputs of every position."""
+    cache = LinearAttentionState(keep=STEPS_AHEAD + 1)
+    outs = [layer(mx.array(x[:, :prompt]), cache)]
+    outs += [layer(mx.array(x[:, t : t + 1]), cache) for t in range(prompt, x.shape[1])]
+    return np.array(mx.concatenate(outs, axis=1)), cache
+
+
+@pytest.mark.parametrize("family", sorted(LAYOUTS))
+def test_matches_transformers_whole_and_stepped(family):
+    from transformers.cache_utils import DynamicCache
+
+    reference = torch_layer(family)
+    ours = our_layer(family, reference)
+    x = inputs(1)
+    cache = DynamicCache(config=torch_config(family))
+    with torch.no_grad():
+        whole = reference(torch.from_numpy(x)).numpy()
+        stepped = [reference(torch.from_numpy(x[:, :PROMPT]), cache=cache)]
+        stepped += [reference(torch.from_numpy(x[:, t : t + 1]), cache=cache) for t in range(PROMPT, x.shape[1])]
+    stepped = torch.cat(stepped, dim=1).numpy()
+    assert np.abs(np.array(ours(mx.array(x))) - whole).max() <= TOLERANCE
+    got, state = run_ours(ours, x)
+    assert state.offset == PROMPT + STEPS
+    assert np.abs(got - stepped).max() <= TOLERANCE
+    assert np.abs(got[:, -1] - stepped[:, -1]).max() <= TOLERANCE  # the 64th step too
+    # the state itself: transformers holds S as [key_dim, value_dim], moebench (as mlx-lm) [value_dim, key_dim]
+    theirs = cache.get_recurrent_state(0, state_idx=0).numpy().swapaxes(-1, -2)
+    assert np.abs(np.array(state.delta) - theirs).max() <= TOLERANCE
+    # the conv state: transformers keeps the last `kernel` positions [B, C, K], moebench the last kernel - 1
+    conv = cache.get_conv_state(0, state_idx=0).numpy()[..., 1:]
+    assert np.abs(np.array(state.conv).swapaxes(1, 2) - conv).max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", sorted(LAYOUTS))
+def test_matches_mlx_lm_whole_and_stepped(family):
+    from mlx_lm.models import qwen3_5, qwen3_next
+    from mlx_lm.models.cache import ArraysCache
+
+    reference = torch_layer(family, seed=3)
+    ours = our_layer(family, reference)
+    config = torch_config(family).to_dict()
+    if family == "qwen3_next":
+        theirs = qwen3_next.Qwen3NextGatedDeltaNet(qwen3_next.ModelArgs.from_dict(
+            {**config, "rope_theta": 10_000.0, "partial_rotary_factor": 0.25}))
+    else:
+        theirs = qwen3_5.GatedDeltaNet(qwen3_5.TextModelArgs.from_dict(config))
+    theirs.load_weights(linear_weights(reference), strict=True)
+    x = inputs(4)
+    cache = ArraysCache(size=2)
+    expected = [theirs(mx.array(x[:, :PROMPT]), cache=cache)]
+    expected += [theirs(mx.array(x[:, t : t + 1]), cache=cache) for t in range(PROMPT, x.shape[1])]
+    got, state = run_ours(ours, x)
+    assert np.abs(got - np.array(mx.concatenate(expected, axis=1))).max() <= TOLERANCE
+    assert np.abs(np.array(state.delta) - np.array(cache[1])).max() <= TOLERANCE
+    assert np.abs(np.array(ours(mx.array(x))) - np.array(theirs(mx.array(x)))).max() <= TOLERANCE
+
+
+def test_prompt_in_chunks_equals_it_whole():
+    """A long prompt fed a chunk at a time (as the executor feeds one) continues the states across chunks."""
+    ours = our_layer("qwen3_next", torch_layer("qwen3_next", seed=5))
+    x = inputs(6, 20)
+    whole = np.array(ours(mx.array(x)))
+    cache = LinearAttentionState(keep=2)
+    parts = [ours(mx.array(x[:, a:b]), cache) for a, b in ((0, 7), (7, 8), (8, 20))]
+    assert np.abs(np.array(mx.concatenate(parts, axis=1)) - whole).max() <= 1e-5
+
+
+def test_rewind_then_step_equals_an_uninterrupted_run_exactly():
+    """Steps queued ahead and rolled back (one, then two) leave outputs and states bit for bit as never taken."""
+    ours = our_layer("qwen3_5_moe", torch_layer("qwen3_5_moe", seed=7))
+    x = inputs(8, PROMPT + 8)
+    other = inputs(9, PROMPT + 8)  # the tokens of the steps that are rolled back
+    straight, straight_state = run_ours(ours, x)
+
+    cache = LinearAttentionState(keep=STEPS_AHEAD + 1)
+    outs = [ours(mx.array(x[:, :PROMPT]), cache)]
+    for t in range(PROMPT, x.shape[1]):
+        back = 1 if t == PROMPT + 2 else 2 if t == PROMPT + 5 else 0
+        for j in range(back):  # steps built ahead from other tokens, then dropped
+            ours(mx.array(other[:, t + j : t + j + 1]), cache)
+        cache.rewind_to(t)
+        assert cache.offset == t
+        outs.append(ours(mx.array(x[:, t : t + 1]), cache))
+    assert np.array_equal(np.array(mx.concatenate(outs, axis=1)), straight)
+    assert np.array_equal(np.array(cache.delta), np.array(straight_state.delta))
+    assert np.array_equal(np.array(cache.conv), np.array(straight_state.conv))
+
+
+def test_rewind_too_far_is_a_named_error_and_changes_nothing():
+    ours = our_layer("qwen3_next", torch_layer("qwen3_next", seed=10))
+    x = inputs(11, PROMPT + 4)
+    cache = LinearAttentionState(keep=2)
+    ours(mx.array(x[:, :PROMPT]), cache)
+    for t in range(PROMPT, PROMPT + 4):
+        ours(mx.array(x[:, t : t + 1]), cache)
+    delta = cache.delta
+    with pytest.raises(DecodeError, match=r"cannot rewind to position 13.*positions \[0, 15, 16\]"):
+        cache.rewind_to(PROMPT + 1)  # three writes back, two kept
+    with pytest.raises(DecodeError, match="cannot rewind to position 5"):
+        cache.rewind_to(5)  # inside the prompt's one write
+    with pytest.raises(DecodeError, match="cannot rewind to position 17"):
+        cache.rewind_to(PROMPT + 5)  # ahead of the state
+    assert cache.offset == PROMPT + 4 and cache.delta is delta
+    cache.rewind_to(0)  # the empty state: a fresh sequence
+    assert cache.offset == 0 and cache.state == ()
+    assert np.array_equal(np.array(ours(mx.array(x[:, :3]), cache)), np.array(ours(mx.array(x[:, :3]))))
+
+
+@pytest.mark.parametrize("keep", [0, -1, 1.5, True])
+def test_keep_must_be_a_positive_integer(keep):
+    with pytest.raises(DecodeError, match="keep must be an integer >= 1"):
+        LinearAttentionState(keep)
+
+
+def test_bad_sizes_are_config_errors():
+    with pytest.raises(ConfigError, match=r"linear_num_value_heads \(3\) must be a multiple of linear_num_key_heads"):
+        LinearAttentionArgs(2, 3, 16, 8, 4, FUSED_QKVZ)
+    with pytest.raises(ConfigError, match="layout 'x' is not one of"):
+        LinearAttentionArgs(2, 4, 16, 8, 4, "x")
