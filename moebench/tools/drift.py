@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import re
 import sys
@@ -48,13 +49,24 @@ def recipe_name(name: str) -> str:
     return f"{m.group(1)}bit" if m else name
 
 
+def source_digest(source: Path) -> str:
+    """A short digest naming one checkpoint folder as it is now: its resolved path and each file's name, size and
+    modification time. Two folders of one name (every test's `ckpt`), or a folder rewritten, get other variants."""
+    h = hashlib.sha256(str(source.resolve()).encode())
+    for f in sorted(p for p in source.iterdir() if p.is_file()):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:12]
+
+
 def make_variant(source: Path, recipe: str, out_dir: Path) -> Path:
-    """`source` converted by `recipe` into out_dir/<source name>-<recipe>, reused when already there."""
+    """`source` converted by `recipe` into out_dir/<source name>-<digest>-<recipe> (source_digest), reused when
+    already there."""
     recipe = recipe_name(recipe)
     if not is_recipe(recipe):
         raise MoebenchError(f"unknown recipe {recipe!r}: 2bit..8bit, {', '.join(MIXED)}, {', '.join(FP_MODES)} "
                             "or float")
-    out = out_dir / f"{source.name}-{recipe}"
+    out = out_dir / f"{source.name}-{source_digest(source)}-{recipe}"
     if (out / "config.json").exists():
         return out
     if recipe != "float" and "quantization" in json.loads((source / "config.json").read_text()):

@@ -116,12 +116,14 @@ def train_tokenizer(docs: list[Document], vocab_size: int):
 
 
 def token_stream(tok: Tokenizer, docs: list[Document]) -> np.ndarray:
-    """All documents encoded (moebench's Tokenizer, as for any checkpoint) and joined, each followed by EOS."""
+    """All documents encoded (moebench's Tokenizer, as for any checkpoint) and joined, each followed by the shipped
+    vocabulary's EOS, or by a blank line's tokens where the tokenizer has no such token (another checkpoint's)."""
     eos = tok.token_to_id(EOS)
+    end = [eos] if eos is not None else tok.encode("\n\n")
     ids: list[int] = []
     for doc in docs:
         ids.extend(tok.encode(doc.text))
-        ids.append(eos)
+        ids.extend(end)
     return np.asarray(ids, dtype=np.int32)
 
 

@@ -20,8 +20,9 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 def qwen3_checkpoint(tmp_path_factory) -> Path:
     config = qwen2_moe_config(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=64,
                               shared_expert_intermediate_size=0, qkv_bias=False, num_experts=16,
-                              num_experts_per_tok=8, norm_topk_prob=True)
-    folder = write_random_checkpoint(tmp_path_factory.mktemp("qwen3") / "ckpt", config, seed=5, bits=4)
+                              num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096)
+    folder = write_random_checkpoint(tmp_path_factory.mktemp("qwen3") / "ckpt", config, seed=5, bits=4,
+                                     layout="stacked")  # as mlx-lm writes quantized Qwen3-MoE experts
     write_byte_tokenizer(folder)
     return folder
 

@@ -4,6 +4,7 @@ reference by mlx-lm or, without it, by moebench's writer), the per-layer table i
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import numpy as np
@@ -15,7 +16,7 @@ from moebench.cli import main
 from moebench.errors import MoebenchError
 from moebench.inspect.drift import teacher_force
 from moebench.inspect.routing_files import write_routing
-from moebench.tools.drift import make_variant, read_prompts
+from moebench.tools.drift import make_variant, read_prompts, source_digest
 
 # mlx-lm saves the byte tokenizer with <|endoftext|> added as id 256, past the tiny vocabulary: moebench warns, as
 # it should, on every converted folder
@@ -56,16 +57,28 @@ def test_recipes_are_made_by_mlx_lm_and_reused(capsys, tmp_path, float_checkpoin
     made = tmp_path / "made"
     r = _run(capsys, float_checkpoint, "8-bit", "mixed_3_6", "--prompts", prompts, "--variants-dir", made)
     assert r["variants"] == ["ckpt", "8bit", "mixed_3_6"]
-    q8 = json.loads((made / "ckpt-8bit" / "config.json").read_text())["quantization"]
+    name = f"ckpt-{source_digest(float_checkpoint)}"
+    q8 = json.loads((made / f"{name}-8bit" / "config.json").read_text())["quantization"]
     assert q8["bits"] == 8 and q8["group_size"] == 64
-    mixed = json.loads((made / "ckpt-mixed_3_6" / "config.json").read_text())["quantization"]
+    mixed = json.loads((made / f"{name}-mixed_3_6" / "config.json").read_text())["quantization"]
     assert {v["bits"] for v in mixed.values() if isinstance(v, dict)} >= {3, 6}  # the recipe really mixes
     table = pd.DataFrame(r["by_layer"])
     q8_rows, mixed_rows = (table[table["variant"] == v] for v in ("8bit", "mixed_3_6"))
     assert q8_rows["jaccard"].mean() >= mixed_rows["jaccard"].mean()  # fewer bits, no less drift
-    stamp = (made / "ckpt-8bit" / "model.safetensors").stat().st_mtime_ns
-    assert make_variant(float_checkpoint, "8bit", made) == made / "ckpt-8bit"
-    assert (made / "ckpt-8bit" / "model.safetensors").stat().st_mtime_ns == stamp
+    stamp = (made / f"{name}-8bit" / "model.safetensors").stat().st_mtime_ns
+    assert make_variant(float_checkpoint, "8bit", made) == made / f"{name}-8bit"
+    assert (made / f"{name}-8bit" / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_variant_is_never_taken_from_another_folder_of_the_same_name(tmp_path, float_checkpoint):
+    """Made variants are kept by folder name and contents: another `ckpt`, or this one rewritten, gets its own."""
+    other = tmp_path / "elsewhere" / "ckpt"
+    shutil.copytree(float_checkpoint, other)
+    assert source_digest(other) != source_digest(float_checkpoint)
+    config = other / "config.json"
+    before = source_digest(other)
+    config.write_text(config.read_text() + "\n")
+    assert source_digest(other) != before
 
 
 def test_without_mlx_lm_the_writer_makes_affine_recipes(monkeypatch, tmp_path, float_checkpoint):

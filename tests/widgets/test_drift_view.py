@@ -20,6 +20,7 @@ from moebench.checkpoint.loader import SHIPPED_MODEL
 from moebench.errors import MoebenchError
 from moebench.inspect.drift import drift, teacher_force
 from moebench.inspect.routing_files import Routing
+from moebench.tools.drift import source_digest
 from moebench.widgets import DriftControls, DriftView, ExportBar, ModelPicker
 from moebench.widgets.drift import TOP1_FLIP
 
@@ -194,7 +195,7 @@ def test_the_controls_make_their_variants_where_told_and_feed_the_view(tmp_path)
     controls.boxes["fallback"].value, controls.boxes["8bit"].value = False, True
     controls.button.click()
     assert controls.result.names == ["tiny-qwen2-moe", "8bit"] and list(view.variant.options) == ["8bit"]
-    assert (tmp_path / "tiny-qwen2-moe-8bit" / "config.json").exists()
+    assert (tmp_path / f"tiny-qwen2-moe-{source_digest(SHIPPED_MODEL)}-8bit" / "config.json").exists()
     assert controls.progress.value == controls.progress.max and controls.progress.bar_style == "success"
     controls.text.value = " "
     controls.button.click()  # an error reaches the status line, not a log
