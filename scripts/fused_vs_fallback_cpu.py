@@ -1,12 +1,13 @@
-"""Decode speed of the fused path against the fallback, recording on and off: notebook 04's four arms
-(moebench.widgets.bench.measure: fresh Steppers, arms interleaved and rotated round by round, the first round
-dropped as warm-up), with the fused-on / fused-off ratio of each round. One JSON line per run.
+"""Decode speed of the fused path against the fallback, recording on and off: notebook 04's four arms, each a
+fresh Stepper decoding the same prompt greedily, timed as Trace.decode_tps; the arms interleaved and their order
+rotated round by round, the first round dropped as warm-up; the fused-on / fused-off ratio of each round. One JSON
+line per run.
 
-    python3 scripts/fused_vs_fallback_cpu.py [MODEL] [--rounds N] [--tokens T] [--prompt-tokens P]
+    python3 scripts/fused_vs_fallback_cpu.py [MODEL] [--rounds N] [--tokens T] [--prompt-tokens P] [--cpu]
 
-MODEL defaults to the shipped model (data/tiny-qwen2-moe, run from the checkout's root). Uses only
-moebench.load, Stepper and widgets.bench.measure, so it runs against an older checkout too (PYTHONPATH=that
-checkout) for before/after comparisons.
+MODEL defaults to the shipped model (data/tiny-qwen2-moe, run from the checkout's root). Uses only moebench.load
+and the Stepper (no widgets, pandas or plotly), so it runs against an older checkout too (PYTHONPATH=that
+checkout; scripts/compare_revisions_fused.sh) and on a machine with only MLX and numpy.
 """
 
 import argparse
@@ -18,7 +19,8 @@ import mlx.core as mx
 
 import moebench
 from moebench.inspect.record import Stepper
-from moebench.widgets.bench import measure
+
+ARMS = [(fused, recording) for fused in (True, False) for recording in (False, True)]
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("model", nargs="?", default="data/tiny-qwen2-moe", help="checkpoint folder (default: shipped)")
@@ -31,16 +33,17 @@ if a.cpu:
     mx.set_default_device(mx.cpu)
 model, tokenizer = moebench.load(a.model)
 ids = [(i * 7919 + 11) % model.args.vocab_size for i in range(a.prompt_tokens)]
-runs = measure(lambda **o: Stepper(model, tokenizer, ids, **o), tokens=a.tokens, rounds=a.rounds)
-kept = runs[~runs["warmup"]]
-out = {"moebench": moebench.__file__, "mlx": mx.__version__,
-       "device": str(mx.default_device()),
+tps: dict[tuple[bool, bool], list[float]] = {arm: [] for arm in ARMS}
+for r in range(1 + a.rounds):
+    for fused, recording in ARMS[r % 4:] + ARMS[: r % 4]:
+        trace = Stepper(model, tokenizer, ids, record=recording, fused=fused, stop_ids=()).run(a.tokens)
+        if r:
+            tps[fused, recording].append(trace.decode_tps)
+out = {"moebench": moebench.__file__, "mlx": mx.__version__, "device": str(mx.default_device()),
        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rounds": a.rounds, "tokens": a.tokens}
 for recording in (False, True):
-    rows = kept[kept["recording"] == recording]
-    on = rows[rows["fused"]].set_index("round")["tok_s"]
-    off = rows[~rows["fused"]].set_index("round")["tok_s"]
-    ratios = (on / off).tolist()
+    on, off = tps[True, recording], tps[False, recording]
+    ratios = [x / y for x, y in zip(on, off, strict=True)]
     out["recording" if recording else "clean"] = {
         "fused_tok_s": statistics.median(on), "fallback_tok_s": statistics.median(off),
         "on_over_off": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
