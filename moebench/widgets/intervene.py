@@ -193,6 +193,9 @@ class InterventionPanel:
         self.hint.value = (f"<span style='color:#555;font-size:12px'>expert ids 0-{n_experts - 1}: type one and "
                            "press Enter to add it (again for more); click a tag's \u00d7 to remove it</span>")
         self.top_k.max, self.top_k.value = n_experts, self.default_k
+        shared = bool(model.args.shared_expert_intermediate_size)  # gpt-oss, Qwen3-MoE, OLMoE have none
+        self.shared.disabled = self.gate_scale.disabled = not shared
+        self.shared.description = "shared expert on" if shared else "no shared expert in this model"
 
     def _new_baseline(self, trace) -> None:
         if self.controls.picker.model is not self.model:

@@ -51,3 +51,18 @@ def test_a_result_is_named_by_what_it_changes():
 def test_the_hint_names_the_expert_range(panel):
     assert "expert ids 0-7" in panel.hint.value and "Enter" in panel.hint.value
     assert all("Enter" in box.placeholder for box in (panel.force, panel.ablate))
+
+
+def test_shared_expert_controls_are_off_for_a_model_without_one(panel):
+    """gpt-oss (like Qwen3-MoE and OLMoE) has no shared expert: its switch and gate scale are disabled and say so;
+    the 32 experts top-4 of gpt-oss-20b's routing reach the expert range and the top-k slider."""
+    from moebench.checkpoint.config import model_args
+    from moebench.models import family
+    from moebench.tools.presets import get_preset
+
+    assert not panel.shared.disabled and not panel.gate_scale.disabled
+    config = {**get_preset("gpt-oss-tiny").config, "num_local_experts": 32, "num_experts_per_tok": 4}
+    panel._configure(family("gpt_oss").Model(model_args(config)))
+    assert panel.shared.disabled and panel.gate_scale.disabled
+    assert panel.shared.description == "no shared expert in this model"
+    assert "expert ids 0-31" in panel.hint.value and (panel.top_k.max, panel.top_k.value) == (32, 4)
