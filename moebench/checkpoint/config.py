@@ -29,7 +29,9 @@ UNSUPPORTED_ENTRY_FLAGS = {
 
 def model_args(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
     """ModelArgs from a parsed config.json; a missing required key or an invalid value is a ConfigError naming it.
-    The family (model_type) first fills the fields its config.json leaves out or names its own way."""
+    The family (model_type) first fills the fields its config.json leaves out or names its own way. A multimodal
+    folder's text model (`text_config`) is the model read."""
+    cfg = text_model_config(cfg, source)
     model_type = cfg.get("model_type", "qwen2_moe")
     if not isinstance(model_type, str):
         raise ConfigError(f"{source}: field 'model_type' must be a string, got {model_type!r}")
@@ -118,6 +120,8 @@ def model_args(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
     if "sliding_attention" in layer_types:
         window = integer("sliding_window", need("sliding_window"))
     limits = {key: None if cfg.get(key) is None else number(key, cfg[key]) for key in ("swiglu_limit", "swiglu_alpha")}
+    own = getattr(module, "model_fields", None)  # fields of ModelArgs only this family has, checked by it
+    family_fields = own(cfg, source) if own is not None else {}
     mlp_only = optional("mlp_only_layers", [])
     if not isinstance(mlp_only, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only
@@ -152,10 +156,25 @@ def model_args(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
             "max_position_embeddings", cfg["max_position_embeddings"]),
         clip_qkv=None if cfg.get("clip_qkv") is None else number("clip_qkv", cfg["clip_qkv"]),
         rope_scaling=rope_scaling,
-        layer_types=tuple(layer_types) if window else (),  # every layer full: said as no types
+        # every layer full: said as no types
+        layer_types=tuple(layer_types) if set(layer_types) - {"full_attention"} else (),
         sliding_window=window,
         **limits,
+        **family_fields,
     )
+
+
+def text_model_config(cfg: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """The config of the model moebench runs: a multimodal folder's `text_config` (Qwen3.5's, beside its
+    vision_config), with the top level's fields where it has none (mlx-lm writes `quantization` there, transformers
+    may put the eos ids and tie_word_embeddings there); any other config as it is."""
+    text = cfg.get("text_config")
+    if text is None:
+        return cfg
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: field 'text_config' must be an object, got {text!r}")
+    top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "model_type")}
+    return {**top, **{k: v for k, v in text.items() if v is not None or k not in top}}
 
 
 def _yarn(rope: dict[str, Any], where: str) -> YarnScaling:

@@ -14,6 +14,7 @@ import math
 import os
 import stat
 import struct
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -198,6 +199,7 @@ class TensorStore:
         self._tensors: dict[str, mx.array] = {}
         self._file_of: dict[str, Path] = {}
         self._stored: dict[str, tuple[int, dict]] = {}  # name -> (its first byte in its file, its header entry)
+        self.skipped: Counter[str] = Counter()  # tensors left out on purpose, by why (skip)
         files = checkpoint_files(folder)
         show = len(files) > 1 if progress is None else progress
         for path in tqdm(files, desc="loading shards", unit="file", disable=not show):
@@ -238,22 +240,39 @@ class TensorStore:
     def take_optional(self, name: str) -> mx.array | None:
         return self._tensors.pop(name, None)
 
+    def skip(self, name: str, why: str) -> None:
+        """Leave out a tensor the model does not run (a multimodal folder's vision tower), counted under `why` for
+        the load summary to say."""
+        self.take(name)
+        self.skipped[why] += 1
+
     def narrow(self, name: str, first: int, end: int) -> None:
         """Keep only rows [first, end) of a stored tensor's first axis (a rank's span of stacked experts), read
-        from its file alone: the other rows are never read."""
-        if name not in self._stored or name not in self._tensors:
-            raise CheckpointError(f"{self.where(name)}: tensor {name!r} is not stored as one tensor in a file")
-        start, info = self._stored[name]
+        from its file alone: the other rows are never read. A tensor made from stored ones (put: gpt-oss's
+        interleaved gate/up split) is already read, and is cut in memory."""
+        if name not in self._tensors:
+            raise CheckpointError(f"{self.where(name)}: missing tensor {name!r}")
+        start, info = self._stored.get(name, (0, {"shape": list(self._tensors[name].shape)}))
         shape = info["shape"]
         if not shape or not 0 <= first < end <= shape[0]:
             raise CheckpointError(f"{self.where(name)}: tensor {name!r} of shape {tuple(shape)} has no rows "
                                   f"{first}..{end - 1}")
+        if name not in self._stored:
+            self._tensors[name] = mx.contiguous(self._tensors[name][first:end])
+            return
         row = math.prod(shape[1:]) * SAFETENSORS_DTYPES[info["dtype"]]
         with checkpoint_file(self._file_of[name], self.folder).open("rb") as f:
             f.seek(start + first * row)
             raw = f.read((end - first) * row)
         rows = mx.array(np.frombuffer(raw, dtype=NUMPY_DTYPES[info["dtype"]]).reshape(end - first, *shape[1:]))
         self._tensors[name] = mx.view(rows, mx.bfloat16) if info["dtype"] == "BF16" else rows
+
+    def rename(self, name: str, new: str) -> None:
+        """Give a tensor another name (a family's stored names -> moebench's), still stored where it was, so a
+        rank can narrow it (read its rows alone) under the new name."""
+        self.put(new, self.take(name), self._file_of.pop(name))
+        if name in self._stored:
+            self._stored[new] = self._stored.pop(name)
 
     def put(self, name: str, array: mx.array, where: str | Path) -> None:
         """Add a tensor made from stored ones (experts stacked), with the file it came from."""

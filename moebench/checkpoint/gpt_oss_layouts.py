@@ -39,10 +39,10 @@ def to_moebench_names(store: TensorStore, args: ModelArgs) -> ModelArgs:
     blocks: dict[str, dict[str, str]] = {}
     for name in list(store.names()):
         if (m := ROUTER.match(name)) is not None:
-            _move(store, name, f"{m['block']}.gate.{m['part']}")
+            store.rename(name, f"{m['block']}.gate.{m['part']}")
         elif (m := EXPERTS.match(name)) is not None:
             if MLX_LM.match(m["rest"]):
-                _move(store, name, f"{m['block']}.switch_mlp.{m['rest']}")
+                store.rename(name, f"{m['block']}.switch_mlp.{m['rest']}")
             else:
                 blocks.setdefault(m["block"], {})[m["rest"]] = name
     for block, stored in blocks.items():
@@ -57,9 +57,6 @@ def _module_name(path: str) -> str:
     return re.sub(r"^(model\.layers\.\d+\.mlp)\.experts\.((?:gate|up|down)_proj)$", r"\1.switch_mlp.\2", path)
 
 
-def _move(store: TensorStore, name: str, new: str) -> None:
-    where = store.where(name)
-    store.put(new, store.take(name), where)
 
 
 def _fused_experts(store: TensorStore, block: str, stored: dict[str, str]) -> None:

@@ -6,7 +6,7 @@ import os
 import re
 import textwrap
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from ..models.args import ModelArgs
 from ..models.layers import QuantizedWeight
 from ..models.sharding import shard_experts, shard_heads, shard_mlps
 from ..units import byte_size
-from . import gpt_oss_layouts
+from . import gpt_oss_layouts, qwen3_next_layouts
 from .config import GENERATION_CONFIG, GenerationConfig, read_model_args
 from .files import TensorStore, is_present
 from .tokenizer import Tokenizer
@@ -28,17 +28,22 @@ from .weights import load_weights
 
 ACTIVATION_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # Families whose published checkpoints name or shape tensors unlike moebench's modules: the renaming, per model_type
-STORED_LAYOUTS = {"gpt_oss": gpt_oss_layouts.to_moebench_names}
+STORED_LAYOUTS = {"gpt_oss": gpt_oss_layouts.to_moebench_names,
+                  **dict.fromkeys(("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"),
+                                  qwen3_next_layouts.to_moebench_names)}
 SHIPPED_MODEL = Path(str(resources.files("moebench") / "shipped" / "tiny-qwen2-moe"))  # data/, in the wheel too
 ENV_MODEL = "MOEBENCH_MODEL"
+LINEAR_ATTENTION = "linear_attention"  # the layer type of a hybrid's recurrent layers (config layer_types)
 
 
 @dataclass(frozen=True)
 class LoadInfo:
-    """Where a model came from and the quantization found per module kind."""
+    """Where a model came from, the quantization found per module kind, and the stored tensors left out on purpose
+    (why -> how many: a multimodal folder's vision tower)."""
 
     source: Path
     bits: dict[str, str]
+    skipped: dict[str, int] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -118,8 +123,9 @@ def load_summary(model: nn.Module) -> str:
     """One short line a person reads when a command opens a checkpoint: folder name, family, layers,
     experts and top-k, quantization and the weights' size."""
     a, info = model.args, model.load_info
+    skipped = "".join(f"; left out {n} tensors of the {why}" for why, n in info.skipped.items())
     return (f"loaded {info.source.name}: {a.model_type}, {a.num_hidden_layers} layers, {a.num_experts} experts "
-            f"top-{a.num_experts_per_tok}, {quantization_text(info.bits)}, {byte_size(model_bytes(model))}")
+            f"top-{a.num_experts_per_tok}, {quantization_text(info.bits)}, {byte_size(model_bytes(model))}{skipped}")
 
 
 def quantization_details(bits: dict[str, str]) -> list[str]:
@@ -171,6 +177,9 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
     if shard is not None:
         if not isinstance(shard, mx.distributed.Group):
             raise ConfigError(f"load: shard must be an mx.distributed.Group or None, got {type(shard).__name__}")
+        if LINEAR_ATTENTION in args.layer_types:
+            raise ConfigError(f"load: shard: {folder} ({args.model_type}) has linear-attention layers, which "
+                              "moebench.models.sharding does not split yet; load it without shard")
         shard_experts(model, shard)
         if tensor_parallel:
             shard_heads(model, shard)
@@ -180,7 +189,7 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
     load_weights(model, store, dtype or default_dtype() or _checkpoint_dtype(store), args.quantization,
                  check_finite)
     store.check_all_used()
-    model.load_info = LoadInfo(folder, bits_report(model))
+    model.load_info = LoadInfo(folder, bits_report(model), dict(store.skipped))
     if verbose:
         print(load_summary(model))
     tok_path = folder / "tokenizer.json"  # plus the other tokenizer files; ids checked against the vocabulary

@@ -146,8 +146,9 @@ def _load_tree(tree: nn.Module, prefix: str, store: TensorStore, dtype: mx.Dtype
         if isinstance(module, RMSNorm):
             load_norm(store, path, module, dtype)
         elif not isinstance(module, QuantizedWeight):
+            kept = getattr(module, "float32_params", ())  # held in float32 whatever the activations' dtype
             for key in own_arrays(module):
-                load_array(store, f"{path}.{key}", module, key, dtype)
+                load_array(store, f"{path}.{key}", module, key, mx.float32 if key in kept else dtype)
         elif isinstance(module, ColumnShard):
             load_columns(store, path, module, dtype, quantization)
         elif isinstance(module, QuantizedWeight):
@@ -277,6 +278,7 @@ def stack_experts(store: TensorStore, root: str, num_experts: int, held: range |
     experts: rows of a stored stack read alone, the other per-expert tensors taken and never read."""
     block = root.removesuffix(".switch_mlp")
     held = held if held is not None else range(num_experts)
+    split_fused_experts(store, block)
     for proj in PROJECTIONS:
         stacked = f"{block}.switch_mlp.{proj}"
         pattern = re.compile(re.escape(f"{block}.experts.") + r"(\d+)\." + re.escape(proj) + r"\.(\w+)$")
@@ -290,7 +292,7 @@ def stack_experts(store: TensorStore, root: str, num_experts: int, held: range |
                 first = next(iter(next(iter(found.values())).values()))
                 raise CheckpointError(f"{store.where(first)}: {first} duplicates the stacked {stacked}")
             if len(held) < num_experts:
-                for part in PARTS:
+                for part in (*PARTS, "bias"):  # "bias": experts with biases (gpt-oss), [E, out]
                     if f"{stacked}.{part}" in store:
                         _narrow_stack(store, f"{stacked}.{part}", num_experts, held)
             continue
@@ -317,6 +319,31 @@ def stack_experts(store: TensorStore, root: str, num_experts: int, held: range |
                         f"expert 0 has {tuple(parts[0].shape)} {parts[0].dtype}")
             store.put(f"{stacked}.{suffix}", mx.stack(parts[held.start:held.stop]), store.where(by_index[0]))
             del parts
+
+
+def split_fused_experts(store: TensorStore, block: str) -> None:
+    """A block's experts as transformers 5 fuses them for any family (`save_pretrained(...,
+    save_original_format=False)`, and Qwen3.5's hub folders): `experts.gate_up_proj` [E, 2I, D] (each expert's
+    gate rows, then its up rows) and `experts.down_proj` [E, D, I], put in the store as switch_mlp's stacked gate,
+    up and down weights. Nothing to do when the block stores neither."""
+    gate_up, down = f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"
+    if gate_up not in store and down not in store:
+        return
+    for name, other in ((gate_up, down), (down, gate_up)):
+        if name not in store:
+            raise CheckpointError(f"{store.where(other)}: missing tensor {name} (the block stores {other})")
+        value = store.peek(name)
+        if value.ndim != 3 or not mx.issubdtype(value.dtype, mx.floating):
+            kind = str(value.dtype).removeprefix("mlx.core.")
+            raise CheckpointError(f"{store.where(name)}: {name} is {kind} {tuple(value.shape)}, expected a floating "
+                                  "point tensor of 3 axes")
+    where, value = store.where(gate_up), store.take(gate_up)
+    if value.shape[1] % 2:
+        raise CheckpointError(f"{where}: {gate_up} {tuple(value.shape)} has an odd gate/up width {value.shape[1]}")
+    width = value.shape[1] // 2
+    store.put(f"{block}.switch_mlp.gate_proj.weight", mx.contiguous(value[:, :width]), where)
+    store.put(f"{block}.switch_mlp.up_proj.weight", mx.contiguous(value[:, width:]), where)
+    store.rename(down, f"{block}.switch_mlp.down_proj.weight")
 
 
 def _narrow_stack(store: TensorStore, name: str, num_experts: int, held: range) -> None:

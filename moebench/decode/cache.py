@@ -1,5 +1,6 @@
-"""Per-layer key/value cache for decoding, grown in fixed steps so a decode step rarely reallocates; and the memory a
-decode asks for, checked before MLX is asked (an allocation MLX cannot make kills the process on CPU)."""
+"""Per-layer key/value cache for decoding, grown in fixed steps so a decode step rarely reallocates (a hybrid's
+linear-attention layers keep a recurrent state instead, moebench.decode.state); and the memory a decode asks for,
+checked before MLX is asked (an allocation MLX cannot make kills the process on CPU)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import mlx.core as mx
 
 from ..errors import DeviceMemoryError
 from ..models.args import ModelArgs
+from ..models.declare import LinearAttentionSpec
+from ..models.run import token_mixer
+from .state import LinearAttentionState
 
 GROW_STEP = 256
 
@@ -44,11 +48,28 @@ def require_memory(nbytes: int, what: str) -> None:
                                 f"{max(free, 0) / 2**30:.2f} GiB of {where} left")
 
 
+def linear_layers(model) -> list[LinearAttentionSpec]:
+    """The declarations of the model's linear-attention layers (none but in a hybrid), in layer order."""
+    specs = [token_mixer(layer).spec for layer in model.layers]
+    return [spec for spec in specs if isinstance(spec, LinearAttentionSpec)]
+
+
 def kv_cache_bytes(model, positions: int) -> int:
-    """Every layer's keys and values for `positions` positions: the key/value heads this process holds (a rank of
-    a model with its attention sharded holds its own), in the model's dtype."""
-    per_position = sum(layer.self_attn.n_kv_heads * layer.self_attn.head_dim for layer in model.layers)
+    """Every attention layer's keys and values for `positions` positions (a linear-attention layer keeps none): the
+    key/value heads this process holds (a rank of a model with its attention sharded holds its own), in the
+    model's dtype."""
+    mixers = [token_mixer(layer) for layer in model.layers]
+    per_position = sum(m.n_kv_heads * m.head_dim for m in mixers if not isinstance(m.spec, LinearAttentionSpec))
     return 2 * per_position * positions * model.dtype.size
+
+
+def linear_state_bytes(model, keep: int) -> int:
+    """The recurrent states of the linear-attention layers, `keep` writes of each kept for a rewind: the float32
+    delta state and the conv state (kernel - 1 positions of q, k and v) in the model's dtype."""
+    per_write = sum(4 * s.num_value_heads * s.value_head_dim * s.key_head_dim + model.dtype.size * (s.conv_kernel - 1)
+                    * (2 * s.num_key_heads * s.key_head_dim + s.num_value_heads * s.value_head_dim)
+                    for s in linear_layers(model))
+    return keep * per_write
 
 
 def forward_bytes(args: ModelArgs, queries: int, keys: int, logits: int = 1) -> int:
@@ -135,6 +156,13 @@ def slots_array(position: int, capacity: int) -> mx.array:
 
 def make_cache(num_layers: int) -> list[KVCache]:
     return [KVCache() for _ in range(num_layers)]
+
+
+def layer_caches(model, keep: int) -> list[KVCache | LinearAttentionState]:
+    """A moebench model's caches, per layer the one its token mixing takes: a LinearAttentionState that can rewind
+    `keep` writes for a linear-attention layer, else a KVCache."""
+    return [LinearAttentionState(keep) if isinstance(token_mixer(layer).spec, LinearAttentionSpec) else KVCache()
+            for layer in model.layers]
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ Python, and MLX can fuse the elementwise work between kernels.
 The traced step runs the same plan (moebench.execution.plan) as an eager step would; one traced graph is
 kept per plan in the model's Executor, and dropped with the plans when weights are replaced (the graph
 holds the arrays it was traced with). Recording hands arrays out of the forward as it is built, so this
-path declines it (compile_blocker) and the eager step runs instead; interventions are part of the plan.
+path declines it (compile_blocker) and the eager step runs instead; interventions are part of the plan. So does a
+hybrid: the static cache holds keys and values, and its linear-attention layers carry a recurrent state.
 """
 
 from __future__ import annotations
@@ -17,18 +18,22 @@ from ..execution.executor import PREFILL_CHUNK, Executor
 from ..execution.plan import Plan
 from ..execution.settings import KernelSettings
 from ..models.switch import on_main_thread
-from .cache import StaticCache, StepPosition, kv_cache_bytes, require_memory
+from .cache import StaticCache, StepPosition, kv_cache_bytes, linear_layers, require_memory
 
 CAPACITY_STEP = 256
 
 
-def compile_blocker(recording: bool) -> str | None:
-    """Why a decode step cannot be compiled, or None. Interventions compile: each set of them is its own plan,
-    and each plan its own traced step."""
+def compile_blocker(recording: bool, model=None) -> str | None:
+    """Why a decode step (of `model`, when given) cannot be compiled, or None. Interventions compile: each set of
+    them is its own plan, and each plan its own traced step."""
     if recording:
         return "recording (recording runs eagerly)"
     if not on_main_thread():
         return "not the main thread (mx.compile'd graphs used from other threads end the process at exit)"
+    linear = linear_layers(model) if model is not None else []
+    if linear:
+        return (f"{len(linear)} layers of {linear[0].kind} (the compiled step's static cache holds keys and values, "
+                "not their recurrent state)")
     return None
 
 
@@ -59,6 +64,8 @@ class CompiledForward:
         self.executor = executor
         self.capacity = -(-max(capacity, 1) // CAPACITY_STEP) * CAPACITY_STEP
         model = executor.model
+        if linear_layers(model):
+            raise DecodeError(f"no compiled step for this model: {compile_blocker(False, model)}")
         # allocated whole up front: MLX kills the process on CPU when an allocation fails
         require_memory(kv_cache_bytes(model, self.capacity), f"the compiled step's static cache of {self.capacity} "
                        "positions")

@@ -30,7 +30,15 @@ from ..execution.kernel import available_backend
 from ..execution.plan import Plan
 from ..execution.settings import KernelSettings
 from ..models.hooks import Record
-from .cache import GROW_STEP, forward_bytes, kv_cache_bytes, make_cache, require_memory
+from .cache import (
+    GROW_STEP,
+    forward_bytes,
+    kv_cache_bytes,
+    layer_caches,
+    linear_state_bytes,
+    make_cache,
+    require_memory,
+)
 from .compiled import CompiledForward, compile_blocker
 from .sampling import GREEDY, DecodeError, Sampling, sample, seen_tokens
 
@@ -126,7 +134,8 @@ def check_length(model, prompt: int, positions: int, every_position: bool = Fals
     cached = -(-(positions + 1) // GROW_STEP) * GROW_STEP
     queries = prompt if every_position else min(prompt, PREFILL_CHUNK)
     prefill = forward_bytes(args, queries, prompt, prompt if every_position else 1)
-    require_memory(kv_cache_bytes(model, cached) + prefill,
+    states = linear_state_bytes(model, STEPS_AHEAD + 1)
+    require_memory(kv_cache_bytes(model, cached) + states + prefill,
                    f"a decode of {positions} positions (its KV cache and a prefill of {prompt} tokens)")
 
 
@@ -166,7 +175,8 @@ Builder = Callable[[mx.array, tuple], Step]
 class Session:
     """One sequence being decoded (see the module docstring). `compiled`: through the compiled step (None:
     use_compiled; it is declined while recording). `capacity`: the most tokens the sequence will hold (a
-    compiled step's static cache is sized for it).
+    compiled step's static cache is sized for it). `ahead`: the most steps the caller queues behind the one it
+    reads (a linear-attention layer's state keeps that many writes and one more, to roll them back).
 
     The one decode loop: `next` hands out the step that feeds the given tokens, from the queue of steps built
     ahead when one was built from them under the same state, else built now (the queue rolled back), and
@@ -174,7 +184,7 @@ class Session:
     state (`state`: the kernel settings, the interventions, and whatever the caller adds)."""
 
     def __init__(self, model, sampling: Sampling = GREEDY, compiled: bool | None = None, capacity: int = 0,
-                 recording: bool = False):
+                 recording: bool = False, ahead: int = STEPS_AHEAD):
         if not isinstance(sampling, Sampling):
             raise DecodeError(f"sampling must be a moebench.Sampling, got {type(sampling).__name__}")
         if compiled is not None and not isinstance(compiled, bool):
@@ -186,9 +196,11 @@ class Session:
         if self.executor is not None:
             self.executor.refresh()
         self.compiled = None
-        if self.executor is not None and use_compiled(model, compiled) and compile_blocker(recording) is None:
+        if self.executor is not None and use_compiled(model, compiled) and compile_blocker(recording, model) is None:
             self.compiled = CompiledForward(self.executor, capacity)
-        self.cache = make_cache(len(model.layers)) if self.compiled is None else None
+        self.cache = None
+        if self.compiled is None:
+            self.cache = layer_caches(model, ahead + 1) if self.executor is not None else make_cache(len(model.layers))
         self.queue: deque[Step] = deque()  # steps built ahead, oldest first
         self.last_read: int | None = None  # the token id taken last
         self.thread = threading.current_thread()  # where its arrays live
@@ -347,7 +359,7 @@ def generate_tokens(
     max_tokens, ahead = check_count("max_tokens", max_tokens), check_count("ahead", ahead)
     stop_ids = check_stop_ids(stop_ids)
     check_length(model, len(prompt_ids), len(prompt_ids) + max_tokens - 1)
-    session = Session(model, sampling, compiled, len(prompt_ids) + max_tokens)
+    session = Session(model, sampling, compiled, len(prompt_ids) + max_tokens, ahead=ahead)
     feed = prompt_ids
     for n in range(max_tokens):
         # The first token leaves after one step queued behind it (as before it), later ones after `ahead`, so

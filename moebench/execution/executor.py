@@ -23,7 +23,9 @@ from dataclasses import replace
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..models.declare import LinearAttentionSpec
 from ..models.hooks import Record, layer_scope
+from ..models.run import token_mixer
 from ..models.sharding import attention_note, block_note
 from . import support
 from .kernel import GPU_BACKENDS, available_backend
@@ -103,14 +105,14 @@ class Executor:
         return tuple(b.intervention for b in self.blocks)
 
     def _layer_plan(self, i: int, shape: Shape, settings: KernelSettings, backend: str) -> LayerPlan:
-        layer, weights = self.model.layers[i], self.weights[i]
+        mixer, weights = token_mixer(self.model.layers[i]), self.weights[i]
         base = tokens_decision(shape.tokens) if shape.tokens != 1 else None if settings.fused else SWITCHED_OFF
-        reason = base.reason if base else attention_step_reason(layer.self_attn, weights)
+        reason = base.reason if base else attention_step_reason(mixer, weights)
         if reason is None and not settings.attention_kernel:
             reason = "the attention kernel switched off (KernelSettings.attention_kernel)"
-        attn = Decision("fallback", reason, attention_note(layer.self_attn)) if reason else \
-            Decision(backend, note=attention_step_note(layer.self_attn))
-        attention_step = AttentionKernel(layer.self_attn, weights, backend, shape.static and backend in GPU_BACKENDS) \
+        note = None if isinstance(mixer.spec, LinearAttentionSpec) else attention_note(mixer)
+        attn = Decision("fallback", reason, note) if reason else Decision(backend, note=attention_step_note(mixer))
+        attention_step = AttentionKernel(mixer, weights, backend, shape.static and backend in GPU_BACKENDS) \
             if attn.fused else None
         block = weights.block
         if block is None:

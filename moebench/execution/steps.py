@@ -17,10 +17,11 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..models import hooks
-from ..models.declare import PER_HEAD, WHOLE_PROJECTION
+from ..models.declare import PER_HEAD, WHOLE_PROJECTION, LinearAttentionSpec
 from ..models.hooks import Record
 from ..models.layers import ColumnShard
 from ..models.routing import route
+from ..models.run import token_mixer
 from ..models.sharding import attention_note, block_note
 from ..models.switch import ExpertShard, weighted_sum
 from . import attention, moe
@@ -34,16 +35,20 @@ ROUTE_NOTE = "routing by moebench.models.routing.route (an intervention is set),
 
 class LayerWeights:
     """What one decoder layer's kernels read, derived from its modules: the stacked q/k/v rows (the module's
-    own arrays become views of them, so both cost the memory of one), the router's rows stacked with the
-    shared expert gate's, and the experts' quantized parts; each rebuilt when a weight is replaced."""
+    own arrays become views of them, so both cost the memory of one; none for a linear-attention layer, nor where
+    q_proj holds an output gate beside the queries), the router's rows stacked with the shared expert gate's, and
+    the experts' quantized parts; each rebuilt when a weight is replaced."""
 
     def __init__(self, layer, block=None):
         """`block`: the layer's MoE block (the model's moe_blocks()), None for a dense MLP layer."""
-        attn = layer.self_attn
+        attn = token_mixer(layer)
+        spec = attn.spec
         self.block = block
         self.has_shared = block is not None and block.spec.shared is not None  # decided once, read every step
-        self.qkv = RowStack(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.qkv.share_storage()
+        self.qkv = None
+        if not isinstance(spec, LinearAttentionSpec) and not spec.output_gate:
+            self.qkv = RowStack(attn.q_proj, attn.k_proj, attn.v_proj)
+            self.qkv.share_storage()
         self.router = RowStack(block.gate, block.shared_expert_gate) if self.has_shared else None
         self.experts = Derived(FusedWeights.build) if block is not None else None
 
@@ -55,10 +60,16 @@ class LayerWeights:
 
 
 def attention_step_reason(attn, weights: LayerWeights) -> str | None:
-    """Why the decode-attention kernel cannot run this layer's attention, whatever the token, or None."""
+    """Why the decode-attention kernel cannot run this layer's token mixing (`attn`), whatever the token, or
+    None."""
+    spec = attn.spec
+    if isinstance(spec, LinearAttentionSpec):
+        return f"{spec.kind} (no fused kernel)"
+    if weights.qkv is None:  # q_proj holds an output gate beside the queries
+        return attention_reason(spec) or "an output gate (the kernel has none)"
     if weights.qkv.get() is None:
         return "q, k and v are stored differently (no stacked projection for the kernel)"
-    return attention_reason(attn.spec)
+    return attention_reason(spec)
 
 
 PROJECTION_NORM_NOTE = "q and k normed over the whole projection by MLX ops before the kernel (it sees one head)"

@@ -104,10 +104,18 @@ class ModelArgs:
     max_position_embeddings: int | None = None  # the longest sequence the model was made for (None: not given)
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE's option; None: not)
     rope_scaling: YarnScaling | None = None  # None: plain RoPE at rope_theta
-    layer_types: tuple[str, ...] = ()  # per layer 'full_attention' or 'sliding_attention' (empty: every layer full)
+    # per layer 'full_attention', 'sliding_attention' or 'linear_attention' (empty: every layer full)
+    layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None  # positions a 'sliding_attention' layer sees, its own included
     swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU: the clamp and the sigmoid's gain
     swiglu_alpha: float | None = None
+    # the hybrids' Gated DeltaNet layers (config.json's linear_* fields; 0: the model has none)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0  # the fraction of each attention head that is rotated
 
     def is_moe_layer(self, layer: int) -> bool:
         """Qwen2-MoE's rule: MoE unless listed as MLP-only, and only every `decoder_sparse_step`-th layer."""

@@ -52,7 +52,9 @@ class MoeSpec:
 class AttentionSpec:
     """One attention layer: query heads, key/value heads and their width; q/k/v biases; where q and k are
     normalised (None, PER_HEAD, WHOLE_PROJECTION); the fraction of each head that is rotated; a sliding window
-    (None: every position); learned per-head sinks; q, k and v clamped to [-clip_qkv, clip_qkv] (None: not)."""
+    (None: every position); learned per-head sinks; q, k and v clamped to [-clip_qkv, clip_qkv] (None: not); an
+    output gate (q_proj twice as wide: per head its queries, then a gate; the output times sigmoid(gate) before
+    o_proj)."""
 
     n_heads: int
     n_kv_heads: int
@@ -63,6 +65,7 @@ class AttentionSpec:
     window: int | None = None
     sinks: bool = False
     clip_qkv: float | None = None
+    output_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.qk_norm not in QK_NORMS:
@@ -72,3 +75,20 @@ class AttentionSpec:
     def width(self) -> int:
         """Width of the stacked q/k/v projection: (H + 2 KV) * head_dim."""
         return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
+
+# A token mixing with a recurrent state in place of keys and values.
+GATED_DELTA = "Gated DeltaNet linear attention"
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """One linear-attention layer (`kind`, e.g. GATED_DELTA): its key and value heads and their widths, and the
+    causal convolution's taps. Its cache is a recurrent state (moebench.decode.state), not keys and values."""
+
+    kind: str
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int

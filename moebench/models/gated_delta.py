@@ -30,6 +30,7 @@ import mlx.nn as nn
 
 from ..errors import ConfigError
 from .args import ModelArgs
+from .declare import GATED_DELTA, LinearAttentionSpec
 from .layers import Linear
 
 FUSED_QKVZ = "in_proj_qkvz + in_proj_ba, rows grouped per key head (Qwen3-Next)"
@@ -140,6 +141,8 @@ class GatedDeltaNet(nn.Module):
     """The linear-attention layer: x [B, L, D] -> [B, L, D], continuing the states in `cache` (a
     LinearAttentionState; None: a sequence on its own)."""
 
+    float32_params = ("A_log",)  # loaded in float32 whatever the activations' dtype, as mlx-lm keeps it
+
     def __init__(self, args: ModelArgs, linear: LinearAttentionArgs):
         super().__init__()
         d, self.linear = args.hidden_size, linear
@@ -157,6 +160,13 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = mx.ones((nv,))
         self.norm = GatedRMSNorm(linear.value_head_dim, args.rms_norm_eps)
         self.out_proj = Linear(linear.value_dim, d)
+
+    @property
+    def spec(self) -> LinearAttentionSpec:
+        """What this layer computes, for the execution layer (no fused kernel runs it yet)."""
+        lin = self.linear
+        return LinearAttentionSpec(GATED_DELTA, lin.num_key_heads, lin.num_value_heads, lin.key_head_dim,
+                                   lin.value_head_dim, lin.conv_kernel)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """x [B, L, D] -> ([q | k | v] [B, L, conv_dim], z [B, L, Hv, Dv], b [B, L, Hv], a [B, L, Hv])."""

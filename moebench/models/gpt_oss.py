@@ -27,8 +27,8 @@ from ..errors import ConfigError
 from . import qwen2_moe
 from .args import ModelArgs, YarnScaling
 from .declare import CLAMPED_SWIGLU, TOPK_THEN_SOFTMAX, AttentionSpec, MoeSpec
-from .layers import Linear
-from .switch import BiasedSwitchLinear, SwitchGLU
+from .layers import ColumnShard, Linear
+from .switch import BiasedSwitchLinear, ExpertShard, SwitchGLU
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (FULL, SLIDING)  # what moebench.checkpoint.config accepts in `layer_types` for this family
@@ -104,6 +104,15 @@ class Attention(qwen2_moe.Attention):
     def spec(self) -> AttentionSpec:
         return replace(super().spec, window=self.window, sinks=True)
 
+    def head_sinks(self) -> mx.array:
+        """The sinks of the heads this process computes: all of them, or under tensor parallelism (o_proj a
+        ColumnShard over this rank's heads) this rank's span; every rank loads the whole [n_heads] vector."""
+        sinks = self["sinks"]
+        if not isinstance(self.o_proj, ColumnShard):
+            return sinks
+        first = self.o_proj.first // self.head_dim
+        return sinks[first:first + self.n_heads]
+
     def rope(self, x: mx.array, offset) -> mx.array:
         if self.rope_factor != 1.0:  # transformers scales cos and sin: q and k each by the factor
             x = x * self.rope_factor
@@ -129,8 +138,22 @@ class Attention(qwen2_moe.Attention):
             k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
                                                    mask=self.mask(length, k.shape[2], offset, cache),
-                                                   sinks=self["sinks"].astype(q.dtype))
+                                                   sinks=self.head_sinks().astype(q.dtype))
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+
+def clamped_swiglu(gate: mx.array, up: mx.array, limit: float, alpha: float) -> mx.array:
+    """gpt-oss's activation: gate clamped above, up clamped both sides at `limit`, (up + 1) * gate *
+    sigmoid(alpha * gate)."""
+    gate = mx.minimum(gate, limit)
+    up = mx.clip(up, -limit, limit)
+    return (up + 1) * gate * mx.sigmoid(alpha * gate)
+
+
+def _biased(experts: SwitchGLU, in_features: int, hidden_features: int, num_experts: int) -> None:
+    experts.gate_proj = BiasedSwitchLinear(in_features, hidden_features, num_experts)
+    experts.up_proj = BiasedSwitchLinear(in_features, hidden_features, num_experts)
+    experts.down_proj = BiasedSwitchLinear(hidden_features, in_features, num_experts)
 
 
 class Experts(SwitchGLU):
@@ -138,15 +161,30 @@ class Experts(SwitchGLU):
 
     def __init__(self, in_features: int, hidden_features: int, num_experts: int, limit: float, alpha: float):
         super().__init__(in_features, hidden_features, num_experts)
-        self.gate_proj = BiasedSwitchLinear(in_features, hidden_features, num_experts)
-        self.up_proj = BiasedSwitchLinear(in_features, hidden_features, num_experts)
-        self.down_proj = BiasedSwitchLinear(hidden_features, in_features, num_experts)
+        _biased(self, in_features, hidden_features, num_experts)
         self.limit, self.alpha = limit, alpha
 
     def activate(self, gate: mx.array, up: mx.array) -> mx.array:
-        gate = mx.minimum(gate, self.limit)
-        up = mx.clip(up, -self.limit, self.limit)
-        return (up + 1) * gate * mx.sigmoid(self.alpha * gate)
+        return clamped_swiglu(gate, up, self.limit, self.alpha)
+
+    def sharded(self, first: int, held: int, group: mx.distributed.Group) -> ExpertsShard:
+        """This rank's span of these experts (moebench.models.sharding), biases and clamp kept."""
+        total, hidden, dims = self.gate_proj.shape
+        return ExpertsShard(dims, hidden, total, first, held, group, self.limit, self.alpha)
+
+
+class ExpertsShard(ExpertShard):
+    """A rank's span of gpt-oss experts: each slot's output (its down bias included) is computed on the one rank
+    holding its expert and zero elsewhere, so the all_sum adds every bias once."""
+
+    def __init__(self, in_features: int, hidden_features: int, total: int, first: int, held: int,
+                 group: mx.distributed.Group, limit: float, alpha: float):
+        super().__init__(in_features, hidden_features, total, first, held, group)
+        _biased(self, in_features, hidden_features, held)
+        self.limit, self.alpha = limit, alpha
+
+    def activate(self, gate: mx.array, up: mx.array) -> mx.array:
+        return clamped_swiglu(gate, up, self.limit, self.alpha)
 
 
 class SparseMoeBlock(qwen2_moe.SparseMoeBlock):

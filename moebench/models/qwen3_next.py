@@ -13,8 +13,8 @@
 - Qwen3.5 vs Qwen3-Next: only the linear attention's projections are stored differently (gated_delta.LAYOUTS);
   Qwen3.5's multimodal rotary (mrope) gives a text token the same position in every section: plain rotary.
 
-ModelArgs holds no linear-attention sizes yet: HybridArgs carries them beside it (hybrid_args reads them from
-config.json).
+ModelArgs holds the linear-attention sizes and the rotary fraction (model_fields reads them from config.json);
+HybridArgs gathers them with the projection layout the model_type implies.
 """
 
 from __future__ import annotations
@@ -104,9 +104,29 @@ def hybrid_args(cfg: dict[str, Any], source: str = "config.json") -> HybridArgs:
     return HybridArgs(linear, float(fraction))
 
 
+def model_fields(cfg: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """The ModelArgs fields only these families have (moebench.checkpoint.config asks every family): the
+    linear-attention sizes and the rotary fraction, checked by hybrid_args."""
+    hybrid = hybrid_args(cfg, source)
+    lin = hybrid.linear
+    return dict(linear_num_key_heads=lin.num_key_heads, linear_num_value_heads=lin.num_value_heads,
+                linear_key_head_dim=lin.key_head_dim, linear_value_head_dim=lin.value_head_dim,
+                linear_conv_kernel_dim=lin.conv_kernel, partial_rotary_factor=hybrid.rotary_fraction)
+
+
+def args_hybrid(args: ModelArgs) -> HybridArgs:
+    """HybridArgs from ModelArgs' fields (as model_fields filled them), the layout from the model_type."""
+    if args.model_type not in LAYOUT:
+        raise ConfigError(f"model_type {args.model_type!r} is not a hybrid (one of {sorted(LAYOUT)})")
+    linear = LinearAttentionArgs(args.linear_num_key_heads, args.linear_num_value_heads, args.linear_key_head_dim,
+                                 args.linear_value_head_dim, args.linear_conv_kernel_dim, LAYOUT[args.model_type])
+    return HybridArgs(linear, args.partial_rotary_factor)
+
+
 def layer_type(args: ModelArgs, layer: int) -> str:
-    """'linear_attention' or 'full_attention' for layer `layer` (ModelArgs.layer_types, one per layer)."""
-    types = args.layer_types
+    """'linear_attention' or 'full_attention' for layer `layer` (ModelArgs.layer_types, one per layer; none given:
+    every layer full)."""
+    types = args.layer_types or (FULL,) * args.num_hidden_layers
     if len(types) != args.num_hidden_layers or not set(types) <= set(LAYER_TYPES):
         raise ConfigError(f"{args.model_type}: layer_types must give one of {list(LAYER_TYPES)} for each of the "
                           f"{args.num_hidden_layers} layers, got {list(types)!r}")
@@ -127,7 +147,7 @@ class GatedAttention(qwen3_moe.Attention):
 
     @property
     def spec(self) -> AttentionSpec:
-        return replace(super().spec, rope_fraction=self.rotary_fraction)
+        return replace(super().spec, rope_fraction=self.rotary_fraction, output_gate=True)
 
     def __call__(self, x: mx.array, cache=None) -> mx.array:
         b, length, _ = x.shape
@@ -189,8 +209,10 @@ class Model(qwen2_moe.Model):
     """tokens [B, L] -> logits [B, L, vocab]; with a cache (per layer a LinearAttentionState or a KVCache, as its
     layer_type says) it continues a sequence."""
 
-    def __init__(self, args: ModelArgs, hybrid: HybridArgs):
+    def __init__(self, args: ModelArgs, hybrid: HybridArgs | None = None):
+        """`hybrid`: None reads it from args (args_hybrid), as the loader builds the model."""
         nn.Module.__init__(self)  # not qwen2_moe.Model's: it would build Qwen2-MoE layers
+        hybrid = args_hybrid(args) if hybrid is None else hybrid
         if not args.shared_expert_intermediate_size and args.num_experts:
             raise ConfigError(f"{args.model_type} config gives no shared_expert_intermediate_size: the hybrids' MoE "
                               "blocks have a shared expert")

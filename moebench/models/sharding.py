@@ -3,9 +3,12 @@ optionally tensor parallelism for the rest too: each rank holds 1/n of every lay
 
 Mode "experts": the router, attention, norms, embeddings, dense MLPs and the shared expert stay whole on every
 rank; each block's routed experts become an ExpertShard (moebench.models.switch) holding a contiguous span of
-them, whose outputs one all_sum per layer joins. Mode "experts+tensor" also splits, as mlx-lm's shard() does,
-every layer's query heads and key/value heads (q/k/v as RowShards, o_proj as a ColumnShard,
-moebench.models.layers) and the width of every shared expert and dense MLP (gate/up as RowShards, down as a
+them, whose outputs one all_sum per layer joins (a family whose experts differ, gpt-oss's with biases and a clamp,
+gives them a `sharded(first, held, group)` method returning its own ExpertShard). Mode "experts+tensor" also
+splits, as mlx-lm's shard() does, every layer's query heads and key/value heads (q/k/v as RowShards with their
+biases' rows, o_proj as a ColumnShard whose bias is added once after the all_sum, moebench.models.layers;
+gpt-oss's per-head sinks are loaded whole and each rank attends with its heads' span) and the width of every
+shared expert and dense MLP (gate/up as RowShards, down as a
 ColumnShard), each joined by an all_sum; the KV cache of a rank holds its own key/value heads only. Every rank
 then holds every slot's output and the whole residual stream, so records and widgets see what one process
 would. Sharding replaces placeholders before the weights load, and the loader reads on each rank only the
@@ -51,7 +54,9 @@ def shard_experts(model, group: mx.distributed.Group) -> None:
         first, end = expert_span(total, rank, size)
         if end == first:
             raise ConfigError(f"shard: {size} ranks for layer {i}'s {total} experts: rank {rank} would hold none")
-        block.switch_mlp = ExpertShard(dims, hidden, total, first, end - first, group)
+        sharded = getattr(experts, "sharded", None)  # a family's own experts (biases, activation) shard themselves
+        block.switch_mlp = (sharded(first, end - first, group) if sharded is not None
+                            else ExpertShard(dims, hidden, total, first, end - first, group))
 
 
 def shard_heads(model, group: mx.distributed.Group) -> None:

@@ -25,7 +25,14 @@ from ..decode.sampling import check_seed
 from ..errors import ConfigError
 from ..models.args import AFFINE_BITS, AFFINE_GROUP_SIZES
 from .flags import SEED, finite, finite_number
-from .writer import quantize_tensors, qwen2_moe_config, random_tensors, save_checkpoint
+from .writer import (
+    gpt_oss_mlx_lm_tensors,
+    gpt_oss_quantization,
+    quantize_tensors,
+    qwen2_moe_config,
+    random_tensors,
+    save_checkpoint,
+)
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 DEFAULT_SHARD_GB = 5.0  # mlx-lm's shard size
@@ -33,8 +40,10 @@ DEFAULT_SHARD_GB = 5.0  # mlx-lm's shard size
 # the checkpoints people run: mlx-community's Qwen1.5-MoE conversions keep experts.{i}; mlx-lm's convert stacks
 # Qwen3-MoE's into switch_mlp (and mlx-lm's qwen3_moe stacks per-expert weights only when they are unquantized);
 # mlx-lm's olmoe stacks OLMoE's into switch_mlp when it converts (its sanitize)
-FAMILY_LAYOUTS = {"qwen2_moe": "per-expert", "qwen3_moe": "stacked", "olmoe": "stacked", "gpt_oss": "stacked"}
+FAMILY_LAYOUTS = {"qwen2_moe": "per-expert", "qwen3_moe": "stacked", "olmoe": "stacked", "gpt_oss": "stacked",
+                  "qwen3_next": "stacked", "qwen3_5_moe": "stacked"}
 EXPERT_NAMES = {"stacked": "mlp.switch_mlp.*", "per-expert": "mlp.experts.{i}.*"}
+GPT_OSS_EXPERT_NAMES = "mlp.experts.{gate,up,down}_proj.* in mxfp4, router mlp.router.* in 8 bits"
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,8 @@ OLMOE_1B_7B = {
 # openai/gpt-oss-20b's config.json: experts of width `intermediate_size` (2880, D too) with biases and the clamped
 # SwiGLU, router with a bias (top-4 logits then softmax), 64 query / 8 kv heads of 64 with biases and sinks, a
 # 128-position window on every other layer (sliding first), YaRN rotary (factor 32 over 4096, not truncated).
-# make-random writes moebench's stacked names (mlp.gate, mlp.switch_mlp) at affine bits, not the hub's mxfp4 blocks
+# make-random writes it as mlx-lm's convert and the published MLX conversions do (writer.gpt_oss_mlx_lm_tensors):
+# mlp.router in 8 bits, experts stacked at mlp.experts.* in mxfp4, the rest at the affine bits asked for
 GPT_OSS_20B = {
     "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880,
     "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
@@ -147,6 +157,51 @@ PRESETS = {p.name: p for p in (
 )}
 
 
+# Qwen/Qwen3-Next-80B-A3B-Instruct's config.json (transformers' Qwen3NextConfig defaults but for experts 512 top-10,
+# rope_theta 1e7, 262144 positions): 48 hybrid layers, every 4th full attention (16 query / 2 kv heads of 256, an
+# output gate, rotary on a quarter of each head), the others Gated DeltaNet (16 key / 32 value heads of 128, conv 4);
+# every layer a MoE block of 512 experts top-10 of width 512 plus a shared expert of 512
+QWEN3_NEXT_80B_A3B = {
+    "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+    "num_hidden_layers": 48, "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2,
+    "head_dim": 256, "intermediate_size": 5120, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "num_experts": 512, "num_experts_per_tok": 10, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rope_theta": 10000000.0,
+    "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "bos_token_id": 151643,
+    "eos_token_id": 151645, "torch_dtype": "bfloat16",
+}
+# Qwen/Qwen3.5-35B-A3B's text model (its text_config, transformers' Qwen3_5MoeTextConfig defaults but rope_theta 1e7
+# and 262144 positions), flat as mlx-lm reads it: 40 hybrid layers as Qwen3-Next's, 256 experts top-8 of width 512
+# plus a shared expert of 512, vocab 248320; its Gated DeltaNet projections stored apart (in_proj_qkv, _z, _b, _a);
+# the rotary settings inside rope_parameters (the only place mlx-lm's qwen3_5 reads them; its mrope sections give a
+# text token one position in every section)
+QWEN3_5_35B_A3B = {
+    **{k: v for k, v in QWEN3_NEXT_80B_A3B.items() if k not in (
+        "intermediate_size", "bos_token_id", "eos_token_id", "rope_theta", "partial_rotary_factor")},
+    "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"], "vocab_size": 248320,
+    "num_hidden_layers": 40, "num_experts": 256, "num_experts_per_tok": 8,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+HYBRID_TINY = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, intermediate_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                   num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=4096, bos_token_id=None,
+                   eos_token_id=None)
+PRESETS.update({p.name: p for p in (
+    Preset("qwen3-next-80b-a3b", "Qwen3-Next-80B-A3B: 48 layers (3 of 4 Gated DeltaNet, every 4th gated full "
+           "attention), D 2048, 512 experts top-10 of width 512, shared expert 512, vocab 151936", QWEN3_NEXT_80B_A3B),
+    Preset("qwen3.5-35b-a3b", "Qwen3.5-35B-A3B's text model: 40 layers (3 of 4 Gated DeltaNet, every 4th gated full "
+           "attention), D 2048, 256 experts top-8 of width 512, shared expert 512, vocab 248320", QWEN3_5_35B_A3B),
+    Preset("qwen3-next-tiny", "the qwen3_next family at the tiny preset's size: 4 layers (3 Gated DeltaNet, then "
+           "gated full attention), D 128, GQA 4/2 of 32, 8 experts top-2 of width 128, shared expert 128, vocab 256",
+           {**QWEN3_NEXT_80B_A3B, **HYBRID_TINY}),
+    Preset("qwen3.5-moe-tiny", "the qwen3_5_moe family at the tiny preset's size: as qwen3-next-tiny, its linear "
+           "projections stored apart", {**QWEN3_5_35B_A3B, **HYBRID_TINY}),
+)})
+
 def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
@@ -177,11 +232,16 @@ def write_random(
 ) -> Path:
     """A random checkpoint of `preset`: MLX affine `bits`/`group_size`, experts in `layout` ('stacked' or
     'per-expert'; default the family's, default_layout), scales in `dtype`, shards of at most `shard_gb` GB with
-    an index, no tokenizer (bench works on token ids). Both layouts of one seed hold the same model."""
+    an index, no tokenizer (bench works on token ids). Both layouts of one seed hold the same model. gpt-oss is
+    written as mlx-lm lays it out (its router and mxfp4 experts under their own quantization, stacked only)."""
     p = get_preset(preset)
     layout = layout or default_layout(preset)
     if layout not in LAYOUTS:
         raise ConfigError(f"layout {layout!r} not in {LAYOUTS}")
+    gpt_oss = p.config["model_type"] == "gpt_oss"
+    if gpt_oss and layout != "stacked":
+        raise ConfigError(f"layout {layout!r}: gpt-oss checkpoints stack their experts (mlp.experts.*, as mlx-lm "
+                          "and the hub store them); use layout 'stacked'")
     if bits not in AFFINE_BITS or group_size not in AFFINE_GROUP_SIZES:
         raise ConfigError(f"bits {bits} / group size {group_size}: need bits in {AFFINE_BITS} and group size "
                           f"in {AFFINE_GROUP_SIZES}")
@@ -197,8 +257,12 @@ def write_random(
     count = len(tensor_shapes(args))
     tensors = tqdm(random_tensors(args, seed, DTYPES[dtype], generator), total=count, unit="tensor",
                    desc=f"make-random {preset}", disable=not progress, mininterval=2.0)
-    quantized = quantize_tensors(tensors, group_size, bits, layout, args.num_experts)
-    config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    if gpt_oss:
+        quantized = gpt_oss_mlx_lm_tensors(tensors, args, group_size, bits)
+        config["quantization"] = gpt_oss_quantization(args, group_size, bits)
+    else:
+        quantized = quantize_tensors(tensors, group_size, bits, layout, args.num_experts)
+        config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
     config["quantization_config"] = config["quantization"]
     return save_checkpoint(out, config, quantized, shard_bytes=int(shard_gb * 1e9))
 
@@ -232,9 +296,11 @@ def _run(a: argparse.Namespace) -> int:
     folder = write_random(a.out_dir, a.preset, a.bits, a.group_size, a.dtype, a.seed, a.shard_gb, a.generator,
                           layout=layout)
     total, active = parameter_counts(PRESETS[a.preset].config)
+    gpt_oss = PRESETS[a.preset].config["model_type"] == "gpt_oss"
+    experts = GPT_OSS_EXPERT_NAMES if gpt_oss else EXPERT_NAMES[layout]
     files = sorted(folder.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {folder}: {len(files)} file(s), {size / 1e9:.2f} GB, {total / 1e9:.2f}B parameters "
           f"({active / 1e9:.2f}B active), {a.bits}-bit g{a.group_size} {a.dtype}, experts {layout} "
-          f"({EXPERT_NAMES[layout]}), {time.perf_counter() - start:.1f} s")
+          f"({experts}), {time.perf_counter() - start:.1f} s")
     return 0

@@ -6,6 +6,7 @@ the stacked or per-expert layout, and sharded safetensors with an index. Used by
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,6 +17,15 @@ from ..checkpoint.config import model_args
 from ..checkpoint.weights import LAYOUTS, stacked_name, tensor_shapes
 from ..decode.sampling import check_seed
 from ..models.args import ModelArgs
+from ..models.switch import PROJECTIONS
+
+# gpt-oss as mlx-lm's convert writes it and mlx-community publishes it (e.g. gpt-oss-20b-MXFP4-Q8): the router at
+# `mlp.router` in 8-bit affine groups of 64 (mlx-lm's gpt_oss quant_predicate), the experts stacked at
+# `mlp.experts.{gate,up,down}_proj` in mxfp4 as the hub ships them, each named in config.json's quantization
+GPT_OSS_EXPERTS = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+GPT_OSS_ROUTER = {"group_size": 64, "bits": 8, "mode": "affine"}
+_GPT_OSS_NAMES = ((re.compile(r"^(model\.layers\.\d+\.mlp)\.gate\.(\w+)$"), r"\1.router.\2"),
+                  (re.compile(r"^(model\.layers\.\d+\.mlp)\.switch_mlp\.(\w+)\.(\w+)$"), r"\1.experts.\2.\3"))
 
 
 def _scaled(name: str, shape: tuple[int, ...], z):
@@ -178,3 +188,39 @@ def write_random_checkpoint(
         config = {**config, "quantization": {"group_size": group_size,
                                              "bits": bits if isinstance(bits, int) else 4, "mode": "affine"}}
     return save_checkpoint(folder, config, tensors, shard_bytes)
+
+
+def gpt_oss_mlx_lm_name(name: str) -> str:
+    """moebench's name of a gpt-oss tensor -> mlx-lm's: `mlp.gate.*` -> `mlp.router.*`, `mlp.switch_mlp.*` ->
+    `mlp.experts.*`; any other name as it is."""
+    for pattern, replacement in _GPT_OSS_NAMES:
+        name = pattern.sub(replacement, name)
+    return name
+
+
+def gpt_oss_quantization(args: ModelArgs, group_size: int, bits: int) -> dict:
+    """config.json's `quantization` of a gpt_oss_mlx_lm_tensors folder: affine `bits` / `group_size` for every
+    module but the router and the experts, which name their own (mlx-lm reads such per-module entries)."""
+    quantization: dict = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    for i in range(args.num_hidden_layers):
+        quantization[f"model.layers.{i}.mlp.router"] = dict(GPT_OSS_ROUTER)
+        quantization.update({f"model.layers.{i}.mlp.experts.{p}": dict(GPT_OSS_EXPERTS) for p in PROJECTIONS})
+    return quantization
+
+
+def gpt_oss_mlx_lm_tensors(tensors: Iterator[tuple[str, mx.array]], args: ModelArgs, group_size: int,
+                           bits: int) -> Iterator[tuple[str, mx.array]]:
+    """A gpt-oss float checkpoint's tensors (moebench's per-expert names, as random_tensors draws them) in mlx-lm's
+    layout (gpt_oss_quantization says how each is quantized), one at a time."""
+    own = {"router": GPT_OSS_ROUTER, "experts": GPT_OSS_EXPERTS}
+    stacked = quantize_tensors(tensors, group_size, bits, "stacked", args.num_experts,
+                               skip=lambda name: ".mlp." in name)
+    for name, w in stacked:
+        name = gpt_oss_mlx_lm_name(name)
+        spec = next((q for part, q in own.items() if f".mlp.{part}." in name), None)
+        if spec is None or not name.endswith(".weight"):
+            yield name, w
+            continue
+        base = name.removesuffix(".weight")
+        for part, value in zip(("weight", "scales", "biases"), mx.quantize(w, **spec), strict=False):
+            yield f"{base}.{part}", value

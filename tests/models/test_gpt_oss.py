@@ -333,3 +333,42 @@ def test_bad_expert_tensors_are_named(hf_folder, tmp_path):
         assert "mlp.experts." in message, (case, message)
         if case != "missing":
             assert "model.safetensors" in message, (case, message)
+
+
+# ---- sharding ----------------------------------------------------------------------------------------
+
+def test_each_rank_of_the_hub_layout_holds_its_experts_rows(hub_folder):
+    """Expert parallelism on the hub's mxfp4 layout, whose gate and up are split from interleaved rows in memory
+    (only the mlx-lm layout can be read rank by rank from the file): each rank of two holds its experts' rows of
+    every part, biases included, equal to the whole model's. The two-process decode is tests/models/test_sharding."""
+    from moebench.checkpoint.config import read_model_args
+    from moebench.checkpoint.files import TensorStore
+    from moebench.checkpoint.gpt_oss_layouts import to_moebench_names
+    from moebench.checkpoint.weights import load_weights
+    from moebench.models import family
+    from moebench.models.sharding import shard_experts
+
+    class Ranks:  # an mx.distributed group as rank `rank` of two sees it (loading makes no collective call)
+        def __init__(self, rank: int):
+            self.rank, self.size = lambda: rank, lambda: 2
+
+    def loaded(group):
+        store = TensorStore(hub_folder)
+        args = to_moebench_names(store, read_model_args(hub_folder / "config.json"))
+        model = family("gpt_oss").Model(args)
+        if group is not None:
+            shard_experts(model, group)
+        load_weights(model, store, mx.float32, args.quantization)
+        store.check_all_used()
+        return model
+
+    whole = loaded(None)
+    for rank in (0, 1):
+        sharded = loaded(Ranks(rank))
+        for i, block in sharded.moe_blocks().items():
+            full, experts = whole.moe_blocks()[i].switch_mlp, block.switch_mlp
+            assert (experts.first, experts.num_experts, experts.total) == (4 * rank, 4, 8)
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                for part in ("weight", "scales", "bias"):
+                    theirs = full[proj][part][4 * rank:4 * rank + 4]
+                    assert mx.array_equal(experts[proj][part], theirs).item(), (rank, i, proj, part)

@@ -17,7 +17,7 @@ from sharded_run import RECORDED
 
 from moebench.checkpoint.config import read_model_args
 from moebench.checkpoint.files import TensorStore
-from moebench.checkpoint.loader import SHIPPED_MODEL, load
+from moebench.checkpoint.loader import SHIPPED_MODEL, STORED_LAYOUTS, load
 from moebench.checkpoint.weights import load_weights
 from moebench.errors import CheckpointError, ConfigError, MoebenchError
 from moebench.models import family
@@ -35,6 +35,7 @@ from moebench.models.sharding import (
 )
 from moebench.models.switch import ExpertShard
 from moebench.tools.local_group import free_ports
+from moebench.tools.presets import write_random
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
 RUN = Path(__file__).with_name("sharded_run.py")
@@ -67,6 +68,17 @@ def qwen3_stacked(tmp_path_factory) -> Path:
                                    layout="stacked", shard_bytes=400_000)
 
 
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> Path:
+    """make-random's gpt-oss-tiny (mlx-lm's layout: mxfp4 experts with biases, 8-bit router, 4-bit attention with
+    biases and sinks, a window of 4 on layer 0) in float32."""
+    return write_random(tmp_path_factory.mktemp("gpt-oss") / "ckpt", "gpt-oss-tiny", dtype="float32", group_size=32,
+                        generator="numpy", progress=False)
+
+
+TOTALS = {"shipped": SHIPPED_EXPERTS, "qwen3": 16, "gpt_oss": 8}
+
+
 @pytest.mark.parametrize("total", [7, 16, 60, 128])
 @pytest.mark.parametrize("size", [1, 2, 3, 8])
 def test_expert_spans_cover_every_expert_once(total, size):
@@ -92,13 +104,15 @@ def test_load_takes_only_an_mx_distributed_group():
 
 def _loaded(folder: Path, group: Ranks | None, tensor: bool = False):
     args = read_model_args(folder / "config.json")
+    store = TensorStore(folder)
+    if args.model_type in STORED_LAYOUTS:  # gpt-oss's names, as load renames them
+        args = STORED_LAYOUTS[args.model_type](store, args)
     model = family(args.model_type).Model(args)
     if group is not None:
         shard_experts(model, group)
         if tensor:
             shard_heads(model, group)
             shard_mlps(model, group)
-    store = TensorStore(folder)
     load_weights(model, store, mx.float32, args.quantization)
     store.check_all_used()
     return model
@@ -152,6 +166,30 @@ def test_each_rank_loads_exactly_its_heads(model, qwen3_stacked):
             assert mx.array_equal(parts.weight, full_parts.weight[:, r * words:(r + 1) * words]).item()
             assert mx.array_equal(parts.scales, full_parts.scales[:, r * groups:(r + 1) * groups]).item()
             assert mx.array_equal(parts.biases, full_parts.biases[:, r * groups:(r + 1) * groups]).item()
+
+
+def test_each_gpt_oss_rank_loads_its_experts_biases_heads_and_sinks(gpt_oss):
+    """gpt-oss under experts+tensor: a rank's experts with their biases rows, its heads' q/k/v bias rows, o_proj's
+    bias whole (added once, after the all_sum) and the sinks whole (each rank attends with its heads' span)."""
+    whole = _loaded(gpt_oss, None)
+    shards = [_loaded(gpt_oss, Ranks(r, 2), tensor=True) for r in range(2)]
+    assert sum(resident_expert_bytes(m) for m in shards) == resident_expert_bytes(whole)
+    for r, sharded in enumerate(shards):
+        for i, block in sharded.moe_blocks().items():
+            experts, full = block.switch_mlp, whole.moe_blocks()[i].switch_mlp
+            assert isinstance(experts, ExpertShard) and (experts.first, experts.num_experts) == (4 * r, 4)
+            assert (experts.limit, experts.alpha) == (full.limit, full.alpha)
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                for part in ("weight", "scales", "bias"):
+                    mine, theirs = experts[proj][part], full[proj][part][4 * r:4 * r + 4]
+                    assert mx.array_equal(mine, theirs).item(), (r, i, proj, part)
+        for mine, full in zip(sharded.layers, whole.layers, strict=True):
+            a, b = mine.self_attn, full.self_attn
+            for proj, rows in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+                assert mx.array_equal(a[proj]["bias"], b[proj]["bias"][r * rows:(r + 1) * rows]).item()
+            assert mx.array_equal(a.o_proj["bias"], b.o_proj["bias"]).item()
+            assert mx.array_equal(a.head_sinks(), b["sinks"][2 * r:2 * r + 2]).item()
+            assert a.window == b.window
 
 
 def test_heads_that_do_not_split_evenly_are_a_config_error():
@@ -230,10 +268,10 @@ MODES = ("experts", TENSOR_MODE)
 
 
 @pytest.fixture(scope="module")
-def decodes(qwen3_stacked, tmp_path_factory) -> dict:
+def decodes(qwen3_stacked, gpt_oss, tmp_path_factory) -> dict:
     """{(model, mode): (one process's record, [each rank's record of two])}."""
     out = {}
-    for name, folder in (("shipped", SHIPPED_MODEL), ("qwen3", qwen3_stacked)):
+    for name, folder in (("shipped", SHIPPED_MODEL), ("qwen3", qwen3_stacked), ("gpt_oss", gpt_oss)):
         alone = tmp_path_factory.mktemp(f"{name}-one")
         args = [str(TOKENS), *map(str, PROMPT)]
         subprocess.run([sys.executable, str(RUN), str(folder), str(alone), "experts", *args], check=True, timeout=300)
@@ -253,7 +291,7 @@ def _agree(one: dict, two: dict) -> None:
         assert one["margins"][first] < NEAR_TIE, f"tokens part at {first}, margin {one['margins'][first]}"
 
 
-@pytest.mark.parametrize("name", ["shipped", "qwen3"])
+@pytest.mark.parametrize("name", sorted(TOTALS))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fused", ["on", "off", "forced on", "forced off", "ablated on", "ablated off"])
 def test_two_processes_decode_as_one(decodes, name, mode, fused):
@@ -286,7 +324,7 @@ def test_forced_and_ablated_experts_hold_on_every_rank(decodes, fused):
     """The interventions sharded_run.py sets (experts forced from both ends of the range, expert 0 ablated) are what
     every rank's records show at every step, fused or not."""
     for (name, mode), (one, ranks) in decodes.items():
-        total = SHIPPED_EXPERTS if name == "shipped" else 16
+        total = TOTALS[name]
         for run in (one, *ranks):
             forced = [sorted(rec["topk_ids"]) for step in run[f"forced {fused}"]["records"] for rec in step.values()]
             top_k = len(forced[0])
@@ -302,7 +340,7 @@ def test_each_rank_holds_half_the_experts_and_says_which(decodes):
         assert rank0["shard"]["expert_bytes_per_rank"] == [whole // 2, whole // 2], name
         spans = {k: rank0["shard"][k] for k in ("experts", "attention", "mlps")}
         assert rank0["shard"] == rank1["shard"] | spans
-        total = SHIPPED_EXPERTS if name == "shipped" else 16
+        total = TOTALS[name]
         half = total // 2
         shared = ["", ""] if (name, mode) != ("shipped", TENSOR_MODE) else [  # the shipped model's shared experts
             f"; shared expert width {r * 64}-{r * 64 + 63} of 128 on rank {r} of 2 (the other ranks' by all_sum)"
@@ -315,15 +353,20 @@ def test_each_rank_holds_half_the_experts_and_says_which(decodes):
         whole_attention, whole_mlps = (one["shard"][k][0] for k in ("attention_bytes_per_rank", "mlp_bytes_per_rank"))
         if mode == "experts":
             assert attention == [[], []] and rank0["shard"]["attention_bytes_per_rank"] == [whole_attention] * 2
-            assert rank0["shard"]["mlps"] == "every MLP's whole width in this process"
+            assert rank0["shard"]["mlps"] == ("no shared expert or dense MLP" if name == "gpt_oss" else
+                                              "every MLP's whole width in this process")
             assert rank0["shard"]["mlp_bytes_per_rank"] == [whole_mlps] * 2
             continue
-        width = 128 if name == "shipped" else 256  # the shipped model's shared experts, the Qwen3 one's dense layer
-        assert [r["shard"]["mlps"] for r in (rank0, rank1)] == [
-            f"width {r * width // 2}-{(r + 1) * width // 2 - 1} of {width} on rank {r} of 2 (the other ranks' by "
-            "all_sum)" for r in range(2)], name
-        assert rank0["shard"]["mlp_bytes_per_rank"] == [whole_mlps // 2] * 2, name
-        assert attention == [  # both models: 4 query heads, 2 key/value heads
+        if name == "gpt_oss":  # no shared expert, no dense layer
+            assert rank0["shard"]["mlps"] == "no shared expert or dense MLP"
+            assert rank0["shard"]["mlp_bytes_per_rank"] == [0, 0]
+        else:
+            width = 128 if name == "shipped" else 256  # the shipped model's shared experts, the Qwen3 one's dense layer
+            assert [r["shard"]["mlps"] for r in (rank0, rank1)] == [
+                f"width {r * width // 2}-{(r + 1) * width // 2 - 1} of {width} on rank {r} of 2 (the other ranks' by "
+                "all_sum)" for r in range(2)], name
+            assert rank0["shard"]["mlp_bytes_per_rank"] == [whole_mlps // 2] * 2, name
+        assert attention == [  # every model: 4 query heads, 2 key/value heads
             ["query heads 0-1 of 4, key/value heads 0 of 2 on rank 0 of 2 (the other ranks' by all_sum)"],
             ["query heads 2-3 of 4, key/value heads 1 of 2 on rank 1 of 2 (the other ranks' by all_sum)"]], name
         assert max(rank0["shard"]["attention_bytes_per_rank"]) < 0.51 * whole_attention, name

@@ -14,6 +14,7 @@ from moebench.checkpoint.config import model_args
 from moebench.checkpoint.files import checkpoint_files, read_safetensors_header
 from moebench.checkpoint.weights import tensor_shapes
 from moebench.cli import main
+from moebench.errors import ConfigError
 from moebench.tools.presets import PRESETS, default_layout, get_preset, parameter_counts, write_random
 from moebench.tools.writer import random_tensors
 
@@ -156,13 +157,52 @@ def test_gpt_oss_preset_is_gpt_oss_20b():
     assert windows == [4, None]
 
 
-def test_make_random_gpt_oss_tiny_loads_and_decodes(tmp_path):
-    folder = write_random(tmp_path / "gpt-oss", "gpt-oss-tiny", dtype="float32", group_size=32, progress=False)
-    model, _ = load(folder)
-    assert model.args.model_type == "gpt_oss"
-    assert model.load_info.bits["mlp.switch_mlp.down_proj"] == "4-bit g32"
-    logits = model(mx.array([[1, 2, 3, 4, 5, 6, 7]]))  # past the window of 4
-    assert logits.shape == (1, 7, 256) and bool(mx.all(mx.isfinite(logits)))
+def test_make_random_gpt_oss_tiny_is_mlx_lms_layout_and_mlx_lm_computes_what_moebench_does(tmp_path, capsys):
+    """gpt-oss as mlx-lm's convert writes it (and mlx-community publishes it): mlp.router in 8-bit groups of 64,
+    the experts stacked at mlp.experts.* in mxfp4 (uint8 e8m0 scales, no affine biases) with float biases, the rest
+    at the bits asked for, each named in config.json. mlx-lm and moebench load the folder; their float32 logits
+    agree within 1e-4 over a prompt past the window. mlx-lm 0.32 always truncates YaRN's correction range (the
+    family's tests say so), so the comparison reads the folder with `truncate: true`, which moebench honours."""
+    from mlx_lm.utils import load_model
+
+    folder = tmp_path / "gpt-oss"
+    assert main(["make-random", str(folder), "--preset", "gpt-oss-tiny", "--dtype", "float32", "--group-size", "32",
+                 "--generator", "numpy"]) == 0
+    assert "mlp.experts.{gate,up,down}_proj.* in mxfp4" in capsys.readouterr().out
+    header = read_safetensors_header(folder / "model.safetensors")
+    names = set(header)
+    assert not any(".switch_mlp." in n or ".mlp.gate." in n for n in names)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        base = f"model.layers.1.mlp.experts.{proj}"
+        assert (header[f"{base}.weight"]["dtype"], header[f"{base}.scales"]["dtype"]) == ("U32", "U8")
+        assert header[f"{base}.weight"]["shape"] == [8, 128, 16] and header[f"{base}.bias"]["shape"] == [8, 128]
+        assert f"{base}.biases" not in names
+    assert {"model.layers.0.mlp.router.weight", "model.layers.0.mlp.router.biases"} <= names
+    quantization = json.loads((folder / "config.json").read_text())["quantization"]
+    assert quantization["model.layers.0.mlp.experts.down_proj"] == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    assert quantization["model.layers.1.mlp.router"] == {"group_size": 64, "bits": 8, "mode": "affine"}
+    ours, _ = load(folder)
+    assert ours.args.model_type == "gpt_oss"
+    assert ours.load_info.bits["mlp.switch_mlp.down_proj"] == "4-bit g32 mxfp4"
+    assert ours.load_info.bits["mlp.gate"] == "8-bit g64" and ours.load_info.bits["self_attn.q_proj"] == "4-bit g32"
+
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"]["truncate"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    ids = mx.array([[1, 5, 9, 200, 3, 7, 42, 0, 11, 12]])  # past the window of 4
+    reference, _ = load_model(folder)
+    truncated, _ = load(folder)
+    expected = np.array(reference(ids))
+    got, untruncated = np.array(truncated(ids)), np.array(ours(ids))
+    assert got.dtype == np.float32 and np.abs(expected).max() > 0.5
+    assert np.abs(got - expected).max() <= 1e-4
+    assert np.abs(untruncated - expected).max() > 1e-4  # the setting reaches moebench's YaRN
+
+
+def test_gpt_oss_is_written_stacked_only(tmp_path):
+    with pytest.raises(ConfigError, match="layout 'per-expert': gpt-oss checkpoints stack their experts"):
+        write_random(tmp_path / "per-expert", "gpt-oss-tiny", progress=False, layout="per-expert")
+    assert not (tmp_path / "per-expert").exists()
 
 
 @pytest.mark.parametrize("preset,layout,stacked", [("qwen3-tiny", None, True), ("tiny", None, False),
@@ -253,7 +293,5 @@ def test_a_seed_numpy_and_mlx_cannot_take_is_named_before_a_file_is_written(tmp_
 
 @pytest.mark.parametrize("shard_gb", [0, -1, float("inf"), float("nan")])
 def test_a_shard_size_that_is_not_a_positive_number_is_named(tmp_path, shard_gb):
-    from moebench.errors import ConfigError
-
     with pytest.raises(ConfigError, match=r"shard size \(GB\) must be a finite number above 0"):
         write_random(tmp_path / "preset", "tiny", shard_gb=shard_gb, progress=False)

@@ -1,0 +1,40 @@
+"""Every notebook runs unchanged on a gpt-oss checkpoint at gpt-oss-20b's routing shape (32 experts, top-4 logits
+then softmax, a router bias; experts with biases and the clamped SwiGLU in mxfp4; sinks and a window of 4 on
+alternate layers), written as mlx-lm lays gpt-oss out: the widgets and records know no family names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from byte_tokenizer import write_byte_tokenizer
+from test_notebooks_on_qwen3 import NOTEBOOKS, run_notebook_on
+
+from moebench.checkpoint.config import model_args
+from moebench.tools.presets import get_preset
+from moebench.tools.writer import gpt_oss_mlx_lm_tensors, gpt_oss_quantization, random_tensors, save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_checkpoint(tmp_path_factory) -> Path:
+    """gpt-oss-tiny's widths with gpt-oss-20b's 32 experts top-4, affine 4-bit g32 around mxfp4 experts."""
+    config = {**get_preset("gpt-oss-tiny").config, "num_local_experts": 32, "num_experts_per_tok": 4,
+              "torch_dtype": "float32"}
+    args = model_args(config)
+    config["quantization"] = gpt_oss_quantization(args, 32, 4)
+    tensors = gpt_oss_mlx_lm_tensors(random_tensors(args, seed=5), args, 32, 4)
+    folder = save_checkpoint(tmp_path_factory.mktemp("gpt-oss") / "ckpt", config, tensors)
+    write_byte_tokenizer(folder)
+    return folder
+
+
+# 03 compares the fused MoE kernel with the fallback step by step; the fused kernels decline gpt-oss's routing (top-k
+# logits then softmax) until issue 36's kernel part lands, and compare_step says so (UnsupportedKernelConfig)
+NO_FUSED_KERNEL = pytest.mark.xfail(strict=True, reason="the fused MoE kernels do not compute gpt-oss yet: "
+                                    "notebook 03's fused-vs-fallback comparison has no fused side")
+CASES = [pytest.param(nb, marks=NO_FUSED_KERNEL) if nb.stem == "03_fused_vs_fallback" else nb for nb in NOTEBOOKS]
+
+
+@pytest.mark.parametrize("notebook", CASES, ids=[nb.stem for nb in NOTEBOOKS])
+def test_notebook_runs_on_gpt_oss(notebook, gpt_oss_checkpoint, monkeypatch):
+    run_notebook_on(notebook, gpt_oss_checkpoint, "gpt_oss", monkeypatch)
