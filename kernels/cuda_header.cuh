@@ -36,4 +36,6 @@ MB_FN float mb_cos(float v) { return cosf(v); }
 MB_FN float mb_sin(float v) { return sinf(v); }
 MB_FN float mb_rsqrt(float v) { return 1.0f / sqrtf(v); }
 MB_FN float mb_nan() { return __int_as_float(0x7fffffff); }
+// The float whose IEEE-754 bits are v.
+MB_FN float mb_as_float(uint32_t v) { return __uint_as_float(v); }
 MB_FN float mb_neg_inf() { return __uint_as_float(0xff800000u); }

@@ -20,4 +20,6 @@ MB_FN float mb_cos(float v) { return metal::precise::cos(v); }
 MB_FN float mb_sin(float v) { return metal::precise::sin(v); }
 MB_FN float mb_rsqrt(float v) { return 1.0f / metal::precise::sqrt(v); }
 MB_FN float mb_nan() { return as_type<float>(0x7fc00000u); }
+// The float whose IEEE-754 bits are v.
+MB_FN float mb_as_float(uint32_t v) { return as_type<float>(v); }
 MB_FN float mb_neg_inf() { return as_type<float>(0xff800000u); }

@@ -1,6 +1,7 @@
 """The fused single-token decode-MoE arithmetic: router top-k, routed experts and the shared expert.
 
-All backends share one arithmetic: dequantize in float32 with float32 scales and biases, accumulate in
+All backends share one arithmetic: dequantize in float32 with float32 scales and biases (affine) or the
+microscaled modes' codes and uint8 scales decoded exactly (mxfp4, nvfp4, mxfp8), accumulate in
 float32, SwiGLU in float32, float32 unweighted outputs per routed expert y [K, D] and of the shared
 expert ys [D]; the combine sum_k score_k * y_k + sigmoid_gate * ys (+ the residual) runs in float32 and
 casts once to the activation dtype.
@@ -32,6 +33,8 @@ GATE_UP = Stage("moebench_moe_gate_up", "moe_gate_up.body",
 DOWN = Stage("moebench_moe_down", "moe_down.body",
              ("indices", "scores", "down_w", "down_s", "down_b", "act", "sdown_w", "sdown_s", "sdown_b", "sgate",
               "resid"), ("y", "ys", "out"))
+# The quantization modes the pair reads, by the MODE template constant the kernels take (moe_common.inc).
+KERNEL_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 DEFAULT_ROWS = 8  # simdgroups (output rows) per threadgroup
 MAX_ROWS = 32
 
@@ -51,6 +54,10 @@ def _signature(a: mx.array | None) -> tuple | None:
     return None if a is None else (tuple(a.shape), a.dtype)
 
 
+def _shape(a: mx.array | None) -> tuple | None:
+    return None if a is None else tuple(a.shape)
+
+
 def _parts_signature(p: QuantizedParts) -> tuple:
     return (p.weight.shape, p.scales.shape, p.scales.dtype, p.biases is not None and p.biases.dtype, p.bits,
             p.group_size, p.mode)
@@ -66,9 +73,10 @@ def _check_pair(x: mx.array, indices: mx.array, scores: mx.array, gate: Quantize
         raise UnsupportedKernelConfig(f"the fused kernels cannot read these experts: {reason}")
     for p in parts:
         groups = p.in_features // p.group_size
-        if p.scales.shape != (*p.weight.shape[:-1], groups) or p.biases.shape != p.scales.shape:
-            raise UnsupportedKernelConfig(f"scales {tuple(p.scales.shape)} and biases {tuple(p.biases.shape)} do not "
-                                          f"fit packed weights {tuple(p.weight.shape)} at group size {p.group_size}")
+        biases = p.scales if p.biases is None else p.biases  # the microscaled modes have none
+        if p.scales.shape != (*p.weight.shape[:-1], groups) or biases.shape != p.scales.shape:
+            raise UnsupportedKernelConfig(f"scales {tuple(p.scales.shape)} and biases {_shape(p.biases)} do not fit "
+                                          f"packed weights {tuple(p.weight.shape)} at group size {p.group_size}")
     d, dff, n_exp = gate.in_features, gate.out_features, gate.weight.shape[0]
     if x.shape[-1:] != (d,) or any(n != 1 for n in x.shape[:-1]):
         raise UnsupportedKernelConfig(f"x has shape {tuple(x.shape)}, the experts expect ({d},) (one token)")
@@ -131,13 +139,14 @@ class PairLaunch:
 @functools.lru_cache(maxsize=64)
 def _pair_launch(lead: tuple, x_dtype: mx.Dtype, scale_dtype: mx.Dtype, scores_dtype: mx.Dtype,
                  e: int, k: int, d: int, dff: int, dffs: int, gs: int, bits: int, down_bits: int, resid: bool,
-                 rows: int) -> PairLaunch:
+                 rows: int, mode: str) -> PairLaunch:
     shape = [("E", e), ("K", k), ("DIN", d), ("DFF", dff), ("DFFS", dffs), ("GS", gs)]
+    mode_id = ("MODE", KERNEL_MODES.index(mode))
     return PairLaunch(
-        gate_up_template=[("T", x_dtype), ("ST", scale_dtype), *shape, ("BITS", bits)],
+        gate_up_template=[("T", x_dtype), ("ST", scale_dtype), *shape, ("BITS", bits), mode_id],
         gate_up_grid=(LANES, round_up(k * dff + dffs, rows), 1),
         down_template=[("T", x_dtype), ("ST", scale_dtype), ("S", scores_dtype), *shape, ("BITS", down_bits),
-                       ("RESID", resid)],
+                       ("RESID", resid), mode_id],
         down_grid=(LANES, round_up(d, rows), 1),
         threadgroup=(LANES, rows, 1),
         act_shape=[(k * dff + dffs,)],
@@ -159,25 +168,31 @@ def gpu_routed(
     launch = _pair_launch(tuple(x.shape[:-1]), x.dtype, gate.scales.dtype, scores.dtype,
                           gate.weight.shape[0], indices.shape[-1], gate.in_features, gate.out_features,
                           shared.gate.out_features if shared is not None else 0, gate.group_size, gate.bits,
-                          down.bits, residual is not None, rows)
+                          down.bits, residual is not None, rows, gate.mode)
     indices = indices.astype(mx.uint32)
     st = gate.scales.dtype  # scales and biases of every projection in one dtype (a no-op cast in practice)
     s_gate, s_up, s_down = (shared.gate, shared.up, shared.down) if shared is not None else (gate, up, down)
     act = built_kernel(backend, GATE_UP)(
-        inputs=[x, indices, gate.weight, gate.scales, gate.biases.astype(st), up.weight,
-                up.scales.astype(st), up.biases.astype(st), s_gate.weight, s_gate.scales.astype(st),
-                s_gate.biases.astype(st), s_up.weight, s_up.scales.astype(st), s_up.biases.astype(st)],
+        inputs=[x, indices, gate.weight, *_scales_biases(gate, st), up.weight, *_scales_biases(up, st),
+                s_gate.weight, *_scales_biases(s_gate, st), s_up.weight, *_scales_biases(s_up, st)],
         template=launch.gate_up_template, grid=launch.gate_up_grid, threadgroup=launch.threadgroup,
         output_shapes=launch.act_shape, output_dtypes=[mx.float32],
     )[0]
     y, ys, out = built_kernel(backend, DOWN)(
-        inputs=[indices, scores, down.weight, down.scales.astype(st), down.biases.astype(st), act, s_down.weight,
-                s_down.scales.astype(st), s_down.biases.astype(st),
-                shared.sigmoid_gate if shared is not None else scores, residual if residual is not None else x],
+        inputs=[indices, scores, down.weight, *_scales_biases(down, st), act, s_down.weight,
+                *_scales_biases(s_down, st), shared.sigmoid_gate if shared is not None else scores,
+                residual if residual is not None else x],
         template=launch.down_template, grid=launch.down_grid, threadgroup=launch.threadgroup,
         output_shapes=launch.down_shapes, output_dtypes=launch.down_dtypes,
     )
     return out, y, ys if shared is not None else None
+
+
+def _scales_biases(p: QuantizedParts, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """A projection's scales and biases as the kernels take them, in `dtype`; without biases (the microscaled
+    modes, which the kernels read none of) the scales stand in for them."""
+    scales = p.scales.astype(dtype)
+    return scales, scales if p.biases is None else p.biases.astype(dtype)
 
 
 def _check_select(logits: mx.array, num_experts: int, top_k: int, gate_row: bool) -> None:
@@ -227,14 +242,17 @@ def select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_to
 
 
 def matmul_f32(p: QuantizedParts, v: mx.array, indices: mx.array | None = None) -> mx.array:
-    """v @ W^T in float32 with W dequantized in float32 (scales and biases upcast first): v [D] -> [out],
-    or with `indices` [K] and v [D] or [K, 1, in] -> [K, 1, out] (the selected experts' matrices)."""
-    scales, biases = p.scales.astype(mx.float32), p.biases.astype(mx.float32)
+    """v @ W^T in float32 with W dequantized in float32 (affine scales and biases upcast first; the microscaled
+    modes' uint8 scales are decoded by MLX): v [D] -> [out], or with `indices` [K] and v [D] or [K, 1, in] ->
+    [K, 1, out] (the selected experts' matrices)."""
+    if p.biases is None:
+        scales, biases = p.scales, None
+    else:
+        scales, biases = p.scales.astype(mx.float32), p.biases.astype(mx.float32)
+    fmt = {"transpose": True, "group_size": p.group_size, "bits": p.bits, "mode": p.mode}
     if indices is None:
-        return mx.quantized_matmul(v[None], p.weight, scales, biases, transpose=True, group_size=p.group_size,
-                                   bits=p.bits)[0]
-    return mx.gather_qmm(v.reshape(-1, 1, v.shape[-1]), p.weight, scales, biases, rhs_indices=indices,
-                         transpose=True, group_size=p.group_size, bits=p.bits)
+        return mx.quantized_matmul(v[None], p.weight, scales, biases, **fmt)[0]
+    return mx.gather_qmm(v.reshape(-1, 1, v.shape[-1]), p.weight, scales, biases, rhs_indices=indices, **fmt)
 
 
 def swiglu_f32(g: mx.array, u: mx.array) -> mx.array:

@@ -8,13 +8,17 @@ A block is judged by its declaration (moebench.models.declare) and its stored we
 
 from __future__ import annotations
 
-from ..models.args import QuantizedParts
+import mlx.core as mx
+
+from ..models.args import FP_MODES, QuantizedParts
 from ..models.declare import SIGMOID_GATED, SOFTMAX_THEN_TOPK, SWIGLU, AttentionSpec, MoeSpec
 from .kernel import LANES
 
 GATE_UP_BITS = (4, 8)
 DOWN_BITS = (4, 6, 8)
 GROUP_SIZES = (32, 64, 128)
+# The microscaled modes the pair reads: MLX's fixed (group size, bits) each, no biases, uint8 scales.
+MICROSCALED = tuple(sorted(FP_MODES))
 DEFAULT_MAX_DFF = {"metal": 4096, "cuda": 8192}  # expert width above which the GPU kernel lost to gather_qmm
 
 
@@ -39,8 +43,12 @@ def parts_reason(gate: QuantizedParts | None, up: QuantizedParts | None, down: Q
     if any(p is None for p in parts):
         return "float experts (the kernel needs quantized weights)"
     modes = {p.mode for p in parts}
-    if modes != {"affine"}:
-        return f"quantization mode {sorted(modes)} (the kernel needs affine)"
+    if len(modes) != 1:
+        return f"quantization modes differ {sorted(modes)}"
+    if gate.mode in MICROSCALED:
+        return _microscaled_reason(gate.mode, parts)
+    if gate.mode != "affine":
+        return f"quantization mode {gate.mode} (the kernels read affine, {', '.join(MICROSCALED)})"
     if any(p.biases is None for p in parts):
         return "affine without biases"
     if gate.bits != up.bits:
@@ -56,6 +64,21 @@ def parts_reason(gate: QuantizedParts | None, up: QuantizedParts | None, down: Q
         return f"group size {gate.group_size} not in {GROUP_SIZES}"
     if down.bits == 6 and gate.out_features % 16:
         return f"6-bit down needs Dff % 16 == 0 (Dff {gate.out_features})"
+    return None
+
+
+def _microscaled_reason(mode: str, parts: tuple[QuantizedParts, ...]) -> str | None:
+    """Why the pair cannot read gate/up/down `parts` stored in microscaled `mode`, or None: MLX fixes each
+    mode's bits and group size, and the kernels decode only its uint8 scales and take no biases."""
+    group_size, bits = FP_MODES[mode]
+    for name, p in zip(("gate", "up", "down"), parts, strict=True):
+        if (p.bits, p.group_size) != (bits, group_size):
+            return (f"{name} is {mode} at {p.bits} bits, group {p.group_size} "
+                    f"({mode} is {bits} bits, group {group_size})")
+        if p.biases is not None:
+            return f"{name} is {mode} with biases ({mode} has none)"
+        if p.scales.dtype != mx.uint8:
+            return f"{name} is {mode} with {str(p.scales.dtype).removeprefix('mlx.core.')} scales ({mode} stores uint8)"
     return None
 
 

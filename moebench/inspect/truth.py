@@ -1,6 +1,7 @@
 """The float64 truth every comparison is measured against: quantized weights unpacked by numpy
-(independently of MLX), scales and biases upcast before the affine map, every product accumulated in
-float64. compare, selfcheck and the tests use it.
+(independently of MLX), scales and biases upcast before the affine map (or, in the microscaled modes
+mxfp4, nvfp4 and mxfp8, codes and scales decoded from their formats' definitions), every product
+accumulated in float64. compare, selfcheck and the tests use it.
 """
 
 from __future__ import annotations
@@ -28,14 +29,49 @@ def unpack(weight: np.ndarray, bits: int) -> np.ndarray:
     return ((window >> shift) & np.uint64((1 << bits) - 1)).astype(np.int64)
 
 
+def minifloat(codes: np.ndarray, exponent_bits: int, mantissa_bits: int, finite: bool = False) -> np.ndarray:
+    """Sign / exponent / mantissa codes (bias 2^(exponent_bits - 1) - 1, subnormals at exponent 0) in float64.
+    `finite`: the OCP "FN" rule of e4m3, all bits but the sign set is NaN and there are no infinities."""
+    codes = np.asarray(codes, np.int64)
+    bias = 2 ** (exponent_bits - 1) - 1
+    exponent = (codes >> mantissa_bits) & (2**exponent_bits - 1)
+    mantissa = codes & (2**mantissa_bits - 1)
+    fraction = mantissa / 2.0**mantissa_bits
+    magnitude = np.where(exponent == 0, fraction * 2.0 ** (1 - bias), (1 + fraction) * 2.0 ** (exponent - bias))
+    if finite:
+        magnitude = np.where((codes & (2 ** (exponent_bits + mantissa_bits) - 1)) ==
+                             2 ** (exponent_bits + mantissa_bits) - 1, np.nan, magnitude)
+    return np.where(codes >> (exponent_bits + mantissa_bits) & 1, -magnitude, magnitude)
+
+
+def e8m0(codes: np.ndarray) -> np.ndarray:
+    """Power-of-two scales 2^(s - 127) in float64; 255 is infinity, as MLX reads it (float32 overflows there)."""
+    codes = np.asarray(codes, np.int64)
+    return np.where(codes == 255, np.inf, np.ldexp(1.0, codes - 127))
+
+
+# Per microscaled mode: its codes in float64 (from the packed levels), its scales in float64 (from the uint8s).
+MICROSCALED = {
+    "mxfp4": (lambda q: minifloat(q, 2, 1), e8m0),
+    "nvfp4": (lambda q: minifloat(q, 2, 1), lambda s: minifloat(s, 4, 3, finite=True)),
+    "mxfp8": (lambda q: minifloat(q, 4, 3, finite=True), e8m0),
+}
+
+
 def dequantize_f64(parts: QuantizedParts, ids: np.ndarray | list[int] | None = None) -> np.ndarray:
     """The selected experts' matrices [K, out, in] (or, without ids, the one matrix or stack) in float64 from
-    the packed weights; scales and biases upcast (from whatever float they are stored in) first."""
-    if parts.mode != "affine" or parts.biases is None:
-        raise UnsupportedKernelConfig(f"the float64 truth handles affine quantization with biases, not {parts.mode}")
+    the packed weights: affine scales and biases upcast (from whatever float they are stored in) first; the
+    microscaled modes' codes and uint8 scales decoded by their formats."""
     take = (lambda a: a[mx.array(np.asarray(ids, dtype=np.int64))]) if ids is not None else (lambda a: a)
     levels = unpack(np.array(take(parts.weight)), parts.bits)
     gs = parts.group_size
+    if parts.mode in MICROSCALED and parts.biases is None:
+        values, scales = MICROSCALED[parts.mode]
+        return values(levels) * np.repeat(scales(np.array(take(parts.scales))), gs, axis=-1)
+    if parts.mode != "affine" or parts.biases is None:
+        raise UnsupportedKernelConfig(f"the float64 truth handles affine quantization with biases and "
+                                      f"{', '.join(MICROSCALED)} without, not {parts.mode} "
+                                      f"{'without' if parts.biases is None else 'with'} biases")
     return levels * np.repeat(f64(take(parts.scales)), gs, axis=-1) + np.repeat(f64(take(parts.biases)), gs, axis=-1)
 
 

@@ -2,11 +2,11 @@
 
 Reports the platform; runs the fused kernel on this machine's backend (metal, cuda, or the CPU
 'reference', named as such) against the CPU-reference arithmetic and a float64 truth at
-Qwen1.5-MoE-A2.7B's expert shapes and the model's own, for every supported bits / group-size
-combination, and with the shared expert inside the kernel pair; checks the router kernel, the
-decode-attention kernel against the CPU reference; checks bitwise determinism; decodes the model
-greedily with the kernels on and off (bench's timing code) to check dispatch (MoE and attention), greedy
-parity and speed. Exits 1 when a check fails.
+Qwen1.5-MoE-A2.7B's expert shapes and the model's own, for every supported affine bits / group-size
+combination and each microscaled mode (mxfp4, nvfp4, mxfp8), and with the shared expert inside the
+kernel pair; checks the router kernel, the decode-attention kernel against the CPU reference; checks
+bitwise determinism; decodes the model greedily with the kernels on and off (bench's timing code) to
+check dispatch (MoE and attention), greedy parity and speed. Exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from ..execution import attention, moe, support
 from ..execution.attention import rope_frequencies
 from ..execution.kernel import available_backend
 from ..execution.moe import SharedExpert
-from ..execution.support import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES
-from ..inspect.truth import expert_outputs, f64, nmax, nrms
-from ..models.args import QuantizedParts
+from ..execution.support import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES, MICROSCALED
+from ..inspect.truth import e8m0, expert_outputs, f64, minifloat, nmax, nrms
+from ..models.args import FP_MODES, QuantizedParts
 from ..models.declare import AttentionSpec
 from ..models.qwen2_moe import MLP
 from ..models.switch import SwitchGLU, weighted_sum
@@ -98,12 +98,40 @@ def random_parts(key: mx.array, experts: int, out_features: int, in_features: in
     return QuantizedParts(codes, scales, biases, group_size, bits, "affine")
 
 
+def random_microscaled_parts(key: mx.array, experts: int, out_features: int, in_features: int,
+                             mode: str) -> QuantizedParts:
+    """Random codes of microscaled `mode` (e4m3's NaN codes left out) with random uint8 scales about the one that
+    puts the dequantized values' RMS near 1/sqrt(in_features), as random_parts does for affine."""
+    group_size, bits = FP_MODES[mode]
+    k_codes, k_signs, k_scales = mx.random.split(key, 3)
+    per = 32 // bits
+    shape = (experts, out_features, in_features // per, per)
+    magnitudes = 2 ** (bits - 1) - (bits == 8)  # every e2m1 magnitude; e4m3's but the NaN
+    codes = mx.random.randint(0, magnitudes, shape, mx.uint32, key=k_codes)
+    codes = codes | (mx.random.randint(0, 2, shape, mx.uint32, key=k_signs) << (bits - 1))
+    weight = (codes << (mx.arange(per, dtype=mx.uint32) * bits)).sum(axis=-1).astype(mx.uint32)  # disjoint bits
+    values = minifloat(np.arange(magnitudes), 2, 1) if bits == 4 else minifloat(np.arange(magnitudes), 4, 3)
+    target = 1.0 / (np.sqrt(np.mean(values**2)) * in_features**0.5)  # the scale for an RMS of 1/sqrt(in)
+    if mode == "nvfp4":  # e4m3 scales: the nearest code, give or take 4 (about +-40%)
+        base, spread = int(np.argmin(np.abs(minifloat(np.arange(0x7f), 4, 3) - target))), 4
+    else:  # e8m0: the nearest power of two, give or take one
+        base, spread = int(np.argmin(np.abs(np.log2(e8m0(np.arange(255))) - np.log2(target)))), 1
+    groups = (experts, out_features, in_features // group_size)
+    scales = mx.random.randint(max(base - spread, 1), min(base + spread, 0x7e) + 1, groups, mx.int32, key=k_scales)
+    return QuantizedParts(weight, scales.astype(mx.uint8), None, group_size, bits, mode)
+
+
+def _format(row: dict) -> str:
+    """A parity row's storage: affine bits gate/up/down, or the microscaled mode with its bits."""
+    return row["bits"] if row.get("mode", "affine") == "affine" else f"{row['mode']} {row['bits']}"
+
+
 def parity_case(backend: str, label: str, x: mx.array, indices: mx.array, scores: mx.array,
                 gate: QuantizedParts, up: QuantizedParts, down: QuantizedParts) -> dict:
     """One bits/group-size case: fused on `backend` vs truth, vs the CPU reference and determinism;
     gather_qmm beside it."""
-    row = {"case": label, "backend": backend, "bits": f"{gate.bits}/{up.bits}/{down.bits}", "group_size":
-           gate.group_size, "dtype": str(x.dtype).replace("mlx.core.", "")}
+    row = {"case": label, "backend": backend, "bits": f"{gate.bits}/{up.bits}/{down.bits}", "mode": gate.mode,
+           "group_size": gate.group_size, "dtype": str(x.dtype).replace("mlx.core.", "")}
     experts = SwitchGLU.from_parts(gate, up, down)
     reason = support.experts_reason(experts.quantized_parts(), backend)
     if reason:
@@ -143,11 +171,13 @@ def _measure(backend: str, experts: SwitchGLU, x: mx.array, indices: mx.array, s
     return row
 
 
-KEYS_PER_SHAPE = 2 + len(GROUP_SIZES) * (2 * len(GATE_UP_BITS) + len(DOWN_BITS))  # x, router, every expert stack
+# x, router, every affine expert stack, the microscaled ones
+KEYS_PER_SHAPE = 2 + len(GROUP_SIZES) * (2 * len(GATE_UP_BITS) + len(DOWN_BITS)) + 3 * len(MICROSCALED)
 
 
 def kernel_parity(backend: str, shapes: list[Shape], dtype: mx.Dtype, seed: int = 0) -> list[dict]:
-    """Every supported bits / group-size combination at each shape, with random quantized experts."""
+    """Every supported affine bits / group-size combination and each microscaled mode at each shape, with random
+    quantized experts."""
     rows = []
     for shape in shapes:
         keys = iter(mx.random.split(mx.random.key(seed), KEYS_PER_SHAPE))
@@ -167,6 +197,9 @@ def kernel_parity(backend: str, shapes: list[Shape], dtype: mx.Dtype, seed: int 
                 down = random_parts(next(keys), e, d, f, down_bits, gs, dtype)
                 for gate, up in gate_up.values():
                     rows.append(parity_case(backend, label, x, indices, probs[indices], gate, up, down))
+        for mode in MICROSCALED:
+            parts = [random_microscaled_parts(next(keys), e, o, i, mode) for o, i in ((f, d), (f, d), (d, f))]
+            rows.append(parity_case(backend, label, x, indices, probs[indices], *parts))
     return rows
 
 
@@ -177,12 +210,12 @@ def model_weights_parity(backend: str, model, seed: int = 0) -> list[dict]:
         return []
     layer, block = next(iter(blocks.items()))
     parts = block.switch_mlp.quantized_parts()
-    if any(p is None or p.biases is None for p in parts):
+    if support.parts_reason(*parts) is not None:
         return [{"case": f"model layer {layer} experts", "status": "declined", "passed": True,
                  "reason": support.moe_reason(block.spec, block.switch_mlp.quantized_parts(), backend)}]
     key_x, key_s = mx.random.split(mx.random.key(seed), 2)
     d, e, k = model.args.hidden_size, model.args.num_experts, model.args.num_experts_per_tok
-    dtype = parts[0].scales.dtype
+    dtype = parts[0].scales.dtype if parts[0].mode == "affine" else model.dtype  # microscaled scales are uint8
     x = mx.random.normal((d,), key=key_x).astype(dtype)
     probs = mx.softmax(mx.random.normal((e,), key=key_s), precise=True)
     indices = mx.array(np.random.default_rng(seed).permutation(e)[:k], dtype=mx.uint32)
@@ -204,7 +237,7 @@ def shared_expert_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> dict:
                                                                           (d, A27B_SHARED))]
     one = [QuantizedParts(p.weight[0], p.scales[0], p.biases[0], p.group_size, p.bits, p.mode) for p in s_parts]
     shared = SharedExpert(*one, mx.array([0.4], mx.float32))
-    row = {"case": label, "backend": backend, "bits": "4/4/4", "group_size": 64,
+    row = {"case": label, "backend": backend, "bits": "4/4/4", "mode": "affine", "group_size": 64,
            "dtype": str(dtype).replace("mlx.core.", "")}
     try:
         runs = [moe.routed(backend, x, indices, scores, gate, up, down, shared)[0]
@@ -399,10 +432,11 @@ def report_text(record: dict) -> str:
     lines.append("|---|---|---|---|---|---|---|---|---|")
     for r in record["parity"]:
         if r["status"] != "ran":
-            lines.append(f"| {r['case']} | {r.get('bits', '-')} | {r.get('group_size', '-')} | - | - | - | - | - | "
+            lines.append(f"| {r['case']} | {_format(r) if 'bits' in r else '-'} | {r.get('group_size', '-')} | - | - | "
+                         f"- | - | - | "
                          f"{r['status']}: {r['reason']} |")
             continue
-        lines.append(f"| {r['case']} | {r['bits']} | {r['group_size']} | {_fmt(r['fused_nrms'])} | "
+        lines.append(f"| {r['case']} | {_format(r)} | {r['group_size']} | {_fmt(r['fused_nrms'])} | "
                      f"{_fmt(r['fused_nmax'])} | {_fmt(r['vs_reference_nrms'])} | {_fmt(r['fallback_nrms'])} | "
                      f"{'yes' if r['deterministic'] else 'NO'} | {'pass' if r['passed'] else 'FAIL'} |")
     lines.append(f"\nrouter kernel vs the CPU reference (bound: max |difference| < {ROUTER_TOLERANCE:g}, same experts)")
@@ -469,7 +503,8 @@ def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen
     router = router_parity(backend, dtype)
     attention_rows = attention_parity(backend, model)
     decode = decode_checks(model, prompt_tokens, gen_tokens, repeats, progress)
-    failures = [f"parity {r['case']} bits {r.get('bits')} g{r.get('group_size')}" for r in parity if not r["passed"]]
+    failures = [f"parity {r['case']} bits {_format(r) if 'bits' in r else None} g{r.get('group_size')}"
+                for r in parity if not r["passed"]]
     failures += [f"parity {r['case']}" for r in router + attention_rows if not r["passed"]]
     failures += decode_failures(decode)
     failures += [f"weights: NaN or Inf in {name}" for name in nonfinite]

@@ -44,7 +44,8 @@ def _experts(d: int = 128, dff: int = 64, gate=(4, 64), up=(4, 64), down=(4, 64)
 
 DECLINES = {
     "float experts": lambda: SwitchGLU(128, 64, 4),
-    "quantization mode": lambda: _experts(gate=(4, 32), up=(4, 32), down=(4, 32), mode="mxfp4"),
+    "quantization modes differ ['affine', 'mxfp4']": lambda: SwitchGLU.from_parts(
+        _parts(64, 128, 4, 32, "mxfp4"), _parts(64, 128, 4, 32, "mxfp4", seed=1), _parts(128, 64, 4, 64, seed=2)),
     "gate bits 4 != up bits 8": lambda: _experts(up=(8, 64)),
     "gate/up bits 3 not in": lambda: _experts(gate=(3, 64), up=(3, 64)),
     "gate/up bits 2 not in": lambda: _experts(gate=(2, 64), up=(2, 64)),
@@ -58,6 +59,13 @@ def test_each_unsupported_layout_declines_with_its_reason(reason):
     experts = DECLINES[reason]()
     for backend in ("reference", "cuda", "metal"):
         assert reason in (support.experts_reason(experts.quantized_parts(), backend) or "")
+
+
+@pytest.mark.parametrize("mode,group,bits", [("mxfp4", 32, 4), ("nvfp4", 16, 4), ("mxfp8", 32, 8)])
+def test_microscaled_experts_run_fused(mode, group, bits):
+    experts = _experts(gate=(bits, group), up=(bits, group), down=(bits, group), mode=mode)
+    for backend in ("reference", "cuda", "metal"):
+        assert support.experts_reason(experts.quantized_parts(), backend) is None
 
 
 def test_affine_without_biases_declines():

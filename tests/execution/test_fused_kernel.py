@@ -21,8 +21,9 @@ from moebench.execution import moe
 from moebench.execution.executor import fused_moe
 from moebench.execution.kernel import LANES
 from moebench.execution.settings import ENV_ROWS
+from moebench.execution.support import MICROSCALED
 from moebench.inspect.truth import expert_outputs, f64, nrms
-from moebench.models.args import QuantizedParts
+from moebench.models.args import FP_MODES, QuantizedParts
 from moebench.models.switch import SwitchGLU, weighted_sum
 
 
@@ -35,6 +36,19 @@ def make_experts(n_exp: int, d: int, dff: int, bits: tuple[int, int] = (4, 4), g
         w = mx.array((rng.standard_normal((n_exp, o, i)) / np.sqrt(i)).astype(np.float32))
         q, s, bias = mx.quantize(w, group_size=group, bits=b)
         parts.append(QuantizedParts(q, s.astype(scale_dtype), bias.astype(scale_dtype), group, b, "affine"))
+    return tuple(parts)
+
+
+def make_microscaled(n_exp: int, d: int, dff: int, mode: str, seed: int = 0,
+                     dtype: mx.Dtype = mx.float32) -> tuple[QuantizedParts, QuantizedParts, QuantizedParts]:
+    """Random gate/up [E, Dff, D] and down [E, D, Dff] experts (weights in `dtype`) quantized in a microscaled
+    mode: uint8 scales, no biases."""
+    rng = np.random.default_rng(seed)
+    group, bits = FP_MODES[mode]
+    parts = []
+    for o, i in ((dff, d), (dff, d), (d, dff)):
+        w = mx.array((rng.standard_normal((n_exp, o, i)) / np.sqrt(i)).astype(np.float32)).astype(dtype)
+        parts.append(QuantizedParts(*mx.quantize(w, mode=mode), None, group, bits, mode))
     return tuple(parts)
 
 
@@ -76,6 +90,50 @@ def test_reference_matches_the_float64_truth_at_real_expert_shapes(model, bits, 
     out, y, _ = moe.routed("reference", x, mx.array(ids, dtype=mx.uint32), mx.array(scores), *parts)
     truth_y, truth_out = truth(x, ids, scores, parts)
     assert nrms(y, truth_y) < 5e-4 and nrms(out, truth_out) < 5e-4
+
+
+@pytest.mark.parametrize("mode", MICROSCALED)
+@pytest.mark.parametrize("model", sorted(REAL_EXPERT_SHAPES))
+def test_reference_matches_the_float64_truth_in_the_microscaled_modes(mode, model):
+    """mxfp4, nvfp4 and mxfp8 experts at real expert shapes, in the bounds the affine kernels meet."""
+    d, dff, k = REAL_EXPERT_SHAPES[model]
+    parts = make_microscaled(k + 2, d, dff, mode, seed=21)
+    assert parts[0].scales.dtype == mx.uint8 and parts[0].biases is None
+    ids, scores = routing(k + 2, k, seed=22)
+    x = mx.array(np.random.default_rng(23).standard_normal(d).astype(np.float32))
+    out, y, _ = moe.routed("reference", x, mx.array(ids, dtype=mx.uint32), mx.array(scores), *parts)
+    truth_y, truth_out = truth(x, ids, scores, parts)
+    assert nrms(y, truth_y) < 5e-4 and nrms(out, truth_out) < 5e-4
+
+
+@pytest.mark.parametrize("mode", MICROSCALED)
+def test_microscaled_shared_expert_and_residual_inside_the_pair_match_the_truth(mode):
+    parts = make_microscaled(6, 256, 128, mode, seed=24)
+    shared_parts = [QuantizedParts(p.weight[0], p.scales[0], None, p.group_size, p.bits, p.mode)
+                    for p in make_microscaled(1, 256, 384, mode, seed=25)]
+    ids, scores = routing(6, 3, seed=24)
+    rng = np.random.default_rng(24)
+    x, resid = (mx.array(rng.standard_normal(256).astype(np.float32)) for _ in range(2))
+    shared = moe.SharedExpert(*shared_parts, mx.array([0.3], mx.float32))
+    out, y, ys = moe.routed("reference", x, mx.array(ids, dtype=mx.uint32), mx.array(scores), *parts, shared, resid)
+    truth_y, truth_routed = truth(x, ids, scores, parts)
+    truth_ys = expert_outputs(shared_parts, f64(x))
+    assert nrms(y, truth_y) < 5e-4 and nrms(ys, truth_ys) < 5e-4
+    assert nrms(out, f64(resid) + truth_routed + 0.3 * truth_ys) < 5e-4
+
+
+@pytest.mark.parametrize("mode", MICROSCALED)
+def test_fused_is_no_farther_from_truth_than_the_fallback_in_bfloat16_microscaled(mode):
+    parts = make_microscaled(8, 256, 128, mode, seed=26, dtype=mx.bfloat16)
+    ids, scores = routing(8, 4, seed=27)
+    x = mx.array(np.random.default_rng(28).standard_normal(256).astype(np.float32)).astype(mx.bfloat16)
+    idx, sc = mx.array(ids, dtype=mx.uint32), mx.array(scores)
+    out, _, _ = moe.routed("reference", x, idx, sc, *parts)
+    fallback = weighted_sum(SwitchGLU.from_parts(*parts)(x[None], idx[None]), sc[None])[0]
+    _, truth_out = truth(x, ids, scores, parts)
+    fused_err, fallback_err = nrms(f64(out), truth_out), nrms(f64(fallback), truth_out)
+    assert out.dtype == mx.bfloat16
+    assert fused_err <= fallback_err, f"fused nRMS {fused_err:.2e} vs fallback {fallback_err:.2e}"
 
 
 def test_shared_expert_and_residual_inside_the_pair_match_the_truth():
@@ -143,6 +201,37 @@ def _bad_calls(parts):
         "do not fit packed weights": (x, idx, sc, short_scales, parts[1], parts[2]),  # reads out of bounds
         "gate/up bits 2 not in": (x, idx, sc, *two_bit),
     }
+
+
+def _microscaled_bad_calls():
+    """(message, routed's arguments after the backend) for microscaled experts the pair cannot read; the first
+    is a good call."""
+    idx, sc, x = mx.array([0, 1], dtype=mx.uint32), mx.array([0.5, 0.5]), mx.zeros((128,))
+    fp4 = make_microscaled(4, 128, 64, "mxfp4", seed=30)
+    g = fp4[0]
+    nv = make_microscaled(4, 128, 64, "nvfp4", seed=31)
+    as_nvfp4_group = QuantizedParts(g.weight, g.scales, None, 16, 4, "mxfp4")  # MLX's mxfp4 groups are 32
+    with_biases = QuantizedParts(g.weight, g.scales, g.scales.astype(mx.float32), 32, 4, "mxfp4")
+    float_scales = QuantizedParts(g.weight, g.scales.astype(mx.float32), None, 32, 4, "mxfp4")
+    affine = make_experts(4, 128, 64, seed=32)
+    return {
+        None: (x, idx, sc, *fp4),
+        r"quantization modes differ \['affine', 'mxfp4'\]": (x, idx, sc, fp4[0], fp4[1], affine[2]),
+        r"quantization modes differ \['mxfp4', 'nvfp4'\]": (x, idx, sc, *fp4[:2], nv[2]),
+        r"gate is mxfp4 at 4 bits, group 16 \(mxfp4 is 4 bits, group 32\)": (x, idx, sc, as_nvfp4_group, *fp4[1:]),
+        "gate is mxfp4 with biases": (x, idx, sc, with_biases, *fp4[1:]),
+        "gate is mxfp4 with float32 scales": (x, idx, sc, float_scales, *fp4[1:]),
+    }
+
+
+def test_microscaled_experts_the_pair_cannot_read_raise_named_errors():
+    calls = _microscaled_bad_calls()
+    moe.routed("reference", *calls.pop(None))
+    for message, args in calls.items():
+        with pytest.raises(UnsupportedKernelConfig, match=message):
+            moe.routed("reference", *args)
+        with pytest.raises(UnsupportedKernelConfig, match=message):
+            moe.gpu_routed("metal", *args)
 
 
 def test_bad_inputs_raise_named_errors_before_any_launch():

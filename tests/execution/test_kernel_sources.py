@@ -2,8 +2,8 @@
 
 CI has no Apple GPU, so the Metal prelude plus the shared bodies of the four stages (the MoE's router,
 kernel A and kernel B, and decode attention) are wrapped in the signature MLX's metal_kernel would write
-and compiled as C++ against kernels/metal_cpu_shim.h (every supported bits / group size / shared-expert /
-router-flag combination, attention with and without bias and with and without the in-place cache write
+and compiled as C++ against kernels/metal_cpu_shim.h (every supported quantization mode / bits / group size /
+shared-expert / router-flag combination, attention with and without bias and with and without the in-place cache write
 at MHA, GQA and MQA head shapes, float32 and bfloat16), then run on the CPU against the references (the
 attention kernel as threadgroups of simdgroups meeting at barriers). The emulated signatures and launch
 geometry are checked against what moebench.execution.moe and moebench.execution.attention actually
@@ -37,14 +37,15 @@ from moebench.execution.kernel import KERNEL_DIR, LANES, Stage, kernel_source
 from moebench.execution.moe import (
     DOWN,
     GATE_UP,
+    KERNEL_MODES,
     ROUTER,
     SharedExpert,
     reference_select,
     routed,
 )
-from moebench.execution.support import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES
+from moebench.execution.support import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES, MICROSCALED
 from moebench.inspect.truth import nrms
-from moebench.models.args import QuantizedParts
+from moebench.models.args import FP_MODES, QuantizedParts
 from moebench.models.declare import AttentionSpec
 
 EXPERTS = {"E": 4, "K": 3, "DIN": 256, "DFF": 128}  # DFF divides by every group size and by 16 (6-bit)
@@ -60,8 +61,9 @@ _SHAPE = [("int", n) for n in ("E", "K", "DIN", "DFF", "DFFS", "GS")]
 # Template parameters in the order the wrappers pass them (MLX emits `template <...>` in that order).
 TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
     ROUTER: [("typename", "LT"), ("int", "E"), ("int", "K"), ("bool", "NORM"), ("bool", "SHARED")],
-    GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "BITS")],
-    DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID")],
+    GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "BITS"), ("int", "MODE")],
+    DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID"),
+           ("int", "MODE")],
     ATTENTION: [("typename", "T"), ("typename", "OT"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS"),
                 ("bool", "QKNORM"), ("int", "W"), ("int", "S"), ("bool", "WRITE")],
     COMBINE: [("typename", "T"), ("int", "H"), ("int", "HD"), ("int", "S")],
@@ -78,11 +80,19 @@ PARAM_TYPES: dict[Stage, dict[str, str]] = {
 }
 FLAVORS = {"f32": {"T": "float", "ST": "float", "S": "float", "LT": "float"},
            "bf16": {"T": "bfloat16_t", "ST": "bfloat16_t", "S": "float", "LT": "bfloat16_t"}}
-MX_TYPES = {mx.float32: "float", mx.bfloat16: "bfloat16_t", mx.uint32: "uint32_t", mx.int32: "int"}
-NP_TYPES = {"float": np.float32, "uint32_t": np.uint32, "int": np.int32, "bfloat16_t": np.uint16}  # bf16: bits
-CUDA_TYPES = {"float": "float", "bfloat16_t": "__nv_bfloat16", "uint32_t": "uint32_t", "int": "int32_t"}
+MX_TYPES = {mx.float32: "float", mx.bfloat16: "bfloat16_t", mx.uint32: "uint32_t", mx.int32: "int", mx.uint8: "uint8_t"}
+NP_TYPES = {"float": np.float32, "uint32_t": np.uint32, "int": np.int32, "bfloat16_t": np.uint16,  # bf16: bits
+            "uint8_t": np.uint8}
+CUDA_TYPES = {"float": "float", "bfloat16_t": "__nv_bfloat16", "uint32_t": "uint32_t", "int": "int32_t",
+              "uint8_t": "uint8_t"}
 
 Instance = dict[str, object]  # template parameter name -> C type name, int or bool, in template order
+
+
+def _format(mode: str) -> dict[str, object]:
+    """The pair's template values for quantization `mode`: its MODE id, and uint8 scales in the microscaled
+    modes (the activations' flavor decides the affine scales' type)."""
+    return {"MODE": KERNEL_MODES.index(mode), **({"ST": "uint8_t"} if mode != "affine" else {})}
 
 
 def _instance(stage: Stage, flavor: str = "f32", **values) -> Instance:
@@ -174,11 +184,15 @@ ATTENTION_VARIANTS = [(bias, write, False, 1) for bias, write in product((False,
 
 def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shapes, attention_shapes):
     """(stage, instance) for every supported combination at these shapes."""
+    formats = [("affine", bits, group) for bits, group in product(DOWN_BITS, GROUP_SIZES)]
+    formats += [(mode, FP_MODES[mode][1], FP_MODES[mode][0]) for mode in MICROSCALED]
     for flavor in flavors:
-        for bits, group, width in product(GATE_UP_BITS, GROUP_SIZES, (0, dffs)):
-            yield GATE_UP, _instance(GATE_UP, flavor, **experts, DFFS=width, GS=group, BITS=bits)
-        for bits, group, width, resid in product(DOWN_BITS, GROUP_SIZES, (0, dffs), (False, True)):
-            yield DOWN, _instance(DOWN, flavor, **experts, DFFS=width, GS=group, BITS=bits, RESID=resid)
+        for (mode, bits, group), width in product(formats, (0, dffs)):
+            if bits in GATE_UP_BITS:
+                yield GATE_UP, _instance(GATE_UP, flavor, **experts, DFFS=width, GS=group, BITS=bits, **_format(mode))
+            for resid in (False, True):
+                yield DOWN, _instance(DOWN, flavor, **experts, DFFS=width, GS=group, BITS=bits, RESID=resid,
+                                      **_format(mode))
         for (n_exp, top_k), norm, shared in product(router_shapes, (True, False), (True, False)):
             yield ROUTER, _instance(ROUTER, flavor, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
         for shape, (bias, write, qknorm, splits) in product(attention_shapes, ATTENTION_VARIANTS):
@@ -187,15 +201,18 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
             yield COMBINE, _combine_instance(shape, 3, flavor)
 
 
-_RUN_CASES = [(4, 4, 32), (8, 8, 64), (4, 6, 128), (8, 6, 32), (4, 8, 128)]  # (gate bits, down bits, group)
+# (mode, gate bits, down bits, group): affine, and each microscaled mode at MLX's fixed bits and group size
+_RUN_CASES = [("affine", 4, 4, 32), ("affine", 8, 8, 64), ("affine", 4, 6, 128), ("affine", 8, 6, 32),
+              ("affine", 4, 8, 128), *((mode, FP_MODES[mode][1], FP_MODES[mode][1], FP_MODES[mode][0])
+                                       for mode in MICROSCALED)]
 _ROUTER_RUN_CASES = [(60, 4, True, True), (60, 8, False, True), (128, 8, True, False), (128, 4, False, False),
                      (4, 2, True, True)]  # (E, K, NORM, SHARED)
 
 
-def _routed_instances(gate_bits: int, down_bits: int, group: int, dffs: int) -> tuple[Instance, Instance]:
+def _routed_instances(mode: str, gate_bits: int, down_bits: int, group: int, dffs: int) -> tuple[Instance, Instance]:
     """Kernels A and B; B adds the residual stream in the shared-expert cases (both flags run on the CPU)."""
-    return (_instance(GATE_UP, **EXPERTS, DFFS=dffs, GS=group, BITS=gate_bits),
-            _instance(DOWN, **EXPERTS, DFFS=dffs, GS=group, BITS=down_bits, RESID=dffs > 0))
+    return (_instance(GATE_UP, **EXPERTS, DFFS=dffs, GS=group, BITS=gate_bits, **_format(mode)),
+            _instance(DOWN, **EXPERTS, DFFS=dffs, GS=group, BITS=down_bits, RESID=dffs > 0, **_format(mode)))
 
 
 def _run_instances():
@@ -253,6 +270,15 @@ def test_a_backend_without_a_prelude_is_named():
         kernel_source("rocm", GATE_UP)
 
 
+def test_the_kernels_number_the_quantization_modes_as_the_wrappers_do():
+    """The MODE a launch passes names the same format in the kernels' helpers."""
+    common = (KERNEL_DIR / "moe_common.inc").read_text()
+    names = {"affine": "MB_AFFINE", "mxfp4": "MB_MXFP4", "nvfp4": "MB_NVFP4", "mxfp8": "MB_MXFP8"}
+    assert set(KERNEL_MODES) == set(names) and set(MICROSCALED) == set(FP_MODES)
+    for mode, name in names.items():
+        assert f"#define {name} {KERNEL_MODES.index(mode)}\n" in common
+
+
 def test_metal_source_compiles_for_every_supported_combination(shim_library):
     for stage, inst in _run_instances():
         assert hasattr(shim_library, _entry(stage, inst))
@@ -263,28 +289,33 @@ def _template_kind(value) -> str:
 
 
 def _quantized(rng: np.random.Generator, shape: tuple[int, ...], bits: int, group: int,
-               dtype: mx.Dtype = mx.float32) -> QuantizedParts:
-    """Random weights [..., out, in] quantized affine (scales and biases in `dtype`)."""
+               dtype: mx.Dtype = mx.float32, mode: str = "affine") -> QuantizedParts:
+    """Random weights [..., out, in] quantized in `mode` (affine scales and biases in `dtype`; the microscaled
+    modes' scales uint8, no biases)."""
     w = mx.array(rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1]), dtype=dtype)
+    if mode != "affine":
+        return QuantizedParts(*mx.quantize(w, mode=mode), None, group, bits, mode)
     q, s, b = mx.quantize(w, group_size=group, bits=bits)
     return QuantizedParts(q, s, b, group, bits, "affine")
 
 
 def _experts(
-    rng: np.random.Generator, gate_bits: int, down_bits: int, group: int, dffs: int, dtype: mx.Dtype = mx.float32
+    rng: np.random.Generator, gate_bits: int, down_bits: int, group: int, dffs: int, dtype: mx.Dtype = mx.float32,
+    mode: str = "affine",
 ) -> tuple[QuantizedParts, QuantizedParts, QuantizedParts, SharedExpert | None]:
     """Routed gate, up, down [E, out, in] and, with `dffs`, a shared expert [dffs, DIN] / [DIN, dffs]."""
-    gate, up = (_quantized(rng, (E, DFF, DIN), gate_bits, group, dtype) for _ in range(2))
-    down = _quantized(rng, (E, DIN, DFF), down_bits, group, dtype)
+    gate, up = (_quantized(rng, (E, DFF, DIN), gate_bits, group, dtype, mode) for _ in range(2))
+    down = _quantized(rng, (E, DIN, DFF), down_bits, group, dtype, mode)
     shared = None
     if dffs:
-        shared = SharedExpert(*(_quantized(rng, (dffs, DIN), gate_bits, group, dtype) for _ in range(2)),
-                              _quantized(rng, (DIN, dffs), down_bits, group, dtype), mx.array([0.7], mx.float32))
+        shared = SharedExpert(*(_quantized(rng, (dffs, DIN), gate_bits, group, dtype, mode) for _ in range(2)),
+                              _quantized(rng, (DIN, dffs), down_bits, group, dtype, mode), mx.array([0.7], mx.float32))
     return gate, up, down, shared
 
 
+@pytest.mark.parametrize("mode", ("affine", *MICROSCALED))
 @pytest.mark.parametrize("dffs", (0, DFFS))
-def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs):
+def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, mode):
     """Template order, element types and `constant` inputs as the real launches would have MLX write them, and
     the launch geometry the shim emulates: threadgroups of 32-lane simdgroups, the rows asked for in each,
     and a grid that covers every output row with less than one threadgroup of padding."""
@@ -299,7 +330,8 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs):
     monkeypatch.setattr(moe, "built_kernel", built)
     monkeypatch.setattr(attention, "built_kernel", built)
     rng = np.random.default_rng(dffs)
-    gate, up, down, shared = _experts(rng, 4, 6, 64, dffs, mx.bfloat16)
+    fmt = ("affine", 4, 6, 64) if mode == "affine" else (mode, FP_MODES[mode][1], FP_MODES[mode][1], FP_MODES[mode][0])
+    gate, up, down, shared = _experts(rng, *fmt[1:], dffs, mx.bfloat16, mode)
     x = mx.array(rng.standard_normal(DIN).astype(np.float32), dtype=mx.bfloat16)
     rows = 5  # a count that divides none of the row counts: the grid must round up
     moe.gpu_routed("metal", x, mx.array([2, 0, 3]), mx.array([0.5, 0.3, 0.2]), gate, up, down, shared,
@@ -314,6 +346,7 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs):
                                    mx.array([5, capacity], mx.int32), cache, cache, heads, write=bool(dffs),
                                    qk_norm=QKNorm(norm, norm, 1e-6) if dffs else None)  # with dffs: every option
     assert set(launches) == {ROUTER, GATE_UP, DOWN, ATTENTION} | ({COMBINE} if dffs else set())
+    assert dict(launches[GATE_UP][1])["MODE"] == dict(launches[DOWN][1])["MODE"] == KERNEL_MODES.index(mode)
     for stage, (inputs, template, output_dtypes, _, _) in launches.items():
         assert [(_template_kind(v), n) for n, v in template] == TEMPLATE_PARAMS[stage], stage.name
         inst = {n: MX_TYPES[v] if isinstance(v, mx.Dtype) else v for n, v in template}
@@ -361,8 +394,10 @@ def _launch(lib: ctypes.CDLL, stage: Stage, inst: Instance, rows: int, buffers: 
 
 
 def _host(prefix: str, p: QuantizedParts) -> dict[str, np.ndarray]:
+    """As gpu_routed passes them: without biases (the microscaled modes) the scales stand in for them."""
+    biases = p.scales if p.biases is None else p.biases
     return {f"{prefix}_{k}": np.ascontiguousarray(np.array(a)) for k, a in (("w", p.weight), ("s", p.scales),
-                                                                           ("b", p.biases))}
+                                                                           ("b", biases))}
 
 
 def _padded(rows: int) -> int:
@@ -370,10 +405,10 @@ def _padded(rows: int) -> int:
 
 
 @pytest.mark.parametrize("dffs", (0, DFFS))
-@pytest.mark.parametrize("gate_bits,down_bits,group", _RUN_CASES)
-def test_shimmed_expert_kernels_match_the_reference_on_cpu(shim_library, gate_bits, down_bits, group, dffs):
+@pytest.mark.parametrize("mode,gate_bits,down_bits,group", _RUN_CASES)
+def test_shimmed_expert_kernels_match_the_reference_on_cpu(shim_library, mode, gate_bits, down_bits, group, dffs):
     rng = np.random.default_rng(gate_bits * 100 + down_bits * 10 + group + dffs)
-    gate, up, down, shared = _experts(rng, gate_bits, down_bits, group, dffs)
+    gate, up, down, shared = _experts(rng, gate_bits, down_bits, group, dffs, mode=mode)
     x = rng.standard_normal(DIN).astype(np.float32)
     idx = np.array([2, 0, 3], dtype=np.uint32)
     scores = np.array([0.5, 0.3, 0.2], dtype=np.float32)
@@ -383,7 +418,7 @@ def test_shimmed_expert_kernels_match_the_reference_on_cpu(shim_library, gate_bi
     # as gpu_routed passes them: without a shared expert the routed arrays stand in for its (unread) inputs
     s_gate, s_up, s_down = (shared.gate, shared.up, shared.down) if shared else (gate, up, down)
     sgate = np.array(shared.sigmoid_gate) if shared else scores
-    a_inst, b_inst = _routed_instances(gate_bits, down_bits, group, dffs)
+    a_inst, b_inst = _routed_instances(mode, gate_bits, down_bits, group, dffs)
 
     act = _output(K * DFF + dffs)
     _launch(shim_library, GATE_UP, a_inst, _padded(K * DFF + dffs), {
@@ -403,6 +438,39 @@ def test_shimmed_expert_kernels_match_the_reference_on_cpu(shim_library, gate_bi
     for name, (got, want) in checks.items():
         error = nrms(got, np.array(want))
         assert error < 1e-5, f"{name}: shimmed kernels vs reference nRMS {error:.2e}"
+
+
+@pytest.mark.parametrize("mode", MICROSCALED)
+def test_shimmed_kernels_decode_codes_and_scales_exactly_as_mlx(shim_library, mode):
+    """Kernel B on rows holding three codes (zeros elsewhere) under scale code h in row h, every slot's
+    activation one-hot at its own column: each y is one decoded weight, which must equal mx.dequantize's
+    bit for bit, over every scale code and every value code (NaN codes, the 2^-127 and infinite scales
+    included: their NaNs, from 0 * inf, land where MLX's do)."""
+    group, bits = FP_MODES[mode]
+    h, j = np.arange(DIN)[:, None], np.arange(K)
+    codes = np.zeros((E, DIN, DFF), np.uint32)
+    codes[:, :, :K] = (h * K + j) % 2**bits  # 768 (code, scale) pairs per expert: every code, every scale
+    codes[1:, :, :K] = (codes[1:, :, :K] + np.arange(1, E)[:, None, None] * 85) % 2**bits
+    per = 32 // bits
+    words = (codes.reshape(E, DIN, -1, per) << (np.arange(per, dtype=np.uint32) * bits)).sum(-1, dtype=np.uint32)
+    scales = np.repeat(np.arange(DIN, dtype=np.uint8)[:, None], DFF // group, axis=1)[None].repeat(E, 0)
+    weights = np.array(mx.dequantize(mx.array(words), mx.array(scales), None, group_size=group, bits=bits,
+                                     mode=mode, dtype=mx.float32)).astype(np.float64)
+    idx = np.array([3, 0, 2], np.uint32)
+    act = np.zeros((K, DFF), np.float32)
+    act[j, j] = 1.0
+    with np.errstate(invalid="ignore"):  # 0 * inf: NaN, as in the kernel
+        want = np.einsum("khf,kf->kh", weights[idx], act.astype(np.float64))
+    part = QuantizedParts(mx.array(words), mx.array(scales), None, group, bits, mode)
+    outputs = {"y": _output(K * DIN), "ys": _output(DIN), "out": _output(DIN)}
+    scores = np.ones(K, np.float32)
+    _launch(shim_library, DOWN, _routed_instances(mode, bits, bits, group, 0)[1], _padded(DIN), {
+        "indices": idx, "scores": scores, **_host("down", part), "act": act.reshape(-1), **_host("sdown", part),
+        "sgate": scores, "resid": np.zeros(DIN, np.float32), **outputs})
+    got = _written(outputs["y"], "y").reshape(K, DIN).astype(np.float64)
+    assert np.isnan(want).any() and (want[np.isfinite(want)] != 0).sum() > K * DIN // 2  # the cases are live
+    bad = ~((got == want) | (np.isnan(got) & np.isnan(want)))
+    assert not bad.any(), f"{bad.sum()} weights decoded differently, e.g. {got[bad][:4]} vs {want[bad][:4]}"
 
 
 def _run_router(lib: ctypes.CDLL, logits: np.ndarray, n_exp: int, top_k: int, norm: bool, shared: bool):

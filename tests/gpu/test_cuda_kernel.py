@@ -1,7 +1,8 @@
-"""The CUDA kernels (router, the pair with and without the shared expert, decode attention with and without
-its in-place cache write) against the CPU reference and the float64 truth (moebench.inspect.truth), at
-Qwen1.5-MoE-A2.7B shapes; and decoding through them: the kernels on every decode step, greedy tokens with
-them on and off, the compiled step (which writes the cache in place) against the eager step.
+"""The CUDA kernels (router, the pair with and without the shared expert in affine, mxfp4, nvfp4 and mxfp8,
+decode attention with and without its in-place cache write) against the CPU reference and the float64 truth
+(moebench.inspect.truth), at Qwen1.5-MoE-A2.7B shapes; and decoding through them: the kernels on every decode
+step, greedy tokens with them on and off, the compiled step (which writes the cache in place) against the eager
+step.
 
 Runs only where MLX has a CUDA back-end (the H200 of the device tool); skips cleanly elsewhere.
 Numbers are printed as well as asserted (run with -s to see them).
@@ -22,8 +23,9 @@ from moebench.execution.attention import rope_frequencies
 from moebench.execution.executor import executor, fused_moe
 from moebench.execution.kernel import available_backend
 from moebench.execution.moe import gpu_routed
+from moebench.execution.support import MICROSCALED
 from moebench.inspect.truth import expert_outputs, f64, nrms
-from moebench.models.args import QuantizedParts
+from moebench.models.args import FP_MODES, QuantizedParts
 from moebench.models.declare import AttentionSpec
 from moebench.models.switch import SwitchGLU, weighted_sum
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
@@ -36,13 +38,18 @@ ROWS = (1, 2, 3, 5, 8, 16, 32)
 
 
 def _experts(bits: tuple[int, int], group: int, seed: int, n_exp: int | None = E,
-             dff: int = DFF) -> tuple[QuantizedParts, ...]:
-    """Routed experts [E, out, in], or with n_exp None one shared expert's matrices [out, in]."""
+             dff: int = DFF, mode: str = "affine") -> tuple[QuantizedParts, ...]:
+    """Routed experts [E, out, in], or with n_exp None one shared expert's matrices [out, in]; in a microscaled
+    `mode` at its own bits and group size (`bits` and `group` unused), uint8 scales and no biases."""
     mx.random.seed(seed)
     out = []
     lead = (n_exp,) if n_exp is not None else ()
     for b, (o, i) in zip((bits[0], bits[0], bits[1]), ((dff, D), (dff, D), (D, dff)), strict=True):
         w = mx.random.normal((*lead, o, i)) / np.sqrt(i)
+        if mode != "affine":
+            group_size, fp_bits = FP_MODES[mode]
+            out.append(QuantizedParts(*mx.quantize(w.astype(mx.bfloat16), mode=mode), None, group_size, fp_bits, mode))
+            continue
         q, s, bias = mx.quantize(w, group_size=group, bits=b)
         out.append(QuantizedParts(q, s.astype(mx.bfloat16), bias.astype(mx.bfloat16), group, b, "affine"))
     mx.eval(*[p.weight for p in out])
@@ -66,10 +73,14 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return f64(mx.array(a.astype(np.float32)).astype(mx.bfloat16))
 
 
-@pytest.mark.parametrize("bits,group", [((4, 4), 64), ((4, 4), 32), ((4, 4), 128), ((8, 8), 64), ((4, 8), 64),
-                                        ((4, 6), 64)])
-def test_cuda_kernel_matches_reference_and_truth(bits, group):
-    parts = _experts(bits, group, seed=bits[0] * 10 + bits[1] + group)
+# (mode, bits, group): affine, and each microscaled mode (its bits and group size are MLX's)
+FORMATS = [("affine", (4, 4), 64), ("affine", (4, 4), 32), ("affine", (4, 4), 128), ("affine", (8, 8), 64),
+           ("affine", (4, 8), 64), ("affine", (4, 6), 64), *((mode, (0, 0), 0) for mode in MICROSCALED)]
+
+
+@pytest.mark.parametrize("mode,bits,group", FORMATS)
+def test_cuda_kernel_matches_reference_and_truth(mode, bits, group):
+    parts = _experts(bits, group, seed=bits[0] * 10 + bits[1] + group + len(mode), mode=mode)
     rng = np.random.default_rng(group)
     x = mx.array(rng.standard_normal(D).astype(np.float32)).astype(mx.bfloat16)
     ids = [int(i) for i in rng.choice(E, K, replace=False)]
@@ -89,16 +100,17 @@ def test_cuda_kernel_matches_reference_and_truth(bits, group):
            "fallback y": nrms(f64(fb_y[0]), truth_y),
            "fallback out": nrms(f64(fb_out), _bf16(truth_out)),
            "cuda vs reference y": nrms(f64(y), f64(ref_y))}
-    print(f"\nbits {bits} g{group}: " + ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
+    print(f"\n{mode} bits {bits} g{group}: " + ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
     assert got["cuda y"] < 5e-4 and got["cuda out"] < 5e-4
     assert got["cuda vs reference y"] < 5e-4
     assert got["cuda out"] <= got["fallback out"]
 
 
-@pytest.mark.parametrize("bits", [(4, 4), (8, 8), (4, 6)])
-def test_cuda_kernel_with_the_shared_expert_matches_reference_and_truth(bits):
-    parts = _experts(bits, 64, seed=21)
-    shared_parts = _experts(bits, 64, seed=22, n_exp=None, dff=DFFS)
+@pytest.mark.parametrize("mode,bits", [("affine", (4, 4)), ("affine", (8, 8)), ("affine", (4, 6)),
+                                       *((mode, (0, 0)) for mode in MICROSCALED)])
+def test_cuda_kernel_with_the_shared_expert_matches_reference_and_truth(mode, bits):
+    parts = _experts(bits, 64, seed=21, mode=mode)
+    shared_parts = _experts(bits, 64, seed=22, n_exp=None, dff=DFFS, mode=mode)
     rng = np.random.default_rng(23)
     x = mx.array(rng.standard_normal(D).astype(np.float32)).astype(mx.bfloat16)
     ids = [int(i) for i in rng.choice(E, K, replace=False)]
@@ -114,7 +126,7 @@ def test_cuda_kernel_with_the_shared_expert_matches_reference_and_truth(bits):
            "cuda ys": nrms(f64(ys), truth_ys),
            "cuda vs reference ys": nrms(f64(ys), f64(ref_ys)),
            "reference out": nrms(f64(ref_out), _bf16(truth_out))}
-    print(f"\nshared expert, bits {bits}: " + ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
+    print(f"\nshared expert, {mode} bits {bits}: " + ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
     assert max(got.values()) < 5e-4
 
 
@@ -133,9 +145,11 @@ def test_cuda_router_kernel_matches_the_reference(n_exp, k, norm, gate_row):
     assert np.abs(scores - r_scores).max() < 1e-6 and np.abs(sgate - r_sgate).max() < 1e-6
 
 
-def test_cuda_kernels_are_deterministic_and_independent_of_rows():
-    parts = _experts((4, 4), 64, seed=7)
-    shared = moe.SharedExpert(*_experts((4, 4), 64, seed=8, n_exp=None, dff=DFFS), mx.array([0.6], dtype=mx.float32))
+@pytest.mark.parametrize("mode", ("affine", *MICROSCALED))
+def test_cuda_kernels_are_deterministic_and_independent_of_rows(mode):
+    parts = _experts((4, 4), 64, seed=7, mode=mode)
+    shared = moe.SharedExpert(*_experts((4, 4), 64, seed=8, n_exp=None, dff=DFFS, mode=mode),
+                              mx.array([0.6], dtype=mx.float32))
     rng = np.random.default_rng(7)
     x = mx.array(rng.standard_normal(D).astype(np.float32)).astype(mx.bfloat16)
     idx = mx.array(rng.choice(E, K, replace=False).astype(np.uint32))
@@ -150,11 +164,20 @@ def test_cuda_kernels_are_deterministic_and_independent_of_rows():
     print(f"\nbitwise identical over 10 repeats and rows {ROWS}")
 
 
-def test_decode_on_cuda_runs_the_kernels_every_step(tmp_path):
+@pytest.mark.parametrize("mode", ("affine", *MICROSCALED))
+def test_decode_on_cuda_runs_the_kernels_every_step(tmp_path, mode):
     """Every decode step of every layer runs the CUDA attention and MoE kernels with the switch on (the
-    compiled step, CUDA's default), none with it off; the prefill is the only other step."""
+    compiled step, CUDA's default), none with it off; the prefill is the only other step. The microscaled
+    checkpoints are mlx_lm.convert's of a float one."""
     cfg = qwen2_moe_config(num_hidden_layers=3)
-    folder = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=3, bits=4, group_size=64, dtype=mx.bfloat16)
+    if mode == "affine":
+        folder = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=3, bits=4, group_size=64, dtype=mx.bfloat16)
+    else:
+        pytest.importorskip("mlx_lm")
+        from moebench.tools.drift import make_variant
+
+        float_folder = write_random_checkpoint(tmp_path / "float", cfg, seed=3, dtype=mx.bfloat16)
+        folder = make_variant(float_folder, mode, tmp_path)
     model, _ = load(folder)
     assert available_backend() == "cuda"
     ex = executor(model)

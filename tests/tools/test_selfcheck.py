@@ -33,9 +33,13 @@ def test_selfcheck_passes_and_reports_the_reference_backend_honestly(quantized_c
     assert record["schema"] == "moebench.tools.selfcheck/1" and record["passed"] and record["failures"] == []
     assert record["platform"]["backend"] == "reference" and record["platform"]["mlx"] == mx.__version__
     ran = [r for r in record["parity"] if r["status"] == "ran"]
-    combos = {(r["case"], r["bits"], r["group_size"]) for r in ran}
-    # every supported bits / group-size combination at both shapes, the model's own experts, the shared expert
-    assert len(combos) == 2 * 3 * 2 * 3 + 1 + 1
+    combos = {(r["case"], r["mode"], r["bits"], r["group_size"]) for r in ran}
+    # every supported affine bits / group-size combination and each microscaled mode at both shapes, the model's
+    # own experts, the shared expert
+    assert len(combos) == 2 * (3 * 2 * 3 + 3) + 1 + 1
+    assert {(r["mode"], r["bits"], r["group_size"]) for r in ran if r["mode"] != "affine"} == {
+        ("mxfp4", "4/4/4", 32), ("nvfp4", "4/4/4", 16), ("mxfp8", "8/8/8", 32)}
+    assert "| mxfp4 4/4/4 | 32 |" in text and "| nvfp4 4/4/4 | 16 |" in text and "| mxfp8 8/8/8 | 32 |" in text
     assert "small experts + shared expert Dffs 192" in {r["case"] for r in ran}
     assert [r["status"] for r in record["router"]] == ["not applicable"] * len(selfcheck.ROUTER_CASES)
     assert {r["status"] for r in record["attention"]} == {"not applicable"} and record["attention"]
@@ -53,7 +57,7 @@ def test_the_model_shape_is_checked_once_when_it_is_the_reference_shape(quantize
     record = selfcheck.selfcheck(quantized_checkpoint, prompt_tokens=2, gen_tokens=2, repeats=1, progress=False)
     assert {r["case"] for r in record["parity"]} == {"same as the model D128 Dff128 K2", "model layer 0 experts",
                                                      "same as the model + shared expert Dffs 192"}
-    assert len(record["parity"]) == 18 + 1 + 1 and record["passed"]
+    assert len(record["parity"]) == 18 + 3 + 1 + 1 and record["passed"]
 
 
 def test_selfcheck_exits_nonzero_when_the_kernel_is_wrong(quantized_checkpoint, tmp_path, monkeypatch, capsys):
