@@ -42,7 +42,8 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 def config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """gpt-oss's config.json in the fields every family reads (moebench.checkpoint.config)."""
     bias = cfg.get("attention_bias")
-    fields = {"moe_intermediate_size": cfg.get("intermediate_size"), "qkv_bias": True if bias is None else bias}
+    fields = {"moe_intermediate_size": cfg.get("intermediate_size"), "qkv_bias": True if bias is None else bias,
+              "norm_topk_prob": True}  # the softmax over the k selected logits: the top-k probabilities renormalised
     ropes = [r for r in (cfg.get("rope_parameters"), cfg.get("rope_scaling")) if isinstance(r, dict)]
     if not ropes:
         fields["rope_parameters"] = DEFAULT_ROPE
@@ -192,7 +193,6 @@ class SparseMoeBlock(qwen2_moe.SparseMoeBlock):
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.norm_topk_prob = True  # the softmax over the k selected logits
         self.gate = Linear(args.hidden_size, args.num_experts, bias=True)
         self.switch_mlp = Experts(args.hidden_size, args.moe_intermediate_size, args.num_experts,
                                   args.swiglu_limit, args.swiglu_alpha)

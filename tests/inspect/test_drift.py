@@ -219,7 +219,40 @@ def _olmoe(folder):
         max_position_embeddings=256, rope_theta=10000.0, clip_qkv=None, eos_token_id=None))
 
 
-@pytest.mark.parametrize("family", [_qwen2_moe, _qwen3_moe, _olmoe], ids=["qwen2_moe", "qwen3_moe", "olmoe"])
+def _gpt_oss(folder):
+    from models.hf_reference import save_hf_checkpoint
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    return save_hf_checkpoint(folder, GptOssConfig, GptOssForCausalLM, dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, intermediate_size=96, num_local_experts=16, num_experts_per_tok=4, sliding_window=8,
+        rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=None))
+
+
+HYBRID = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+              shared_expert_intermediate_size=64, rms_norm_eps=1e-6, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, tie_word_embeddings=False)
+
+
+def _qwen3_next(folder):
+    from models.hf_reference import save_hf_checkpoint
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    return save_hf_checkpoint(folder, Qwen3NextConfig, Qwen3NextForCausalLM, dict(**HYBRID, intermediate_size=64))
+
+
+def _qwen3_5_moe(folder):
+    from models.hf_reference import save_hf_checkpoint
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    return save_hf_checkpoint(folder, Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, HYBRID)
+
+
+FAMILIES = [_qwen2_moe, _qwen3_moe, _olmoe, _gpt_oss, _qwen3_next, _qwen3_5_moe]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.__name__[1:] for f in FAMILIES])
 def test_moebench_routes_as_transformers(tmp_path, family):
     pytest.importorskip("torch", reason="transformers' model runs on PyTorch (dev dependency)")
     folder = family(tmp_path / "hf")
