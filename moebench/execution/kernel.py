@@ -8,6 +8,7 @@ on any device: the test oracle and the CPU path.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from importlib import resources
@@ -66,17 +67,20 @@ _kernels: dict[tuple[str, str], object] = {}
 
 
 def built_kernel(backend: str, stage: Stage):
-    """The MLX kernel object of `stage` on `backend`, built once; MLX compiles once per template."""
+    """The MLX kernel object of `stage` on `backend`, built once; MLX compiles once per template. Its name carries
+    a digest of its source: MLX keeps compiled kernels by name, and another revision's kernels loaded beside these
+    (a before/after bench in one process) would otherwise run whichever source was compiled first."""
     key = (backend, stage.name)
     if key not in _kernels:
         header, source = kernel_source(backend, stage)
+        name = f"{stage.name}_{hashlib.sha256((header + source).encode()).hexdigest()[:12]}"
         if backend == "metal" and mx.metal.is_available():
             factory = mx.fast.metal_kernel
         elif backend == "cuda" and mx.cuda.is_available():
             factory = mx.fast.cuda_kernel
         else:
             raise UnsupportedKernelConfig(f"the {backend} back-end is not available in this MLX build")
-        _kernels[key] = factory(name=stage.name, input_names=list(stage.inputs), output_names=list(stage.outputs),
+        _kernels[key] = factory(name=name, input_names=list(stage.inputs), output_names=list(stage.outputs),
                                 source=source, header=header)
     return _kernels[key]
 

@@ -187,7 +187,8 @@ class Qwen2MoeModel(nn.Module):
     def __call__(self, tokens: mx.array, cache=None, record: Record | None = None,
                  runs: tuple[LayerRun, ...] | None = None) -> mx.array:
         """The final-normed hidden states [B, L, D]; `runs`: what runs each layer's parts (default: its modules)."""
-        x = self.embed_tokens(tokens)
+        # in the activation dtype (the norms'): a microscaled table dequantizes to float32, its values exact in any
+        x = self.embed_tokens(tokens).astype(self.norm["weight"].dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cache[i] if cache is not None else None, hooks.scope(record, hooks.layer_scope(i)),
                       runs[i] if runs is not None else MODULES)
