@@ -27,7 +27,7 @@ from ..models.switch import ExpertShard, weighted_sum
 from . import attention, moe
 from .attention import QKNorm, rope_frequencies
 from .kernel import run_compiled
-from .support import attention_reason
+from .support import attention_reason, linear_attention_reason
 from .weights import Derived, FusedWeights, RowStack
 
 ROUTE_NOTE = "routing by moebench.models.routing.route (an intervention is set), not the router kernel"
@@ -64,9 +64,9 @@ def attention_step_reason(attn, weights: LayerWeights) -> str | None:
     None."""
     spec = attn.spec
     if isinstance(spec, LinearAttentionSpec):
-        return f"{spec.kind} (no fused kernel)"
-    if weights.qkv is None:  # q_proj holds an output gate beside the queries
-        return attention_reason(spec) or "an output gate (the kernel has none)"
+        return linear_attention_reason(spec)
+    if weights.qkv is None:  # q_proj holds an output gate beside the queries: nothing stacked, the spec says why
+        return attention_reason(spec)
     if weights.qkv.get() is None:
         return "q, k and v are stored differently (no stacked projection for the kernel)"
     return attention_reason(spec)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..models.args import FP_MODES, QuantizedParts
-from ..models.declare import SIGMOID_GATED, SOFTMAX_THEN_TOPK, SWIGLU, AttentionSpec, MoeSpec
+from ..models.declare import SIGMOID_GATED, SOFTMAX_THEN_TOPK, SWIGLU, AttentionSpec, LinearAttentionSpec, MoeSpec
 from .kernel import LANES
 
 GATE_UP_BITS = (4, 8)
@@ -136,4 +136,13 @@ def attention_reason(spec: AttentionSpec) -> str | None:
         return "attention sinks (the kernel has none)"
     if spec.clip_qkv is not None:
         return f"q, k and v clamped at {spec.clip_qkv:g} (the kernel does not clamp)"
+    if spec.output_gate:
+        return "an output gate on the attention output (the kernel has none)"
+    if spec.scaled_rope:
+        return "scaled (YaRN) rotary (the kernel rotates at rope_theta)"
     return None
+
+
+def linear_attention_reason(spec: LinearAttentionSpec) -> str:
+    """Why no fused kernel runs a linear-attention layer: none is written for one yet."""
+    return f"{spec.kind} (no fused kernel)"

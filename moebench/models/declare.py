@@ -54,7 +54,8 @@ class AttentionSpec:
     normalised (None, PER_HEAD, WHOLE_PROJECTION); the fraction of each head that is rotated; a sliding window
     (None: every position); learned per-head sinks; q, k and v clamped to [-clip_qkv, clip_qkv] (None: not); an
     output gate (q_proj twice as wide: per head its queries, then a gate; the output times sigmoid(gate) before
-    o_proj)."""
+    o_proj); rotary scaled beyond plain RoPE at rope_theta (`scaled_rope`: YaRN's blended frequencies and
+    attention factor)."""
 
     n_heads: int
     n_kv_heads: int
@@ -66,6 +67,7 @@ class AttentionSpec:
     sinks: bool = False
     clip_qkv: float | None = None
     output_gate: bool = False
+    scaled_rope: bool = False
 
     def __post_init__(self) -> None:
         if self.qk_norm not in QK_NORMS:

@@ -103,7 +103,7 @@ class Attention(qwen2_moe.Attention):
 
     @property
     def spec(self) -> AttentionSpec:
-        return replace(super().spec, window=self.window, sinks=True)
+        return replace(super().spec, window=self.window, sinks=True, scaled_rope=self._rope_freqs is not None)
 
     def head_sinks(self) -> mx.array:
         """The sinks of the heads this process computes: all of them, or under tensor parallelism (o_proj a

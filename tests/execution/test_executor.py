@@ -17,6 +17,7 @@ from moebench.execution.executor import executor, fused_moe, fused_moe_enabled, 
 from moebench.execution.settings import KernelSettings
 from moebench.inspect.record import Recorder
 from moebench.models.args import QuantizedParts
+from moebench.models.declare import AttentionSpec
 from moebench.models.routing import Intervention
 from moebench.models.switch import SwitchGLU
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
@@ -266,3 +267,11 @@ def test_a_long_prompt_runs_in_chunks_with_the_same_tokens_and_less_memory(folde
         chunked, peak = run(300, compiled)
         assert chunked == whole
         assert peak < 0.8 * whole_peak, f"compiled={compiled}: {peak / 1e6:.0f} MB against {whole_peak / 1e6:.0f} MB"
+
+
+@pytest.mark.parametrize("words,reason", [(dict(output_gate=True), "an output gate on the attention output"),
+                                          (dict(scaled_rope=True), "scaled (YaRN) rotary")])
+def test_attention_the_kernel_does_not_compute_declines_by_its_declaration(words, reason):
+    """A declaration the decode-attention kernel does not compute is declined with its words, whatever else holds."""
+    assert support.attention_reason(AttentionSpec(8, 2, 64)) is None
+    assert reason in support.attention_reason(AttentionSpec(8, 2, 64, **words))

@@ -249,7 +249,8 @@ def test_decisions_caches_and_the_compiled_step(hf, tmp_path):
     config["partial_rotary_factor"] = config["rope_parameters"]["partial_rotary_factor"] = 1.0
     (whole / "config.json").write_text(json.dumps(config))
     gated, _ = moebench.load(whole)
-    assert executor(gated).plan_for(1, False).layers[3].attention.reason == "an output gate (the kernel has none)"
+    reason = executor(gated).plan_for(1, False).layers[3].attention.reason
+    assert reason == "an output gate on the attention output (the kernel has none)"
 
 
 @pytest.mark.parametrize("pipeline", [True, False])
