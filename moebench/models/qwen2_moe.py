@@ -168,8 +168,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
+    @property
+    def mixer(self) -> nn.Module:
+        """This layer's token mixing: its attention (a hybrid family's layers name theirs)."""
+        return self.self_attn
+
     def __call__(self, x: mx.array, cache=None, record: Record | None = None, run: LayerRun = MODULES) -> mx.array:
-        h = x + run.attend(self.self_attn, self.input_layernorm(x), cache)
+        h = x + run.attend(self.mixer, self.input_layernorm(x), cache)
         inner = hooks.scope(record, hooks.MOE) if self.is_moe else None
         out = run.feed_forward(self.mlp, self.post_attention_layernorm(h), h, inner)
         if record is not None:

@@ -26,13 +26,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ConfigError
-from . import hooks, qwen2_moe, qwen3_moe
+from . import qwen2_moe, qwen3_moe
 from .args import ModelArgs
 from .declare import AttentionSpec
 from .gated_delta import FUSED_QKVZ, SPLIT_QKV_Z_B_A, GatedDeltaNet, LinearAttentionArgs
-from .hooks import Record
 from .layers import Embedding, Linear, RMSNorm
-from .run import MODULES, LayerRun
 
 LINEAR, FULL = "linear_attention", "full_attention"
 LAYER_TYPES = (LINEAR, FULL)  # what config `layer_types` may hold for these families
@@ -164,12 +162,12 @@ class GatedAttention(qwen3_moe.Attention):
         return self.o_proj(out * mx.sigmoid(gate.reshape(b, length, -1)))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(qwen2_moe.DecoderLayer):
     """Qwen2-MoE's pre-norm layer with the token mixing its layer type names: `linear_attn` (GatedDeltaNet, its
     cache a LinearAttentionState) or `self_attn` (GatedAttention, its cache a KVCache)."""
 
     def __init__(self, args: ModelArgs, hybrid: HybridArgs, layer: int):
-        super().__init__()
+        nn.Module.__init__(self)  # not Qwen2-MoE's: it would build its attention
         self.layer_type = layer_type(args, layer)
         if self.layer_type == LINEAR:
             self.linear_attn = GatedDeltaNet(args, hybrid.linear)
@@ -185,14 +183,6 @@ class DecoderLayer(nn.Module):
     def mixer(self) -> GatedDeltaNet | GatedAttention:
         """This layer's token mixing module."""
         return self["linear_attn"] if self.layer_type == LINEAR else self["self_attn"]
-
-    def __call__(self, x: mx.array, cache=None, record: Record | None = None, run: LayerRun = MODULES) -> mx.array:
-        h = x + run.attend(self.mixer, self.input_layernorm(x), cache)
-        inner = hooks.scope(record, hooks.MOE) if self.is_moe else None
-        out = run.feed_forward(self.mlp, self.post_attention_layernorm(h), h, inner)
-        if record is not None:
-            hooks.record_residuals(record, x, h, out)
-        return out
 
 
 class HybridModel(qwen2_moe.Qwen2MoeModel):

@@ -36,6 +36,6 @@ MODULES = Modules()
 
 
 def token_mixer(layer):
-    """A decoder layer's token-mixing module: `mixer` where a family's layers differ in it (a hybrid's linear or
-    full attention), else its `self_attn`. Its `spec` says what it computes (moebench.models.declare)."""
-    return layer.mixer if hasattr(layer, "mixer") else layer.self_attn
+    """A decoder layer's token-mixing module (its `mixer`: attention, or a hybrid's linear or full attention). Its
+    `spec` says what it computes (moebench.models.declare)."""
+    return layer.mixer
