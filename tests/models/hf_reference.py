@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
+
 
 def save_hf_checkpoint(folder: Path, config_cls, model_cls, config: dict, seed: int = 0) -> Path:
     """Build `model_cls(config_cls(**config))` with weights of useful size (std 1/sqrt(fan_in)) and save_pretrained."""
@@ -55,3 +58,27 @@ def save_hub_mxfp4(float_folder: Path, folder: Path) -> Path:
         if extra.name not in ("model.safetensors", "config.json"):
             shutil.copy(extra, folder / extra.name)
     return folder
+
+
+def max_error(a, b) -> float:
+    """max |a - b| in float32, for MLX or numpy arrays (or lists of them)."""
+    return float(np.abs(np.array(a, dtype=np.float32) - np.array(b, dtype=np.float32)).max())
+
+
+def session_matches(model, ids: list[int], tokens: list[int], expected, what: str, tolerance: float,
+                    fused: tuple[bool, ...] = (True, False)) -> None:
+    """moebench's decode loop (a Session, under each `fused` setting) fed the prompt `ids`, then `tokens` one at a
+    time: each step's logits within `tolerance` of `expected` [len(tokens) + 1, V]."""
+    import moebench
+    from moebench.decode.loop import Session
+
+    for on in fused:
+        with moebench.fused_moe(on, model):
+            session = Session(model)
+            step = session.build(mx.array(ids, dtype=mx.uint32))
+            for n, want in enumerate(expected):
+                session.take(step)
+                error = max_error(step.logits, want)
+                assert error <= tolerance, f"{what}: decode step {n} (fused {on}): {error:.3g}"
+                if n < len(tokens):
+                    step = session.build(mx.array([tokens[n]], dtype=mx.uint32))

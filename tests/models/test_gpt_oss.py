@@ -23,11 +23,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from hf_reference import save_hf_checkpoint, save_hub_mxfp4
+from hf_reference import max_error, save_hf_checkpoint, save_hub_mxfp4, session_matches
 
 import moebench
 from moebench.decode.cache import make_cache
-from moebench.decode.loop import Session, generate
+from moebench.decode.loop import generate
 from moebench.inspect.record import Recorder, decode
 from moebench.models import hooks
 from moebench.models.args import YarnScaling
@@ -76,10 +76,6 @@ def save_gpt_oss(folder: Path, overrides: dict, seed: int = 0) -> Path:
 
 def _prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
     return np.random.default_rng(seed).integers(0, BASE["vocab_size"], n).tolist()
-
-
-def _error(a, b) -> float:
-    return float(np.abs(np.array(a, dtype=np.float32) - np.array(b, dtype=np.float32)).max())
 
 
 @pytest.fixture(scope="module")
@@ -164,13 +160,13 @@ def test_logits_greedy_and_routing_match_hf(hf_folder, name):
     got = np.array(ours(mx.array([ids]), None, recorder))
     assert got.shape == expected.shape == (1, PROMPT_LEN, config["vocab_size"])
     assert np.abs(expected).max() > 0.5
-    assert _error(got, expected) <= TOLERANCE, f"{name}: whole sequence, max |moebench - transformers|"
+    assert max_error(got, expected) <= TOLERANCE, f"{name}: whole sequence, max |moebench - transformers|"
 
     # the recorded router: transformers' bias-added logits, and its top-k experts at every position
     k = config["num_experts_per_tok"]
     for layer, hf_logits in enumerate(out.router_logits):
         logits = recorder.values[f"layers.{layer}.moe.{hooks.ROUTER_LOGITS}"]
-        assert _error(logits, hf_logits.numpy()) <= TOLERANCE, (name, layer)
+        assert max_error(logits, hf_logits.numpy()) <= TOLERANCE, (name, layer)
         top = torch.topk(hf_logits, k, dim=-1).indices.numpy()
         ids_ours = np.array(recorder.values[f"layers.{layer}.moe.{hooks.TOPK_IDS}"])
         assert [sorted(r) for r in ids_ours.tolist()] == [sorted(r) for r in top.tolist()], (name, layer)
@@ -186,7 +182,7 @@ def test_logits_greedy_and_routing_match_hf(hf_folder, name):
     logits = [np.array(ours(mx.array([ids]), cache)[0, -1])]
     for tok in tokens[:-1]:
         logits.append(np.array(ours(mx.array([[tok]]), cache)[0, -1]))
-    assert _error(np.stack(logits), step_logits) <= TOLERANCE, f"{name}: cached steps vs transformers"
+    assert max_error(np.stack(logits), step_logits) <= TOLERANCE, f"{name}: cached steps vs transformers"
 
     # a recorded decode (the Stepper) routes each generated token as transformers does
     trace = decode(ours, None, ids, 6, record=True)
@@ -245,7 +241,7 @@ def test_hub_mxfp4_layout_is_transformers_decoding(hub_folder, tmp_path):
     ids = _prompt(5, 20)
     with torch.no_grad():
         expected = GptOssForCausalLM.from_pretrained(floats, dtype="float32").eval()(torch.tensor([ids])).logits
-    assert _error(ours(mx.array([ids])), expected.numpy()) <= TOLERANCE
+    assert max_error(ours(mx.array([ids])), expected.numpy()) <= TOLERANCE
 
 
 # ---- mlx-lm ----------------------------------------------------------------------------------------
@@ -263,7 +259,7 @@ def _matches_mlx_lm(folder: Path, what: str) -> None:
     ids = _prompt(3)
     whole = reference(mx.array([ids])).astype(mx.float32)
     assert float(mx.abs(whole).max()) > 0.5
-    assert _error(ours(mx.array([ids])), whole) <= TOLERANCE, f"{what}: whole prompt"
+    assert max_error(ours(mx.array([ids])), whole) <= TOLERANCE, f"{what}: whole prompt"
 
     ref_cache, cache = make_prompt_cache(reference), make_cache(len(ours.layers))
     ref_step = reference(mx.array([ids]), cache=ref_cache)[0, -1]
@@ -271,7 +267,7 @@ def _matches_mlx_lm(folder: Path, what: str) -> None:
     expected, tokens = [], []
     for n in range(CACHED_STEPS + 1):
         expected.append(np.array(ref_step.astype(mx.float32)))
-        assert _error(our_step, expected[-1]) <= TOLERANCE, f"{what}: cached step {n}"
+        assert max_error(our_step, expected[-1]) <= TOLERANCE, f"{what}: cached step {n}"
         if n == CACHED_STEPS:
             break
         tokens.append(int(mx.argmax(ref_step)))
@@ -279,15 +275,7 @@ def _matches_mlx_lm(folder: Path, what: str) -> None:
         our_step = ours(mx.array([[tokens[-1]]]), cache)[0, -1]
     assert len(set(tokens)) > 1
 
-    for on in (True, False):
-        with moebench.fused_moe(on, ours):
-            session = Session(ours)
-            step = session.build(mx.array(ids, dtype=mx.uint32))
-            for n, want in enumerate(expected):
-                session.take(step)
-                assert _error(step.logits, want) <= TOLERANCE, f"{what}: decode step {n} (fused {on})"
-                if n < len(tokens):
-                    step = session.build(mx.array([tokens[n]], dtype=mx.uint32))
+    session_matches(ours, ids, tokens, expected, what, TOLERANCE)
 
     greedy = [int(token) for token, _ in generate_step(mx.array(ids), reference, max_tokens=GREEDY_STEPS)]
     assert generate(ours, ids, GREEDY_STEPS).token_ids == greedy

@@ -18,12 +18,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from byte_tokenizer import write_byte_tokenizer
-from hf_reference import save_hf_checkpoint
+from hf_reference import max_error, save_hf_checkpoint, session_matches
 
 import moebench
 from moebench.cli import main
 from moebench.decode.cache import make_cache
-from moebench.decode.loop import Session, generate
+from moebench.decode.loop import generate
 from moebench.tools.writer import write_random_checkpoint
 
 pytest.importorskip("torch", reason="the float folders are written by transformers (dev dependency torch)")
@@ -67,10 +67,6 @@ def save_olmoe(folder: Path, overrides: dict, seed: int = 0) -> Path:
 
 def _prompt(seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, BASE["vocab_size"], PROMPT_LEN).tolist()
-
-
-def _error(a, b) -> float:
-    return float(np.abs(np.array(a, dtype=np.float32) - np.array(b, dtype=np.float32)).max())
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +124,7 @@ def test_logits_and_greedy_match_hf(hf_folder, name):
     got = np.array(ours(mx.array([ids])))
     assert got.shape == expected.shape == (1, PROMPT_LEN, config["vocab_size"])
     assert np.abs(expected).max() > 0.5  # not two near-zero tensors
-    assert _error(got, expected) <= TOLERANCE, f"{name}: whole sequence, max |moebench - transformers|"
+    assert max_error(got, expected) <= TOLERANCE, f"{name}: whole sequence, max |moebench - transformers|"
 
     tokens = out.sequences[0, PROMPT_LEN:].tolist()
     assert generate(ours, ids, GREEDY_STEPS).token_ids == tokens
@@ -140,7 +136,7 @@ def test_logits_and_greedy_match_hf(hf_folder, name):
     logits = [np.array(ours(mx.array([ids]), cache)[0, -1])]
     for tok in tokens[:-1]:
         logits.append(np.array(ours(mx.array([[tok]]), cache)[0, -1]))
-    assert _error(np.stack(logits), step_logits) <= TOLERANCE, f"{name}: cached steps vs transformers"
+    assert max_error(np.stack(logits), step_logits) <= TOLERANCE, f"{name}: cached steps vs transformers"
 
 
 def test_clip_qkv_is_computed_as_transformers_or_refused(tmp_path):
@@ -156,13 +152,13 @@ def test_clip_qkv_is_computed_as_transformers_or_refused(tmp_path):
     with torch.no_grad():
         expected, unclipped = (OlmoeForCausalLM.from_pretrained(f, dtype="float32").eval()(torch.tensor([ids]))
                                .logits.numpy() for f in (clipped, plain))
-    assert _error(expected, unclipped) > 0.1  # the clamp bites
+    assert max_error(expected, unclipped) > 0.1  # the clamp bites
     try:
         ours, _ = moebench.load(clipped)
     except moebench.ConfigError as e:
         assert "clip_qkv" in str(e)
         return
-    assert _error(np.array(ours(mx.array([ids]))), expected) <= TOLERANCE
+    assert max_error(np.array(ours(mx.array([ids]))), expected) <= TOLERANCE
 
 
 def test_writer_layout_is_transformers_layout(tmp_path, hf_folder):
@@ -204,7 +200,7 @@ def test_converted_folder_matches_mlx_lm(converted, name, recipe):
 
     whole = reference(mx.array([ids])).astype(mx.float32)
     assert float(mx.abs(whole).max()) > 0.5
-    assert _error(ours(mx.array([ids])), whole) <= TOLERANCE, f"{name} {recipe}: whole prompt"
+    assert max_error(ours(mx.array([ids])), whole) <= TOLERANCE, f"{name} {recipe}: whole prompt"
 
     ref_cache, cache = make_prompt_cache(reference), make_cache(len(ours.layers))
     ref_step = reference(mx.array([ids]), cache=ref_cache)[0, -1]
@@ -212,7 +208,7 @@ def test_converted_folder_matches_mlx_lm(converted, name, recipe):
     expected, tokens = [], []
     for n in range(CACHED_STEPS + 1):
         expected.append(np.array(ref_step.astype(mx.float32)))
-        error = _error(our_step, expected[-1])
+        error = max_error(our_step, expected[-1])
         assert error <= TOLERANCE, f"{name} {recipe}: cached step {n}: max |moebench - mlx-lm| = {error:.3g}"
         if n == CACHED_STEPS:
             break
@@ -221,15 +217,7 @@ def test_converted_folder_matches_mlx_lm(converted, name, recipe):
         our_step = ours(mx.array([[tokens[-1]]]), cache)[0, -1]
     assert len(set(tokens)) > 1
 
-    with moebench.fused_moe(True, ours):
-        session = Session(ours)
-        step = session.build(mx.array(ids, dtype=mx.uint32))
-        for n, want in enumerate(expected):
-            session.take(step)
-            error = _error(step.logits, want)
-            assert error <= TOLERANCE, f"{name} {recipe}: decode step {n} (fused on): {error:.3g}"
-            if n < len(tokens):
-                step = session.build(mx.array([tokens[n]], dtype=mx.uint32))
+    session_matches(ours, ids, tokens, expected, f"{name} {recipe}", TOLERANCE, fused=(True,))
     # the decode steps above ran the kernel pair, except under mixed_3_6, whose 3-bit gate/up it declines (saying so)
     for layer, counts in moebench.dispatch(ours)["moe"].items():
         fused = sum(counts["fused"].values())

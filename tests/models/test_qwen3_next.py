@@ -21,6 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from hf_reference import max_error, session_matches
 from test_gated_delta import randomize
 
 import moebench
@@ -121,24 +122,6 @@ def _prompt(seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, BASE["vocab_size"], PROMPT).tolist()
 
 
-def _error(a, b) -> float:
-    return float(np.abs(np.array(a, dtype=np.float32) - np.array(b, dtype=np.float32)).max())
-
-
-def _decode_matches(ours, ids: list[int], tokens: list[int], expected: np.ndarray, what: str) -> None:
-    """moebench's decode loop (a Session, the fused kernels on and off) fed the prompt, then `tokens` one at a time:
-    each step's logits within TOLERANCE of `expected` [len(tokens) + 1, V]."""
-    for on in (True, False):
-        with moebench.fused_moe(on, ours):
-            session = Session(ours)
-            step = session.build(mx.array(ids, dtype=mx.uint32))
-            for n, want in enumerate(expected):
-                session.take(step)
-                assert _error(step.logits, want) <= TOLERANCE, f"{what}: decode step {n} (fused {on})"
-                if n < len(tokens):
-                    step = session.build(mx.array([tokens[n]], dtype=mx.uint32))
-
-
 # ---- transformers' folders ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family,layout", FOLDERS)
@@ -158,11 +141,11 @@ def test_transformers_folders_load_and_match_transformers(hf, family, layout):
         gen = reference.generate(torch.tensor([ids]), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
                                  pad_token_id=0, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
     assert np.abs(whole).max() > 0.5
-    assert _error(ours(mx.array([ids])), whole) <= TOLERANCE, f"{family} {layout}: whole prompt"
+    assert max_error(ours(mx.array([ids])), whole) <= TOLERANCE, f"{family} {layout}: whole prompt"
     tokens = gen.sequences[0, PROMPT:].tolist()
     assert len(set(tokens)) > 4
     expected = torch.stack(gen.logits, dim=1)[0].numpy()  # [STEPS, V]: after the prompt, then after each token
-    _decode_matches(ours, ids, tokens[:-1], expected, f"{family} {layout}")
+    session_matches(ours, ids, tokens[:-1], expected, f"{family} {layout}", TOLERANCE)
     assert generate(ours, ids, STEPS).token_ids == tokens
 
 
@@ -194,7 +177,7 @@ def test_converted_folders_match_mlx_lm(converted, family, recipe):
     if recipe != "float":
         assert ours.load_info.bits["mlp.gate"] == ours.load_info.bits["mlp.shared_expert_gate"] == "8-bit g64"
     ids = _prompt(1)
-    assert _error(ours(mx.array([ids])), reference(mx.array([ids]))) <= TOLERANCE, f"{recipe}: whole prompt"
+    assert max_error(ours(mx.array([ids])), reference(mx.array([ids]))) <= TOLERANCE, f"{recipe}: whole prompt"
 
     ref_cache = make_prompt_cache(reference)
     step = reference(mx.array([ids]), cache=ref_cache)[0, -1]
@@ -204,7 +187,7 @@ def test_converted_folders_match_mlx_lm(converted, family, recipe):
         step = reference(mx.array([[tokens[-1]]]), cache=ref_cache)[0, -1]
         expected.append(np.array(step))
     assert len(set(tokens)) > 4
-    _decode_matches(ours, ids, tokens, np.stack(expected), f"{family} {recipe}")
+    session_matches(ours, ids, tokens, np.stack(expected), f"{family} {recipe}", TOLERANCE)
 
     greedy = [int(token) for token, _ in generate_step(mx.array(ids), reference, max_tokens=STEPS)]
     ex = executor(ours)
