@@ -23,7 +23,7 @@ from ..checkpoint.config import model_args
 from ..checkpoint.weights import LAYOUTS, tensor_shapes
 from ..decode.sampling import check_seed
 from ..errors import ConfigError
-from ..models.args import AFFINE_BITS, AFFINE_GROUP_SIZES
+from ..models.args import AFFINE_BITS, AFFINE_GROUP_SIZES, FP_MODES
 from .flags import SEED, finite, finite_number
 from .writer import (
     gpt_oss_mlx_lm_tensors,
@@ -229,11 +229,14 @@ def parameter_counts(config: dict) -> tuple[int, int]:
 def write_random(
     out_dir: str | Path, preset: str, bits: int = 4, group_size: int = 64, dtype: str = "bfloat16", seed: int = 0,
     shard_gb: float = DEFAULT_SHARD_GB, generator: str = "mlx", progress: bool = True, layout: str | None = None,
+    mode: str = "affine",
 ) -> Path:
-    """A random checkpoint of `preset`: MLX affine `bits`/`group_size`, experts in `layout` ('stacked' or
-    'per-expert'; default the family's, default_layout), scales in `dtype`, shards of at most `shard_gb` GB with
-    an index, no tokenizer (bench works on token ids). Both layouts of one seed hold the same model. gpt-oss is
-    written as mlx-lm lays it out (its router and mxfp4 experts under their own quantization, stacked only)."""
+    """A random checkpoint of `preset`: MLX affine `bits`/`group_size` (or every quantized weight in a microscaled
+    `mode`, whose bits and group size are the mode's, as `mlx_lm.convert --q-mode` writes it), experts in `layout`
+    ('stacked' or 'per-expert'; default the family's, default_layout), scales in `dtype`, shards of at most
+    `shard_gb` GB with an index, no tokenizer (bench works on token ids). Both layouts of one seed hold the same
+    model. gpt-oss is written as mlx-lm lays it out (its router and mxfp4 experts under their own quantization,
+    stacked only)."""
     p = get_preset(preset)
     layout = layout or default_layout(preset)
     if layout not in LAYOUTS:
@@ -242,7 +245,13 @@ def write_random(
     if gpt_oss and layout != "stacked":
         raise ConfigError(f"layout {layout!r}: gpt-oss checkpoints stack their experts (mlp.experts.*, as mlx-lm "
                           "and the hub store them); use layout 'stacked'")
-    if bits not in AFFINE_BITS or group_size not in AFFINE_GROUP_SIZES:
+    if mode != "affine" and (mode not in FP_MODES or gpt_oss):
+        why = ("gpt-oss presets write their experts in mxfp4 and the rest affine, as published" if gpt_oss
+               else f"not one of affine, {', '.join(FP_MODES)}")
+        raise ConfigError(f"mode {mode!r}: {why}")
+    if mode in FP_MODES:
+        group_size, bits = FP_MODES[mode]
+    elif bits not in AFFINE_BITS or group_size not in AFFINE_GROUP_SIZES:
         raise ConfigError(f"bits {bits} / group size {group_size}: need bits in {AFFINE_BITS} and group size "
                           f"in {AFFINE_GROUP_SIZES}")
     if dtype not in DTYPES:
@@ -261,8 +270,8 @@ def write_random(
         quantized = gpt_oss_mlx_lm_tensors(tensors, args, group_size, bits)
         config["quantization"] = gpt_oss_quantization(args, group_size, bits)
     else:
-        quantized = quantize_tensors(tensors, group_size, bits, layout, args.num_experts)
-        config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+        quantized = quantize_tensors(tensors, group_size, bits, layout, args.num_experts, mode=mode)
+        config["quantization"] = {"group_size": group_size, "bits": bits, "mode": mode}
     config["quantization_config"] = config["quantization"]
     return save_checkpoint(out, config, quantized, shard_bytes=int(shard_gb * 1e9))
 
@@ -275,7 +284,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bits", type=int, default=4, choices=AFFINE_BITS,
                    help="affine quantization bits of every quantized weight (default %(default)s)")
     p.add_argument("--group-size", type=int, default=64, choices=AFFINE_GROUP_SIZES,
-                   help="quantization group size (default %(default)s)")
+                   help="affine quantization group size (default %(default)s)")
+    p.add_argument("--mode", default="affine", choices=("affine", *FP_MODES),
+                   help="quantization mode of every quantized weight, as mlx_lm.convert --q-mode writes it; the "
+                        "microscaled modes fix their own bits and group size (" + ", ".join(
+                            f"{m} {b}-bit g{g}" for m, (g, b) in FP_MODES.items()) + "); default %(default)s")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                    help="dtype of scales, biases, norms (float32 for CPU comparisons with mlx-lm)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of the random weights (default %(default)s)")
@@ -294,13 +307,21 @@ def _run(a: argparse.Namespace) -> int:
     start = time.perf_counter()
     layout = a.layout or default_layout(a.preset)
     folder = write_random(a.out_dir, a.preset, a.bits, a.group_size, a.dtype, a.seed, a.shard_gb, a.generator,
-                          layout=layout)
+                          layout=layout, mode=a.mode)
     total, active = parameter_counts(PRESETS[a.preset].config)
     gpt_oss = PRESETS[a.preset].config["model_type"] == "gpt_oss"
     experts = GPT_OSS_EXPERT_NAMES if gpt_oss else EXPERT_NAMES[layout]
     files = sorted(folder.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {folder}: {len(files)} file(s), {size / 1e9:.2f} GB, {total / 1e9:.2f}B parameters "
-          f"({active / 1e9:.2f}B active), {a.bits}-bit g{a.group_size} {a.dtype}, experts {layout} "
+          f"({active / 1e9:.2f}B active), {quantized_as(a)} {a.dtype}, experts {layout} "
           f"({experts}), {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def quantized_as(a: argparse.Namespace) -> str:
+    """How make-random's arguments quantize the weights, in words."""
+    if a.mode in FP_MODES:
+        group_size, bits = FP_MODES[a.mode]
+        return f"{a.mode} ({bits}-bit g{group_size})"
+    return f"{a.bits}-bit g{a.group_size}"

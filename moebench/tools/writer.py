@@ -68,11 +68,13 @@ def quantize_tensors(
     layout: str = "per-expert",
     num_experts: int | None = None,
     skip: Callable[[str], bool] = lambda name: False,
+    mode: str = "affine",
 ) -> Iterator[tuple[str, mx.array]]:
-    """MLX affine quantization of every 2-D weight whose input width divides by the group size.
+    """MLX quantization in `mode` of every 2-D weight whose input width divides by the group size.
 
     `bits` may be a function of the tensor name (mixed precision). layout 'stacked' gathers each
     layer's experts into `mlp.switch_mlp.{proj}` (needs num_experts); 'per-expert' keeps `experts.{i}`.
+    The microscaled modes (mxfp4, nvfp4, mxfp8) write uint8 scales and no biases, as mlx_lm.convert does.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -93,11 +95,9 @@ def quantize_tensors(
             yield name, w
             continue
         b = bits(name) if callable(bits) else bits
-        q, scales, biases = mx.quantize(w, group_size=group_size, bits=b)
         base = name[: -len(".weight")]
-        yield f"{base}.weight", q
-        yield f"{base}.scales", scales
-        yield f"{base}.biases", biases
+        for part, value in zip(("weight", "scales", "biases"), mx.quantize(w, group_size, b, mode=mode), strict=False):
+            yield f"{base}.{part}", value
     if pending:
         raise ValueError(f"incomplete expert stacks: {sorted(pending)}")
 

@@ -15,6 +15,7 @@ from moebench.checkpoint.files import checkpoint_files, read_safetensors_header
 from moebench.checkpoint.weights import tensor_shapes
 from moebench.cli import main
 from moebench.errors import ConfigError
+from moebench.execution.support import moe_reason
 from moebench.tools.presets import PRESETS, default_layout, get_preset, parameter_counts, write_random
 from moebench.tools.writer import random_tensors
 
@@ -228,6 +229,37 @@ def test_make_random_writes_the_familys_mlx_layout_and_mlx_lm_computes_what_moeb
     with fused_moe(False, ours):
         got = np.array(ours(ids))
     assert got.dtype == np.float32 and np.abs(got - np.array(reference(ids))).max() <= 1e-5
+
+
+@pytest.mark.parametrize("mode,bits,group_size", [("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)])
+def test_make_random_in_a_microscaled_mode_is_what_mlx_lm_convert_writes_and_runs_fused(
+        tmp_path, capsys, mode, bits, group_size):
+    """--mode writes every quantized weight in the mode (uint8 scales, no biases), as `mlx_lm.convert --q-mode`
+    does: mlx-lm loads it and computes moebench's logits, and moebench's fused kernels read its experts."""
+    from mlx_lm.utils import load_model
+
+    folder = tmp_path / mode
+    assert main(["make-random", str(folder), "--preset", "qwen3-tiny", "--dtype", "float32", "--mode", mode]) == 0
+    assert f"{mode} ({bits}-bit g{group_size})" in capsys.readouterr().out
+    assert json.loads((folder / "config.json").read_text())["quantization"] == {
+        "group_size": group_size, "bits": bits, "mode": mode}
+    header = read_safetensors_header(folder / "model.safetensors")
+    assert header["model.layers.0.mlp.switch_mlp.up_proj.scales"]["dtype"] == "U8"
+    assert not any(name.endswith(".biases") for name in header)
+    ours, _ = load(folder)
+    ids = mx.array([[1, 5, 9, 200, 3, 7, 42, 0]])
+    with fused_moe(False, ours):
+        got = np.array(ours(ids))
+    assert np.abs(got - np.array(load_model(folder)[0](ids))).max() <= 1e-5
+    for block in ours.moe_blocks().values():
+        assert {p.mode for p in block.switch_mlp.quantized_parts()} == {mode}
+        assert moe_reason(block.spec, block.switch_mlp.quantized_parts(), "reference") is None
+
+
+def test_make_random_mode_for_gpt_oss_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="gpt-oss presets write their experts in mxfp4"):
+        write_random(tmp_path / "g", "gpt-oss-tiny", progress=False, mode="nvfp4")
+    assert not (tmp_path / "g").exists()
 
 
 def test_both_layouts_of_one_seed_are_one_model(tmp_path):
