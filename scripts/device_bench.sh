@@ -10,6 +10,8 @@
 #   R=$OUT; export OUT=/root/r; bash scripts/device_bench.sh ...; tar czf $R/r.tgz -C /root r
 # Qwen3-30B-A3B as mlx-community ships it (experts stacked), at three prompt lengths:
 #   PRESET=qwen3-30b-a3b PROMPTS="64 2048 4096" REPEATS=3 bash scripts/device_bench.sh make bench
+# The same model with every quantized weight in mxfp4 (mlx_lm.convert --q-mode mxfp4's layout):
+#   PRESET=qwen3-30b-a3b MODE=mxfp4 PROMPTS="64 2048" bash scripts/device_bench.sh make bench
 #
 # make       random $PRESET weights (default Qwen1.5-MoE-A2.7B; 4-bit, group 64, bf16 scales, 5 GB shards) with
 #            the experts laid out as the family's MLX checkpoints lay them out (per expert for Qwen1.5-MoE,
@@ -31,7 +33,8 @@
 # timeline   generate's host work and GPU kernels on one clock: GPU idle time per token and what the host does
 #            meanwhile (scripts/device_diag.py timeline), with a Chrome trace (timeline-*-trace.json.gz) and its
 #            kernels and CUDA calls per token (timeline-*-per-token.txt, device_diag.py TRACE trace)
-# MOEBENCH_DEVICE_CKPT defaults to /root/moebench-$PRESET-4bit-g64-$DTYPE (-$LAYOUT when given); outputs are named
+# MOEBENCH_DEVICE_CKPT defaults to /root/moebench-$PRESET-4bit-g64-$DTYPE (4bit-g64 is $MODE when MODE is not
+# affine; -$LAYOUT when given); outputs are named
 # by $PRESET.
 #
 # Everything lands in $OUT (logs, tables, JSON records, timing.txt); each stage has a time limit so a
@@ -43,10 +46,12 @@ DEADLINE=${DEADLINE:-570}  # seconds this script may use in all (one device call
 PRESET=${PRESET:-qwen1.5-moe-a2.7b}  # a smaller preset (and DTYPE=float32) for a dry run on a CPU
 DTYPE=${DTYPE:-bfloat16}
 LAYOUT=${LAYOUT:-}  # empty: the family's (moebench make-random's default)
+MODE=${MODE:-affine}  # make-random --mode: affine 4-bit g64, or every quantized weight mxfp4 / nvfp4 / mxfp8
 PROMPTS=${PROMPTS:-64}
 GEN=${GEN:-128}  # tokens generated per bench round
 BENCH_LIMIT=${BENCH_LIMIT:-360}
-CKPT=${MOEBENCH_DEVICE_CKPT:-/root/moebench-$PRESET-4bit-g64-$DTYPE${LAYOUT:+-$LAYOUT}}
+QUANT=$([ "$MODE" = affine ] && echo 4bit-g64 || echo "$MODE")
+CKPT=${MOEBENCH_DEVICE_CKPT:-/root/moebench-$PRESET-$QUANT-$DTYPE${LAYOUT:+-$LAYOUT}}
 stages=${*:-make bench selfcheck}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -104,8 +109,8 @@ if [ -f "$CKPT.done" ]; then
 else  # every later stage needs the checkpoint: make it whether or not 'make' was asked for
   rm -rf "$CKPT"
   run_stage make-random 300 make-random.log \
-    python3 -m moebench.cli make-random "$CKPT" --preset "$PRESET" --bits 4 --group-size 64 --dtype "$DTYPE" \
-    ${LAYOUT:+--layout "$LAYOUT"}
+    python3 -m moebench.cli make-random "$CKPT" --preset "$PRESET" --bits 4 --group-size 64 --mode "$MODE" \
+    --dtype "$DTYPE" ${LAYOUT:+--layout "$LAYOUT"}
   [ -f "$CKPT/config.json" ] && [ ${#failed[@]} -eq 0 ] && touch "$CKPT.done"
   du -sh "$CKPT" 2>&1 | tee -a "$OUT/make-random.log"
 fi
