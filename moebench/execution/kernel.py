@@ -19,7 +19,9 @@ import mlx.core as mx
 from ..errors import UnsupportedKernelConfig
 from ..models.switch import on_main_thread
 
-KERNEL_DIR = Path(str(resources.files("moebench") / "kernel_sources"))
+# The sources of the package this module belongs to: an earlier revision imported under another name (moebench
+# bench --snapshot) reads its own kernels, not the installed package's.
+KERNEL_DIR = Path(str(resources.files(__package__.rpartition(".")[0]) / "kernel_sources"))
 LANES = 32  # threads of a simdgroup (Metal) or warp (CUDA)
 GPU_BACKENDS = ("metal", "cuda")
 BACKENDS = (*GPU_BACKENDS, "reference")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -325,6 +327,21 @@ def test_a_broken_snapshot_folder_is_named_and_forgotten(quantized_checkpoint, t
     assert main(argv) == 2
     assert f"--snapshot {tmp_path / 'snap'}: cannot import its moebench or load" in capsys.readouterr().err
     assert not [m for m in sys.modules if m.startswith(bench.SNAPSHOT)]
+
+
+def test_a_snapshot_runs_its_own_kernel_sources(quantized_checkpoint, tmp_path):
+    """An earlier revision's fused arms run the kernels of that revision, not the installed package's."""
+    repo = Path(__file__).resolve().parents[2]
+    snap = tmp_path / "snap"
+    shutil.copytree(repo / "moebench", snap / "moebench", symlinks=True)
+    shutil.copytree(repo / "kernels", snap / "kernels")
+    try:
+        bench.snapshot_arms(snap, quantized_checkpoint, "both")
+        kernel_dir = sys.modules[f"{bench.SNAPSHOT}.execution.kernel"].KERNEL_DIR
+        assert kernel_dir.resolve() == (snap / "kernels").resolve()
+    finally:
+        for name in [m for m in sys.modules if m.startswith(bench.SNAPSHOT)]:
+            del sys.modules[name]
 
 
 def test_a_missing_snapshot_is_named_before_the_model_loads(tmp_path, capsys, monkeypatch):
