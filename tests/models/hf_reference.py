@@ -82,3 +82,32 @@ def session_matches(model, ids: list[int], tokens: list[int], expected, what: st
                 assert error <= tolerance, f"{what}: decode step {n} (fused {on}): {error:.3g}"
                 if n < len(tokens):
                     step = session.build(mx.array([tokens[n]], dtype=mx.uint32))
+
+
+def mlx_lm_cached_steps(reference, ids: list[int], steps: int) -> tuple[np.ndarray, list[int]]:
+    """mlx-lm's model `reference` fed the prompt `ids`, then `steps` of its own greedy tokens one at a time over its
+    cache: (its float32 logits after the prompt and after each token [steps + 1, V], the tokens fed)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(reference)
+    step = reference(mx.array([ids]), cache=cache)[0, -1]
+    expected, tokens = [np.array(step.astype(mx.float32))], []
+    for _ in range(steps):
+        tokens.append(int(mx.argmax(step)))
+        step = reference(mx.array([[tokens[-1]]]), cache=cache)[0, -1]
+        expected.append(np.array(step.astype(mx.float32)))
+    return np.stack(expected), tokens
+
+
+def model_call_matches(model, ids: list[int], tokens: list[int], expected, what: str, tolerance: float) -> None:
+    """moebench's model called directly over make_cache (no decode loop, no kernels) with the prompt `ids`, then
+    `tokens` one at a time: each step's last logits within `tolerance` of `expected` [len(tokens) + 1, V]."""
+    from moebench.decode.cache import make_cache
+
+    cache = make_cache(len(model.layers))
+    step = model(mx.array([ids]), cache)[0, -1]
+    for n, want in enumerate(expected):
+        error = max_error(step, want)
+        assert error <= tolerance, f"{what}: cached step {n}: max |moebench - reference| = {error:.3g}"
+        if n < len(tokens):
+            step = model(mx.array([[tokens[n]]]), cache)[0, -1]

@@ -23,7 +23,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from hf_reference import max_error, save_hf_checkpoint, save_hub_mxfp4, session_matches
+from hf_reference import (
+    max_error,
+    mlx_lm_cached_steps,
+    model_call_matches,
+    save_hf_checkpoint,
+    save_hub_mxfp4,
+    session_matches,
+)
 
 import moebench
 from moebench.decode.cache import make_cache
@@ -251,7 +258,6 @@ def _matches_mlx_lm(folder: Path, what: str) -> None:
     call with make_cache, and through the decode loop's Session with the fused kernels on and off; greedy tokens
     are mlx-lm's."""
     from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
     reference, _ = load_model(folder)
@@ -261,20 +267,9 @@ def _matches_mlx_lm(folder: Path, what: str) -> None:
     assert float(mx.abs(whole).max()) > 0.5
     assert max_error(ours(mx.array([ids])), whole) <= TOLERANCE, f"{what}: whole prompt"
 
-    ref_cache, cache = make_prompt_cache(reference), make_cache(len(ours.layers))
-    ref_step = reference(mx.array([ids]), cache=ref_cache)[0, -1]
-    our_step = ours(mx.array([ids]), cache)[0, -1]
-    expected, tokens = [], []
-    for n in range(CACHED_STEPS + 1):
-        expected.append(np.array(ref_step.astype(mx.float32)))
-        assert max_error(our_step, expected[-1]) <= TOLERANCE, f"{what}: cached step {n}"
-        if n == CACHED_STEPS:
-            break
-        tokens.append(int(mx.argmax(ref_step)))
-        ref_step = reference(mx.array([[tokens[-1]]]), cache=ref_cache)[0, -1]
-        our_step = ours(mx.array([[tokens[-1]]]), cache)[0, -1]
+    expected, tokens = mlx_lm_cached_steps(reference, ids, CACHED_STEPS)
     assert len(set(tokens)) > 1
-
+    model_call_matches(ours, ids, tokens, expected, what, TOLERANCE)
     session_matches(ours, ids, tokens, expected, what, TOLERANCE)
 
     greedy = [int(token) for token, _ in generate_step(mx.array(ids), reference, max_tokens=GREEDY_STEPS)]

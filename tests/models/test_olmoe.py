@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from byte_tokenizer import write_byte_tokenizer
-from hf_reference import max_error, save_hf_checkpoint, session_matches
+from hf_reference import max_error, mlx_lm_cached_steps, model_call_matches, save_hf_checkpoint, session_matches
 
 import moebench
 from moebench.cli import main
@@ -185,7 +185,6 @@ def test_converted_folder_matches_mlx_lm(converted, name, recipe):
     """moebench's float32 logits are mlx-lm's over the whole prompt, then token by token over both caches: through
     the model's own call with make_cache (no kernels), and through the decode loop's Session with the fused
     kernels on (where they support the recipe)."""
-    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
     folder = converted(name, recipe)
@@ -202,20 +201,9 @@ def test_converted_folder_matches_mlx_lm(converted, name, recipe):
     assert float(mx.abs(whole).max()) > 0.5
     assert max_error(ours(mx.array([ids])), whole) <= TOLERANCE, f"{name} {recipe}: whole prompt"
 
-    ref_cache, cache = make_prompt_cache(reference), make_cache(len(ours.layers))
-    ref_step = reference(mx.array([ids]), cache=ref_cache)[0, -1]
-    our_step = ours(mx.array([ids]), cache)[0, -1]
-    expected, tokens = [], []
-    for n in range(CACHED_STEPS + 1):
-        expected.append(np.array(ref_step.astype(mx.float32)))
-        error = max_error(our_step, expected[-1])
-        assert error <= TOLERANCE, f"{name} {recipe}: cached step {n}: max |moebench - mlx-lm| = {error:.3g}"
-        if n == CACHED_STEPS:
-            break
-        tokens.append(int(mx.argmax(ref_step)))
-        ref_step = reference(mx.array([[tokens[-1]]]), cache=ref_cache)[0, -1]
-        our_step = ours(mx.array([[tokens[-1]]]), cache)[0, -1]
+    expected, tokens = mlx_lm_cached_steps(reference, ids, CACHED_STEPS)
     assert len(set(tokens)) > 1
+    model_call_matches(ours, ids, tokens, expected, f"{name} {recipe}", TOLERANCE)
 
     session_matches(ours, ids, tokens, expected, f"{name} {recipe}", TOLERANCE, fused=(True,))
     # the decode steps above ran the kernel pair, except under mixed_3_6, whose 3-bit gate/up it declines (saying so)
