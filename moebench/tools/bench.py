@@ -270,18 +270,23 @@ def mlx_lm_model(path: Path, group: mx.distributed.Group | None = None) -> tuple
     return model, None
 
 
-def mlx_lm_arms(path: Path, group: mx.distributed.Group | None = None) -> tuple[list[Arm], str | None]:
+OWN_LOOP_ARM = "mlx-lm model, moebench loop"
+
+
+def mlx_lm_arms(path: Path, group: mx.distributed.Group | None = None) -> tuple[list[Arm], list[dict]]:
     """mlx-lm on the same folder as its users run it (stream_generate when the folder has a tokenizer mlx-lm
-    loads, else generate_step), and its model under moebench's decode loop. ([], reason) where it cannot."""
+    loads, else generate_step), and its model under moebench's decode loop: (the arms, the arms skipped as
+    {"arm", "reason"}). moebench's loop gives a foreign model key/value caches, so a model that makes its own
+    (mlx-lm's hybrids' recurrent states, gpt-oss's rotating windows) runs only under mlx-lm's loop."""
     try:
         from mlx_lm.generate import generate_step, stream_generate
         from mlx_lm.sample_utils import make_sampler
         from mlx_lm.utils import load_tokenizer
     except ImportError as e:
-        return [], f"mlx-lm is not installed ({e})"
+        return [], [{"arm": "mlx-lm", "reason": f"mlx-lm is not installed ({e})"}]
     model, reason = mlx_lm_model(path, group)
     if model is None:
-        return [], reason
+        return [], [{"arm": "mlx-lm", "reason": reason}]
     dtype = float_dtype(model)
     greedy = make_sampler(temp=0.0)
     tokenizer, why = None, "generate_step with a greedy sampler (no tokenizer files: stream_generate needs one)"
@@ -306,9 +311,13 @@ def mlx_lm_arms(path: Path, group: mx.distributed.Group | None = None) -> tuple[
         yield from generate_tokens(model, ids, n)
 
     weights = model_bytes(model)
-    return [Arm(f"mlx-lm {loop}", "mlx-lm", loop, "gather_qmm", dtype, users, note=why, weight_bytes=weights),
-            Arm("mlx-lm model, moebench loop", "mlx-lm", "moebench", "gather_qmm", dtype, own_loop,
-                note="mlx-lm's model under moebench.decode.loop.generate_tokens", weight_bytes=weights)], None
+    arms = [Arm(f"mlx-lm {loop}", "mlx-lm", loop, "gather_qmm", dtype, users, note=why, weight_bytes=weights)]
+    if hasattr(model, "make_cache"):
+        kinds = sorted({type(c).__name__ for c in model.make_cache()})
+        return arms, [{"arm": OWN_LOOP_ARM, "reason": f"mlx-lm's {type(model).__module__} makes its own caches "
+                       f"({', '.join(kinds)}); moebench's loop gives a foreign model key/value caches only"}]
+    return arms + [Arm(OWN_LOOP_ARM, "mlx-lm", "moebench", "gather_qmm", dtype, own_loop,
+                       note="mlx-lm's model under moebench.decode.loop.generate_tokens", weight_bytes=weights)], []
 
 
 def prompt_token_ids(vocab_size: int, n: int, seed: int = 0) -> list[int]:
@@ -482,11 +491,11 @@ def _run(a: argparse.Namespace) -> int:
     compiled = a.compiled if a.compiled != "auto" else ("both" if available_backend() in COMPILED_BY_DEFAULT else "off")
     arms, skipped = moebench_arms(model, a.fused, compiled), []
     if a.compare == "mlx-lm":
-        extra, reason = mlx_lm_arms(path, group)
+        extra, skips = mlx_lm_arms(path, group)
         arms += extra
-        if reason:
-            skipped.append({"arm": "mlx-lm", "reason": reason})
-            print(f"skipping mlx-lm: {reason}", file=sys.stderr)
+        skipped += skips
+        for skip in skips:
+            print(f"skipping {skip['arm']}: {skip['reason']}", file=sys.stderr)
     if a.snapshot and group is not None:
         skipped.append({"arm": "snapshot", "reason": "--snapshot runs an earlier revision unsharded: not with --shard"})
     elif a.snapshot:

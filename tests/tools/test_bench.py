@@ -146,15 +146,26 @@ def test_bench_cli_on_a_quantized_checkpoint(quantized_checkpoint, tmp_path, cap
 def test_bench_uses_generate_step_without_a_tokenizer(tmp_path):
     folder = tmp_path / "tiny"
     assert main(["make-random", str(folder), "--preset", "tiny", "--dtype", "float32"]) == 0
-    arms, reason = mlx_lm_arms(folder)
-    assert reason is None and [a.loop for a in arms] == ["generate_step", "moebench"]
+    arms, skipped = mlx_lm_arms(folder)
+    assert skipped == [] and [a.loop for a in arms] == ["generate_step", "moebench"]
     results, _ = run_arms(arms, [1, 2], gen_tokens=3, repeats=1, progress=False)
     assert results[0].trace.token_ids == results[1].trace.token_ids and len(results[0].trace.token_ids) == 3
 
 
+def test_mlx_lms_model_that_makes_its_own_caches_runs_only_under_mlx_lms_loop(tmp_path):
+    folder = tmp_path / "hybrid"
+    assert main(["make-random", str(folder), "--preset", "qwen3.5-moe-tiny", "--dtype", "float32"]) == 0
+    arms, skipped = mlx_lm_arms(folder)
+    assert [a.loop for a in arms] == ["generate_step"]
+    assert [s["arm"] for s in skipped] == [bench.OWN_LOOP_ARM]
+    assert "makes its own caches (ArraysCache, KVCache)" in skipped[0]["reason"]
+    results, failures = run_arms(arms, [1, 2], gen_tokens=3, repeats=1, progress=False)
+    assert failures == [] and len(results[0].trace.token_ids) == 3
+
+
 def test_mlx_lm_skipped_with_a_reason(quantized_checkpoint, tmp_path, monkeypatch, capsys):
-    arms, reason = mlx_lm_arms(tmp_path)  # an empty folder: mlx-lm cannot load it
-    assert arms == [] and "mlx-lm cannot load" in reason
+    arms, skipped = mlx_lm_arms(tmp_path)  # an empty folder: mlx-lm cannot load it
+    assert arms == [] and [s["arm"] for s in skipped] == ["mlx-lm"] and "mlx-lm cannot load" in skipped[0]["reason"]
     monkeypatch.setitem(sys.modules, "mlx_lm.generate", None)  # as if mlx-lm were not installed
     out = tmp_path / "b.json"
     assert main(["bench", str(quantized_checkpoint), "--prompt-tokens", "2", "--gen-tokens", "2", "--repeats", "1",
@@ -279,7 +290,8 @@ def test_working_memory_of_two_arms_does_not_depend_on_their_order():
     path = default_model_path()
     model, _ = load(path)
     (ours,) = bench.moebench_arms(model, "off")
-    (users, _), _ = bench.mlx_lm_arms(path)
+    (users, _), skipped = bench.mlx_lm_arms(path)
+    assert skipped == []
     ids = bench.prompt_token_ids(model.args.vocab_size, 64)
     working = {}
     for order in ((ours, users), (users, ours)):
