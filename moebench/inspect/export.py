@@ -6,8 +6,12 @@ Frames, keyed by `step` (StepRecord.index) and `layer`:
     routing     one row per (step, layer, rank): the selected experts by score, the path that ran
     router      one row per (step, layer, expert): router logit and probability over all experts
     layers      one row per (step, layer): shared gate, residual and output norms, path, reason and note,
-                the attention's path and reason
-    vectors     one row per (step, layer, name[, rank]): the recorded vectors (hook names), as lists
+                the attention's path and reason, the token mixing's kind ('' for a family with one kind)
+    mixer       one row per (step, layer, head) of a hybrid's token mixing: its kind, decay, beta and state
+                norm (linear layers; NaN elsewhere, the state norm also before a call's last position) and
+                the output gate's mean over the head; no rows for other families
+    vectors     one row per (step, layer, name[, rank]): the recorded vectors (hook names), as lists (the
+                output gate [H, Dh] flattened row by row)
 Any other frames (comparisons, statistics) can be saved beside them with save_frames.
 
 save_frames makes the folder it is given (with its parents) and writes only regular files there; read_frames
@@ -29,11 +33,13 @@ import pandas as pd
 
 from ..errors import MoebenchError
 from ..models import hooks
-from .record import Trace
+from .record import LayerRecord, Trace
 
 FORMATS = ("parquet", "json")
 VECTOR_HOOKS = (hooks.EXPERT_OUT, hooks.ROUTED_OUT, hooks.SHARED_OUT, hooks.BLOCK_OUT,
                 hooks.RESID_PRE, hooks.RESID_MID, hooks.RESID_POST)
+MIXER_COLUMNS = ("step", "layer", hooks.MIXER_KIND, "head", hooks.DECAY, hooks.BETA, hooks.STATE_NORM,
+                 hooks.OUTPUT_GATE)
 
 
 def _path(value: object, what: str) -> Path:
@@ -71,7 +77,8 @@ def to_frames(trace: Trace, vectors: bool = True) -> dict[str, pd.DataFrame]:
     if not isinstance(trace, Trace):
         raise MoebenchError(f"to_frames takes a Trace (Stepper.trace, decode(..., record=True)), got "
                             f"{type(trace).__name__}")
-    rows: dict[str, list[dict]] = {k: [] for k in ("tokens", "candidates", "routing", "router", "layers", "vectors")}
+    rows: dict[str, list[dict]] = {k: [] for k in ("tokens", "candidates", "routing", "router", "layers", "mixer",
+                                                   "vectors")}
     for s in trace.steps:
         rows["tokens"].append({
             "step": s.index, "phase": s.phase, "position": s.position, "input_id": s.input_id,
@@ -95,21 +102,35 @@ def to_frames(trace: Trace, vectors: bool = True) -> dict[str, pd.DataFrame]:
             rows["layers"].append({
                 **key, **path, **attention, "top_k": len(r.topk_ids), "shared_gate": r.shared_gate,
                 **{f"{h}_norm": _norm(getattr(r, h)) for h in VECTOR_HOOKS if h != hooks.EXPERT_OUT},
+                hooks.MIXER_KIND: r.mixer_kind or "",
             })
+            rows["mixer"].extend(_mixer_rows(key, r))
             if vectors:
                 for rank, e in enumerate(r.topk_ids):
                     rows["vectors"].append({**key, "name": hooks.EXPERT_OUT, "rank": rank, "expert": int(e),
                                             "values": r.expert_out[rank].tolist()})
-                for h in VECTOR_HOOKS[1:]:
+                for h in (*VECTOR_HOOKS[1:], hooks.OUTPUT_GATE):
                     v = getattr(r, h)
                     if v is not None:
-                        rows["vectors"].append({**key, "name": h, "rank": None, "expert": None, "values": v.tolist()})
-    frames = {k: pd.DataFrame(v) for k, v in rows.items() if k != "vectors" or vectors}
+                        rows["vectors"].append({**key, "name": h, "rank": None, "expert": None,
+                                                "values": v.reshape(-1).tolist()})
+    frames = {k: pd.DataFrame(v, columns=MIXER_COLUMNS if k == "mixer" else None) for k, v in rows.items()
+              if k != "vectors" or vectors}
     for name in ("tokens", "vectors"):
         if name in frames and not frames[name].empty:
             ints = ["token_id"] if name == "tokens" else ["rank", "expert"]
             frames[name] = frames[name].astype({c: "Int64" for c in ints})
     return frames
+
+
+def _mixer_rows(key: dict, r: LayerRecord) -> list[dict]:
+    """One row per head of a layer record's token-mixing values (none when it has none)."""
+    per_head = {hooks.DECAY: r.decay, hooks.BETA: r.beta, hooks.STATE_NORM: r.state_norm,
+                hooks.OUTPUT_GATE: r.output_gate_means}
+    heads = max((len(v) for v in per_head.values() if v is not None), default=0)
+    return [{**key, hooks.MIXER_KIND: r.mixer_kind or "", "head": head,
+             **{h: float("nan") if v is None else float(v[head]) for h, v in per_head.items()}}
+            for head in range(heads)]
 
 
 def save_frames(frames: dict[str, pd.DataFrame], folder: str | Path, fmt: str = "parquet") -> list[Path]:

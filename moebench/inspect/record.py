@@ -138,6 +138,11 @@ class LayerRecord:
     returns them unordered). expert_out is each selected expert's own output before weighting,
     float32 on the fused path and the activation dtype (upcast here) on the fallback. shared_out and
     shared_gate are None when the layer has no shared expert or an intervention switched it off.
+
+    The token mixing (recorded by the hybrids, None elsewhere): mixer_kind is 'linear_attention' or
+    'full_attention'; a linear layer's decay and beta per value head [Hv], and state_norm [Hv], the norm of each
+    head's delta state after this token (only a forward call's last position has one: a prompt's earlier positions
+    None); output_gate [H, Dh] is silu(z) of a linear layer, sigmoid(gate) of a full-attention layer.
     """
 
     layer: int
@@ -155,6 +160,16 @@ class LayerRecord:
     resid_post: np.ndarray
     path: Decision
     attn_path: Decision | None = None  # the layer's attention (kernel or MLX ops); None without a KV cache
+    mixer_kind: str | None = None
+    decay: np.ndarray | None = None
+    beta: np.ndarray | None = None
+    state_norm: np.ndarray | None = None
+    output_gate: np.ndarray | None = None
+
+    @property
+    def output_gate_means(self) -> np.ndarray | None:
+        """The output gate averaged over each head's dimensions [H] (None where nothing was recorded)."""
+        return None if self.output_gate is None else self.output_gate.mean(axis=-1)
 
     @property
     def resid_mid_norm(self) -> float:
@@ -174,10 +189,12 @@ class LayerRecord:
         gate = "none" if self.shared_gate is None else f"{self.shared_gate:.3f}"
         notes = [f"  {what} note: {clip(d.note, 100)}"
                  for what, d in (("MoE", self.path), ("attention", self.attn_path)) if d is not None and d.note]
+        kind = "" if self.mixer_kind is None else f" ({mixer_text(self.mixer_kind)})"
         return "\n".join([
-            f"LayerRecord: MoE layer {self.layer}, path {decision_text(self.path)}"
+            f"LayerRecord: MoE layer {self.layer}{kind}, path {decision_text(self.path)}"
             f" (attention {decision_text(self.attn_path)})",
             *notes,
+            *self._mixing_lines(),
             f"  top-{len(self.topk_ids)} of {len(self.router_probs)} experts (id score): {experts}{more};"
             f" shared gate {gate}",
             f"  residual norm {self.resid_mid_norm:.4g} into the MoE block, {self.resid_post_norm:.4g} out;"
@@ -185,6 +202,23 @@ class LayerRecord:
             f"  data: .router_probs {list(self.router_probs.shape)}, .expert_out {list(self.expert_out.shape)},"
             f" .resid_post {list(self.resid_post.shape)}, ... (named as the hooks)",
         ])
+
+    def _mixing_lines(self) -> list[str]:
+        """The token mixing's recorded values as ranges over the heads (none for a family that records none)."""
+        parts = [f"{name} {value_range(v)}" for name, v in (
+            ("decay", self.decay), ("beta", self.beta), ("state norm", self.state_norm),
+            ("output gate (head means)", self.output_gate_means)) if v is not None]
+        return [f"  {mixer_text(self.mixer_kind)} per head (min-max): " + ", ".join(parts)] if parts else []
+
+
+def mixer_text(kind: str | None) -> str:
+    """'linear_attention' -> 'linear attention' (None: the one kind other families have)."""
+    return "attention" if kind is None else kind.replace("_", " ")
+
+
+def value_range(values: np.ndarray) -> str:
+    """'min-max' of `values`, three significant digits each."""
+    return f"{float(values.min()):.3g}-{float(values.max()):.3g}"
 
 
 class Candidate(NamedTuple):
@@ -591,6 +625,7 @@ def _layer_records(values: dict[str, object]) -> list[dict[int, LayerRecord]]:
         arrays[hooks.TOPK_IDS] = np.take_along_axis(arrays[hooks.TOPK_IDS].astype(np.int64), order, axis=-1)
         arrays[hooks.TOPK_SCORES] = np.take_along_axis(arrays[hooks.TOPK_SCORES], order, axis=-1)
         arrays[hooks.EXPERT_OUT] = np.take_along_axis(arrays[hooks.EXPERT_OUT], order[..., None], axis=1)
+        mixing = {h: _numpy(v.get(h)) for h in hooks.MIXER_HOOKS}
         for j in range(n):
             gate = arrays[hooks.SHARED_GATE]
             out[j][layer] = LayerRecord(
@@ -599,5 +634,16 @@ def _layer_records(values: dict[str, object]) -> list[dict[int, LayerRecord]]:
                 shared_gate=None if gate is None else float(gate[j, 0]),
                 path=v[hooks.PATH],
                 attn_path=v.get(hooks.ATTN_PATH),
+                mixer_kind=v.get(hooks.MIXER_KIND),
+                **_mixing_at(mixing, j, n),
             )
     return out
+
+
+def _mixing_at(mixing: dict[str, np.ndarray | None], j: int, n: int) -> dict[str, np.ndarray | None]:
+    """Position j's token-mixing values of a call of n positions: the state norm (one per call, [B=1, Hv]) only at
+    the last."""
+    values = {h: None if v is None else v[j] for h, v in mixing.items() if h != hooks.STATE_NORM}
+    norm = mixing[hooks.STATE_NORM]
+    values[hooks.STATE_NORM] = None if norm is None or j != n - 1 else norm[0]
+    return values

@@ -29,8 +29,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ConfigError
+from . import hooks
 from .args import ModelArgs
 from .declare import GATED_DELTA, LinearAttentionSpec
+from .hooks import Record
 from .layers import Linear
 
 FUSED_QKVZ = "in_proj_qkvz + in_proj_ba, rows grouped per key head (Qwen3-Next)"
@@ -182,7 +184,8 @@ class GatedDeltaNet(nn.Module):
         qkv = mx.concatenate([t.reshape(batch, length, -1) for t in (q, k, v)], axis=-1)
         return qkv, z.reshape(batch, length, nv, dv), b.reshape(batch, length, nv), a.reshape(batch, length, nv)
 
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
+    def __call__(self, x: mx.array, cache=None, record: Record | None = None) -> mx.array:
+        """With `record`, hands it the gates, the state's norm after the call and silu(z) (moebench.models.hooks)."""
         lin, (batch, length, _) = self.linear, x.shape
         qkv, z, b, a = self.project(x)
         conv_state = cache.conv if cache is not None and cache.conv is not None else \
@@ -198,7 +201,19 @@ class GatedDeltaNet(nn.Module):
         state = cache.delta if cache is not None and cache.delta is not None else \
             mx.zeros((batch, lin.num_value_heads, lin.value_head_dim, lin.key_head_dim), mx.float32)
         out, state = delta_rule(q, k, v, g, beta, state)
+        if record is not None:
+            record_linear(record, g, beta, state, z)
         if cache is not None:
             cache.write(window[:, window.shape[1] - (lin.conv_kernel - 1) :], state, length)
         out = self.norm(out.astype(x.dtype), z)
         return self.out_proj(out.reshape(batch, length, -1))
+
+
+def record_linear(record: Record, g: mx.array, beta: mx.array, state: mx.array, z: mx.array) -> None:
+    """A call's decay and beta [B*L, Hv], each value head's state norm after it [B, Hv] and silu(z) [B*L, Hv, Dv]
+    as GatedRMSNorm multiplies by it (float32)."""
+    heads = g.shape[-1]
+    record(hooks.DECAY, g.reshape(-1, heads))
+    record(hooks.BETA, beta.reshape(-1, heads))
+    record(hooks.STATE_NORM, mx.sqrt(mx.square(state).sum(axis=(-2, -1))))
+    record(hooks.OUTPUT_GATE, nn.silu(z.astype(mx.float32)).reshape(-1, *z.shape[-2:]))

@@ -17,6 +17,20 @@ MoE block, then the value's own name. Stable: notebooks, widgets and exported fi
     layers.{l}.moe.block_out     routed_out + shared_gate * shared_out      [L, D]
     layers.{l}.moe.path          which path the block ran (moebench.execution.plan.Decision)
     layers.{l}.attn_path         which path the layer's attention ran (Decision; decode steps only)
+    layers.{l}.mixer_kind        the layer's token mixing, 'linear_attention' or 'full_attention' (hybrids only:
+                                 other families' layers all attend, and record no kind)
+    layers.{l}.mixer.decay       Gated DeltaNet's decay g of the state, float32     [L, Hv]
+    layers.{l}.mixer.beta        its write strength beta = sigmoid(b), float32      [L, Hv]
+    layers.{l}.mixer.state_norm  Frobenius norm of each value head's delta state   [Hv]
+                                 after the call's last position (one per call, not per position: the
+                                 states in between are never kept)
+    layers.{l}.mixer.output_gate the output gate as it multiplies each head's       [L, H, Dh]
+                                 output: silu(z) in the linear layers' gated norm (H value heads of Dv),
+                                 sigmoid(gate) in the full-attention layers (H query heads of head_dim); a
+                                 token's is the size of a residual vector, so it is kept whole
+
+`mixer` is the layer's token-mixing module (the model's `layer.mixer`); its values are recorded where the module
+computes them, when the module runs (a fused attention kernel running the layer would record none).
 
 A forward pass hands them to a Record while it builds the graph (L = tokens in the call); with none
 (the default) it records nothing and does no extra work. moebench.inspect.record.LayerRecord carries
@@ -35,6 +49,10 @@ SHARED_OUT, SHARED_GATE = "shared_out", "shared_gate"
 BLOCK_OUT, PATH = "block_out", "path"
 ATTN_PATH = "attn_path"
 MOE = "moe"  # the MoE block's place inside its layer
+MIXER_KIND = "mixer_kind"
+MIXER = "mixer"  # the token mixing's place inside its layer
+DECAY, BETA, STATE_NORM, OUTPUT_GATE = "decay", "beta", "state_norm", "output_gate"
+MIXER_HOOKS = (DECAY, BETA, STATE_NORM, OUTPUT_GATE)
 
 # What a MoE block records, in this order (record_moe's arguments).
 MOE_PARTS = (ROUTER_LOGITS, ROUTER_PROBS, TOPK_IDS, TOPK_SCORES, EXPERT_OUT, ROUTED_OUT, SHARED_OUT, SHARED_GATE,

@@ -14,23 +14,27 @@
   Qwen3.5's multimodal rotary (mrope) gives a text token the same position in every section: plain rotary.
 
 ModelArgs holds the linear-attention sizes and the rotary fraction (model_fields reads them from config.json);
-HybridArgs gathers them with the projection layout the model_type implies.
+HybridArgs gathers them with the projection layout the model_type implies. A recorded forward also records each
+layer's kind and its token mixing's gates and state norms (moebench.models.hooks' `mixer` names).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ConfigError
-from . import qwen2_moe, qwen3_moe
+from . import hooks, qwen2_moe, qwen3_moe
 from .args import ModelArgs
 from .declare import AttentionSpec
 from .gated_delta import FUSED_QKVZ, SPLIT_QKV_Z_B_A, GatedDeltaNet, LinearAttentionArgs
+from .hooks import Record
 from .layers import Embedding, Linear, RMSNorm
+from .run import MODULES, LayerRun
 
 LINEAR, FULL = "linear_attention", "full_attention"
 LAYER_TYPES = (LINEAR, FULL)  # what config `layer_types` may hold for these families
@@ -147,7 +151,8 @@ class GatedAttention(qwen3_moe.Attention):
     def spec(self) -> AttentionSpec:
         return replace(super().spec, rope_fraction=self.rotary_fraction, output_gate=True)
 
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
+    def __call__(self, x: mx.array, cache=None, record: Record | None = None) -> mx.array:
+        """With `record`, hands it sigmoid(gate) per head (moebench.models.hooks.OUTPUT_GATE)."""
         b, length, _ = x.shape
         queries, gate = mx.split(self.q_proj(x).reshape(b, length, self.n_heads, 2 * self.head_dim), 2, axis=-1)
         q, k, v = self.heads(queries.reshape(b, length, -1), self.k_proj(x), self.v_proj(x))
@@ -159,7 +164,10 @@ class GatedAttention(qwen3_moe.Attention):
         mask = cache.attention_mask(length) if cache is not None else ("causal" if length > 1 else None)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(b, length, -1)
-        return self.o_proj(out * mx.sigmoid(gate.reshape(b, length, -1)))
+        gate = mx.sigmoid(gate)
+        if record is not None:
+            record(hooks.OUTPUT_GATE, gate.astype(mx.float32).reshape(-1, self.n_heads, self.head_dim))
+        return self.o_proj(out * gate.reshape(b, length, -1))
 
 
 class DecoderLayer(qwen2_moe.DecoderLayer):
@@ -183,6 +191,28 @@ class DecoderLayer(qwen2_moe.DecoderLayer):
     def mixer(self) -> GatedDeltaNet | GatedAttention:
         """This layer's token mixing module."""
         return self["linear_attn"] if self.layer_type == LINEAR else self["self_attn"]
+
+    def __call__(self, x: mx.array, cache=None, record: Record | None = None, run: LayerRun = MODULES) -> mx.array:
+        """Qwen2-MoE's forward; with `record`, the layer's kind and what its token mixing records as well."""
+        if record is not None:
+            record(hooks.MIXER_KIND, self.layer_type)
+            run = RecordedMixing(run, record.scope(hooks.MIXER))
+        return super().__call__(x, cache, record, run)
+
+
+@dataclass(frozen=True)
+class RecordedMixing:
+    """A LayerRun that hands the token-mixing module a record (LayerRun.attend passes none): the module gets it
+    whenever it runs, a kernel step taking its place records nothing."""
+
+    run: LayerRun
+    record: Record
+
+    def attend(self, attn, xn: mx.array, cache) -> mx.array:
+        return self.run.attend(partial(attn, record=self.record), xn, cache)
+
+    def feed_forward(self, mlp, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
+        return self.run.feed_forward(mlp, xn, residual, record)
 
 
 class HybridModel(qwen2_moe.Qwen2MoeModel):
