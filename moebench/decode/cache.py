@@ -1,9 +1,11 @@
 """Per-layer key/value cache for decoding, grown in fixed steps so a decode step rarely reallocates (a hybrid's
-linear-attention layers keep a recurrent state instead, moebench.decode.state); and the memory a decode asks for,
-checked before MLX is asked (an allocation MLX cannot make kills the process on CPU)."""
+linear-attention layers keep a recurrent state instead, moebench.decode.state); the compiled step's static cache
+(StaticCache: fixed-capacity buffers for the attending layers, beside the recurrent states); and the memory a
+decode asks for, checked before MLX is asked (an allocation MLX cannot make kills the process on CPU)."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -13,7 +15,7 @@ from ..errors import DeviceMemoryError
 from ..models.args import ModelArgs
 from ..models.declare import LinearAttentionSpec
 from ..models.run import token_mixer
-from .state import LinearAttentionState
+from .state import LinearAttentionState, state_shapes
 
 GROW_STEP = 256
 
@@ -66,9 +68,10 @@ def kv_cache_bytes(model, positions: int) -> int:
 def linear_state_bytes(model, keep: int) -> int:
     """The recurrent states of the linear-attention layers, `keep` writes of each kept for a rewind: the float32
     delta state and the conv state (kernel - 1 positions of q, k and v) in the model's dtype."""
-    per_write = sum(4 * s.num_value_heads * s.value_head_dim * s.key_head_dim + model.dtype.size * (s.conv_kernel - 1)
-                    * (2 * s.num_key_heads * s.key_head_dim + s.num_value_heads * s.value_head_dim)
-                    for s in linear_layers(model))
+    per_write = 0
+    for spec in linear_layers(model):
+        conv, delta = state_shapes(spec)
+        per_write += math.prod(conv) * model.dtype.size + math.prod(delta) * 4
     return keep * per_write
 
 
@@ -184,8 +187,12 @@ class StepPosition:
 
 
 class StaticCache:
-    """Every layer's keys and values in two fixed-capacity buffers [layers, kv_heads, CAP, head_dim] whose
-    write position is an array, so a decode step has constant shapes and can be traced once by mx.compile.
+    """The attending layers' keys and values in two fixed-capacity buffers [attending layers, kv_heads, CAP,
+    head_dim] whose write position is an array, and a hybrid's recurrent states (one LinearAttentionState per
+    linear-attention layer, which keeps no keys and values and so has no block in the buffers), so a decode step
+    has constant shapes and can be traced once by mx.compile: the buffers and the states are its inputs and
+    outputs. `blocks`: per model layer, its block of the buffers, or None for a linear-attention layer (whose
+    state is the next of `states`).
 
     A decode step on a GPU writes in place: each layer's decode-attention kernel stores its token's key
     and value at slot P of its own block of the buffers itself (StaticLayerCache.written_in_place), and the
@@ -201,65 +208,114 @@ class StaticCache:
     Otherwise (prefill, the reference attention, MLX's SDPA) the layers hand their new keys and values
     over and `commit` writes them, one update per buffer for all layers. Nothing reads a layer's new
     entries before the commit: the unfused path attends over a copy of its layer's block with them written
-    in. One forward writes one way: an update of the whole buffer would race the in-place writes. The
+    in. One forward writes one way: an update of the whole buffer would race the in-place writes. A
+    linear-attention layer hands over its new states, and the commit writes them into its LinearAttentionState
+    (which keeps the last few writes for a rewind): a forward that fails before its commit changed no state. The
     caller advances the position between forwards."""
 
-    def __init__(self, keys: mx.array, values: mx.array, position: StepPosition):
+    def __init__(self, keys: mx.array, values: mx.array, position: StepPosition,
+                 blocks: tuple[int | None, ...] | None = None, states: list[LinearAttentionState] | None = None):
         self.keys, self.values, self.position = keys, values, position
-        self.pending: list[tuple[mx.array, mx.array] | None] = [None] * keys.shape[0]
-        self.in_place: set[int] = set()  # layers whose kernel stored its pending pair itself
+        self.blocks = tuple(range(keys.shape[0])) if blocks is None else blocks
+        self.states = states or []
+        self.attending = [i for i, block in enumerate(self.blocks) if block is not None]  # model layer of each block
+        self.recurrent = [i for i, block in enumerate(self.blocks) if block is None]  # model layer of each state
+        if len(self.attending) != keys.shape[0] or len(self.recurrent) != len(self.states):
+            raise ValueError(f"layers {self.blocks} name {len(self.attending)} blocks and {len(self.recurrent)} "
+                             f"states; the cache holds {keys.shape[0]} blocks and {len(self.states)} states")
+        self._clear()
+
+    def _clear(self) -> None:
+        """Drop what a forward handed over."""
+        self.pending: list[tuple[mx.array, mx.array] | None] = [None] * len(self.attending)
+        self.in_place: set[int] = set()  # blocks whose kernel stored its pending pair itself
+        self.pending_states: list[tuple[mx.array, mx.array, int] | None] = [None] * len(self.states)
 
     @classmethod
-    def empty(cls, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype: mx.Dtype) -> StaticCache:
+    def empty(cls, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype: mx.Dtype,
+              blocks: tuple[int | None, ...] | None = None,
+              states: list[LinearAttentionState] | None = None) -> StaticCache:
         zeros = mx.zeros((layers, kv_heads, capacity, head_dim), dtype)
-        return cls(zeros, mx.zeros_like(zeros), StepPosition.at(mx.array(0, dtype=mx.int32), capacity))
+        return cls(zeros, mx.zeros_like(zeros), StepPosition.at(mx.array(0, dtype=mx.int32), capacity), blocks,
+                   states)
+
+    @classmethod
+    def for_model(cls, model, capacity: int, keep: int) -> StaticCache:
+        """Zeroed buffers of `capacity` positions for `model`'s attending layers alone (the key/value heads this
+        process holds: a rank's own where attention is sharded), and an empty LinearAttentionState keeping `keep`
+        writes for each linear-attention layer."""
+        linear = [isinstance(token_mixer(layer).spec, LinearAttentionSpec) for layer in model.layers]
+        attending = [token_mixer(layer) for layer, lin in zip(model.layers, linear, strict=True) if not lin]
+        blocks = tuple(None if lin else linear[:i].count(False) for i, lin in enumerate(linear))
+        heads, head_dim = (attending[0].n_kv_heads, attending[0].head_dim) if attending else (1, 1)
+        return cls.empty(len(attending), heads, capacity, head_dim, model.dtype, blocks,
+                         [LinearAttentionState(keep) for lin in linear if lin])
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[2]
 
-    def layers(self) -> list[StaticLayerCache]:
+    def arrays(self) -> list[mx.array]:
+        """Everything the cache holds, to evaluate (a prompt chunk before the next)."""
+        return [self.keys, self.values, *(a for state in self.states for a in state.state)]
+
+    def layers(self) -> list[StaticLayerCache | StaticLinearState]:
         """One cache per layer, to pass to the model's forward; `commit` after it. A forward that failed
         before its commit wrote nothing: what it handed over is dropped here."""
-        self.pending, self.in_place = [None] * len(self.pending), set()
-        return [StaticLayerCache(self, i) for i in range(self.keys.shape[0])]
+        self._clear()
+        states = iter(range(len(self.states)))
+        return [StaticLinearState(self, i, next(states)) if block is None else StaticLayerCache(self, i, block)
+                for i, block in enumerate(self.blocks)]
 
-    def add(self, layer: int, keys: mx.array, values: mx.array, in_place: bool = False) -> None:
-        """Hand over a layer's new keys and values [1, kv_heads, n, head_dim]; with `in_place` its kernel has
+    def add(self, block: int, keys: mx.array, values: mx.array, in_place: bool = False) -> None:
+        """Hand over a block's new keys and values [1, kv_heads, n, head_dim]; with `in_place` its kernel has
         stored them in the buffers already."""
         if keys.shape[2] > self.capacity:
             raise ValueError(f"{keys.shape[2]} new positions exceed the cache capacity {self.capacity}")
-        if self.pending[layer] is not None:
-            raise RuntimeError(f"layer {layer} wrote its keys and values twice in one forward")
-        self.pending[layer] = (keys, values)
+        if self.pending[block] is not None:
+            raise RuntimeError(f"layer {self.attending[block]} wrote its keys and values twice in one forward")
+        self.pending[block] = (keys, values)
         if in_place:
-            self.in_place.add(layer)
+            self.in_place.add(block)
+
+    def add_state(self, index: int, conv: mx.array, delta: mx.array, positions: int) -> None:
+        """Hand over the states of the `index`-th linear-attention layer after `positions` more positions."""
+        if self.pending_states[index] is not None:
+            raise RuntimeError(f"layer {self.recurrent[index]} wrote its recurrent state twice in one forward")
+        self.pending_states[index] = (conv, delta, positions)
 
     def commit(self) -> None:
-        """Write every layer's new keys and values at the position, one update per buffer (nothing to write
-        when the kernels stored them in place)."""
-        missing = [i for i, p in enumerate(self.pending) if p is None]
+        """Write every attending layer's new keys and values at the position, one update per buffer (nothing to
+        write when the kernels stored them in place), and every linear-attention layer's new states."""
+        missing = [self.attending[b] for b, p in enumerate(self.pending) if p is None]
         if missing:
             raise RuntimeError(f"layers {missing} wrote no keys and values in this forward")
+        missing = [self.recurrent[j] for j, p in enumerate(self.pending_states) if p is None]
+        if missing:
+            raise RuntimeError(f"layers {missing} wrote no recurrent state in this forward")
         if self.in_place and len(self.in_place) < len(self.pending):
-            raise RuntimeError(f"layers {sorted(self.in_place)} wrote their keys and values in place and the others "
-                               "did not: an update of the whole buffers would race the in-place writes")
-        if not self.in_place:
+            raise RuntimeError(f"layers {[self.attending[b] for b in sorted(self.in_place)]} wrote their keys and "
+                               "values in place and the others did not: an update of the whole buffers would race "
+                               "the in-place writes")
+        if self.pending and not self.in_place:
             start = self.position.start
             for name, part in (("keys", 0), ("values", 1)):
                 new = mx.concatenate([p[part] for p in self.pending], axis=0)
                 setattr(self, name, mx.slice_update(getattr(self, name), new, start, axes=(0, 1, 2, 3)))
-        self.pending, self.in_place = [None] * len(self.pending), set()
+        for state, (conv, delta, positions) in zip(self.states, self.pending_states, strict=True):
+            state.write(conv, delta, positions)
+        self._clear()
 
 
 class StaticLayerCache:
-    """One layer's view of a StaticCache, with the interface the attention layers use. On a GPU the
-    decode-attention kernel stores its token's key and value here in place (`written_in_place`)."""
+    """One attending layer's view of a StaticCache (its `block` of the buffers), with the interface the attention
+    layers use. On a GPU the decode-attention kernel stores its token's key and value here in place
+    (`written_in_place`)."""
 
     static = True
 
-    def __init__(self, cache: StaticCache, layer: int):
-        self.cache, self.layer = cache, layer
+    def __init__(self, cache: StaticCache, layer: int, block: int):
+        self.cache, self.layer, self.block = cache, layer, block
 
     @property
     def offset(self) -> mx.array:
@@ -267,7 +323,7 @@ class StaticLayerCache:
 
     def write(self, keys: mx.array, values: mx.array) -> None:
         """Hand the new positions' keys and values to the cache, which writes them at its commit."""
-        self.cache.add(self.layer, keys, values)
+        self.cache.add(self.block, keys, values)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Hand them over, and return this layer's block [1, kv_heads, CAP, head_dim] with them written in; for
@@ -278,7 +334,7 @@ class StaticLayerCache:
         a step that attends with MLX's SDPA (the fused switch off, or a layer the kernel declines) copies CAP
         positions a layer, on top of SDPA reading them over the whole capacity."""
         self.write(keys, values)
-        known, i = self.cache.position.known, self.layer
+        known, i = self.cache.position.known, self.block
         if known == 0:
             return keys, values
         if known is not None:
@@ -289,14 +345,14 @@ class StaticLayerCache:
                      for buffer, new in ((self.cache.keys, keys), (self.cache.values, values)))
 
     def decode_buffers(self, heads: int, head_dim: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array, int]:
-        """Every layer's buffers as before this forward, int32 [P, CAP], and this layer's block in them
+        """Every attending layer's buffers as before this forward, int32 [P, CAP], and this layer's block in them
         (see KVCache.decode_buffers)."""
-        return self.cache.keys, self.cache.values, self.cache.position.slots, self.layer
+        return self.cache.keys, self.cache.values, self.cache.position.slots, self.block
 
     def written_in_place(self, keys: mx.array, values: mx.array) -> None:
         """The kernel that output these (its k_new / v_new) stored them in the buffers itself: the commit
         writes nothing."""
-        self.cache.add(self.layer, keys, values, in_place=True)
+        self.cache.add(self.block, keys, values, in_place=True)
 
     def attention_mask(self, length: int) -> mx.array | str | None:
         """Query i (at position offset + i) sees cache slots 0..offset + i; the rest is unwritten. A prompt (the
@@ -305,3 +361,26 @@ class StaticLayerCache:
             return "causal" if length > 1 else None
         positions = self.offset + mx.arange(length, dtype=mx.int32)
         return mx.arange(self.cache.capacity, dtype=mx.int32)[None, :] <= positions[:, None]
+
+
+class StaticLinearState:
+    """One linear-attention layer's view of a StaticCache, with the interface its layer uses (a
+    LinearAttentionState's): the states as they were before this forward (None before the first position), and
+    `write`, which hands the new ones to the cache for its commit."""
+
+    static = True
+
+    def __init__(self, cache: StaticCache, layer: int, index: int):
+        self.cache, self.layer, self.index = cache, layer, index
+
+    @property
+    def conv(self) -> mx.array | None:
+        return self.cache.states[self.index].conv
+
+    @property
+    def delta(self) -> mx.array | None:
+        return self.cache.states[self.index].delta
+
+    def write(self, conv: mx.array, delta: mx.array, positions: int) -> None:
+        """The states after `positions` more positions, written at the cache's commit."""
+        self.cache.add_state(self.index, conv, delta, positions)

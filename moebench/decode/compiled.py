@@ -1,12 +1,16 @@
 """A compiled single-token decode step: one plan's forward traced once by mx.compile over a fixed-capacity
-KV cache (moebench.decode.cache.StaticCache), so each token replays one graph instead of rebuilding it in
-Python, and MLX can fuse the elementwise work between kernels.
+cache (moebench.decode.cache.StaticCache: the attending layers' keys and values, and a hybrid's recurrent states),
+so each token replays one graph instead of rebuilding it in Python, and MLX can fuse the elementwise work between
+kernels.
 
 The traced step runs the same plan (moebench.execution.plan) as an eager step would; one traced graph is
 kept per plan in the model's Executor, and dropped with the plans when weights are replaced (the graph
 holds the arrays it was traced with). Recording hands arrays out of the forward as it is built, so this
-path declines it (compile_blocker) and the eager step runs instead; interventions are part of the plan. So does a
-hybrid: the static cache holds keys and values, and its linear-attention layers carry a recurrent state.
+path declines it (compile_blocker) and the eager step runs instead; interventions are part of the plan.
+
+A hybrid's linear-attention layers (Gated DeltaNet) keep no keys and values: their conv and delta states are
+inputs and outputs of the traced step beside the key and value buffers, held in LinearAttentionStates, which keep
+the last few by reference, so a rewind puts them back exactly as they were after that position.
 """
 
 from __future__ import annotations
@@ -18,37 +22,40 @@ from ..execution.executor import PREFILL_CHUNK, Executor
 from ..execution.plan import Plan
 from ..execution.settings import KernelSettings
 from ..models.switch import on_main_thread
-from .cache import StaticCache, StepPosition, kv_cache_bytes, linear_layers, require_memory
+from .cache import StaticCache, StepPosition, kv_cache_bytes, linear_layers, linear_state_bytes, require_memory
+from .state import LinearAttentionState, empty_state
 
 CAPACITY_STEP = 256
 
 
-def compile_blocker(recording: bool, model=None) -> str | None:
-    """Why a decode step (of `model`, when given) cannot be compiled, or None. Interventions compile: each set of
-    them is its own plan, and each plan its own traced step."""
+def compile_blocker(recording: bool) -> str | None:
+    """Why a decode step cannot be compiled, or None. Interventions compile: each set of them is its own plan, and
+    each plan its own traced step; so does a hybrid (its recurrent states are the traced step's inputs and
+    outputs)."""
     if recording:
         return "recording (recording runs eagerly)"
     if not on_main_thread():
         return "not the main thread (mx.compile'd graphs used from other threads end the process at exit)"
-    linear = linear_layers(model) if model is not None else []
-    if linear:
-        return (f"{len(linear)} layers of {linear[0].kind} (the compiled step's static cache holds keys and values, "
-                "not their recurrent state)")
     return None
 
 
 def static_logits(executor: Executor, tokens: mx.array, cache: StaticCache, plan: Plan) -> mx.array:
     """Next-token logits [vocab] of one sequence's `tokens` at the cache's position; their keys and values
-    written."""
+    and the recurrent states after them written."""
     logits = executor.forward(tokens.reshape(1, -1), cache.layers(), plan)[0]
     cache.commit()
     return logits
 
 
-def _traced_step(executor: Executor, plan: Plan):
-    def step(token: mx.array, offset: mx.array, keys: mx.array, values: mx.array):
-        cache = StaticCache(keys, values, StepPosition.at(offset, keys.shape[2]))  # one position for every layer
-        return static_logits(executor, token, cache, plan), cache.keys, cache.values
+States = list[tuple[mx.array, mx.array]]  # (conv, delta) of each linear-attention layer
+
+
+def _traced_step(executor: Executor, plan: Plan, blocks: tuple[int | None, ...]):
+    def step(token: mx.array, offset: mx.array, keys: mx.array, values: mx.array, states: States):
+        held = [LinearAttentionState.holding(conv, delta) for conv, delta in states]
+        cache = StaticCache(keys, values, StepPosition.at(offset, keys.shape[2]), blocks, held)  # one position
+        logits = static_logits(executor, token, cache, plan)
+        return logits, cache.keys, cache.values, [(s.conv, s.delta) for s in held]
     return mx.compile(step)
 
 
@@ -58,19 +65,21 @@ class CompiledForward:
     Each call first schedules the previous call's logits (mx.async_eval: nothing to do when the caller did,
     as the decode loop does), so the steps run in call order even when a token is not built from the last
     logits: on a GPU the attention kernels write the cache in place, an order MLX's graph does not see
-    (moebench.decode.cache.StaticCache)."""
+    (moebench.decode.cache.StaticCache).
 
-    def __init__(self, executor: Executor, capacity: int):
+    `keep`: how many writes back `rewind_to` can restore a hybrid's recurrent states (a decode that queues
+    `ahead` steps behind the one it reads needs ahead + 1, moebench.decode.loop.Session); the keys and values
+    rewind to any position."""
+
+    def __init__(self, executor: Executor, capacity: int, keep: int = 1):
         self.executor = executor
         self.capacity = -(-max(capacity, 1) // CAPACITY_STEP) * CAPACITY_STEP
         model = executor.model
-        if linear_layers(model):
-            raise DecodeError(f"no compiled step for this model: {compile_blocker(False, model)}")
         # allocated whole up front: MLX kills the process on CPU when an allocation fails
-        require_memory(kv_cache_bytes(model, self.capacity), f"the compiled step's static cache of {self.capacity} "
-                       "positions")
-        attn = model.layers[0].self_attn  # this process's key/value heads (a rank's own where attention is sharded)
-        self.cache = StaticCache.empty(len(model.layers), attn.n_kv_heads, self.capacity, attn.head_dim, model.dtype)
+        require_memory(kv_cache_bytes(model, self.capacity) + linear_state_bytes(model, keep),
+                       f"the compiled step's static cache of {self.capacity} positions")
+        self.cache = StaticCache.for_model(model, self.capacity, keep)
+        self.specs = linear_layers(model)  # of the cache's states, in order
         self.position = 0
         self.last: mx.array | None = None  # the previous call's logits
 
@@ -82,25 +91,38 @@ class CompiledForward:
                               "positions")
         if self.last is not None:
             mx.async_eval(self.last)
-        offset = mx.array(self.position, dtype=mx.int32)
         cache, ex = self.cache, self.executor
         plan = ex.plan_for(n, True, settings)
         if n > 1:  # a prompt, PREFILL_CHUNK tokens at a time, each chunk evaluated before the next
             for start in range(0, n, PREFILL_CHUNK):
-                at = self.position + start
+                chunk, at = tokens[start : start + PREFILL_CHUNK], self.position
                 cache.position = StepPosition.at(mx.array(at, dtype=mx.int32), self.capacity, known=at)
-                logits = static_logits(ex, tokens[start : start + PREFILL_CHUNK], cache, plan)
+                logits = static_logits(ex, chunk, cache, plan)
+                self.position += chunk.size  # with the states: a later chunk failing leaves both here
                 if start + PREFILL_CHUNK < n:
-                    mx.eval(cache.keys, cache.values)
+                    mx.eval(cache.arrays())
         else:
             if plan.key not in ex.compiled:
-                ex.compiled[plan.key] = _traced_step(ex, plan)
-            logits, cache.keys, cache.values = ex.compiled[plan.key](tokens, offset, cache.keys, cache.values)
-        self.position += n
+                ex.compiled[plan.key] = _traced_step(ex, plan, cache.blocks)
+            offset = mx.array(self.position, dtype=mx.int32)
+            logits, cache.keys, cache.values, states = ex.compiled[plan.key](tokens, offset, cache.keys, cache.values,
+                                                                             self._states())
+            for state, (conv, delta) in zip(cache.states, states, strict=True):
+                state.write(conv, delta, 1)
+            self.position += 1
         self.last = logits
         return logits, plan
 
+    def _states(self) -> States:
+        """The recurrent states the next step continues (zeros before the first position)."""
+        dtype = self.executor.model.dtype
+        return [(s.conv, s.delta) if s.conv is not None else empty_state(spec, dtype)
+                for s, spec in zip(self.cache.states, self.specs, strict=True)]
+
     def rewind_to(self, position: int) -> None:
-        """Forget every position from `position` on (steps built and not taken); later writes overwrite their
-        slots."""
+        """Forget every position from `position` on (steps built and not taken): later writes overwrite their
+        slots, and the recurrent states are put back as they were after `position` (a position not kept is a
+        DecodeError, and nothing changes)."""
+        for state in self.cache.states:
+            state.rewind_to(position)
         self.position = position

@@ -196,8 +196,8 @@ class Session:
         if self.executor is not None:
             self.executor.refresh()
         self.compiled = None
-        if self.executor is not None and use_compiled(model, compiled) and compile_blocker(recording, model) is None:
-            self.compiled = CompiledForward(self.executor, capacity)
+        if self.executor is not None and use_compiled(model, compiled) and compile_blocker(recording) is None:
+            self.compiled = CompiledForward(self.executor, capacity, ahead + 1)
         self.cache = None
         if self.compiled is None:
             self.cache = layer_caches(model, ahead + 1) if self.executor is not None else make_cache(len(model.layers))

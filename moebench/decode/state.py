@@ -6,6 +6,9 @@ Both are replaced whole at every write, so forgetting positions cannot mean movi
 MLX arrays are immutable, so the states after the last few writes are kept by reference (no copy) and a rewind puts
 them back: a decode that queued steps ahead and rolls them back, or a step interrupted part-way through its layers,
 finds its layers exactly as they were. Rewinding further back than kept is a DecodeError.
+
+A compiled decode step (moebench.decode.compiled) holds the same objects: it takes their arrays as inputs of its
+traced function (the empty state as zeros of `state_shapes`) and writes what the function returns.
 """
 
 from __future__ import annotations
@@ -13,6 +16,21 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..errors import DecodeError
+from ..models.declare import LinearAttentionSpec
+
+
+def state_shapes(spec: LinearAttentionSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of one sequence's conv state [1, kernel - 1, channels of q | k | v] and delta state
+    [1, value_heads, value_dim, key_dim] in a layer declared by `spec`."""
+    channels = 2 * spec.num_key_heads * spec.key_head_dim + spec.num_value_heads * spec.value_head_dim
+    return (1, spec.conv_kernel - 1, channels), (1, spec.num_value_heads, spec.value_head_dim, spec.key_head_dim)
+
+
+def empty_state(spec: LinearAttentionSpec, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """(conv, delta) before the first position, as the layer starts a sequence: zeros, the conv state in the
+    activations' `dtype`, the delta state in float32."""
+    conv, delta = state_shapes(spec)
+    return mx.zeros(conv, dtype), mx.zeros(delta, mx.float32)
 
 
 class LinearAttentionState:
@@ -33,6 +51,13 @@ class LinearAttentionState:
         self.delta: mx.array | None = None
         self.offset = 0
         self.kept: list[tuple[int, mx.array, mx.array]] = []  # (offset, conv, delta) after each kept write
+
+    @classmethod
+    def holding(cls, conv: mx.array, delta: mx.array) -> LinearAttentionState:
+        """A state that holds `conv` and `delta` (a traced step's inputs) and keeps its next write."""
+        state = cls(1)
+        state.conv, state.delta = conv, delta
+        return state
 
     def write(self, conv: mx.array, delta: mx.array, positions: int) -> None:
         """The states after `positions` more positions (a prompt chunk or one token)."""

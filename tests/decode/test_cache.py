@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 
 import moebench
-from moebench.decode.cache import GROW_STEP, KVCache, StaticCache, StepPosition, make_cache
+from moebench.decode.cache import (
+    GROW_STEP,
+    KVCache,
+    StaticCache,
+    StaticLayerCache,
+    StaticLinearState,
+    StepPosition,
+    make_cache,
+)
+from moebench.decode.state import LinearAttentionState
 
 
 def test_update_returns_everything_seen_so_far():
@@ -137,3 +146,64 @@ def test_in_place_writes_leave_the_buffers_and_one_forward_writes_one_way():
         layer.write(new, new)
     with pytest.raises(RuntimeError, match=r"layers \[0\] wrote their keys and values in place and the others"):
         cache.commit()
+
+
+def _hybrid(keep: int = 2) -> StaticCache:
+    """Layers 0 and 2 linear attention, 1 and 3 attending (blocks 0 and 1 of the buffers)."""
+    states = [LinearAttentionState(keep), LinearAttentionState(keep)]
+    return StaticCache.empty(2, 2, 8, 4, mx.float32, (None, 0, None, 1), states)
+
+
+def _write_all(layers: list, value: float, n: int = 1) -> None:
+    for layer in layers:
+        if isinstance(layer, StaticLinearState):
+            layer.write(mx.full((1, 3, 5), value + layer.layer), mx.full((1, 2, 4, 4), -value), n)
+        else:
+            layer.write(mx.full((1, 2, n, 4), value + layer.layer), mx.full((1, 2, n, 4), value))
+
+
+def test_a_hybrid_static_cache_holds_blocks_for_attending_layers_and_states_for_the_others():
+    """Each layer gets the view its token mixing takes; a linear layer's view reads its states as before the
+    forward, and the commit writes them (kept for a rewind) with the attending layers' keys and values."""
+    cache = _hybrid()
+    layers = cache.layers()
+    assert [type(c) for c in layers] == [StaticLinearState, StaticLayerCache] * 2
+    assert all(c.static for c in layers) and [c.block for c in layers[1::2]] == [0, 1]
+    assert layers[3].decode_buffers(2, 4, mx.float32)[3] == 1 and cache.keys.shape == (2, 2, 8, 4)
+    assert layers[0].conv is None and layers[0].delta is None  # the empty state: the layer starts from zeros
+    _write_all(layers, 10.0, n=3)
+    assert cache.states[0].conv is None  # nothing written before the commit
+    cache.commit()
+    assert [s.offset for s in cache.states] == [3, 3]
+    assert np.array(cache.states[1].conv).max() == 12.0 and np.array(cache.states[0].delta).min() == -10.0
+    assert np.array(cache.keys)[:, 0, :3, 0].tolist() == [[11.0] * 3, [13.0] * 3]
+    conv = cache.states[0].conv
+    cache.position = StepPosition.at(mx.array(3, dtype=mx.int32), cache.capacity)
+    layers = cache.layers()
+    assert layers[0].conv is conv
+    _write_all(layers, 20.0)
+    cache.commit()
+    cache.states[0].rewind_to(3)
+    assert cache.states[0].conv is conv
+
+
+def test_a_hybrid_static_cache_names_the_layer_that_wrote_twice_or_not_at_all():
+    cache = _hybrid()
+    layers = cache.layers()
+    state = (mx.zeros((1, 3, 5)), mx.zeros((1, 2, 4, 4)), 1)
+    layers[2].write(*state)
+    with pytest.raises(RuntimeError, match="layer 2 wrote its recurrent state twice"):
+        layers[2].write(*state)
+    new = mx.zeros((1, 2, 1, 4))
+    layers[3].write(new, new)
+    with pytest.raises(RuntimeError, match=r"layers \[1\] wrote no keys and values"):
+        cache.commit()
+    layers[1].write(new, new)
+    with pytest.raises(RuntimeError, match=r"layers \[0\] wrote no recurrent state"):
+        cache.commit()
+    assert [s.offset for s in cache.states] == [0, 0]  # a failed commit wrote no state
+    _write_all(cache.layers(), 1.0)  # a new forward: what the failed one handed over is dropped
+    cache.commit()
+    assert [s.offset for s in cache.states] == [1, 1]
+    with pytest.raises(ValueError, match="name 2 blocks and 1 states"):
+        StaticCache.empty(2, 2, 8, 4, mx.float32, (None, 0, 1), [])
