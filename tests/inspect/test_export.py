@@ -15,6 +15,8 @@ from moebench.errors import MoebenchError
 from moebench.inspect.export import read_frames, save_frames, save_trace, to_frames
 from moebench.inspect.interventions import intervene
 from moebench.inspect.record import Stepper
+from moebench.tools.presets import get_preset
+from moebench.tools.writer import write_random_checkpoint
 
 PROMPT = "Hello"  # one token per byte with the test tokenizer
 
@@ -143,3 +145,43 @@ def test_read_frames_never_opens_what_is_not_a_regular_file(tmp_path):
 def test_to_frames_takes_a_trace():
     with pytest.raises(MoebenchError, match="to_frames takes a Trace"):
         to_frames([1, 2])
+
+
+@pytest.fixture(scope="module")
+def hybrid_trace(tmp_path_factory):
+    """A tiny Qwen3-Next written by make-random (three Gated DeltaNet layers, then a gated full-attention one)."""
+    config = {**get_preset("qwen3-next-tiny").config, "torch_dtype": "float32"}
+    model, _ = moebench.load(write_random_checkpoint(tmp_path_factory.mktemp("hybrid") / "ckpt", config, seed=6))
+    return Stepper(model, None, [5, 6, 7], record=True).run(3)
+
+
+def test_a_hybrid_exports_its_token_mixing_per_head_and_its_layer_kinds(hybrid_trace, tmp_path):
+    frames = to_frames(hybrid_trace)
+    steps = len(hybrid_trace.steps)
+    kinds = frames["layers"].sort_values(["step", "layer"])["mixer_kind"].tolist()
+    assert kinds == (["linear_attention"] * 3 + ["full_attention"]) * steps
+    mixer = frames["mixer"]
+    assert len(mixer) == steps * 4 * 4  # every layer 4 heads (4 value heads; 4 query heads on the full layer)
+    last = hybrid_trace.steps[-1]
+    for layer in (1, 3):
+        r, rows = last.layers[layer], mixer.query(f"step == {last.index} and layer == {layer}").sort_values("head")
+        assert (rows["mixer_kind"] == r.mixer_kind).all()
+        assert np.allclose(rows["output_gate"], r.output_gate_means)
+        for h in ("decay", "beta", "state_norm"):
+            assert rows[h].isna().all() if getattr(r, h) is None else np.allclose(rows[h], getattr(r, h))
+    first = mixer.query("step == 0 and layer == 0")  # a prompt position before the last: no state of its own
+    assert first["state_norm"].isna().all() and first["decay"].notna().all()
+    gate = frames["vectors"].query(f"step == {last.index} and layer == 3 and name == 'output_gate'")["values"]
+    assert np.array_equal(np.array(gate.iloc[0]), last.layers[3].output_gate.reshape(-1))
+    for fmt in ("parquet", "json"):
+        save_trace(hybrid_trace, tmp_path / fmt, fmt)
+        back = read_frames(tmp_path / fmt)
+        pd.testing.assert_frame_equal(back["mixer"], mixer, check_dtype=False)
+        assert back["layers"]["mixer_kind"].tolist() == frames["layers"]["mixer_kind"].tolist()
+
+
+def test_a_family_with_one_kind_of_attention_exports_no_token_mixing(trace):
+    frames = to_frames(trace)
+    assert frames["mixer"].empty and list(frames["mixer"].columns) == [
+        "step", "layer", "mixer_kind", "head", "decay", "beta", "state_norm", "output_gate"]
+    assert (frames["layers"]["mixer_kind"] == "").all() and "output_gate" not in set(frames["vectors"]["name"])

@@ -13,6 +13,9 @@ from moebench.errors import MoebenchError
 from moebench.execution.executor import executor, fused_moe
 from moebench.inspect.interventions import clear_interventions, set_interventions
 from moebench.inspect.record import Recorder, Stepper, decode
+from moebench.models.hooks import MIXER_HOOKS
+from moebench.tools.presets import get_preset
+from moebench.tools.writer import write_random_checkpoint
 
 PROMPT = [5, 17, 99, 3, 42]
 
@@ -233,3 +236,55 @@ def test_generate_applies_the_repetition_penalty_as_the_stepper_does(tiny):
     sampling = Sampling(repetition_penalty=1.5, top_k=20)
     stepped = Stepper(model, None, PROMPT, sampling=sampling, pipeline=False, stop_ids=()).run(12).token_ids
     assert generate(model, PROMPT, 12, sampling).token_ids == stepped
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A tiny Qwen3.5-MoE written by make-random: three Gated DeltaNet layers, then a gated full-attention one."""
+    config = {**get_preset("qwen3.5-moe-tiny").config, "torch_dtype": "float32"}
+    model, _ = moebench.load(write_random_checkpoint(tmp_path_factory.mktemp("hybrid") / "ckpt", config, seed=2))
+    return model
+
+
+def mixing(trace) -> list:
+    """Every recorded token-mixing value of a trace, step by step and layer by layer."""
+    return [(layer, r.mixer_kind, *(getattr(r, h) for h in MIXER_HOOKS))
+            for s in trace.steps for layer, r in sorted(s.layers.items())]
+
+
+def test_a_hybrid_layer_record_carries_its_kind_and_its_token_mixing(hybrid):
+    trace = Stepper(hybrid, None, PROMPT, record=True).run(3)
+    for s in trace.steps:
+        kinds = [s.layers[i].mixer_kind for i in range(4)]
+        assert kinds == [layer.layer_type for layer in hybrid.layers] == ["linear_attention"] * 3 + ["full_attention"]
+        linear, full = s.layers[0], s.layers[3]
+        assert linear.decay.shape == linear.beta.shape == linear.output_gate_means.shape == (4,)
+        assert np.all((linear.decay > 0) & (linear.decay < 1)) and np.all((linear.beta > 0) & (linear.beta < 1))
+        assert np.allclose(linear.output_gate_means, linear.output_gate.mean(axis=-1))
+        assert full.decay is None and full.beta is None and full.state_norm is None
+        assert full.output_gate.shape == (4, 32) and np.all((full.output_gate > 0) & (full.output_gate < 1))
+    # one delta state per forward call: the prompt's last position has its norm, the positions before it none
+    assert [s.layers[0].state_norm is None for s in trace.prefill] == [True] * (len(PROMPT) - 1) + [False]
+    assert all(s.layers[0].state_norm.shape == (4,) for s in trace.generated)
+
+
+def test_a_rebuilt_speculative_step_records_the_token_mixing_of_the_token_fed(hybrid):
+    """Teacher forcing rolls back the step built ahead (its states written into the cache): the records equal an
+    unpipelined decode's."""
+    runs = []
+    for pipeline in (True, False):
+        stepper = Stepper(hybrid, None, PROMPT, record=True, pipeline=pipeline)
+        stepper.prefill()
+        stepper.step()
+        stepper.step(feed=9)
+        stepper.step()
+        runs.append(mixing(stepper.trace))
+    for a, b in zip(*runs, strict=True):
+        assert a[:2] == b[:2]
+        assert all((x is None and y is None) or np.array_equal(x, y) for x, y in zip(a[2:], b[2:], strict=True))
+
+
+def test_a_family_without_linear_layers_records_no_token_mixing(tiny):
+    model, _ = tiny
+    trace = Stepper(model, None, PROMPT, record=True).run(2)
+    assert all(v is None for _, kind, *values in mixing(trace) for v in (kind, *values))

@@ -15,6 +15,8 @@ from moebench.decode.loop import GenerationResult
 from moebench.inspect.compare import compare_decode
 from moebench.inspect.interventions import intervene
 from moebench.inspect.record import Stepper, Trace, decode
+from moebench.tools.presets import get_preset
+from moebench.tools.writer import write_random_checkpoint
 
 N = 64
 SHORT = 2000  # characters: a screenful
@@ -141,3 +143,24 @@ def test_a_generation_result_prints_counts_and_rates_not_ids():
     assert len(text) < 300 and str(result) == text
     assert "4096 prompt tokens, 3 generated" in text
     assert f"({result.prompt_tps:.1f} tok/s)" in text and "250.0 ms (8.0 tok/s)" in text
+
+
+def test_a_hybrid_layer_record_names_its_token_mixing_and_its_ranges(tmp_path):
+    config = {**get_preset("qwen3-next-tiny").config, "torch_dtype": "float32"}
+    model, _ = moebench.load(write_random_checkpoint(tmp_path / "hybrid", config, seed=4))
+    step = decode(model, None, [3, 1, 4], 2, record=True).generated[-1]
+    linear, full = repr(step.layers[0]), repr(step.layers[3])
+    assert linear.startswith("LayerRecord: MoE layer 0 (linear attention), path")
+    assert full.startswith("LayerRecord: MoE layer 3 (full attention), path")
+    r = step.layers[0]
+    assert (f"linear attention per head (min-max): decay {r.decay.min():.3g}-{r.decay.max():.3g}, beta "
+            f"{r.beta.min():.3g}-{r.beta.max():.3g}, state norm {r.state_norm.min():.3g}-{r.state_norm.max():.3g}"
+            ) in linear
+    gate = step.layers[3].output_gate_means
+    assert f"full attention per head (min-max): output gate (head means) {gate.min():.3g}-{gate.max():.3g}" in full
+    assert "decay" not in full and len(linear) < 1000
+
+
+def test_a_layer_record_of_a_family_with_one_kind_of_attention_names_none(trace):
+    text = repr(trace.generated[0].layers[0])
+    assert text.startswith("LayerRecord: MoE layer 0, path") and "per head" not in text
