@@ -11,6 +11,9 @@ text (the output counted as it streams; `*`, `+`, `~`, `%`, `**`, blocks and the
 multiply sizes checked before they build anything). Past either, and on recursion, a range too big for the
 sandbox or memory running out, the render stops with a ChatError naming the template.
 
+Message content is text, or a list of parts as multimodal templates (Qwen3.5's) take it: text parts pass to the
+template; an image, video or audio part is a ChatError (MEDIA), as moebench runs the text model only.
+
 A folder without a template (the shipped tiny model) gets moebench's built-in ChatML, the turn format
 of the Qwen chat models, with no default system prompt; `ChatTemplate.builtin` says so.
 
@@ -53,6 +56,9 @@ BUILTIN_CHATML = (
 BUILTIN_END_OF_TURN = "<|im_end|>"
 # transformers fills `reasoning_content` (what Qwen3's template reads) from these older names.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# What a content part holds when it is no text (its `type`, or a key naming it, as Qwen3.5's template reads them):
+# moebench runs the text model only, so a medium in a message is refused, never written as placeholder tokens.
+MEDIA = ("image", "image_url", "video", "video_url", "audio", "audio_url", "input_audio")
 # A render's budget (module settings, so a caller may change them): seconds, and characters of text (or items of a
 # list) that the output or any value built on the way may hold: far past any model's context, short of what
 # would take a kernel's memory. Integers past MAX_INT_BITS (and so past what str() prints) are refused too.
@@ -201,11 +207,26 @@ def _plain_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
         if not isinstance(message.get("role"), str):
             raise ChatError(f"message {i} needs a 'role' string, got {message.get('role')!r}")
         entry = {k: _plain(v, f"message {i} field {k!r}") for k, v in message.items() if v is not None}
+        _refuse_media(entry.get("content"), i)
         reasoning = next((entry[k] for k in REASONING_FIELDS if k in entry), None)
         if reasoning is not None:
             entry = {"thinking": reasoning, **entry, "reasoning_content": reasoning}
         plain.append(entry)
     return plain
+
+
+def _refuse_media(content: Any, index: int) -> None:
+    """A ChatError for an image, video or audio part in message `index`'s content (a list of parts): transformers'
+    tokenizer would render the template's placeholder tokens for it (<|image_pad|>, ...), but moebench loads the
+    text model only (a multimodal folder's vision weights are left out), so the model could never see it."""
+    if not isinstance(content, list):
+        return
+    for j, part in enumerate(content):
+        medium = next((m for m in MEDIA if isinstance(part, dict) and (part.get("type") == m or m in part)), None)
+        if medium is not None:
+            raise ChatError(f"message {index} content part {j} is not text but {medium!r}: moebench runs the text "
+                            "model only (a checkpoint's vision or audio weights are not loaded), so give text parts "
+                            "only ({'type': 'text', 'text': ...})")
 
 
 def _plain(value: Any, where: str, depth: int = 0) -> Any:
