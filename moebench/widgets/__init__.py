@@ -4,6 +4,7 @@ those that start decodes run them on the notebook's thread (mainthread.Owner).
     picker = ModelPicker(); controls = PromptControls(picker, "def add(a, b):", tokens=12)
     stepper = TokenStepper(controls.trace, on_step=router.show)   # play / previous / next / slider
     RouterView, ExpertView, DiffView, CompareSteps, ExpertLoadMap   # plotly views (static copies for saved notebooks)
+    MixingView                                                      # a hybrid's linear / full layers, gates, states
     FusedToggle, TokensPerSecondChart, LiveDecode, DecodeBenchmark  # the switch, live tok/s, the benchmark
     InterventionPanel, ExportBar                                    # interventions as controls; export buttons
     DriftControls, DriftView                                        # routing drift of a model's variants
@@ -18,11 +19,12 @@ from .exportbar import ExportBar
 from .intervene import InterventionPanel
 from .live import LiveDecode
 from .loadmap import ExpertLoadMap
+from .mixing import MixingView
 from .router import RouterView
 from .stepper import TokenStepper, TokenStrip
 from .toggle import FusedToggle
 from .tps import TokensPerSecondChart
 
 __all__ = ["CompareSteps", "DecodeBenchmark", "DiffView", "DriftControls", "DriftView", "ExpertLoadMap", "ExpertView",
-           "ExportBar", "FusedToggle", "InterventionPanel", "LiveDecode", "ModelPicker", "PromptControls",
+           "ExportBar", "FusedToggle", "InterventionPanel", "LiveDecode", "MixingView", "ModelPicker", "PromptControls",
            "RouterView", "TokenStepper", "TokenStrip", "TokensPerSecondChart"]

@@ -1,0 +1,71 @@
+import re
+
+import numpy as np
+import pytest
+
+import moebench
+from moebench.inspect.record import Stepper
+from moebench.tools.presets import get_preset
+from moebench.tools.writer import write_random_checkpoint
+from moebench.widgets import MixingView, TokenStepper
+
+LAYER_TYPES = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_trace(tmp_path_factory):
+    """A tiny Qwen3-Next written by make-random whose layers are full, linear, linear, full (config layer_types)."""
+    config = {**get_preset("qwen3-next-tiny").config, "torch_dtype": "float32", "layer_types": LAYER_TYPES}
+    model, _ = moebench.load(write_random_checkpoint(tmp_path_factory.mktemp("hybrid") / "ckpt", config, seed=8,
+                                                     bits=4, layout="stacked"))
+    assert [layer.layer_type for layer in model.layers] == LAYER_TYPES
+    return Stepper(model, None, [4, 8, 15, 16], record=True).run(3)
+
+
+def strip_kinds(view: MixingView) -> dict[int, str]:
+    """What the strip's labels say, layer by layer (their data attributes and their text)."""
+    found = re.findall(r"data-layer='(\d+)' data-kind='(\w+)'[^>]*>layer \1 · (\w+)<", view.strip.value)
+    assert all(kind.startswith(word) for _, kind, word in found)
+    return {int(layer): kind for layer, kind, _ in found}
+
+
+def test_the_strip_says_linear_for_exactly_the_linear_layers(hybrid_trace):
+    view = MixingView()
+    view.show(hybrid_trace.generated[1])
+    assert strip_kinds(view) == dict(enumerate(LAYER_TYPES))
+    assert view.widget.children[:2] == (view.strip, view.figure)
+    for trace in view.figure.data:
+        assert list(trace.y) == [f"layer {i} · {kind.split('_')[0]}" for i, kind in enumerate(LAYER_TYPES)]
+
+
+def test_the_panels_draw_the_recorded_values_and_leave_full_layers_blank_where_they_have_none(hybrid_trace):
+    view = MixingView()
+    record = hybrid_trace.generated[2]
+    view.show(record)
+    panels = {trace.name: np.array(trace.z, dtype=float) for trace in view.figure.data}
+    for layer, kind in enumerate(LAYER_TYPES):
+        r = record.layers[layer]
+        assert np.allclose(panels["output_gate"][layer], r.output_gate_means)
+        for name in ("decay", "beta", "state_norm"):
+            if kind == "linear_attention":
+                assert np.allclose(panels[name][layer], getattr(r, name))
+            else:
+                assert np.isnan(panels[name][layer]).all()
+    assert f"(position {record.position})" in view.figure.layout.title.text
+
+
+def test_the_view_follows_the_stepper(hybrid_trace):
+    view = MixingView()
+    stepper = TokenStepper(hybrid_trace, on_step=view.show)
+    stepper.go(2)
+    assert view.record is hybrid_trace.generated[2]
+    assert np.allclose(np.array(view.figure.data[1].z, dtype=float)[1], hybrid_trace.generated[2].layers[1].decay)
+
+
+def test_a_model_without_linear_layers_shows_one_line_and_no_chart(trace, hybrid_trace):
+    view = MixingView()
+    assert "Decode a prompt" in view.note.value and view.figure not in view.widget.children
+    view.show(hybrid_trace.generated[0])  # then a model of one kind picked in the same notebook
+    view.show(trace.generated[0])
+    assert view.kinds == {} and "no linear-attention layers" in view.note.value
+    assert view.figure not in view.widget.children and view.strip not in view.widget.children
