@@ -2,6 +2,8 @@ import re
 
 import numpy as np
 import pytest
+from byte_tokenizer import write_byte_tokenizer
+from nbrun import run_notebook
 
 import moebench
 from moebench.inspect.record import Stepper
@@ -69,3 +71,16 @@ def test_a_model_without_linear_layers_shows_one_line_and_no_chart(trace, hybrid
     view.show(trace.generated[0])
     assert view.kinds == {} and "no linear-attention layers" in view.note.value
     assert view.figure not in view.widget.children and view.strip not in view.widget.children
+
+
+def test_notebook_01_labels_the_layers_of_a_hybrid_picked_in_its_model_picker(tmp_path, monkeypatch):
+    config = {**get_preset("qwen3.5-moe-tiny").config, "torch_dtype": "float32"}
+    folder = write_random_checkpoint(tmp_path / "ckpt", config, seed=9, bits=4, layout="stacked")
+    write_byte_tokenizer(folder)
+    monkeypatch.setenv("MOEBENCH_MODEL", str(folder))
+    ns = run_notebook("01_decode_step_by_step")
+    mixing, stepper, model = ns["mixing"], ns["stepper"], ns["controls"].picker.model
+    assert model.args.model_type == "qwen3_5_moe" and mixing.record is stepper.current
+    assert strip_kinds(mixing) == {i: layer.layer_type for i, layer in enumerate(model.layers)}
+    stepper.go(len(stepper.records) - 1)
+    assert mixing.record is stepper.records[-1] and mixing.figure._snapshot.handle is not None
