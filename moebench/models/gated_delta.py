@@ -13,7 +13,8 @@ For each token t, from the normed hidden state x_t:
    heads), its state S [value_dim, key_dim] in float32:
        decay g_t = exp(-exp(A_log) * softplus(a_t + dt_bias)),   beta_t = sigmoid(b_t)
        S = g_t S;   S = S + beta_t (v_t - S k_t) k_t^T;   o_t = S q_t
-   token by token, a prompt as its tokens stepped (exactness first: the same updates in the same order).
+   token by token for a decode step; a prompt in chunks of positions (chunked_delta_rule: the same numbers up
+   to float32 rounding, a few graph nodes per chunk instead of ~8 per position).
 5. o_t RMSNorm'ed per value head (weight as stored, no +1), times silu(z_t); then the output projection.
 
 The conv and delta states live in the cache (moebench.decode.state.LinearAttentionState), never in the module.
@@ -127,16 +128,112 @@ def delta_step(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arra
 def delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
                state: mx.array) -> tuple[mx.array, mx.array]:
     """Positions in order: q, k [B, L, Hk, Dk], v [B, L, Hv, Dv], g, beta [B, L, Hv], state [B, Hv, Dv, Dk]
-    (float32) -> (o [B, L, Hv, Dv] float32, the state after the last position)."""
+    (float32) -> (o [B, L, Hv, Dv] float32, the state after the last position).
+
+    One position (a decode step) is stepped: decode stays exactly the per-token update. Two or more run chunked:
+    the stepped form costs ~8 graph nodes and ~6 passes over the whole state per position, the chunked one a
+    few passes per chunk, and its chunks shrink to the prompt (chunk_size), so it is not padded to 64 positions
+    for a short one."""
+    if q.shape[1] == 1:
+        return stepped_delta_rule(q, k, v, g, beta, state)
+    return chunked_delta_rule(q, k, v, g, beta, state)
+
+
+def per_value_head(q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """q and k repeated for the value heads they serve (a key head serves Hv / Hk consecutive ones), all float32."""
     group = v.shape[2] // q.shape[2]
-    if group > 1:  # each key head serves `group` consecutive value heads
+    if group > 1:
         q, k = mx.repeat(q, group, axis=2), mx.repeat(k, group, axis=2)
-    q, k, v = (t.astype(mx.float32) for t in (q, k, v))
+    return q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32)
+
+
+def stepped_delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                       state: mx.array) -> tuple[mx.array, mx.array]:
+    """delta_rule one position at a time through delta_step (the definition the chunked form must equal)."""
+    q, k, v = per_value_head(q, k, v)
     outputs = []
     for t in range(q.shape[1]):
         o, state = delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
         outputs.append(o)
     return mx.stack(outputs, axis=1), state
+
+
+CHUNK = 64  # positions solved together (a power of two: unit_lower_inverse doubles its blocks up to it)
+
+
+def chunk_size(length: int) -> int:
+    """CHUNK, or for a shorter prompt the power of two that holds it (less padding to compute)."""
+    return min(CHUNK, 1 << (length - 1).bit_length())
+
+
+def in_chunks(x: mx.array, size: int) -> mx.array:
+    """[B, L, H, ...] -> [B, H, L / size, size, ...], the positions padded with zeros to whole chunks."""
+    batch, length, heads = x.shape[:3]
+    pad = -length % size
+    if pad:
+        x = mx.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return mx.moveaxis(x.reshape(batch, -1, size, heads, *x.shape[3:]), 3, 1)
+
+
+def segment_log_decays(log_g: mx.array) -> mx.array:
+    """log g [..., C] -> [..., C, C]: at [t, s] the log of the decay from position s to t within a chunk,
+    g_{s+1} ... g_t (0 at t = s, -inf above the diagonal). Each entry is summed over its own segment rather than
+    taken as a difference of running sums, which would cancel away the small decays after large ones."""
+    size = log_g.shape[-1]
+    rows, cols = mx.arange(size)[:, None], mx.arange(size)[None]
+    spread = mx.where(rows > cols, log_g[..., :, None], 0.0)  # [t, s] = log g_t where s < t
+    return mx.where(rows >= cols, mx.cumsum(spread, axis=-2), -mx.inf)
+
+
+def unit_lower_inverse(a: mx.array) -> mx.array:
+    """(I + a)^-1 for a strictly lower triangular a [..., C, C] (C a power of two), by doubling blocks: the
+    inverse of [[A, 0], [X, B]] is [[A^-1, 0], [-B^-1 X A^-1, B^-1]]. Matmuls only (no linalg, which MLX runs
+    on the CPU alone), log2(C) levels instead of C row substitutions."""
+    *lead, size, _ = a.shape
+    inverse, block = mx.ones((*lead, size, 1, 1), a.dtype), 1
+    while block < size:
+        count = size // (2 * block)
+        pairs = a.reshape(*lead, count, 2 * block, count, 2 * block)
+        lower = mx.moveaxis(mx.diagonal(pairs, axis1=-4, axis2=-2), -1, -3)[..., block:, :block]
+        halves = inverse.reshape(*lead, count, 2, block, block)
+        first, second = halves[..., 0, :, :], halves[..., 1, :, :]
+        corner = -(second @ lower @ first)
+        inverse = mx.concatenate([mx.concatenate([first, mx.zeros_like(first)], axis=-1),
+                                  mx.concatenate([corner, second], axis=-1)], axis=-2)
+        block *= 2
+    return inverse.reshape(*lead, size, size)
+
+
+def chunked_delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                       state: mx.array) -> tuple[mx.array, mx.array]:
+    """delta_rule a chunk of positions at a time (the WY form): equal to stepping up to float32 rounding.
+
+    Within a chunk, with D(t, s) = g_{s+1} ... g_t and D(t) the decay from the chunk's start, each position
+    writes u_s k_s^T into the state, u_s = beta_s (v_s - D(s) S0 k_s - sum_{r<s} D(s, r) (k_s . k_r) u_r):
+    a unit lower triangular system (I + A) U = beta V - beta D K S0^T, solved once for all chunks. Then
+    o_t = D(t) S0 q_t + sum_{s<=t} D(t, s) (q_t . k_s) u_s and the state after the chunk is
+    D(end) S0 + sum_s D(end, s) u_s k_s^T; only that carry runs chunk after chunk. Every decay is exp of a sum
+    of log g <= 0, masked to -inf before exp, so nothing exponentiated is positive."""
+    length, size = q.shape[1], chunk_size(q.shape[1])
+    q, k, v = (in_chunks(t, size) for t in per_value_head(q, k, v))  # [B, H, N, C, D]
+    log_g, beta = in_chunks(mx.log(g), size), in_chunks(beta, size)  # [B, H, N, C]; padding: g = 1, beta = 0
+    from_start = mx.exp(mx.cumsum(log_g, axis=-1))[..., None]  # D(t)
+    between = mx.exp(segment_log_decays(log_g))  # D(t, s), 0 above the diagonal; its last row is D(end, s)
+    strictly_lower = mx.arange(size)[:, None] > mx.arange(size)[None]
+    solve = unit_lower_inverse(mx.where(strictly_lower, beta[..., None] * between * (k @ k.swapaxes(-1, -2)), 0.0))
+    new_values = solve @ (beta[..., None] * v)  # U = new_values - from_state @ S0^T
+    from_state = solve @ (beta[..., None] * from_start * k)
+    within = between * (q @ k.swapaxes(-1, -2))
+    q_decayed, k_to_end = from_start * q, between[..., -1, :, None] * k
+    chunk_decay = from_start[..., -1, :, None]  # [B, H, N, 1, 1]: D(end)
+    outputs = []
+    for n in range(q.shape[2]):
+        carried = state.swapaxes(-1, -2)  # S0^T [B, H, Dk, Dv]
+        u = new_values[:, :, n] - from_state[:, :, n] @ carried
+        outputs.append(q_decayed[:, :, n] @ carried + within[:, :, n] @ u)
+        state = chunk_decay[:, :, n] * state + u.swapaxes(-1, -2) @ k_to_end[:, :, n]
+    out = mx.moveaxis(mx.stack(outputs, axis=2), 1, 3)  # [B, N, C, H, Dv]
+    return out.reshape(out.shape[0], -1, *out.shape[3:])[:, :length], state
 
 
 class GatedDeltaNet(nn.Module):

@@ -1,7 +1,8 @@
 """Gated DeltaNet (moebench.models.gated_delta) against transformers' torch layers (Qwen3-Next's fused projections
 and Qwen3.5's split ones, float32) and mlx-lm's, on a whole prompt and token by token for 64 steps after it (the
-recurrent state must not drift); and its state cache (moebench.decode.state): a rewind after queued steps puts
-the layer back exactly, one too far is a DecodeError.
+recurrent state must not drift); the chunked delta rule a prompt runs through against the token-by-token one; and
+its state cache (moebench.decode.state): a rewind after queued steps puts the layer back exactly, one too far is a
+DecodeError.
 
 The weights are random with decays near 1 (A = exp(A_log) in [0.01, 0.2]), so the state remembers the whole
 sequence and a drift would show.
@@ -17,7 +18,17 @@ from moebench.decode.loop import STEPS_AHEAD
 from moebench.decode.state import LinearAttentionState
 from moebench.errors import ConfigError, DecodeError
 from moebench.models.args import ModelArgs
-from moebench.models.gated_delta import FUSED_QKVZ, SPLIT_QKV_Z_B_A, GatedDeltaNet, LinearAttentionArgs
+from moebench.models.gated_delta import (
+    FUSED_QKVZ,
+    SPLIT_QKV_Z_B_A,
+    GatedDeltaNet,
+    LinearAttentionArgs,
+    chunked_delta_rule,
+    delta_rule,
+    delta_step,
+    normalize_qk,
+    stepped_delta_rule,
+)
 
 torch = pytest.importorskip("torch", reason="the reference layers are transformers' (dev dependency torch)")
 
@@ -174,6 +185,60 @@ def test_matches_mlx_lm_whole_and_stepped(family):
     assert np.abs(got - np.array(mx.concatenate(expected, axis=1))).max() <= TOLERANCE
     assert np.abs(np.array(state.delta) - np.array(cache[1])).max() <= TOLERANCE
     assert np.abs(np.array(ours(mx.array(x))) - np.array(theirs(mx.array(x)))).max() <= TOLERANCE
+
+
+def delta_inputs(length: int, seed: int = 0) -> tuple[mx.array, ...]:
+    """q, k (normalised as the layer does), v, g, beta and a nonzero state for 2 sequences, 2 key heads serving 4
+    value heads. The decays mix every regime: g = 1 (no decay), g in (0, 1), g near 0 and g = 0 (exp underflowed)."""
+    rng = np.random.default_rng(seed)
+    batch, key_heads, value_heads, dk, dv = 2, 2, 4, 16, 8
+    q, k = normalize_qk(*(mx.array(rng.standard_normal((batch, length, key_heads, dk)), mx.float32)
+                          for _ in range(2)))
+    v = rng.standard_normal((batch, length, value_heads, dv)).astype(np.float32)
+    regime = rng.integers(0, 4, (batch, length, value_heads))
+    g = np.choose(regime, [np.ones(regime.shape), rng.uniform(0.0, 1.0, regime.shape),
+                           rng.uniform(1e-9, 1e-4, regime.shape), np.zeros(regime.shape)]).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (batch, length, value_heads)).astype(np.float32)
+    state = rng.standard_normal((batch, value_heads, dv, dk)).astype(np.float32)
+    return q, k, mx.array(v), mx.array(g), mx.array(beta), mx.array(state)
+
+
+def relative_error(got: mx.array, expected: mx.array) -> float:
+    expected = np.array(expected)
+    return float(np.abs(np.array(got) - expected).max() / np.abs(expected).max())
+
+
+@pytest.mark.parametrize("length", [1, 2, 63, 64, 65, 200, 1000])
+def test_chunked_delta_rule_equals_stepping(length):
+    """Within a chunk, at its edges and over many chunks: the outputs and the final state as stepped."""
+    args = delta_inputs(length, seed=length)
+    stepped_out, stepped_state = stepped_delta_rule(*args)
+    chunked_out, chunked_state = chunked_delta_rule(*args)
+    assert chunked_out.shape == stepped_out.shape == (2, length, 4, 8)
+    assert relative_error(chunked_out, stepped_out) <= 1e-5
+    assert relative_error(chunked_state, stepped_state) <= 1e-5
+
+
+def test_a_zero_decay_forgets_everything_before_it():
+    """g = 0 at a position: the chunked output from there on is the one of a sequence starting there from a zero
+    state (the initial state and the positions before do not leak through a masked exp)."""
+    q, k, v, g, beta, state = delta_inputs(100, seed=3)
+    g = mx.concatenate([g[:, :70], mx.zeros_like(g[:, 70:71]), g[:, 71:]], axis=1)
+    out, final = chunked_delta_rule(q, k, v, g, beta, state)
+    rest = (t[:, 70:] for t in (q, k, v, g, beta))
+    fresh_out, fresh_final = chunked_delta_rule(*rest, mx.zeros_like(state))
+    assert relative_error(out[:, 70:], fresh_out) <= 1e-5
+    assert relative_error(final, fresh_final) <= 1e-5
+
+
+def test_one_position_is_exactly_the_decode_step():
+    """A decode step (one position) goes through delta_step unchanged: bit for bit the per-token update."""
+    q, k, v, g, beta, state = delta_inputs(1, seed=4)
+    out, final = delta_rule(q, k, v, g, beta, state)
+    expected_out, expected_state = delta_step(mx.repeat(q[:, 0], 2, axis=1), mx.repeat(k[:, 0], 2, axis=1), v[:, 0],
+                                              g[:, 0], beta[:, 0], state)
+    assert np.array_equal(np.array(out[:, 0]), np.array(expected_out))
+    assert np.array_equal(np.array(final), np.array(expected_state))
 
 
 def test_prompt_in_chunks_equals_it_whole():
