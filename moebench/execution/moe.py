@@ -2,37 +2,46 @@
 
 All backends share one arithmetic: dequantize in float32 with float32 scales and biases (affine) or the
 microscaled modes' codes and uint8 scales decoded exactly (mxfp4, nvfp4, mxfp8), accumulate in
-float32, SwiGLU in float32, float32 unweighted outputs per routed expert y [K, D] and of the shared
+float32, the activation in float32, float32 unweighted outputs per routed expert y [K, D] and of the shared
 expert ys [D]; the combine sum_k score_k * y_k + sigmoid_gate * ys (+ the residual) runs in float32 and
 casts once to the activation dtype.
 
+Declared variants (ExpertVariant, and the router's scoring): experts with biases (gate and up [E, Dff] added
+to the float32 dot before the activation, down [E, D] to each y_k; taken in the activation dtype), the clamped
+SwiGLU (gpt-oss) in place of SwiGLU, and the router scoring the top-k logits by the softmax over those k.
+Families without them run the kernels' plain instances (template constants off, placeholders unread).
+
 The GPU path of one MoE layer is three launches: the router kernel (softmax, top-k and the shared
 expert's sigmoid gate from one row of logits), kernel A (gate and up of every routed slot and of the
-shared expert in one pass over x, SwiGLU) writing act [K * Dff + Dffs] in float32, and kernel B (down
-of every slot and of the shared expert, and the combine) writing y, ys and the output.
+shared expert in one pass over x, the activation) writing act [K * Dff + Dffs] in float32, and kernel B
+(down of every slot and of the shared expert, and the combine) writing y, ys and the output.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import struct
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..errors import ConfigError, UnsupportedKernelConfig
 from ..models.args import QuantizedParts
+from ..models.declare import CLAMPED_SWIGLU, SOFTMAX_THEN_TOPK, SWIGLU, TOPK_THEN_SOFTMAX
 from ..models.routing import route
 from ..models.switch import SwitchGLU, weighted_sum
 from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend, round_up, run_compiled
-from .support import parts_reason, shared_fold_reason
+from .support import ACTIVATIONS, parts_reason, shared_fold_reason
+from .weights import expert_biases
 
 ROUTER = Stage("moebench_moe_router", "moe_router.body", ("logits",), ("probs", "inds", "scores", "sgate"))
 GATE_UP = Stage("moebench_moe_gate_up", "moe_gate_up.body",
                 ("x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
-                 "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b"), ("act",))
+                 "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b", "gate_eb", "up_eb"), ("act",))
 DOWN = Stage("moebench_moe_down", "moe_down.body",
              ("indices", "scores", "down_w", "down_s", "down_b", "act", "sdown_w", "sdown_s", "sdown_b", "sgate",
-              "resid"), ("y", "ys", "out"))
+              "resid", "down_eb"), ("y", "ys", "out"))
 # The quantization modes the pair reads, by the MODE template constant the kernels take (moe_common.inc).
 KERNEL_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 DEFAULT_ROWS = 8  # simdgroups (output rows) per threadgroup
@@ -50,6 +59,31 @@ class SharedExpert:
     sigmoid_gate: mx.array
 
 
+@dataclass(frozen=True)
+class ExpertVariant:
+    """What a block's experts compute beyond bias-free SwiGLU, as the kernel pair takes it: biases on gate and
+    up [E, Dff] and on down [E, D] (None: none; cast to the activation dtype when stored in another), and the
+    clamped SwiGLU's (limit, alpha) (None: SwiGLU)."""
+
+    biases: tuple[mx.array, mx.array, mx.array] | None = None
+    clamp: tuple[float, float] | None = None
+
+    @property
+    def activation(self) -> str:
+        return SWIGLU if self.clamp is None else CLAMPED_SWIGLU
+
+
+def float_bits(v: float) -> int:
+    """v's float32 bits as a signed int: how limit and alpha reach the kernels (their templates take no floats)."""
+    return struct.unpack("<i", struct.pack("<f", v))[0]
+
+
+def _variant_signature(variant: ExpertVariant | None) -> tuple | None:
+    if variant is None:
+        return None
+    return (variant.biases is not None and tuple(map(_signature, variant.biases)), variant.clamp)
+
+
 def _signature(a: mx.array | None) -> tuple | None:
     return None if a is None else (tuple(a.shape), a.dtype)
 
@@ -63,8 +97,27 @@ def _parts_signature(p: QuantizedParts) -> tuple:
             p.group_size, p.mode)
 
 
+def _check_variant(variant: ExpertVariant, n_exp: int, d: int, dff: int, shared: SharedExpert | None) -> None:
+    """Expert biases [E, Dff], [E, Dff], [E, D] in a float dtype; the clamp's limit > 0 and alpha finite."""
+    if variant.biases is not None:
+        for name, b, shape in zip(("gate", "up", "down"), variant.biases, ((n_exp, dff), (n_exp, dff), (n_exp, d)),
+                                  strict=True):
+            if tuple(b.shape) != shape or not mx.issubdtype(b.dtype, mx.floating):
+                raise UnsupportedKernelConfig(f"{name} expert bias is {tuple(b.shape)} {b.dtype}, expected {shape} "
+                                              f"floating point [E, out]")
+    if variant.clamp is not None:
+        limit, alpha = variant.clamp
+        if not (math.isfinite(limit) and limit > 0 and math.isfinite(alpha)):
+            raise UnsupportedKernelConfig(f"clamped SwiGLU limit {limit} and alpha {alpha}: expected a finite limit "
+                                          f"> 0 and a finite alpha")
+        if shared is not None:
+            raise UnsupportedKernelConfig("a shared expert beside clamped-SwiGLU experts (kernel A would clamp it "
+                                          "too; no family declares that)")
+
+
 def _check_pair(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
-                down: QuantizedParts, shared: SharedExpert | None, residual: mx.array | None, rows: int) -> None:
+                down: QuantizedParts, shared: SharedExpert | None, residual: mx.array | None, rows: int,
+                variant: ExpertVariant | None = None) -> None:
     """Shapes and dtypes the kernel pair assumes (a bad launch would abort the process)."""
     if not 1 <= rows <= MAX_ROWS:
         raise ConfigError(f"rows per threadgroup {rows}: expected 1 to {MAX_ROWS}")
@@ -96,6 +149,8 @@ def _check_pair(x: mx.array, indices: mx.array, scores: mx.array, gate: Quantize
             raise UnsupportedKernelConfig(f"{name} experts are {found} [E, out, in], expected {shape}")
         if p.weight.size >= 2**31:
             raise UnsupportedKernelConfig(f"{name} experts hold {p.weight.size} packed words (32-bit offsets)")
+    if variant is not None:
+        _check_variant(variant, n_exp, d, dff, shared)
     if shared is None:
         return
     dffs = shared.gate.out_features
@@ -115,11 +170,14 @@ check_pair = CheckedOnce(_check_pair)
 
 
 def pair_signature(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
-                   down: QuantizedParts, shared: SharedExpert | None, residual: mx.array | None, rows: int) -> tuple:
-    """Everything the pair's checks and launch geometry depend on (shapes, dtypes, bits; no values)."""
+                   down: QuantizedParts, shared: SharedExpert | None, residual: mx.array | None, rows: int,
+                   variant: ExpertVariant | None = None) -> tuple:
+    """Everything the pair's checks and launch geometry depend on (shapes, dtypes, bits, the clamp; no array
+    values)."""
     return (_signature(x), _signature(indices), _signature(scores), *map(_parts_signature, (gate, up, down)),
             shared is not None and (*map(_parts_signature, (shared.gate, shared.up, shared.down)),
-                                    _signature(shared.sigmoid_gate)), _signature(residual), rows)
+                                    _signature(shared.sigmoid_gate)), _signature(residual), rows,
+            _variant_signature(variant))
 
 
 @dataclass(frozen=True)
@@ -139,14 +197,18 @@ class PairLaunch:
 @functools.lru_cache(maxsize=64)
 def _pair_launch(lead: tuple, x_dtype: mx.Dtype, scale_dtype: mx.Dtype, scores_dtype: mx.Dtype,
                  e: int, k: int, d: int, dff: int, dffs: int, gs: int, bits: int, down_bits: int, resid: bool,
-                 rows: int, mode: str) -> PairLaunch:
+                 rows: int, mode: str, biased: bool, clamp: tuple[float, float] | None) -> PairLaunch:
     shape = [("E", e), ("K", k), ("DIN", d), ("DFF", dff), ("DFFS", dffs), ("GS", gs)]
     mode_id = ("MODE", KERNEL_MODES.index(mode))
+    limit, alpha = map(float_bits, clamp) if clamp is not None else (0, 0)
+    activation = [("ACT", ACTIVATIONS.index(SWIGLU if clamp is None else CLAMPED_SWIGLU)), ("LIMIT", limit),
+                  ("ALPHA", alpha)]
     return PairLaunch(
-        gate_up_template=[("T", x_dtype), ("ST", scale_dtype), *shape, ("BITS", bits), mode_id],
+        gate_up_template=[("T", x_dtype), ("ST", scale_dtype), *shape, ("BITS", bits), mode_id, *activation,
+                          ("EBIAS", biased)],
         gate_up_grid=(LANES, round_up(k * dff + dffs, rows), 1),
         down_template=[("T", x_dtype), ("ST", scale_dtype), ("S", scores_dtype), *shape, ("BITS", down_bits),
-                       ("RESID", resid), mode_id],
+                       ("RESID", resid), mode_id, ("EBIAS", biased)],
         down_grid=(LANES, round_up(d, rows), 1),
         threadgroup=(LANES, rows, 1),
         act_shape=[(k * dff + dffs,)],
@@ -158,34 +220,43 @@ def _pair_launch(lead: tuple, x_dtype: mx.Dtype, scale_dtype: mx.Dtype, scores_d
 def gpu_routed(
     backend: str, x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
     down: QuantizedParts, shared: SharedExpert | None = None, residual: mx.array | None = None,
-    rows: int = DEFAULT_ROWS,
+    rows: int = DEFAULT_ROWS, variant: ExpertVariant | None = None,
 ) -> tuple[mx.array, mx.array, mx.array | None]:
     """The kernel pair on `backend` (see routed). Kept lean: at decode the Python cost of building a layer's
     graph is of the same order as the GPU work. A kernel's inputs are fixed, so without a shared expert the
-    routed arrays stand in for its (unread) inputs, and without a residual x does."""
-    signature = pair_signature(x, indices, scores, gate, up, down, shared, residual, rows)
-    check_pair(signature, x, indices, scores, gate, up, down, shared, residual, rows)
+    routed arrays stand in for its (unread) inputs, without a residual x does, and without expert biases x
+    (kernel A) and the residual or x (kernel B)."""
+    signature = pair_signature(x, indices, scores, gate, up, down, shared, residual, rows, variant)
+    check_pair(signature, x, indices, scores, gate, up, down, shared, residual, rows, variant)
+    biases = variant.biases if variant is not None else None
     launch = _pair_launch(tuple(x.shape[:-1]), x.dtype, gate.scales.dtype, scores.dtype,
                           gate.weight.shape[0], indices.shape[-1], gate.in_features, gate.out_features,
                           shared.gate.out_features if shared is not None else 0, gate.group_size, gate.bits,
-                          down.bits, residual is not None, rows, gate.mode)
+                          down.bits, residual is not None, rows, gate.mode, biases is not None,
+                          variant.clamp if variant is not None else None)
     indices = indices.astype(mx.uint32)
     st = gate.scales.dtype  # scales and biases of every projection in one dtype (a no-op cast in practice)
     s_gate, s_up, s_down = (shared.gate, shared.up, shared.down) if shared is not None else (gate, up, down)
+    resid = residual if residual is not None else x
+    gate_eb, up_eb, down_eb = _expert_biases(biases, x.dtype) if biases is not None else (x, x, resid)
     act = built_kernel(backend, GATE_UP)(
         inputs=[x, indices, gate.weight, *_scales_biases(gate, st), up.weight, *_scales_biases(up, st),
-                s_gate.weight, *_scales_biases(s_gate, st), s_up.weight, *_scales_biases(s_up, st)],
+                s_gate.weight, *_scales_biases(s_gate, st), s_up.weight, *_scales_biases(s_up, st), gate_eb, up_eb],
         template=launch.gate_up_template, grid=launch.gate_up_grid, threadgroup=launch.threadgroup,
         output_shapes=launch.act_shape, output_dtypes=[mx.float32],
     )[0]
     y, ys, out = built_kernel(backend, DOWN)(
         inputs=[indices, scores, down.weight, *_scales_biases(down, st), act, s_down.weight,
-                *_scales_biases(s_down, st), shared.sigmoid_gate if shared is not None else scores,
-                residual if residual is not None else x],
+                *_scales_biases(s_down, st), shared.sigmoid_gate if shared is not None else scores, resid, down_eb],
         template=launch.down_template, grid=launch.down_grid, threadgroup=launch.threadgroup,
         output_shapes=launch.down_shapes, output_dtypes=launch.down_dtypes,
     )
     return out, y, ys if shared is not None else None
+
+
+def _expert_biases(biases: tuple[mx.array, ...], dtype: mx.Dtype) -> tuple[mx.array, ...]:
+    """The experts' biases in the activation dtype, as the kernels read them (no cast when stored in it)."""
+    return tuple(b if b.dtype == dtype else b.astype(dtype) for b in biases)
 
 
 def _scales_biases(p: QuantizedParts, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
@@ -206,13 +277,13 @@ check_select = CheckedOnce(_check_select)
 
 
 def gpu_select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
-               gate_row: bool) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+               gate_row: bool, scoring: str = SOFTMAX_THEN_TOPK) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """The router kernel on `backend` (see select)."""
     lead = tuple(logits.shape[:-1])
     return tuple(built_kernel(backend, ROUTER)(
         inputs=[logits],
         template=[("LT", logits.dtype), ("E", num_experts), ("K", top_k), ("NORM", norm_topk_prob),
-                  ("SHARED", gate_row)],
+                  ("SHARED", gate_row), ("TOPK_FIRST", scoring == TOPK_THEN_SOFTMAX)],
         grid=(LANES, 1, 1), threadgroup=(LANES, 1, 1),
         output_shapes=[(*lead, num_experts), (*lead, top_k), (*lead, top_k), (*lead, 1)],
         output_dtypes=[mx.float32, mx.uint32, mx.float32, mx.float32],
@@ -220,25 +291,32 @@ def gpu_select(backend: str, logits: mx.array, num_experts: int, top_k: int, nor
 
 
 def reference_select(logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
-                     gate_row: bool) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+                     gate_row: bool, scoring: str = SOFTMAX_THEN_TOPK) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """The router kernel's arithmetic: moebench's router (models.routing.route) with the selection ordered
-    highest probability first, as the kernel returns it, and the shared expert's sigmoid gate."""
+    highest probability first, as the kernel returns it, and the shared expert's sigmoid gate. For
+    TOPK_THEN_SOFTMAX the top-k logits scored by the softmax over those k (the numbers route gives as the
+    renormalised top-k probabilities), `probs` the softmax over all experts, as route records it."""
     lf = logits.astype(mx.float32)
     probs, inds, scores = route(lf[..., :num_experts], top_k, norm_topk_prob, ordered=True)
+    if scoring == TOPK_THEN_SOFTMAX:
+        inds = mx.argsort(-lf[..., :num_experts], axis=-1)[..., :top_k].astype(mx.uint32)
+        scores = mx.softmax(mx.take_along_axis(lf, inds, axis=-1), axis=-1, precise=True)
     sgate = mx.sigmoid(lf[..., num_experts:]) if gate_row else mx.zeros((*lf.shape[:-1], 1), mx.float32)
     return probs, inds, scores, sgate
 
 
 def select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
-           gate_row: bool) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+           gate_row: bool, scoring: str = SOFTMAX_THEN_TOPK) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """One token's router selection on `backend`: logits [..., E (+1)] -> (probs [..., E] f32, ids [..., K]
     uint32, scores [..., K] f32, shared sigmoid gate [..., 1] f32, 0 without `gate_row`), the leading axes
-    all 1 and kept. `gate_row`: the last logit is the shared expert gate's."""
+    all 1 and kept. `gate_row`: the last logit is the shared expert gate's. `scoring`: the block's declared
+    scoring (moebench.models.declare); with TOPK_THEN_SOFTMAX `norm_topk_prob` is unread (the scores sum to
+    one)."""
     check_backend(backend)
     check_select((tuple(logits.shape), num_experts, top_k, gate_row), logits, num_experts, top_k, gate_row)
     if backend in GPU_BACKENDS:
-        return gpu_select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row)
-    return run_compiled(reference_select, (num_experts, top_k, norm_topk_prob, gate_row), logits)
+        return gpu_select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring)
+    return run_compiled(reference_select, (num_experts, top_k, norm_topk_prob, gate_row, scoring), logits)
 
 
 def matmul_f32(p: QuantizedParts, v: mx.array, indices: mx.array | None = None) -> mx.array:
@@ -260,13 +338,30 @@ def swiglu_f32(g: mx.array, u: mx.array) -> mx.array:
     return g / (1.0 + mx.exp(-g)) * u
 
 
+def activation_f32(g: mx.array, u: mx.array, clamp: tuple[float, float] | None) -> mx.array:
+    """The experts' activation in float32 as kernel A computes it: SwiGLU, or with `clamp` (limit, alpha) the
+    clamped SwiGLU (clip(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit)."""
+    if clamp is None:
+        return swiglu_f32(g, u)
+    limit, alpha = (mx.array(v, mx.float32) for v in clamp)
+    g, u = mx.minimum(g, limit), mx.clip(u, -limit, limit)
+    return (u + 1.0) * g / (1.0 + mx.exp(-alpha * g))
+
+
 def reference_expert_outputs(
-    x: mx.array, indices: mx.array, gate: QuantizedParts, up: QuantizedParts, down: QuantizedParts
+    x: mx.array, indices: mx.array, gate: QuantizedParts, up: QuantizedParts, down: QuantizedParts,
+    variant: ExpertVariant | None = None,
 ) -> mx.array:
-    """x [D], indices [K] -> unweighted expert outputs [K, D] in float32, with MLX ops."""
+    """x [D], indices [K] -> unweighted expert outputs [K, D] in float32 (the down bias included), with MLX
+    ops; `variant`'s biases read in x's dtype, as the kernels read them."""
     xf = x.astype(mx.float32)
-    act = swiglu_f32(matmul_f32(gate, xf, indices), matmul_f32(up, xf, indices))
-    return matmul_f32(down, act, indices)[:, 0]
+    g, u = matmul_f32(gate, xf, indices), matmul_f32(up, xf, indices)
+    biases = None
+    if variant is not None and variant.biases is not None:
+        biases = [b[indices].astype(x.dtype).astype(mx.float32)[:, None] for b in variant.biases]  # [K, 1, out]
+        g, u = g + biases[0], u + biases[1]
+    y = matmul_f32(down, activation_f32(g, u, variant.clamp if variant is not None else None), indices)
+    return (y if biases is None else y + biases[2])[:, 0]
 
 
 def reference_shared_output(x: mx.array, shared: SharedExpert) -> mx.array:
@@ -278,42 +373,47 @@ def reference_shared_output(x: mx.array, shared: SharedExpert) -> mx.array:
 def routed(
     backend: str, x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
     down: QuantizedParts, shared: SharedExpert | None = None, residual: mx.array | None = None,
-    rows: int = DEFAULT_ROWS,
+    rows: int = DEFAULT_ROWS, variant: ExpertVariant | None = None,
 ) -> tuple[mx.array, mx.array, mx.array | None]:
     """One token's expert output on `backend`: ((residual +) sum_k score_k y_k (+ gate * ys) [D] in x.dtype,
-    unweighted routed outputs y [K, D] f32, unweighted shared output ys [D] f32 or None without a shared
-    expert). `rows`: output rows per threadgroup of the GPU kernels.
+    unweighted routed outputs y [K, D] f32 (with their down biases), unweighted shared output ys [D] f32 or None
+    without a shared expert). `rows`: output rows per threadgroup of the GPU kernels; `variant`: the experts'
+    biases and clamped SwiGLU (None: bias-free SwiGLU).
 
     x [D] with indices and scores [K], or with leading axes of 1 (x [1, 1, D] with [1, 1, K], as a decode
     step holds it): the outputs keep them, without reshape ops on the GPU path.
     """
     check_backend(backend)
     if backend in GPU_BACKENDS:
-        return gpu_routed(backend, x, indices, scores, gate, up, down, shared, residual, rows)
-    signature = pair_signature(x, indices, scores, gate, up, down, shared, residual, rows)
-    check_pair(signature, x, indices, scores, gate, up, down, shared, residual, rows)
+        return gpu_routed(backend, x, indices, scores, gate, up, down, shared, residual, rows, variant)
+    signature = pair_signature(x, indices, scores, gate, up, down, shared, residual, rows, variant)
+    check_pair(signature, x, indices, scores, gate, up, down, shared, residual, rows, variant)
     parts = (gate, up, down, *((shared.gate, shared.up, shared.down) if shared is not None else ()))
     arrays = tuple((p.weight, p.scales, p.biases) for p in parts)
     formats = tuple((p.group_size, p.bits, p.mode) for p in parts)
-    return run_compiled(_traced_reference, (formats,), x, indices, scores, arrays,
-                        None if shared is None else shared.sigmoid_gate, residual)
+    biases = variant.biases if variant is not None else None
+    clamp = variant.clamp if variant is not None else None
+    return run_compiled(_traced_reference, (formats, clamp), x, indices, scores, arrays,
+                        None if shared is None else shared.sigmoid_gate, residual, biases)
 
 
 def _traced_reference(x: mx.array, indices: mx.array, scores: mx.array, arrays: tuple, sigmoid_gate: mx.array | None,
-                      residual: mx.array | None, formats: tuple) -> tuple[mx.array, mx.array, mx.array | None]:
-    """reference_routed with each QuantizedParts given as its arrays and its format (run_compiled takes arrays)."""
+                      residual: mx.array | None, biases: tuple | None, formats: tuple,
+                      clamp: tuple[float, float] | None) -> tuple[mx.array, mx.array, mx.array | None]:
+    """reference_routed with each QuantizedParts given as its arrays and its format, and the variant as its
+    biases and clamp (run_compiled takes arrays)."""
     parts = [QuantizedParts(*a, *f) for a, f in zip(arrays, formats, strict=True)]
     shared = SharedExpert(*parts[3:], sigmoid_gate) if sigmoid_gate is not None else None
-    return reference_routed(x, indices, scores, *parts[:3], shared, residual)
+    return reference_routed(x, indices, scores, *parts[:3], shared, residual, ExpertVariant(biases, clamp))
 
 
 def reference_routed(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
-                     down: QuantizedParts, shared: SharedExpert | None,
-                     residual: mx.array | None) -> tuple[mx.array, mx.array, mx.array | None]:
+                     down: QuantizedParts, shared: SharedExpert | None, residual: mx.array | None,
+                     variant: ExpertVariant | None = None) -> tuple[mx.array, mx.array, mx.array | None]:
     """routed's arithmetic with MLX ops (the reference backend)."""
     lead = tuple(x.shape[:-1])
     flat_x = x.reshape(-1)
-    y = reference_expert_outputs(flat_x, indices.reshape(-1), gate, up, down)
+    y = reference_expert_outputs(flat_x, indices.reshape(-1), gate, up, down, variant)
     out = weighted_sum(y, scores.reshape(-1))  # in float32, as y is
     ys = None
     if shared is not None:
@@ -336,5 +436,19 @@ def routed_experts(path: str, experts: SwitchGLU, x: mx.array, indices: mx.array
         y = experts(x, indices)
         return weighted_sum(y, scores), y
     parts = [p.quantized_parts() for p in (experts.gate_proj, experts.up_proj, experts.down_proj)]
-    out, y, _ = routed(path, x, indices, scores, *parts, rows=rows)
+    out, y, _ = routed(path, x, indices, scores, *parts, rows=rows, variant=expert_variant(experts))
     return out, y
+
+
+def expert_clamp(experts: SwitchGLU) -> tuple[float, float] | None:
+    """The clamped SwiGLU's (limit, alpha) that `experts` hold (a block declaring CLAMPED_SWIGLU keeps them on its
+    experts as `limit` and `alpha`), or None for SwiGLU."""
+    limit = getattr(experts, "limit", None)
+    return None if limit is None else (float(limit), float(experts.alpha))
+
+
+def expert_variant(experts: SwitchGLU) -> ExpertVariant | None:
+    """What `experts` compute beyond bias-free SwiGLU, from what they hold (their projections' biases, their
+    clamp), or None when nothing."""
+    biases, clamp = expert_biases(experts.gate_proj, experts.up_proj, experts.down_proj), expert_clamp(experts)
+    return None if biases is None and clamp is None else ExpertVariant(biases, clamp)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..models import hooks
-from ..models.declare import PER_HEAD, WHOLE_PROJECTION, LinearAttentionSpec
+from ..models.declare import CLAMPED_SWIGLU, PER_HEAD, WHOLE_PROJECTION, LinearAttentionSpec
 from ..models.hooks import Record
 from ..models.layers import ColumnShard
 from ..models.routing import route
@@ -116,12 +116,16 @@ class AttentionKernel:
 
 class MoeKernel:
     """One MoE block for one token through the router kernel and the kernel pair on `backend`:
-    residual + block(xn)."""
+    residual + block(xn). The block's declared variants ride along: its scoring (the router kernel's), its
+    experts' biases and clamped SwiGLU (the pair's); a router bias is in the logits the router kernel reads."""
 
     def __init__(self, block, weights: LayerWeights, backend: str, rows: int):
         self.block, self.weights, self.backend, self.rows = block, weights, backend, rows
         self.shard = block.switch_mlp if isinstance(block.switch_mlp, ExpertShard) else None
-        self.split_shared = block.spec.shared is not None and isinstance(block.shared_expert.down_proj, ColumnShard)
+        spec = block.spec
+        self.split_shared = spec.shared is not None and isinstance(block.shared_expert.down_proj, ColumnShard)
+        self.scoring = spec.scoring
+        self.clamp = moe.expert_clamp(block.switch_mlp) if spec.activation == CLAMPED_SWIGLU else None
 
     def __call__(self, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
         b, recording = self.block, record is not None
@@ -134,7 +138,7 @@ class MoeKernel:
             stacked = self.weights.router.get() if self.weights.router is not None else None
             logits = (stacked or b.gate)(xn)
             probs, inds, scores, gate = moe.select(self.backend, logits, b.num_experts, b.top_k, b.norm_topk_prob,
-                                                   stacked is not None)
+                                                   stacked is not None, self.scoring)
             if stacked is not None:
                 logits = logits[..., : b.num_experts] if recording else None
             elif shared_on:
@@ -152,8 +156,9 @@ class MoeKernel:
             held, slots = self.shard.owned(inds)
             weights, once = mx.where(held, scores, 0), self.shard.group.rank() == 0
         mine = once or self.split_shared  # a split shared expert: every rank adds its share of the width
+        variant = None if w.biases is None and self.clamp is None else moe.ExpertVariant(w.biases, self.clamp)
         out, expert_out, shared = moe.routed(self.backend, xn, slots, weights, *w.experts, folded if mine else None,
-                                             residual if once and not beside else None, self.rows)
+                                             residual if once and not beside else None, self.rows, variant)
         if self.shard is not None:
             out = mx.distributed.all_sum(out, group=self.shard.group)
         block_out = None

@@ -11,9 +11,19 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..models.args import FP_MODES, QuantizedParts
-from ..models.declare import SIGMOID_GATED, SOFTMAX_THEN_TOPK, SWIGLU, AttentionSpec, LinearAttentionSpec, MoeSpec
+from ..models.declare import (
+    CLAMPED_SWIGLU,
+    SCORINGS,
+    SIGMOID_GATED,
+    SWIGLU,
+    AttentionSpec,
+    LinearAttentionSpec,
+    MoeSpec,
+)
 from .kernel import LANES
 
+# The experts' activations kernel A computes (its ACT template constant numbers them in this order).
+ACTIVATIONS = (SWIGLU, CLAMPED_SWIGLU)
 GATE_UP_BITS = (4, 8)
 DOWN_BITS = (4, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -23,17 +33,17 @@ DEFAULT_MAX_DFF = {"metal": 4096, "cuda": 8192}  # expert width above which the 
 
 
 def moe_declaration_reason(spec: MoeSpec) -> str | None:
-    """Why the router kernel and the kernel pair cannot compute what this block declares, or None."""
-    if spec.scoring != SOFTMAX_THEN_TOPK:
-        return f"routing by {spec.scoring} (the router kernel takes {SOFTMAX_THEN_TOPK})"
-    if spec.router_bias:
-        return "a router with a bias (the router kernel takes none)"
-    if spec.activation != SWIGLU:
-        return f"expert activation {spec.activation} (the kernels compute {SWIGLU})"
-    if spec.expert_bias:
-        return "experts with biases (the kernels take none)"
+    """Why the router kernel and the kernel pair cannot compute what this block declares, or None. Both scorings
+    are router-kernel variants; a router bias is inside the logits the router kernel reads; expert biases and the
+    clamped SwiGLU are kernel-pair variants (a shared expert with biases runs beside the pair: shared_fold_reason)."""
+    if spec.scoring not in SCORINGS:
+        return f"routing by {spec.scoring} (the router kernel takes {' or '.join(SCORINGS)})"
+    if spec.activation not in ACTIVATIONS:
+        return f"expert activation {spec.activation} (the kernels compute {' or '.join(ACTIVATIONS)})"
     if spec.shared not in (None, SIGMOID_GATED):
         return f"a shared expert joined as {spec.shared} (the kernels take a {SIGMOID_GATED})"
+    if spec.shared is not None and spec.activation != SWIGLU:
+        return f"a shared expert beside {spec.activation} experts (kernel A would apply it to the shared expert)"
     return None
 
 

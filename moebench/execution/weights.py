@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import UnsupportedKernelConfig
 from ..models.args import QuantizedParts
 from ..models.layers import Linear
 from ..models.switch import PROJECTIONS, SwitchLinear
@@ -111,15 +112,29 @@ class RowStack:
 
 
 
+def expert_biases(gate: SwitchLinear, up: SwitchLinear, down: SwitchLinear) -> tuple[mx.array, ...] | None:
+    """The routed experts' biases gate [E, Dff], up [E, Dff], down [E, D] as the kernel pair adds them, or None
+    when they have none; biases on some projections only are refused (the pair would drop the others)."""
+    biased = ["bias" in p for p in (gate, up, down)]
+    if not any(biased):
+        return None
+    if not all(biased):
+        names = [n for n, b in zip(PROJECTIONS, biased, strict=True) if not b]
+        raise UnsupportedKernelConfig(f"experts with biases on some projections only ({', '.join(names)} without): "
+                                      f"the kernel pair takes all three or none")
+    return gate["bias"], up["bias"], down["bias"]
+
+
 @dataclass(frozen=True)
 class FusedWeights:
-    """The arrays the kernels of one MoE block read: the routed experts' gate/up/down parts, and the shared
-    expert's when they can run inside the kernel pair (else None, with `shared_note` saying why; None when
-    the family has no shared expert)."""
+    """The arrays the kernels of one MoE block read: the routed experts' gate/up/down parts and their biases
+    (None: none), and the shared expert's parts when they can run inside the kernel pair (else None, with
+    `shared_note` saying why; None when the family has no shared expert)."""
 
     experts: tuple[QuantizedParts, QuantizedParts, QuantizedParts]
     shared: tuple[QuantizedParts, QuantizedParts, QuantizedParts] | None = None
     shared_note: str | None = None
+    biases: tuple[mx.array, mx.array, mx.array] | None = None
 
     @classmethod
     def build(cls, gate: SwitchLinear, up: SwitchLinear, down: SwitchLinear, *shared: Linear) -> FusedWeights:
@@ -127,9 +142,10 @@ class FusedWeights:
         parts = tuple(p.quantized_parts() for p in (gate, up, down))
         if any(p is None for p in parts):  # float experts: declined by support.parts_reason, nothing to read
             return cls(parts)
+        biases = expert_biases(gate, up, down)
         note = None
         if shared:
             projections = {name: m.quantized_parts() for name, m in zip(PROJECTIONS, shared, strict=True)}
             note = shared_fold_reason(parts, projections, biased=any("bias" in m for m in shared))
         folded = tuple(m.quantized_parts() for m in shared) if shared and note is None else None
-        return cls(parts, folded, note)
+        return cls(parts, folded, note, biases)

@@ -1,7 +1,8 @@
 """The float64 truth every comparison is measured against: quantized weights unpacked by numpy
 (independently of MLX), scales and biases upcast before the affine map (or, in the microscaled modes
 mxfp4, nvfp4 and mxfp8, codes and scales decoded from their formats' definitions), every product
-accumulated in float64. compare, selfcheck and the tests use it.
+accumulated in float64; the declared variants (expert biases, the clamped SwiGLU) from their definitions
+too. compare, selfcheck and the tests use it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import UnsupportedKernelConfig
+from ..execution.moe import ExpertVariant
 from ..models.args import QuantizedParts
 
 
@@ -75,19 +77,41 @@ def dequantize_f64(parts: QuantizedParts, ids: np.ndarray | list[int] | None = N
     return levels * np.repeat(f64(take(parts.scales)), gs, axis=-1) + np.repeat(f64(take(parts.biases)), gs, axis=-1)
 
 
-def swiglu_f64(gate: np.ndarray, up: np.ndarray, down: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """down (silu(gate x) * up x) in float64, for one matrix [out, in] or a stack [K, out, in] of each."""
+def activation_f64(g: np.ndarray, u: np.ndarray, clamp: tuple[float, float] | None = None) -> np.ndarray:
+    """silu(g) * u in float64, or with `clamp` (limit, alpha) gpt-oss's clamped SwiGLU: g' = min(g, limit),
+    (clip(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')."""
+    if clamp is None:
+        return g / (1.0 + np.exp(-g)) * u
+    limit, alpha = clamp
+    g = np.minimum(g, limit)
+    return (np.clip(u, -limit, limit) + 1.0) * g / (1.0 + np.exp(-alpha * g))
+
+
+def swiglu_f64(gate: np.ndarray, up: np.ndarray, down: np.ndarray, x: np.ndarray,
+               biases: list[np.ndarray] | None = None, clamp: tuple[float, float] | None = None) -> np.ndarray:
+    """down (act(gate x, up x)) in float64, for one matrix [out, in] or a stack [K, out, in] of each; `biases`
+    (gate, up, down: [out] or [K, out]) added to each projection, `clamp` the clamped SwiGLU's (limit, alpha)."""
     g, u = gate @ x, up @ x
-    return (down @ (g / (1.0 + np.exp(-g)) * u)[..., None])[..., 0]
+    if biases is not None:
+        g, u = g + biases[0], u + biases[1]
+    y = (down @ activation_f64(g, u, clamp)[..., None])[..., 0]
+    return y if biases is None else y + biases[2]
 
 
-def expert_outputs(parts: list[QuantizedParts], x: np.ndarray, ids: np.ndarray | list[int] | None = None
-                   ) -> np.ndarray:
-    """Unweighted SwiGLU outputs of gate/up/down `parts` on one token x [D]: [K, D] for experts `ids` of a
-    stack, or [D] for a single expert (the shared expert)."""
+def expert_outputs(parts: list[QuantizedParts], x: np.ndarray, ids: np.ndarray | list[int] | None = None,
+                   variant: ExpertVariant | None = None) -> np.ndarray:
+    """Unweighted outputs of gate/up/down `parts` on one token x [D]: [K, D] for experts `ids` of a stack, or
+    [D] for a single expert (the shared expert); SwiGLU without biases, or what `variant` declares (the
+    experts' biases [E, out], upcast from their stored dtype, and the clamped SwiGLU)."""
     if any(p is None for p in parts):
         raise UnsupportedKernelConfig("float weights: the fused kernels need quantized weights")
-    return swiglu_f64(*(dequantize_f64(p, ids) for p in parts), x.astype(np.float64))
+    biases, clamp = None, None
+    if variant is not None:
+        clamp = variant.clamp
+        if variant.biases is not None:
+            pick = (lambda b: b[np.asarray(ids, dtype=np.int64)]) if ids is not None else (lambda b: b)
+            biases = [pick(f64(b)) for b in variant.biases]
+    return swiglu_f64(*(dequantize_f64(p, ids) for p in parts), x.astype(np.float64), biases, clamp)
 
 
 def nrms(a: np.ndarray, ref: np.ndarray) -> float:

@@ -22,9 +22,13 @@ from moebench.execution.executor import fused_moe
 from moebench.execution.kernel import LANES
 from moebench.execution.settings import ENV_ROWS
 from moebench.execution.support import MICROSCALED
+from moebench.execution.weights import expert_biases
 from moebench.inspect.truth import expert_outputs, f64, nrms
 from moebench.models.args import FP_MODES, QuantizedParts
-from moebench.models.switch import SwitchGLU, weighted_sum
+from moebench.models.declare import TOPK_THEN_SOFTMAX
+from moebench.models.gpt_oss import Experts
+from moebench.models.routing import route
+from moebench.models.switch import BiasedSwitchLinear, SwitchGLU, weighted_sum
 
 
 def make_experts(n_exp: int, d: int, dff: int, bits: tuple[int, int] = (4, 4), group: int = 64, seed: int = 0,
@@ -134,6 +138,127 @@ def test_fused_is_no_farther_from_truth_than_the_fallback_in_bfloat16_microscale
     fused_err, fallback_err = nrms(f64(out), truth_out), nrms(f64(fallback), truth_out)
     assert out.dtype == mx.bfloat16
     assert fused_err <= fallback_err, f"fused nRMS {fused_err:.2e} vs fallback {fallback_err:.2e}"
+
+
+def make_biases(n_exp: int, d: int, dff: int, seed: int, dtype: mx.Dtype = mx.float32) -> tuple[mx.array, ...]:
+    """Random expert biases gate and up [E, Dff], down [E, D], about as large as the projections' outputs."""
+    rng = np.random.default_rng(seed)
+    return tuple(mx.array(rng.standard_normal((n_exp, n)).astype(np.float32)).astype(dtype) for n in (dff, dff, d))
+
+
+def variant_experts(fmt: str, n_exp: int, d: int, dff: int, seed: int, dtype: mx.Dtype = mx.float32):
+    """gate/up/down in `fmt`: 'affine4' (4-bit g32), 'affine8' (8-bit g64) or a microscaled mode."""
+    if fmt.startswith("affine"):
+        bits = int(fmt.removeprefix("affine"))
+        return make_experts(n_exp, d, dff, (bits, bits), 32 if bits == 4 else 64, seed, scale_dtype=dtype)
+    return make_microscaled(n_exp, d, dff, fmt, seed, dtype)
+
+
+VARIANT_FORMATS = ("affine4", "affine8", *MICROSCALED)
+CLAMP = (1.0, 1.702)  # gpt-oss's alpha; a limit that bites on these activations (gpt-oss's is 7.0)
+# (biases, clamp): each variant alone and together
+VARIANTS = [(True, None), (False, CLAMP), (True, CLAMP)]
+
+
+@pytest.mark.parametrize("biased,clamp", VARIANTS, ids=["biases", "clamp", "biases+clamp"])
+@pytest.mark.parametrize("fmt", VARIANT_FORMATS)
+def test_expert_variants_match_the_float64_truth(fmt, biased, clamp):
+    """Expert biases on gate, up and down and the clamped SwiGLU, in every format the pair reads, in the bounds
+    the affine kernels meet; the clamp really bites, and the down bias is in each unweighted y_k."""
+    d, dff, k = 256, 192, 4
+    parts = variant_experts(fmt, k + 2, d, dff, seed=40)
+    variant = moe.ExpertVariant(make_biases(k + 2, d, dff, seed=41) if biased else None, clamp)
+    ids, scores = routing(k + 2, k, seed=42)
+    x = mx.array(np.random.default_rng(43).standard_normal(d).astype(np.float32))
+    out, y, _ = moe.routed("reference", x, mx.array(ids, dtype=mx.uint32), mx.array(scores), *parts,
+                           variant=variant)
+    truth_y = expert_outputs(list(parts), f64(x), ids, variant)
+    truth_out = (truth_y * scores.astype(np.float64)[:, None]).sum(axis=0)
+    assert nrms(y, truth_y) < 5e-4 and nrms(out, truth_out) < 5e-4
+    plain = expert_outputs(list(parts), f64(x), ids, moe.ExpertVariant(variant.biases, None))
+    assert (clamp is None) == (nrms(truth_y, plain) < 1e-12), "the clamp must change these outputs"
+
+
+def test_expert_variants_at_gpt_oss_20b_expert_shapes_match_the_truth():
+    """gpt-oss-20b's experts (D 2880, Dff 2880, top-4) in mxfp4 as published, biases and the clamp at 7.0."""
+    d = dff = 2880
+    parts = make_microscaled(6, d, dff, "mxfp4", seed=44)
+    variant = moe.ExpertVariant(make_biases(6, d, dff, seed=45), (7.0, 1.702))
+    ids, scores = routing(6, 4, seed=46)
+    x = mx.array(np.random.default_rng(47).standard_normal(d).astype(np.float32))
+    out, y, _ = moe.routed("reference", x, mx.array(ids, dtype=mx.uint32), mx.array(scores), *parts,
+                           variant=variant)
+    truth_y = expert_outputs(list(parts), f64(x), ids, variant)
+    assert nrms(y, truth_y) < 5e-4 and nrms(out, (truth_y * scores[:, None]).sum(axis=0)) < 5e-4
+
+
+@pytest.mark.parametrize("fmt", ("affine4", "mxfp4"))
+def test_fused_variant_matches_the_biased_clamped_fallback(fmt):
+    """The fused reference and the fallback (gather_qmm with bias adds and the family's clamped SwiGLU) agree
+    on gpt-oss experts: routed_experts reads the variant from what the experts hold."""
+    d, dff, n_exp = 256, 192, 6
+    parts = variant_experts(fmt, n_exp, d, dff, seed=48)
+    experts = Experts(d, dff, n_exp, *CLAMP)
+    for proj, p, b in zip((experts.gate_proj, experts.up_proj, experts.down_proj), parts,
+                          make_biases(n_exp, d, dff, seed=49), strict=True):
+        proj.set_weight(p.weight, p)
+        proj.bias = b
+    ids, scores = routing(n_exp, 4, seed=50)
+    x = mx.array(np.random.default_rng(51).standard_normal((1, d)).astype(np.float32))
+    idx, sc = mx.array([ids], dtype=mx.uint32), mx.array(scores[None])
+    fused_out, fused_y = moe.routed_experts("reference", experts, x, idx, sc)
+    fb_out, fb_y = moe.routed_experts("fallback", experts, x, idx, sc)
+    assert nrms(fused_y, f64(fb_y)) < 1e-5 and nrms(fused_out, f64(fb_out)) < 1e-5
+
+
+def test_expert_variants_the_pair_cannot_take_raise_named_errors():
+    parts = make_experts(4, 128, 64, seed=52)
+    biases = make_biases(4, 128, 64, seed=53)
+    idx, sc, x = mx.array([0, 1], dtype=mx.uint32), mx.array([0.5, 0.5]), mx.zeros((128,))
+    one = [QuantizedParts(p.weight[0], p.scales[0], p.biases[0], p.group_size, p.bits, p.mode) for p in parts]
+    bad = {
+        r"down expert bias is \(4, 64\)": moe.ExpertVariant((biases[0], biases[1], biases[0]), None),
+        r"gate expert bias is \(4, 64\) mlx.core.int32": moe.ExpertVariant(
+            (biases[0].astype(mx.int32), *biases[1:]), None),
+        "clamped SwiGLU limit 0.0": moe.ExpertVariant(None, (0.0, 1.0)),
+        "clamped SwiGLU limit 1.0 and alpha nan": moe.ExpertVariant(None, (1.0, math.nan)),
+    }
+    for message, variant in bad.items():
+        with pytest.raises(UnsupportedKernelConfig, match=message):
+            moe.routed("reference", x, idx, sc, *parts, variant=variant)
+        with pytest.raises(UnsupportedKernelConfig, match=message):
+            moe.gpu_routed("metal", x, idx, sc, *parts, variant=variant)
+    with pytest.raises(UnsupportedKernelConfig, match="shared expert beside clamped-SwiGLU experts"):
+        moe.routed("reference", x, idx, sc, *parts, moe.SharedExpert(*one, mx.array([0.5])),
+                   variant=moe.ExpertVariant(None, CLAMP))
+
+
+def test_biases_on_some_expert_projections_only_are_refused():
+    """The pair adds all three biases or none: experts biased on some projections only would lose the others."""
+    gate, down = BiasedSwitchLinear(8, 4, 2), BiasedSwitchLinear(4, 8, 2)
+    up = SwitchGLU(8, 4, 2).up_proj
+    with pytest.raises(UnsupportedKernelConfig, match=r"some projections only \(up_proj without\)"):
+        expert_biases(gate, up, down)
+    assert expert_biases(up, up, up) is None
+    assert [b.shape for b in expert_biases(gate, gate, down)] == [(2, 4), (2, 4), (2, 8)]
+
+
+def test_top_k_then_softmax_routing_matches_the_float64_truth_and_what_route_records():
+    """The router's TOPK_THEN_SOFTMAX variant: the top-k logits (highest first), scored by the softmax over those
+    k in float64's bounds; probs the softmax over all experts, as moebench.models.routing.route records it for
+    the fallback, whose renormalised top-k probabilities are the same scores."""
+    for n_exp, k in ((32, 4), (128, 4), (60, 8)):
+        logits = mx.array(3 * np.random.default_rng(n_exp).standard_normal((1, n_exp)).astype(np.float32))
+        probs, inds, scores, _ = moe.select("reference", logits, n_exp, k, False, False, TOPK_THEN_SOFTMAX)
+        l64 = f64(logits)[0]
+        want = np.argsort(-l64, kind="stable")[:k]
+        assert np.array(inds)[0].tolist() == want.tolist()
+        e = np.exp(l64[want] - l64[want].max())
+        assert np.abs(np.array(scores)[0] - e / e.sum()).max() < 1e-6
+        route_probs, route_ids, route_scores = route(logits, k, True, ordered=True)
+        assert np.array_equal(np.array(probs), np.array(route_probs))
+        assert np.array(route_ids).tolist() == np.array(inds).tolist()
+        assert np.abs(np.array(route_scores) - np.array(scores)).max() < 1e-6
 
 
 def test_shared_expert_and_residual_inside_the_pair_match_the_truth():

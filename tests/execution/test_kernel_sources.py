@@ -46,7 +46,7 @@ from moebench.execution.moe import (
 from moebench.execution.support import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES, MICROSCALED
 from moebench.inspect.truth import nrms
 from moebench.models.args import FP_MODES, QuantizedParts
-from moebench.models.declare import AttentionSpec
+from moebench.models.declare import CLAMPED_SWIGLU, SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, AttentionSpec
 
 EXPERTS = {"E": 4, "K": 3, "DIN": 256, "DFF": 128}  # DFF divides by every group size and by 16 (6-bit)
 E, K, DIN, DFF = EXPERTS.values()
@@ -60,10 +60,12 @@ CAP = 80  # cache slots of the attention runs: past one round of the warps' bloc
 _SHAPE = [("int", n) for n in ("E", "K", "DIN", "DFF", "DFFS", "GS")]
 # Template parameters in the order the wrappers pass them (MLX emits `template <...>` in that order).
 TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
-    ROUTER: [("typename", "LT"), ("int", "E"), ("int", "K"), ("bool", "NORM"), ("bool", "SHARED")],
-    GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "BITS"), ("int", "MODE")],
+    ROUTER: [("typename", "LT"), ("int", "E"), ("int", "K"), ("bool", "NORM"), ("bool", "SHARED"),
+             ("bool", "TOPK_FIRST")],
+    GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "BITS"), ("int", "MODE"), ("int", "ACT"),
+              ("int", "LIMIT"), ("int", "ALPHA"), ("bool", "EBIAS")],
     DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID"),
-           ("int", "MODE")],
+           ("int", "MODE"), ("bool", "EBIAS")],
     ATTENTION: [("typename", "T"), ("typename", "OT"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS"),
                 ("bool", "QKNORM"), ("int", "W"), ("int", "S"), ("bool", "WRITE")],
     COMBINE: [("typename", "T"), ("int", "H"), ("int", "HD"), ("int", "S")],
@@ -71,9 +73,10 @@ TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
 # Element type of each kernel parameter: a C type or a template type name; uint32_t when not listed.
 PARAM_TYPES: dict[Stage, dict[str, str]] = {
     ROUTER: {"logits": "LT", "probs": "float", "scores": "float", "sgate": "float"},
-    GATE_UP: {"x": "T", "act": "float", **{f"{p}_{q}": "ST" for p in ("gate", "up", "sgate", "sup") for q in "sb"}},
+    GATE_UP: {"x": "T", "act": "float", "gate_eb": "T", "up_eb": "T",
+              **{f"{p}_{q}": "ST" for p in ("gate", "up", "sgate", "sup") for q in "sb"}},
     DOWN: {"scores": "S", "act": "float", "sgate": "float", "y": "float", "ys": "float", "out": "T", "resid": "T",
-           **{f"{p}_{q}": "ST" for p in ("down", "sdown") for q in "sb"}},
+           "down_eb": "T", **{f"{p}_{q}": "ST" for p in ("down", "sdown") for q in "sb"}},
     ATTENTION: {**dict.fromkeys(ATTENTION.inputs + ATTENTION.outputs, "T"), "inv_freq": "float", "pos": "int",
                 "block": "int", "eps": "float", "out": "OT"},
     COMBINE: {"parts": "float", "out": "T"},
@@ -95,10 +98,18 @@ def _format(mode: str) -> dict[str, object]:
     return {"MODE": KERNEL_MODES.index(mode), **({"ST": "uint8_t"} if mode != "affine" else {})}
 
 
+# The declared variants off (SwiGLU without biases, softmax then top-k): what an instance takes unless told.
+VARIANTS_OFF = {"ACT": 0, "LIMIT": 0, "ALPHA": 0, "EBIAS": False, "TOPK_FIRST": False}
+CLAMP = (1.0, 1.702)  # a limit that bites on the test activations; gpt-oss's alpha
+_CLAMPED = {"ACT": moe.ACTIVATIONS.index(CLAMPED_SWIGLU), "LIMIT": moe.float_bits(CLAMP[0]),
+            "ALPHA": moe.float_bits(CLAMP[1])}
+
+
 def _instance(stage: Stage, flavor: str = "f32", **values) -> Instance:
-    """One template instance of `stage`: type parameters from the dtype flavor unless `values` names them, the rest
-    from `values`."""
-    return {n: values[n] if n in values else FLAVORS[flavor][n] for _, n in TEMPLATE_PARAMS[stage]}
+    """One template instance of `stage`: type parameters from the dtype flavor unless `values` names them, the
+    variants off unless `values` sets them, the rest from `values`."""
+    defaults = {**FLAVORS[flavor], **VARIANTS_OFF}
+    return {n: values[n] if n in values else defaults[n] for _, n in TEMPLATE_PARAMS[stage]}
 
 
 def _cpp(value) -> str:
@@ -190,11 +201,15 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
         for (mode, bits, group), width in product(formats, (0, dffs)):
             if bits in GATE_UP_BITS:
                 yield GATE_UP, _instance(GATE_UP, flavor, **experts, DFFS=width, GS=group, BITS=bits, **_format(mode))
-            for resid in (False, True):
+                if not width:  # the variants: biases, the clamp (never beside a shared expert), both
+                    for variant in ({"EBIAS": True}, _CLAMPED, {**_CLAMPED, "EBIAS": True}):
+                        yield GATE_UP, _instance(GATE_UP, flavor, **experts, DFFS=0, GS=group, BITS=bits,
+                                                 **_format(mode), **variant)
+            for resid, ebias in product((False, True), (False, True)):
                 yield DOWN, _instance(DOWN, flavor, **experts, DFFS=width, GS=group, BITS=bits, RESID=resid,
-                                      **_format(mode))
-        for (n_exp, top_k), norm, shared in product(router_shapes, (True, False), (True, False)):
-            yield ROUTER, _instance(ROUTER, flavor, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
+                                      EBIAS=ebias, **_format(mode))
+        for (n_exp, top_k), norm, shared, first in product(router_shapes, (True, False), (True, False), (False, True)):
+            yield ROUTER, _instance(ROUTER, flavor, E=n_exp, K=top_k, NORM=norm, SHARED=shared, TOPK_FIRST=first)
         for shape, (bias, write, qknorm, splits) in product(attention_shapes, ATTENTION_VARIANTS):
             yield ATTENTION, _attention_instance(shape, bias, write, flavor, qknorm, splits)
         for shape in attention_shapes:
@@ -205,21 +220,29 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
 _RUN_CASES = [("affine", 4, 4, 32), ("affine", 8, 8, 64), ("affine", 4, 6, 128), ("affine", 8, 6, 32),
               ("affine", 4, 8, 128), *((mode, FP_MODES[mode][1], FP_MODES[mode][1], FP_MODES[mode][0])
                                        for mode in MICROSCALED)]
-_ROUTER_RUN_CASES = [(60, 4, True, True), (60, 8, False, True), (128, 8, True, False), (128, 4, False, False),
-                     (4, 2, True, True)]  # (E, K, NORM, SHARED)
+_ROUTER_RUN_CASES = [(60, 4, True, True, False), (60, 8, False, True, False), (128, 8, True, False, False),
+                     (128, 4, False, False, False), (4, 2, True, True, False), (32, 4, False, False, True),
+                     (128, 4, True, False, True), (60, 8, False, True, True)]  # (E, K, NORM, SHARED, TOPK_FIRST)
+# Expert variants run on the CPU, each format: (biases, clamped)
+_VARIANT_RUNS = [(True, False), (False, True), (True, True)]
 
 
-def _routed_instances(mode: str, gate_bits: int, down_bits: int, group: int, dffs: int) -> tuple[Instance, Instance]:
+def _routed_instances(mode: str, gate_bits: int, down_bits: int, group: int, dffs: int, biases: bool = False,
+                      clamped: bool = False) -> tuple[Instance, Instance]:
     """Kernels A and B; B adds the residual stream in the shared-expert cases (both flags run on the CPU)."""
-    return (_instance(GATE_UP, **EXPERTS, DFFS=dffs, GS=group, BITS=gate_bits, **_format(mode)),
-            _instance(DOWN, **EXPERTS, DFFS=dffs, GS=group, BITS=down_bits, RESID=dffs > 0, **_format(mode)))
+    variant = {**(_CLAMPED if clamped else {}), "EBIAS": biases}
+    return (_instance(GATE_UP, **EXPERTS, DFFS=dffs, GS=group, BITS=gate_bits, **_format(mode), **variant),
+            _instance(DOWN, **EXPERTS, DFFS=dffs, GS=group, BITS=down_bits, RESID=dffs > 0, EBIAS=biases,
+                      **_format(mode)))
 
 
 def _run_instances():
     for case, dffs in product(_RUN_CASES, (0, DFFS)):
         yield from zip((GATE_UP, DOWN), _routed_instances(*case, dffs), strict=True)
-    for n_exp, top_k, norm, shared in _ROUTER_RUN_CASES:
-        yield ROUTER, _instance(ROUTER, E=n_exp, K=top_k, NORM=norm, SHARED=shared)
+    for case, variant in product(_RUN_CASES, _VARIANT_RUNS):
+        yield from zip((GATE_UP, DOWN), _routed_instances(*case, 0, *variant), strict=True)
+    for n_exp, top_k, norm, shared, first in _ROUTER_RUN_CASES:
+        yield ROUTER, _instance(ROUTER, E=n_exp, K=top_k, NORM=norm, SHARED=shared, TOPK_FIRST=first)
     for shape, (bias, write, qknorm, splits) in product(ATTENTION_SHAPES, ATTENTION_VARIANTS):
         yield ATTENTION, _attention_instance(shape, bias, write, qknorm=qknorm, splits=splits)
     for shape in ATTENTION_SHAPES:
@@ -334,9 +357,13 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
     gate, up, down, shared = _experts(rng, *fmt[1:], dffs, mx.bfloat16, mode)
     x = mx.array(rng.standard_normal(DIN).astype(np.float32), dtype=mx.bfloat16)
     rows = 5  # a count that divides none of the row counts: the grid must round up
+    # without a shared expert: every declared variant (expert biases, the clamp, top-k then softmax)
+    variant = None if dffs else moe.ExpertVariant(tuple(mx.zeros((E, n), mx.bfloat16) for n in (DFF, DFF, DIN)),
+                                                  CLAMP)
     moe.gpu_routed("metal", x, mx.array([2, 0, 3]), mx.array([0.5, 0.3, 0.2]), gate, up, down, shared,
-                   x if dffs else None, rows=rows)
-    moe.gpu_select("metal", mx.zeros((1, 4 + bool(dffs)), mx.bfloat16), 4, 2, True, bool(dffs))
+                   x if dffs else None, rows=rows, variant=variant)
+    moe.gpu_select("metal", mx.zeros((1, 4 + bool(dffs)), mx.bfloat16), 4, 2, True, bool(dffs),
+                   SOFTMAX_THEN_TOPK if dffs else TOPK_THEN_SOFTMAX)
     heads = AttentionSpec(8, 2, 64)
     qkv = mx.array(rng.standard_normal((1, heads.width)).astype(np.float32), dtype=mx.bfloat16)
     capacity = SPLIT_POSITIONS + 1 if dffs else CAP  # with dffs: two threadgroups a head, and the launch joining them
@@ -347,6 +374,11 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
                                    qk_norm=QKNorm(norm, norm, 1e-6) if dffs else None)  # with dffs: every option
     assert set(launches) == {ROUTER, GATE_UP, DOWN, ATTENTION} | ({COMBINE} if dffs else set())
     assert dict(launches[GATE_UP][1])["MODE"] == dict(launches[DOWN][1])["MODE"] == KERNEL_MODES.index(mode)
+    expected = VARIANTS_OFF if dffs else {**_CLAMPED, "EBIAS": True, "TOPK_FIRST": True}
+    for stage in (ROUTER, GATE_UP, DOWN):
+        template = dict(launches[stage][1])
+        assert {n: template[n] for n in VARIANTS_OFF if n in template} == \
+            {n: v for n, v in expected.items() if n in template}, stage.name
     for stage, (inputs, template, output_dtypes, _, _) in launches.items():
         assert [(_template_kind(v), n) for n, v in template] == TEMPLATE_PARAMS[stage], stage.name
         inst = {n: MX_TYPES[v] if isinstance(v, mx.Dtype) else v for n, v in template}
@@ -404,30 +436,41 @@ def _padded(rows: int) -> int:
     return -(-rows // 5) * 5  # a threadgroup of 5 rows: the padding rows past the end must write nothing
 
 
-@pytest.mark.parametrize("dffs", (0, DFFS))
+# (shared expert width, expert biases, clamped SwiGLU): the plain pair with and without the shared expert, and
+# each expert variant (never beside a shared expert)
+_PAIR_RUNS = [(0, False, False), (DFFS, False, False), *((0, *variant) for variant in _VARIANT_RUNS)]
+
+
+@pytest.mark.parametrize("dffs,biased,clamped", _PAIR_RUNS)
 @pytest.mark.parametrize("mode,gate_bits,down_bits,group", _RUN_CASES)
-def test_shimmed_expert_kernels_match_the_reference_on_cpu(shim_library, mode, gate_bits, down_bits, group, dffs):
-    rng = np.random.default_rng(gate_bits * 100 + down_bits * 10 + group + dffs)
+def test_shimmed_expert_kernels_match_the_reference_on_cpu(shim_library, mode, gate_bits, down_bits, group, dffs,
+                                                           biased, clamped):
+    rng = np.random.default_rng(gate_bits * 100 + down_bits * 10 + group + dffs + 2 * biased + clamped)
     gate, up, down, shared = _experts(rng, gate_bits, down_bits, group, dffs, mode=mode)
     x = rng.standard_normal(DIN).astype(np.float32)
     idx = np.array([2, 0, 3], dtype=np.uint32)
     scores = np.array([0.5, 0.3, 0.2], dtype=np.float32)
     resid = rng.standard_normal(DIN).astype(np.float32) if dffs else None
+    biases = tuple(rng.standard_normal((E, n)).astype(np.float32) for n in (DFF, DFF, DIN)) if biased else None
+    variant = moe.ExpertVariant(biases and tuple(map(mx.array, biases)), CLAMP if clamped else None)
     truth_out, truth_y, truth_ys = routed("reference", mx.array(x), mx.array(idx), mx.array(scores), gate, up, down,
-                                         shared, None if resid is None else mx.array(resid))
-    # as gpu_routed passes them: without a shared expert the routed arrays stand in for its (unread) inputs
+                                         shared, None if resid is None else mx.array(resid), variant=variant)
+    # as gpu_routed passes them: without a shared expert the routed arrays stand in for its (unread) inputs,
+    # without biases x (kernel A) and the residual or x (kernel B)
     s_gate, s_up, s_down = (shared.gate, shared.up, shared.down) if shared else (gate, up, down)
     sgate = np.array(shared.sigmoid_gate) if shared else scores
-    a_inst, b_inst = _routed_instances(mode, gate_bits, down_bits, group, dffs)
+    resid_in = x if resid is None else resid
+    gate_eb, up_eb, down_eb = biases if biases else (x, x, resid_in)
+    a_inst, b_inst = _routed_instances(mode, gate_bits, down_bits, group, dffs, biased, clamped)
 
     act = _output(K * DFF + dffs)
     _launch(shim_library, GATE_UP, a_inst, _padded(K * DFF + dffs), {
         "x": x, "indices": idx, **_host("gate", gate), **_host("up", up), **_host("sgate", s_gate),
-        **_host("sup", s_up), "act": act})
+        **_host("sup", s_up), "gate_eb": gate_eb, "up_eb": up_eb, "act": act})
     outputs = {"y": _output(K * DIN), "ys": _output(DIN), "out": _output(DIN)}
     _launch(shim_library, DOWN, b_inst, _padded(DIN), {
         "indices": idx, "scores": scores, **_host("down", down), "act": _written(act, "act"),
-        **_host("sdown", s_down), "sgate": sgate, "resid": x if resid is None else resid, **outputs})
+        **_host("sdown", s_down), "sgate": sgate, "resid": resid_in, "down_eb": down_eb, **outputs})
 
     checks = {"y": (_written(outputs["y"], "y").reshape(K, DIN), truth_y), "out": (_written(outputs["out"], "out"),
                                                                                    truth_out)}
@@ -466,33 +509,37 @@ def test_shimmed_kernels_decode_codes_and_scales_exactly_as_mlx(shim_library, mo
     scores = np.ones(K, np.float32)
     _launch(shim_library, DOWN, _routed_instances(mode, bits, bits, group, 0)[1], _padded(DIN), {
         "indices": idx, "scores": scores, **_host("down", part), "act": act.reshape(-1), **_host("sdown", part),
-        "sgate": scores, "resid": np.zeros(DIN, np.float32), **outputs})
+        "sgate": scores, "resid": np.zeros(DIN, np.float32), "down_eb": np.zeros(DIN, np.float32), **outputs})
     got = _written(outputs["y"], "y").reshape(K, DIN).astype(np.float64)
     assert np.isnan(want).any() and (want[np.isfinite(want)] != 0).sum() > K * DIN // 2  # the cases are live
     bad = ~((got == want) | (np.isnan(got) & np.isnan(want)))
     assert not bad.any(), f"{bad.sum()} weights decoded differently, e.g. {got[bad][:4]} vs {want[bad][:4]}"
 
 
-def _run_router(lib: ctypes.CDLL, logits: np.ndarray, n_exp: int, top_k: int, norm: bool, shared: bool):
+def _run_router(lib: ctypes.CDLL, logits: np.ndarray, n_exp: int, top_k: int, norm: bool, shared: bool,
+                topk_first: bool = False):
     """(probs, inds, scores, sgate) of the shimmed router kernel on one token's float32 logits."""
     outputs = {"probs": _output(n_exp), "inds": _output(top_k, "uint32_t"), "scores": _output(top_k),
                "sgate": _output(1)}
-    _launch(lib, ROUTER, _instance(ROUTER, E=n_exp, K=top_k, NORM=norm, SHARED=shared), 1,
+    _launch(lib, ROUTER, _instance(ROUTER, E=n_exp, K=top_k, NORM=norm, SHARED=shared, TOPK_FIRST=topk_first), 1,
             {"logits": logits, **outputs})
     return tuple(_written(outputs[n], n) for n in ROUTER.outputs)
 
 
-@pytest.mark.parametrize("n_exp,top_k,norm,shared", _ROUTER_RUN_CASES)
-def test_shimmed_router_matches_the_reference_on_cpu(shim_library, n_exp, top_k, norm, shared):
+@pytest.mark.parametrize("n_exp,top_k,norm,shared,topk_first", _ROUTER_RUN_CASES)
+def test_shimmed_router_matches_the_reference_on_cpu(shim_library, n_exp, top_k, norm, shared, topk_first):
+    """Both scorings: the top-k by probability (renormalised or not), or the top-k logits scored by the softmax
+    over them (which the renormalised top-k probabilities equal); probs the softmax over all experts either way."""
     logits = 2 * np.random.default_rng(n_exp * 10 + top_k).standard_normal(n_exp + shared).astype(np.float32)
-    probs, inds, scores, sgate = _run_router(shim_library, logits, n_exp, top_k, norm, shared)
+    probs, inds, scores, sgate = _run_router(shim_library, logits, n_exp, top_k, norm, shared, topk_first)
+    scoring = TOPK_THEN_SOFTMAX if topk_first else SOFTMAX_THEN_TOPK
     ref_probs, ref_inds, ref_scores, ref_sgate = (np.array(a) for a in reference_select(
-        mx.array(logits), n_exp, top_k, norm, shared))
+        mx.array(logits), n_exp, top_k, norm, shared, scoring))
     assert np.abs(probs - ref_probs).max() < 1e-6
     assert set(inds.tolist()) == set(ref_inds.tolist())
     assert np.all(np.diff(scores) <= 0), f"scores not highest first: {scores}"
     assert np.abs(scores - ref_scores).max() < 1e-6
-    picked = probs[inds] / (probs[inds].sum() if norm else 1.0)
+    picked = probs[inds] / (probs[inds].sum() if norm or topk_first else 1.0)
     assert np.abs(scores - picked).max() < 1e-6, "scores do not belong to their expert ids"
     assert abs(sgate[0] - ref_sgate[0]) < 1e-6
 
