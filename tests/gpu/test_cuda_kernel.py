@@ -1,8 +1,9 @@
 """The CUDA kernels (router, the pair with and without the shared expert in affine, mxfp4, nvfp4 and mxfp8,
-decode attention with and without its in-place cache write) against the CPU reference and the float64 truth
-(moebench.inspect.truth), at Qwen1.5-MoE-A2.7B shapes; and decoding through them: the kernels on every decode
-step, greedy tokens with them on and off, the compiled step (which writes the cache in place) against the eager
-step.
+gpt-oss's declared variants: expert biases, the clamped SwiGLU, top-k logits then softmax; decode attention with
+and without its in-place cache write) against the CPU reference and the float64 truth (moebench.inspect.truth), at
+Qwen1.5-MoE-A2.7B and gpt-oss-20b shapes; and decoding through them: the kernels on every decode step (a tiny
+gpt-oss's MoE too), greedy tokens with them on and off, the compiled step (which writes the cache in place)
+against the eager step.
 
 Runs only where MLX has a CUDA back-end (the H200 of the device tool); skips cleanly elsewhere.
 Numbers are printed as well as asserted (run with -s to see them).
@@ -26,7 +27,7 @@ from moebench.execution.moe import gpu_routed
 from moebench.execution.support import MICROSCALED
 from moebench.inspect.truth import expert_outputs, f64, nrms
 from moebench.models.args import FP_MODES, QuantizedParts
-from moebench.models.declare import AttentionSpec
+from moebench.models.declare import SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, AttentionSpec
 from moebench.models.switch import SwitchGLU, weighted_sum
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
@@ -38,13 +39,13 @@ ROWS = (1, 2, 3, 5, 8, 16, 32)
 
 
 def _experts(bits: tuple[int, int], group: int, seed: int, n_exp: int | None = E,
-             dff: int = DFF, mode: str = "affine") -> tuple[QuantizedParts, ...]:
+             dff: int = DFF, mode: str = "affine", d: int = D) -> tuple[QuantizedParts, ...]:
     """Routed experts [E, out, in], or with n_exp None one shared expert's matrices [out, in]; in a microscaled
     `mode` at its own bits and group size (`bits` and `group` unused), uint8 scales and no biases."""
     mx.random.seed(seed)
     out = []
     lead = (n_exp,) if n_exp is not None else ()
-    for b, (o, i) in zip((bits[0], bits[0], bits[1]), ((dff, D), (dff, D), (D, dff)), strict=True):
+    for b, (o, i) in zip((bits[0], bits[0], bits[1]), ((dff, d), (dff, d), (d, dff)), strict=True):
         w = mx.random.normal((*lead, o, i)) / np.sqrt(i)
         if mode != "affine":
             group_size, fp_bits = FP_MODES[mode]
@@ -57,12 +58,14 @@ def _experts(bits: tuple[int, int], group: int, seed: int, n_exp: int | None = E
 
 
 def _truth(x: mx.array, ids: list[int], scores: np.ndarray, parts, shared=None,
-           sgate: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """float64 routed outputs y [K, D], the block output (with the gated shared expert when given) and the
-    shared expert's unweighted output (None without one), read through the CPU: nothing of the GPU's."""
+           sgate: float = 0.0, variant: moe.ExpertVariant | None = None
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """float64 routed outputs y [K, D] (of `variant`'s experts), the block output (with the gated shared expert
+    when given) and the shared expert's unweighted output (None without one), read through the CPU: nothing of
+    the GPU's."""
     with mx.stream(mx.cpu):
         xv = f64(x)
-        y = expert_outputs(list(parts), xv, ids)
+        y = expert_outputs(list(parts), xv, ids, variant)
         ys = expert_outputs(list(shared), xv) if shared is not None else None
     out = (y * scores.astype(np.float64)[:, None]).sum(axis=0)
     return y, out if ys is None else out + sgate * ys, ys
@@ -130,13 +133,68 @@ def test_cuda_kernel_with_the_shared_expert_matches_reference_and_truth(mode, bi
     assert max(got.values()) < 5e-4
 
 
-@pytest.mark.parametrize("n_exp,k,norm,gate_row", [(60, 4, False, True), (128, 8, True, False), (60, 4, False, False)])
-def test_cuda_router_kernel_matches_the_reference(n_exp, k, norm, gate_row):
+CLAMP = (1.0, 1.702)  # a limit that bites on these activations (gpt-oss's is 7.0); gpt-oss's alpha
+# (biases, clamp): each of gpt-oss's expert variants alone and together
+VARIANTS = [(True, None), (False, CLAMP), (True, CLAMP)]
+
+
+@pytest.mark.parametrize("biased,clamp", VARIANTS, ids=["biases", "clamp", "biases+clamp"])
+@pytest.mark.parametrize("mode,bits,group", [("affine", (4, 4), 64), ("affine", (8, 8), 64), ("affine", (4, 6), 64),
+                                             *((mode, (0, 0), 0) for mode in MICROSCALED)])
+def test_cuda_expert_variants_match_reference_and_truth(mode, bits, group, biased, clamp):
+    """Expert biases (bfloat16, as gpt-oss stores them) and the clamped SwiGLU in every format the pair reads."""
+    parts = _experts(bits, group, seed=31 + len(mode) + bits[1], mode=mode)
+    rng = np.random.default_rng(32)
+    biases = tuple(mx.array(rng.standard_normal((E, n)).astype(np.float32)).astype(mx.bfloat16) for n in (DFF, DFF, D))
+    variant = moe.ExpertVariant(biases if biased else None, clamp)
+    x = mx.array(rng.standard_normal(D).astype(np.float32)).astype(mx.bfloat16)
+    ids = [int(i) for i in rng.choice(E, K, replace=False)]
+    scores_np = rng.dirichlet(np.ones(K)).astype(np.float32)
+    idx, scores = mx.array(ids, dtype=mx.uint32), mx.array(scores_np)
+    out, y, _ = gpu_routed("cuda", x, idx, scores, *parts, variant=variant)
+    with mx.stream(mx.cpu):
+        ref_out, ref_y, _ = moe.routed("reference", x, idx, scores, *parts, variant=variant)
+        mx.eval(ref_out, ref_y)
+    truth_y, truth_out, _ = _truth(x, ids, scores_np, parts, variant=variant)
+    got = {"cuda y": nrms(f64(y), truth_y), "cuda out": nrms(f64(out), _bf16(truth_out)),
+           "reference y": nrms(f64(ref_y), truth_y), "cuda vs reference y": nrms(f64(y), f64(ref_y))}
+    print(f"\n{mode} bits {bits} biases {biased} clamp {clamp}: " +
+          ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
+    assert max(got.values()) < 5e-4
+
+
+def test_cuda_kernels_at_gpt_oss_20b_expert_shapes_match_reference_and_truth():
+    """gpt-oss-20b's experts as published (32 of D 2880, Dff 2880, mxfp4, top-4), biases and the clamp at 7.0."""
+    d = dff = 2880
+    parts = _experts((0, 0), 0, seed=33, n_exp=32, dff=dff, mode="mxfp4", d=d)
+    rng = np.random.default_rng(34)
+    biases = tuple(mx.array(rng.standard_normal((32, d)).astype(np.float32)).astype(mx.bfloat16) for _ in range(3))
+    variant = moe.ExpertVariant(biases, (7.0, 1.702))
+    x = mx.array(rng.standard_normal(d).astype(np.float32)).astype(mx.bfloat16)
+    ids = [int(i) for i in rng.choice(32, 4, replace=False)]
+    scores_np = rng.dirichlet(np.ones(4)).astype(np.float32)
+    idx, scores = mx.array(ids, dtype=mx.uint32), mx.array(scores_np)
+    out, y, _ = gpu_routed("cuda", x, idx, scores, *parts, variant=variant)
+    with mx.stream(mx.cpu):
+        ref_out, ref_y, _ = moe.routed("reference", x, idx, scores, *parts, variant=variant)
+        mx.eval(ref_out, ref_y)
+    truth_y, truth_out, _ = _truth(x, ids, scores_np, parts, variant=variant)
+    got = {"cuda y": nrms(f64(y), truth_y), "cuda out": nrms(f64(out), _bf16(truth_out)),
+           "cuda vs reference y": nrms(f64(y), f64(ref_y))}
+    print("\ngpt-oss-20b experts: " + ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
+    assert max(got.values()) < 5e-4
+
+
+@pytest.mark.parametrize("n_exp,k,norm,gate_row,scoring", [
+    (60, 4, False, True, SOFTMAX_THEN_TOPK), (128, 8, True, False, SOFTMAX_THEN_TOPK),
+    (60, 4, False, False, SOFTMAX_THEN_TOPK), (32, 4, True, False, TOPK_THEN_SOFTMAX),
+    (128, 4, True, False, TOPK_THEN_SOFTMAX), (60, 8, False, True, TOPK_THEN_SOFTMAX)])
+def test_cuda_router_kernel_matches_the_reference(n_exp, k, norm, gate_row, scoring):
     rng = np.random.default_rng(n_exp + k)
     logits = mx.array(rng.standard_normal((1, n_exp + gate_row)).astype(np.float32)).astype(mx.bfloat16)
-    got = moe.gpu_select("cuda", logits, n_exp, k, norm, gate_row)
+    got = moe.gpu_select("cuda", logits, n_exp, k, norm, gate_row, scoring)
     with mx.stream(mx.cpu):
-        ref = moe.reference_select(logits, n_exp, k, norm, gate_row)
+        ref = moe.reference_select(logits, n_exp, k, norm, gate_row, scoring)
         mx.eval(ref)
     probs, inds, scores, sgate = (np.array(a) for a in got)
     r_probs, r_inds, r_scores, r_sgate = (np.array(a) for a in ref)
@@ -192,6 +250,31 @@ def test_decode_on_cuda_runs_the_kernels_every_step(tmp_path, mode):
             assert d["fused"].get("cuda", 0) == (11 if on else 0) and d["fallback"] == (1 if on else 12), d
     same = runs[True] == runs[False]
     print(f"\ngreedy tokens fused on {runs[True]}\n             fused off {runs[False]} identical={same}")
+
+
+def test_gpt_oss_decode_on_cuda_runs_the_moe_kernels_every_step(tmp_path):
+    """A tiny gpt-oss at gpt-oss-20b's routing (32 experts top-4) with mxfp4 experts as published: every decode step
+    of every layer runs the CUDA router kernel and kernel pair (top-k then softmax, biases, the clamp); the
+    tokens with them on and off are printed."""
+    from moebench.checkpoint.config import model_args
+    from moebench.tools.presets import get_preset
+    from moebench.tools.writer import gpt_oss_mlx_lm_tensors, gpt_oss_quantization, random_tensors, save_checkpoint
+
+    config = {**get_preset("gpt-oss-tiny").config, "num_local_experts": 32, "num_experts_per_tok": 4,
+              "torch_dtype": "bfloat16"}
+    args = model_args(config)
+    config["quantization"] = gpt_oss_quantization(args, 32, 4)
+    tensors = gpt_oss_mlx_lm_tensors(random_tensors(args, seed=36, dtype=mx.bfloat16), args, 32, 4)
+    model, _ = load(save_checkpoint(tmp_path / "gpt-oss", config, tensors))
+    ex = executor(model)
+    runs = {}
+    for on in (True, False):
+        ex.reset_counts()
+        with fused_moe(on, model):
+            runs[on] = generate(model, [1, 2, 3, 4, 5], 12).token_ids
+        for d in ex.dispatch()["moe"].values():
+            assert d["fused"].get("cuda", 0) == (11 if on else 0) and d["fallback"] == (1 if on else 12), d
+    print(f"\ngpt-oss greedy tokens fused on {runs[True]}\n                     fused off {runs[False]}")
 
 
 def test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step(tmp_path):
