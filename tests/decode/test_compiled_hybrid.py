@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import moebench
+from moebench.decode import compiled as compiled_module
 from moebench.decode.cache import KVCache, kv_cache_bytes
 from moebench.decode.compiled import CompiledForward, compile_blocker
 from moebench.decode.loop import STEPS_AHEAD, Session, generate, generate_tokens
@@ -78,6 +79,15 @@ def test_compiled_step_equals_the_eager_cache_step_by_step(hybrids):
         a, b = fast(t, ex.settings)[0], model(t[None], caches)[0, -1]
         assert mx.allclose(a, b, atol=ATOL).item()
     assert fast.position == 6 and all(s.offset == 6 for s in fast.cache.states)
+
+
+def test_a_prompt_prefilled_in_chunks_leaves_the_states_of_one_pass(hybrids, monkeypatch):
+    """A prompt longer than a prefill chunk runs chunk after chunk through the static cache, each chunk continuing
+    the states the one before left: the decode after it equals the eager one that prefilled the prompt at once."""
+    model, _ = moebench.load(hybrids["qwen3.5-moe-tiny"])
+    eager = _decode(model, 8, compiled=False)
+    monkeypatch.setattr(compiled_module, "PREFILL_CHUNK", 4)  # 10 prompt tokens: chunks of 4, 4 and 2
+    _assert_same(_decode(model, 8, compiled=True), eager)
 
 
 def _greedy(forward: CompiledForward, feed: list[int], settings) -> tuple[int, np.ndarray]:
