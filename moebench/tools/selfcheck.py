@@ -3,8 +3,9 @@
 Reports the platform; runs the fused kernel on this machine's backend (metal, cuda, or the CPU
 'reference', named as such) against the CPU-reference arithmetic and a float64 truth at
 Qwen1.5-MoE-A2.7B's expert shapes and the model's own, for every supported affine bits / group-size
-combination and each microscaled mode (mxfp4, nvfp4, mxfp8), and with the shared expert inside the
-kernel pair; checks the router kernel, the decode-attention kernel against the CPU reference; checks
+combination and each microscaled mode (mxfp4, nvfp4, mxfp8), with gpt-oss's expert variants (biases and the
+clamped SwiGLU) in each format, and with the shared expert inside the kernel pair; checks the router kernel
+(both scorings), the decode-attention kernel against the CPU reference; checks
 bitwise determinism; decodes the model greedily with the kernels on and off (bench's timing code) to
 check dispatch (MoE and attention), greedy parity and speed. Exits 1 when a check fails.
 """
@@ -26,11 +27,12 @@ from ..checkpoint.weights import nonfinite_weights
 from ..execution import attention, moe, support
 from ..execution.attention import rope_frequencies
 from ..execution.kernel import available_backend
-from ..execution.moe import SharedExpert
+from ..execution.moe import ExpertVariant, SharedExpert
 from ..execution.support import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES, MICROSCALED
 from ..inspect.truth import e8m0, expert_outputs, f64, minifloat, nmax, nrms
 from ..models.args import FP_MODES, QuantizedParts
-from ..models.declare import AttentionSpec
+from ..models.declare import SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, AttentionSpec
+from ..models.gpt_oss import Experts as ClampedExperts
 from ..models.qwen2_moe import MLP
 from ..models.switch import SwitchGLU, weighted_sum
 from .bench import compare_traces, moebench_arms, platform_info, prompt_token_ids, reference_arm, run_arms, summary
@@ -72,11 +74,12 @@ def same_bits(a: mx.array, b: mx.array) -> bool:
 
 
 def truth_outputs(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
-                  down: QuantizedParts, shared: SharedExpert | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  down: QuantizedParts, shared: SharedExpert | None = None,
+                  variant: ExpertVariant | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(weighted sum [D] (+ the gated shared expert), unweighted y [K, D]) in float64 (moebench.inspect.truth):
     independent of both MLX paths' arithmetic."""
     xv = f64(x)
-    y = expert_outputs([gate, up, down], xv, np.array(indices).tolist())
+    y = expert_outputs([gate, up, down], xv, np.array(indices).tolist(), variant)
     out = (y * f64(scores)[:, None]).sum(axis=0)
     if shared is not None:
         out = out + f64(shared.sigmoid_gate)[0] * expert_outputs([shared.gate, shared.up, shared.down], xv)
@@ -127,12 +130,14 @@ def _format(row: dict) -> str:
 
 
 def parity_case(backend: str, label: str, x: mx.array, indices: mx.array, scores: mx.array,
-                gate: QuantizedParts, up: QuantizedParts, down: QuantizedParts) -> dict:
+                gate: QuantizedParts, up: QuantizedParts, down: QuantizedParts,
+                experts: SwitchGLU | None = None) -> dict:
     """One bits/group-size case: fused on `backend` vs truth, vs the CPU reference and determinism;
-    gather_qmm beside it."""
+    gather_qmm beside it. `experts`: the fallback's experts holding these parts, when they compute more than
+    bias-free SwiGLU (their biases and clamp, moe.expert_variant, are what the kernels are given too)."""
     row = {"case": label, "backend": backend, "bits": f"{gate.bits}/{up.bits}/{down.bits}", "mode": gate.mode,
            "group_size": gate.group_size, "dtype": str(x.dtype).replace("mlx.core.", "")}
-    experts = SwitchGLU.from_parts(gate, up, down)
+    experts = experts if experts is not None else SwitchGLU.from_parts(gate, up, down)
     reason = support.experts_reason(experts.quantized_parts(), backend)
     if reason:
         return {**row, "status": "declined", "reason": reason, "passed": True}
@@ -152,10 +157,11 @@ def determinism_runs(backend: str) -> int:
 
 
 def _measure(backend: str, experts: SwitchGLU, x: mx.array, indices: mx.array, scores: mx.array) -> dict:
-    parts = experts.quantized_parts()
-    truth_out, truth_y = truth_outputs(x, indices, scores, *parts)
+    parts, variant = experts.quantized_parts(), moe.expert_variant(experts)
+    truth_out, truth_y = truth_outputs(x, indices, scores, *parts, variant=variant)
     truth_rounded = f64(mx.array(truth_out.astype(np.float32)).astype(x.dtype))
-    runs = [moe.routed(backend, x, indices, scores, *parts)[:2] for _ in range(determinism_runs(backend))]
+    runs = [moe.routed(backend, x, indices, scores, *parts, variant=variant)[:2]
+            for _ in range(determinism_runs(backend))]
     mx.eval(runs)
     out, y = f64(runs[0][0]), f64(runs[0][1])
     row = {"deterministic": all(same_bits(o, runs[0][0]) and same_bits(yy, runs[0][1]) for o, yy in runs[1:]),
@@ -163,7 +169,7 @@ def _measure(backend: str, experts: SwitchGLU, x: mx.array, indices: mx.array, s
            "fused_y_nrms": nrms(y, truth_y), "vs_reference_nrms": None}
     if backend != "reference":  # on a CPU the fused path IS the reference: nothing separate to compare
         with mx.stream(mx.cpu):
-            ref_out, ref_y, _ = moe.routed("reference", x, indices, scores, *parts)
+            ref_out, ref_y, _ = moe.routed("reference", x, indices, scores, *parts, variant=variant)
             mx.eval(ref_out, ref_y)
         row["vs_reference_nrms"] = max(nrms(out, f64(ref_out)), nrms(y, f64(ref_y)))
     fallback = weighted_sum(experts(x[None], indices[None]), scores[None])[0]
@@ -203,6 +209,38 @@ def kernel_parity(backend: str, shapes: list[Shape], dtype: mx.Dtype, seed: int 
     return rows
 
 
+GPT_OSS_CLAMP = (1.0, 1.702)  # gpt-oss's alpha; a limit that bites on random_parts' activations (gpt-oss's is 7.0)
+
+
+def clamped_experts(gate: QuantizedParts, up: QuantizedParts, down: QuantizedParts,
+                    biases: tuple[mx.array, mx.array, mx.array]) -> SwitchGLU:
+    """gpt-oss's experts (biases, the clamped SwiGLU at GPT_OSS_CLAMP) holding these parts, as the fallback runs
+    them."""
+    experts = ClampedExperts(gate.in_features, gate.out_features, gate.weight.shape[0], *GPT_OSS_CLAMP)
+    for proj, p, b in zip((experts.gate_proj, experts.up_proj, experts.down_proj), (gate, up, down), biases,
+                          strict=True):
+        proj.set_weight(p.weight, p)
+        proj.bias = b
+    return experts
+
+
+def variant_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
+    """gpt-oss's experts (biases on gate, up and down, the clamped SwiGLU) in each format the pair reads (affine
+    4-bit and 8-bit g64, each microscaled mode), at Qwen1.5-MoE-A2.7B's expert shapes with random weights."""
+    name, d, f, k = A27B_SHAPE
+    label = f"{name} + biases + clamped SwiGLU (limit {GPT_OSS_CLAMP[0]:g}, alpha {GPT_OSS_CLAMP[1]:g})"
+    keys = iter(mx.random.split(mx.random.key(seed + 2), 6 + 3 * (len(GATE_UP_BITS) + len(MICROSCALED))))
+    x = mx.random.normal((d,), key=next(keys)).astype(dtype)
+    scores = mx.softmax(mx.random.normal((k,), key=next(keys)), precise=True)
+    indices = mx.array(np.random.default_rng(seed).permutation(k + 1)[:k], dtype=mx.uint32)
+    biases = tuple(mx.random.normal((k + 1, n), key=next(keys)).astype(dtype) for n in (f, f, d))
+    shapes = ((f, d), (f, d), (d, f))
+    stacks = [[random_parts(next(keys), k + 1, o, i, bits, 64, dtype) for o, i in shapes] for bits in GATE_UP_BITS]
+    stacks += [[random_microscaled_parts(next(keys), k + 1, o, i, mode) for o, i in shapes] for mode in MICROSCALED]
+    return [parity_case(backend, label, x, indices, scores, *parts, experts=clamped_experts(*parts, biases))
+            for parts in stacks]
+
+
 def model_weights_parity(backend: str, model, seed: int = 0) -> list[dict]:
     """The fused kernel on the model's own quantized experts (first MoE layer) with a random token."""
     blocks = model.moe_blocks()
@@ -219,7 +257,8 @@ def model_weights_parity(backend: str, model, seed: int = 0) -> list[dict]:
     x = mx.random.normal((d,), key=key_x).astype(dtype)
     probs = mx.softmax(mx.random.normal((e,), key=key_s), precise=True)
     indices = mx.array(np.random.default_rng(seed).permutation(e)[:k], dtype=mx.uint32)
-    return [parity_case(backend, f"model layer {layer} experts", x, indices, probs[indices], *parts)]
+    return [parity_case(backend, f"model layer {layer} experts", x, indices, probs[indices], *parts,
+                        experts=block.switch_mlp)]
 
 
 def shared_expert_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> dict:
@@ -269,24 +308,29 @@ def shared_expert_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> dict:
     return {**row, "fused_y_nrms": None, "status": "ran", "passed": all(checks)}
 
 
-ROUTER_CASES = ((60, 4, False, True), (128, 8, True, False))  # (E, K, renormalise, shared gate row)
+# (E, K, renormalise, shared gate row, scoring): Qwen1.5-MoE-A2.7B's, Qwen3-30B-A3B's, gpt-oss-20b's and -120b's
+ROUTER_CASES = ((60, 4, False, True, SOFTMAX_THEN_TOPK), (128, 8, True, False, SOFTMAX_THEN_TOPK),
+                (32, 4, True, False, TOPK_THEN_SOFTMAX), (128, 4, True, False, TOPK_THEN_SOFTMAX))
 
 
 def router_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
-    """The router kernel (softmax, top-k, shared sigmoid gate) on `backend` against the CPU reference."""
+    """The router kernel (softmax, top-k by either scoring, shared sigmoid gate) on `backend` against the CPU
+    reference."""
     rows = []
-    for n_exp, top_k, norm, gate_row in ROUTER_CASES:
-        row = {"case": f"router E{n_exp} top-{top_k}" + (" renormalised" if norm else "") +
-               (" + shared gate" if gate_row else ""), "backend": backend}
+    for n_exp, top_k, norm, gate_row, scoring in ROUTER_CASES:
+        topk_first = scoring == TOPK_THEN_SOFTMAX
+        row = {"case": f"router E{n_exp} top-{top_k}" + (" top-k logits then softmax" if topk_first else "") +
+               (" renormalised" if norm and not topk_first else "") + (" + shared gate" if gate_row else ""),
+               "backend": backend}
         if backend == "reference":
             rows.append({**row, "status": "not applicable", "passed": True,
                          "reason": "on a CPU the reference is the router: nothing separate to compare"})
             continue
         logits = mx.random.normal((1, n_exp + gate_row), key=mx.random.key(seed + n_exp)).astype(dtype)
         try:
-            got = [np.array(a) for a in moe.select(backend, logits, n_exp, top_k, norm, gate_row)]
+            got = [np.array(a) for a in moe.select(backend, logits, n_exp, top_k, norm, gate_row, scoring)]
             with mx.stream(mx.cpu):
-                want = [np.array(a) for a in moe.reference_select(logits, n_exp, top_k, norm, gate_row)]
+                want = [np.array(a) for a in moe.reference_select(logits, n_exp, top_k, norm, gate_row, scoring)]
         except Exception as e:  # noqa: BLE001 -- reported as a failed row
             rows.append({**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False})
             continue
@@ -498,7 +542,8 @@ def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen
     own = Shape(f"model {path.name}", a.hidden_size, a.moe_intermediate_size, a.num_experts_per_tok)
     if (own.hidden, own.width, own.top_k) != A27B_SHAPE[1:]:  # a real A2.7B model: one set of rows serves both
         shapes.append(own)
-    parity = kernel_parity(backend, shapes, dtype) + model_weights_parity(backend, model)
+    parity = kernel_parity(backend, shapes, dtype) + variant_parity(backend, dtype) + model_weights_parity(backend,
+                                                                                                         model)
     parity.append(shared_expert_parity(backend, dtype))
     router = router_parity(backend, dtype)
     attention_rows = attention_parity(backend, model)
