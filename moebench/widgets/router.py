@@ -3,8 +3,14 @@
 The shared expert is not routed: every token goes through it, scaled by its own sigmoid gate, so its
 gate is drawn in a separate column rather than mixed into the expert probabilities.
 
-From 60 to 512 experts the columns stay readable: the tick labels thinned to what the width holds, the
+From 32 to 512 experts the columns stay readable: the tick labels thinned to what the width holds, the
 boxes sized to a column, the columns by id or most picked first (figure.ExpertAxis).
+
+A router with a bias (gpt-oss; a block's spec says `router_bias`) picks its top-k from logit = x.W + bias, so
+an expert can be picked for its bias more than for the token. Given the model, the view reads the bias (a
+weight of the block; nothing is run again) and draws the picked experts' logits split in a third panel: a
+bar from 0 to x.W, then the bias from there to the recorded logit; every cell's hover says the same. A model
+whose routers have no bias is drawn as before, with no third panel.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import html
 
 import ipywidgets as widgets
+import mlx.core as mx
 import numpy as np
 from plotly.subplots import make_subplots
 
@@ -40,6 +47,37 @@ def top_probability(records) -> float:
 ORDERS = (("expert id", "id"), ("most picked first", "usage"))
 FONT_PX = 10  # the expert ticks' font size
 LABEL_PX = 18  # a column this wide (or wider) has room for a box's "#1"
+# With the logit panel: a wider figure, so the heatmap keeps about the width it has without it (its domain, the
+# shared gate's and the panel's, as shares of the plot width).
+SPLIT_WIDTH = 1160
+SPLIT_DOMAINS = ((0.0, 0.6), (0.615, 0.72), (0.77, 1.0))
+BAR_SPAN = 0.8  # a layer's row height the picked experts' bars share
+XW_COLOUR, BIAS_COLOUR = "#6baed6", "#fd8d3c"
+SPLIT_TITLE = "router logit of the picked<br>experts = x·W + bias"
+
+
+def router_biases(model) -> dict[int, np.ndarray]:
+    """Each MoE layer's router bias, read from its block where the block's spec declares one (float64); {} for no
+    model, or one whose routers have no bias."""
+    if model is None:
+        return {}
+    return {layer: np.array(block.gate["bias"].astype(mx.float32), dtype=np.float64)
+            for layer, block in model.moe_blocks().items() if block.spec.router_bias}
+
+
+def logit_parts(layer_record, bias: np.ndarray, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x.W, logit) over every expert of one recorded layer: the recorded logits are x.W + bias, so x.W is what is
+    left when the bias (the block's weight) is taken off. A bias of another size names the mismatch."""
+    logits = np.asarray(layer_record.router_logits, dtype=np.float64)
+    if bias.shape != logits.shape:
+        raise ValueError(f"RouterView.model's router bias of MoE layer {layer} has {bias.shape[0]} experts but the "
+                         f"record has {logits.shape[-1]}: set view.model to the model that made the record")
+    return logits - bias, logits
+
+
+def logit_text(xw: float, logit: float, bias: float) -> str:
+    """A hover row: how one expert's logit is made."""
+    return f"<br>logit {logit:.3f} = x·W {xw:.3f} + bias {bias:.3f}"
 
 
 def picks(records, n: int) -> np.ndarray:
@@ -58,9 +96,13 @@ class RouterView:
     tokens; `scale_to(records)` sets it to the largest probability among those records, and counts their
     picks for the "most picked first" order. Hovering or clicking a cell names its expert (clicked:
     `view.picked`, as (layer, expert)), whichever order the columns are in.
+
+    `model` (or `view.model = ...` after another is picked): where a router has a bias, its MoE layers show
+    the picked experts' logits as x.W + bias (`view.biases`, per layer, read from the model).
     """
 
-    def __init__(self, height_per_layer: int = 30, zmax: float = 1.0, title: str = "", order: str = "id"):
+    def __init__(self, height_per_layer: int = 30, zmax: float = 1.0, title: str = "", order: str = "id",
+                 model=None):
         if order not in dict(ORDERS).values():
             raise ValueError(f"order must be one of {[v for _, v in ORDERS]}, got {order!r}")
         self.height_per_layer = height_per_layer
@@ -71,6 +113,7 @@ class RouterView:
         self.record = None
         self.axis: ExpertAxis | None = None
         self.picked: tuple[int, int] | None = None
+        self.model = model
         fig = make_subplots(rows=1, cols=2, column_widths=[0.84, 0.16], shared_yaxes=True, horizontal_spacing=0.02,
                             subplot_titles=("router probability of each expert<br>(red boxes: the top-k it "
                                             "picked, #1 = highest)", "shared expert<br>gate (0..1)"))
@@ -95,6 +138,7 @@ class RouterView:
         fig.update_yaxes(title_text="MoE layer", autorange="reversed", type="category", row=1, col=1)
         fig.update_layout(margin={"l": 70, "r": 90, "t": 110, "b": 70}, width=860, title={"x": 0},
                           legend={"orientation": "h", "x": 0, "y": -0.3}, modebar={"orientation": "v"})
+        self._plain = (fig.layout.width, fig.layout.xaxis.domain, fig.layout.xaxis2.domain)
         self.figure = LiveFigure(fig)
         self.figure.data[0].on_click(self._clicked)
         self.order = widgets.ToggleButtons(options=ORDERS, value=order, description="experts",
@@ -103,6 +147,16 @@ class RouterView:
         self.readout = widgets.HTML("<i>hover a cell for its expert; click it to note it here</i>")
         self.widget = widgets.VBox([self.order, self.figure, self.readout, live_mark()])
         self.widget.add_class("moebench-router-view")
+
+    @property
+    def model(self):
+        return self._model
+
+    @model.setter
+    def model(self, model) -> None:
+        """The model whose records are shown: its router biases are read now (`biases`)."""
+        self._model = model
+        self.biases = router_biases(model)
 
     def scale_to(self, records) -> None:
         """Fix the colour scale to the largest router probability among `records`; count their picks."""
@@ -137,10 +191,14 @@ class RouterView:
             self.blank(f"position {record.position}: internals were not recorded for this token")
             return
         probs = np.stack([record.layers[layer].router_probs for layer in layers])
+        split = {layer: logit_parts(record.layers[layer], self.biases[layer], layer) for layer in layers
+                 if layer in self.biases}
+        self._arrange(bool(split))  # before the expert axis, which fits its labels to the heatmap's width
         axis = self.axis = self.expert_axis(probs)
         labels = [f"L{layer}" for layer in layers]
         xs, ys, ranks, colors = [], [], [], []
         rank_of = np.full(probs.shape, "", dtype=object)
+        logit_of = np.full(probs.shape, "", dtype=object)
         self.marked = {}
         dark = 0.6 * self.zmax
         for row, (layer, label) in enumerate(zip(layers, labels, strict=True)):
@@ -151,15 +209,18 @@ class RouterView:
             ranks += [f"#{r + 1}" for r in range(len(ids))]
             rank_of[row, ids] = [f"<br>picked #{r + 1}" for r in range(len(ids))]
             colors += ["white" if probs[row, i] > dark else "#b71c1c" for i in ids]
+            if layer in split:
+                logit_of[row] = [logit_text(*parts) for parts in zip(*split[layer], self.biases[layer], strict=True)]
         cell = min(axis.column_px, self.height_per_layer)
         box = float(np.clip(cell - 1, 7, 22))
         gates = [record.layers[layer].shared_gate for layer in layers]
         note = shared_note(record)
         k = {len(ids) for ids in self.marked.values()}
         with self.figure.batch_update():
-            heat, boxes, shared, ablated = self.figure.data
+            heat, boxes, shared, ablated = self.figure.data[:4]
             heat.z, heat.x, heat.y = probs[:, axis.ids], list(range(axis.n)), labels
-            heat.customdata = [[[int(e), rank_of[row, e]] for e in axis.ids] for row in range(len(layers))]
+            heat.customdata = [[[int(e), rank_of[row, e] + logit_of[row, e]] for e in axis.ids]
+                               for row in range(len(layers))]
             self.figure.layout.xaxis.update(range=axis.span(box + 3), **axis.ticks())
             self.figure.layout.xaxis.title.text = "expert id" + (" (most picked first)" if self.order.value ==
                                                                   "usage" else "")
@@ -175,15 +236,69 @@ class RouterView:
             ablated.x, ablated.y = [int(axis.position[e]) for e, _ in crossed], [label for _, label in crossed]
             ablated.marker.size = box
             ablated.showlegend = bool(crossed)
-            self.figure.layout.annotations = self.figure.layout.annotations[:2]
+            # the subplots' titles, then the rest, set in one assignment (in a batch, plotly drops an annotation
+            # added after the list was cut back)
+            titles = list(self.figure.layout.annotations[:2])
+            if split:
+                self._draw_split(record, split, labels)
+                titles.append(go.layout.Annotation(titles[0], text=SPLIT_TITLE, x=sum(SPLIT_DOMAINS[2]) / 2))
             if note is not None:
-                self.figure.add_annotation(text=note, xref="x2 domain", yref="y2 domain", x=0.5, y=0.5,
-                                           showarrow=False, font={"size": 11})
+                titles.append(go.layout.Annotation(text=note, xref="x2 domain", yref="y2 domain", x=0.5, y=0.5,
+                                                   showarrow=False, font={"size": 11}))
+            self.figure.layout.annotations = titles
             self.figure.layout.title.text = (f"{self.prefix}routing of token {shown(record.input_text)} (position "
                                              f"{record.position}): {'/'.join(map(str, sorted(k)))} experts picked "
                                              "per MoE layer")
             self.figure.layout.height = 200 + self.height_per_layer * len(layers)
             heat.colorbar.nticks = max(2, self.height_per_layer * len(layers) // 25)  # labels a short bar can hold
+
+    def _arrange(self, split: bool) -> None:
+        """The logit panel there (a wider figure, a third column with its two bar traces) or not, as `split` says;
+        without it the figure is laid out exactly as for a router without a bias."""
+        if split == (len(self.figure.data) > 4):
+            return
+        layout = self.figure.layout
+        width, heat_domain, shared_domain = (SPLIT_WIDTH, *SPLIT_DOMAINS[:2]) if split else self._plain
+        with self.figure.batch_update():
+            layout.width = width
+            for axis, title, domain in zip((layout.xaxis, layout.xaxis2), layout.annotations[:2],
+                                           (heat_domain, shared_domain), strict=True):
+                axis.domain, title.x = domain, sum(domain) / 2
+        if not split:  # outside a batch: there, a removed axis would stay behind as an empty one
+            self.figure.data = self.figure.data[:4]
+            layout.xaxis3 = None
+            return
+        layout.xaxis3 = {"domain": SPLIT_DOMAINS[2], "anchor": "y", "title": {"text": "router logit"},
+                         "zerolinecolor": "#555", "tickfont": {"size": FONT_PX}}
+        hover = ("layer %{y}<br>expert %{customdata[0]} (picked #%{customdata[1]})<br>logit %{customdata[2]:.3f} "
+                 "= x·W %{customdata[3]:.3f} + bias %{customdata[4]:.3f}<extra></extra>")
+        for name, colour in (("x·W: the token through the router", XW_COLOUR),
+                             ("router bias (hatched: negative, drawn back over x·W)", BIAS_COLOUR)):
+            self.figure.add_trace(go.Bar(x=[], y=[], orientation="h", xaxis="x3", yaxis="y", name=name,
+                                         marker={"color": colour, "line": {"width": 0}}, hovertemplate=hover))
+
+    def _draw_split(self, record, split: dict[int, tuple[np.ndarray, np.ndarray]], labels: list[str]) -> None:
+        """The picked experts' logits of each layer with a bias, rank #1 on top in its row: x.W from 0, then the
+        bias from x.W to the recorded logit (hatched where it is negative and so covers the end of x.W)."""
+        xw_bars, bias_bars = self.figure.data[4:]
+        rows: dict[str, list] = {"y": [], "offset": [], "width": [], "xw": [], "bias": [], "data": []}
+        for label, layer in zip(labels, sorted(record.layers), strict=True):
+            if layer not in split:
+                continue
+            ids = self.marked[layer]
+            width = BAR_SPAN / len(ids)
+            xw, logits = split[layer]
+            for rank, e in enumerate(ids):
+                rows["y"].append(label)
+                rows["offset"].append(-BAR_SPAN / 2 + rank * width)
+                rows["width"].append(width)
+                rows["xw"].append(float(xw[e]))
+                rows["bias"].append(float(self.biases[layer][e]))
+                rows["data"].append([e, rank + 1, float(logits[e]), float(xw[e]), float(self.biases[layer][e])])
+        for bars, x, base in ((xw_bars, rows["xw"], 0.0), (bias_bars, rows["bias"], rows["xw"])):
+            bars.update(x=x, y=rows["y"], base=base, offset=rows["offset"], width=rows["width"],
+                        customdata=rows["data"])
+        bias_bars.marker.pattern.shape = ["/" if b < 0 else "" for b in rows["bias"]]  # the logit is where it ends
 
     def _reorder(self, _change=None) -> None:
         if self.record is not None:
@@ -199,6 +314,9 @@ class RouterView:
         probs = record.layers[layer].router_probs
         ids = [int(i) for i in record.layers[layer].topk_ids]
         rank = f", picked #{ids.index(expert) + 1}" if expert in ids else ", not picked"
+        if layer in self.biases:
+            xw, logits = logit_parts(record.layers[layer], self.biases[layer], layer)
+            rank += logit_text(xw[expert], logits[expert], self.biases[layer][expert]).replace("<br>", ", ")
         self.readout.value = (f"<b>layer {layer}, expert {expert}</b>: router probability {probs[expert]:.3f}"
                               f"{rank} (token {html.escape(shown(record.input_text))}, position {record.position})")
 
