@@ -12,9 +12,11 @@ import numpy as np
 from moebench.checkpoint.loader import load
 from moebench.decode.cache import make_cache
 from moebench.execution.executor import executor
-from moebench.execution.weights import RowStack, stack_rows
+from moebench.execution.weights import Derived, FusedWeights, RowStack, stack_rows
 from moebench.models.args import QuantizedParts
+from moebench.models.gpt_oss import Experts
 from moebench.models.layers import Linear
+from moebench.models.switch import SwitchGLU
 
 KEY = mx.random.key(7)
 
@@ -99,3 +101,28 @@ def test_the_experts_parts_the_kernels_read_follow_replaced_weights(quantized_ch
     after = np.array(step(x, residual, None))
     assert not np.allclose(after, before, rtol=1e-3, atol=1e-3)
     assert np.allclose(after, np.array(block(x)), rtol=1e-4, atol=1e-4)  # the fallback on the new weights
+
+
+def test_the_expert_biases_the_kernels_read_follow_replaced_biases():
+    """Experts with biases (gpt-oss): the fused weights hand the kernel pair the projections' own bias arrays, and
+    a replaced bias (a trained or reloaded one) is read from the next call on; unbiased experts have none."""
+    experts = Experts(64, 32, 4, 7.0, 1.702)
+    for proj in (experts.gate_proj, experts.up_proj, experts.down_proj):
+        proj.set_weight(*_quantized_parts(mx.random.normal(proj.weight.shape, key=KEY)))
+        proj.bias = mx.random.normal(proj.bias.shape, key=KEY)
+    derived = Derived(FusedWeights.build)
+    first = derived.get(experts.gate_proj, experts.up_proj, experts.down_proj)
+    assert [b is p.bias for b, p in zip(first.biases, (experts.gate_proj, experts.up_proj, experts.down_proj),
+                                         strict=True)] == [True] * 3
+    experts.up_proj.bias = experts.up_proj.bias + 1
+    again = derived.get(experts.gate_proj, experts.up_proj, experts.down_proj)
+    assert again is not first and again.biases[1] is experts.up_proj.bias
+    plain = SwitchGLU(64, 32, 4)
+    for proj in (plain.gate_proj, plain.up_proj, plain.down_proj):
+        proj.set_weight(*_quantized_parts(mx.random.normal(proj.weight.shape, key=KEY)))
+    assert FusedWeights.build(plain.gate_proj, plain.up_proj, plain.down_proj).biases is None
+
+
+def _quantized_parts(w: mx.array) -> tuple[mx.array, QuantizedParts]:
+    q, s, b = mx.quantize(w, group_size=32, bits=4)
+    return q, QuantizedParts(q, s, b, 32, 4, "affine")
