@@ -24,10 +24,10 @@ from .static import live_mark, show
 from .text import shown
 
 # (what each panel draws, its title, its colour range: None scales it to the token)
-PANELS = ((hooks.STATE_NORM, "state norm |S| after the token", None),
+PANELS = ((hooks.STATE_NORM, "state norm", None),
           (hooks.DECAY, "decay g", (0.0, 1.0)),
-          (hooks.BETA, "beta (write strength)", (0.0, 1.0)),
-          (hooks.OUTPUT_GATE, "output gate (head mean)", None))
+          (hooks.BETA, "beta", (0.0, 1.0)),
+          (hooks.OUTPUT_GATE, "output gate", None))
 KIND_COLOURS = {"linear_attention": "#c7e9c0", "full_attention": "#fdd0a2"}
 NO_MIXER = ("This model's layers all use attention (no linear-attention layers): there is no token-mixing state to "
             "show.")
@@ -86,7 +86,7 @@ class MixingView:
                             colorbar={"x": fig.layout[f"xaxis{col if col > 1 else ''}"].domain[1] + 0.005,
                                       "thickness": 8, "len": 0.9},
                             hovertemplate="%{y}, head %{x}: %{z:.4g}<extra>" + name + "</extra>")
-        fig.update_layout(height=300, margin={"l": 130, "r": 30, "t": 80, "b": 40}, title={"x": 0},
+        fig.update_layout(height=320, margin={"l": 130, "r": 30, "t": 100, "b": 40}, title={"x": 0},
                           modebar={"orientation": "v"})
         fig.update_yaxes(autorange="reversed")
         fig.update_xaxes(title_text="head", dtick=1)
@@ -108,7 +108,8 @@ class MixingView:
             for trace, (name, _, _) in zip(self.figure.data, PANELS, strict=True):
                 trace.z, trace.y = panel_grid(record, layers, name), labels
             self.figure.layout.title.text = (f"token {shown(record.input_text)} (position {record.position}): "
-                                             "token mixing per layer and head")
+                                             "token mixing per layer and head<br><sub>state norm: after the token; "
+                                             "output gate: mean over the head</sub>")
         self.widget.children = [self.strip, self.figure, self.widget.children[-1]]
 
     def _ipython_display_(self):
