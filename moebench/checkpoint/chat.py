@@ -206,8 +206,8 @@ def _plain_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
             raise ChatError(f"message {i} must be a mapping like {{'role': 'user', 'content': ...}}, got {message!r}")
         if not isinstance(message.get("role"), str):
             raise ChatError(f"message {i} needs a 'role' string, got {message.get('role')!r}")
+        _refuse_media(message.get("content"), i)  # first: a decoded image is no JSON data, but it is named as one
         entry = {k: _plain(v, f"message {i} field {k!r}") for k, v in message.items() if v is not None}
-        _refuse_media(entry.get("content"), i)
         reasoning = next((entry[k] for k in REASONING_FIELDS if k in entry), None)
         if reasoning is not None:
             entry = {"thinking": reasoning, **entry, "reasoning_content": reasoning}
@@ -219,10 +219,10 @@ def _refuse_media(content: Any, index: int) -> None:
     """A ChatError for an image, video or audio part in message `index`'s content (a list of parts): transformers'
     tokenizer would render the template's placeholder tokens for it (<|image_pad|>, ...), but moebench loads the
     text model only (a multimodal folder's vision weights are left out), so the model could never see it."""
-    if not isinstance(content, list):
+    if not isinstance(content, (list, tuple)):
         return
     for j, part in enumerate(content):
-        medium = next((m for m in MEDIA if isinstance(part, dict) and (part.get("type") == m or m in part)), None)
+        medium = next((m for m in MEDIA if isinstance(part, Mapping) and (part.get("type") == m or m in part)), None)
         if medium is not None:
             raise ChatError(f"message {index} content part {j} is not text but {medium!r}: moebench runs the text "
                             "model only (a checkpoint's vision or audio weights are not loaded), so give text parts "

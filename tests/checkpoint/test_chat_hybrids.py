@@ -150,6 +150,7 @@ def test_what_the_qwen3_5_template_renders(loaded):
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "'image_url'"),
     ({"image": "cat.png"}, "'image'"),
     ({"type": "video", "video": "clip.mp4"}, "'video'"),
+    ({"type": "image", "image": object()}, "'image'"),  # a decoded picture, as a processor would take it
 ])
 def test_an_image_or_video_part_is_refused_by_name(loaded, part, named):
     _, tok = loaded["qwen3_5_moe"]
