@@ -125,16 +125,21 @@ def delta_step(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arra
     return (state * q[..., None, :]).sum(axis=-1), state
 
 
+STEPPED_BELOW = 4  # prompts this short are stepped (delta_rule says why)
+
+
 def delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
                state: mx.array) -> tuple[mx.array, mx.array]:
     """Positions in order: q, k [B, L, Hk, Dk], v [B, L, Hv, Dv], g, beta [B, L, Hv], state [B, Hv, Dv, Dk]
     (float32) -> (o [B, L, Hv, Dv] float32, the state after the last position).
 
-    One position (a decode step) is stepped: decode stays exactly the per-token update. Two or more run chunked:
-    the stepped form costs ~8 graph nodes and ~6 passes over the whole state per position, the chunked one a
-    few passes per chunk, and its chunks shrink to the prompt (chunk_size), so it is not padded to 64 positions
-    for a short one."""
-    if q.shape[1] == 1:
+    Fewer than STEPPED_BELOW positions (a decode step among them: it stays exactly the per-token update) are
+    stepped, the rest run chunked. What decides is the size of the graph, which sets the cost where every node is
+    a kernel launch: stepping adds ~34 nodes a position (MLX 0.32), the chunked form ~120 to start with and ~20 a
+    chunk (its chunks shrink to a short prompt, chunk_size), so the two graphs are the same size at 4 positions
+    and 2048 positions are ~1,000 nodes instead of ~70,000. The arithmetic is about the same either way (some
+    three state-sized products a position), so on a CPU with slow float32 matmuls the chunked form gains little."""
+    if q.shape[1] < STEPPED_BELOW:
         return stepped_delta_rule(q, k, v, g, beta, state)
     return chunked_delta_rule(q, k, v, g, beta, state)
 
