@@ -68,10 +68,6 @@ class ExpertVariant:
     biases: tuple[mx.array, mx.array, mx.array] | None = None
     clamp: tuple[float, float] | None = None
 
-    @property
-    def activation(self) -> str:
-        return SWIGLU if self.clamp is None else CLAMPED_SWIGLU
-
 
 def float_bits(v: float) -> int:
     """v's float32 bits as a signed int: how limit and alpha reach the kernels (their templates take no floats)."""
