@@ -43,16 +43,17 @@ import mlx.core as mx
 from moebench.checkpoint.loader import load
 from moebench.decode.compiled import CompiledForward
 from moebench.decode.loop import STEPS_AHEAD, generate, generate_tokens
-from moebench.execution.attention import Heads, decode_attention, rope_frequencies
+from moebench.execution.attention import decode_attention, rope_frequencies
 from moebench.execution.executor import executor, fused_moe
 from moebench.execution.settings import KernelSettings
+from moebench.models.declare import AttentionSpec
 from moebench.tools.bench import mlx_lm_model
 
 CALLS = 200
 
 
 def micro() -> None:
-    heads, cap = Heads(16, 16, 128), 256
+    heads, cap = AttentionSpec(16, 16, 128, qkv_bias=True), 256
     for p in (64, 128, 192):
         qkvs = [mx.random.normal((1, 1, heads.width)).astype(mx.bfloat16) for _ in range(CALLS)]
         bias = mx.random.normal((heads.width,)).astype(mx.bfloat16)
