@@ -9,7 +9,14 @@ splits, as mlx-lm's shard() does, every layer's query heads and key/value heads 
 biases' rows, o_proj as a ColumnShard whose bias is added once after the all_sum, moebench.models.layers;
 gpt-oss's per-head sinks are loaded whole and each rank attends with its heads' span) and the width of every
 shared expert and dense MLP (gate/up as RowShards, down as a
-ColumnShard), each joined by an all_sum; the KV cache of a rank holds its own key/value heads only. Every rank
+ColumnShard), each joined by an all_sum; the KV cache of a rank holds its own key/value heads only. A hybrid's
+full-attention layers (GatedAttention) split by heads the same way, each query head's rows (its queries and its
+output gate) together and the per-head q/k norms whole; its linear-attention layers (Gated DeltaNet) split by key
+heads: a rank holds its key heads and the value heads they serve, the projections' rows of those heads, the conv
+channels of their q, k and v, A_log and dt_bias of its value heads (the gated norm, one per head dimension, whole),
+and the output projection's input columns joined by an all_sum; its recurrent state holds only its heads. Where a
+rank's rows are not one span (Qwen3.5's in_proj_qkv [q | k | v], the conv channels) the module says which in
+`held_rows` (HeldRows) and the loader reads those alone. Every rank
 then holds every slot's output and the whole residual stream, so records and widgets see what one process
 would. Sharding replaces placeholders before the weights load, and the loader reads on each rank only the
 experts and rows it holds (moebench.checkpoint.weights).
@@ -20,11 +27,15 @@ experts`: every rank runs the same program, and collective calls pair up in the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..errors import ConfigError
-from .layers import ColumnShard, RowShard
+from .gated_delta import FUSED_QKVZ, DepthwiseConv1d, GatedDeltaNet, LinearAttentionArgs
+from .layers import ColumnShard, Linear, RowShard
+from .run import token_mixer
 from .switch import ExpertShard, SwitchGLU
 
 TENSOR_MODE = "experts+tensor"  # experts, attention heads and MLP widths split over the ranks
@@ -59,26 +70,86 @@ def shard_experts(model, group: mx.distributed.Group) -> None:
                             else ExpertShard(dims, hidden, total, first, end - first, group))
 
 
+@dataclass(frozen=True)
+class HeldRows:
+    """The rows of a module's stored tensors this rank holds where they are not one span (a RowShard's): spans
+    [first, end) of a first axis of `total` rows, in order. Set as a module's `held_rows`, it tells the loader
+    (moebench.checkpoint.weights) to read those rows alone of every tensor the module loads."""
+
+    total: int
+    spans: tuple[tuple[int, int], ...]
+
+
 def shard_heads(model, group: mx.distributed.Group) -> None:
-    """Give each attention layer of `model` (placeholder weights, before loading) this rank's span of its query
-    heads and of its key/value heads; each query head keeps its key/value head (the spans are the same share
-    of both). Heads that do not split evenly over the ranks are a ConfigError."""
-    size, rank = group.size(), group.rank()
-    if size == 1:
+    """Give each token-mixing layer of `model` (placeholder weights, before loading) this rank's span of its heads:
+    an attention layer's query and key/value heads (shard_attention), a linear-attention layer's key heads
+    (shard_linear_attention). Heads that do not split evenly over the ranks are a ConfigError naming the layer."""
+    if group.size() == 1:
         return
     for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        if attn.n_heads % size or attn.n_kv_heads % size:
-            raise ConfigError(f"shard: layer {i}'s {attn.n_heads} query and {attn.n_kv_heads} key/value heads do not "
-                              f"split evenly over {size} ranks ({TENSOR_MODE} needs both to)")
-        hd, dims = attn.head_dim, attn.q_proj.shape[1]
-        heads, kv = attn.n_heads // size, attn.n_kv_heads // size
-        bias = "bias" in attn.q_proj
-        attn.q_proj = RowShard(dims, attn.n_heads * hd, rank * heads * hd, heads * hd, bias)
-        attn.k_proj = RowShard(dims, attn.n_kv_heads * hd, rank * kv * hd, kv * hd, bias)
-        attn.v_proj = RowShard(dims, attn.n_kv_heads * hd, rank * kv * hd, kv * hd, bias)
-        attn.o_proj = ColumnShard(attn.n_heads * hd, rank * heads * hd, heads * hd, dims, group, "bias" in attn.o_proj)
-        attn.n_heads, attn.n_kv_heads = heads, kv
+        mixer = token_mixer(layer)
+        if isinstance(mixer, GatedDeltaNet):
+            shard_linear_attention(i, mixer, group)
+        else:
+            shard_attention(i, mixer, group)
+
+
+def shard_attention(i: int, attn, group: mx.distributed.Group) -> None:
+    """Layer `i`'s query heads and key/value heads, this rank's span of each; each query head keeps its key/value
+    head (the spans are the same share of both) and its q_proj rows together (its queries, and its output gate
+    where q_proj is twice as wide)."""
+    size, rank = group.size(), group.rank()
+    if attn.n_heads % size or attn.n_kv_heads % size:
+        raise ConfigError(f"shard: layer {i}'s {attn.n_heads} query and {attn.n_kv_heads} key/value heads do not "
+                          f"split evenly over {size} ranks ({TENSOR_MODE} needs both to)")
+    hd, (q_rows, dims) = attn.head_dim, attn.q_proj.shape
+    per_head = q_rows // attn.n_heads  # head_dim, or twice it with an output gate (GatedAttention)
+    heads, kv = attn.n_heads // size, attn.n_kv_heads // size
+    bias = "bias" in attn.q_proj
+    attn.q_proj = RowShard(dims, q_rows, rank * heads * per_head, heads * per_head, bias)
+    attn.k_proj = RowShard(dims, attn.n_kv_heads * hd, rank * kv * hd, kv * hd, bias)
+    attn.v_proj = RowShard(dims, attn.n_kv_heads * hd, rank * kv * hd, kv * hd, bias)
+    attn.o_proj = ColumnShard(attn.n_heads * hd, rank * heads * hd, heads * hd, dims, group, "bias" in attn.o_proj)
+    attn.n_heads, attn.n_kv_heads = heads, kv
+
+
+def shard_linear_attention(i: int, net: GatedDeltaNet, group: mx.distributed.Group) -> None:
+    """Layer `i`'s Gated DeltaNet, this rank's span of its key heads and of the value heads they serve (each key
+    head serves consecutive value heads, so both spans are contiguous): its rows of the projections (Qwen3-Next's
+    fused ones are grouped per key head: one span each; Qwen3.5's in_proj_qkv [q | k | v]: three), its conv
+    channels (three spans: the conv runs over [q | k | v]), A_log and dt_bias of its value heads, out_proj's input
+    columns (a ColumnShard: one all_sum). The delta rule runs per value head and the conv per channel, so the rank's
+    heads compute exactly what they do in the whole layer; the cache's states then hold only those heads."""
+    size, rank, whole = group.size(), group.rank(), net.linear
+    if whole.num_key_heads % size:
+        raise ConfigError(f"shard: layer {i}'s linear attention's {whole.num_key_heads} key heads (serving "
+                          f"{whole.num_value_heads} value heads) do not split evenly over {size} ranks ({TENSOR_MODE} "
+                          "needs them to)")
+    mine = replace(whole, num_key_heads=whole.num_key_heads // size, num_value_heads=whole.num_value_heads // size)
+    dims, nv, first_v = net.out_proj.shape[0], mine.num_value_heads, rank * mine.num_value_heads
+    if whole.layout == FUSED_QKVZ:  # per key head: its q, k, then its value heads' v and z; its b then its a
+        qkvz = 2 * mine.key_dim + 2 * mine.value_dim
+        net.in_proj_qkvz = RowShard(dims, size * qkvz, rank * qkvz, qkvz)
+        net.in_proj_ba = RowShard(dims, 2 * whole.num_value_heads, 2 * first_v, 2 * nv)
+    else:
+        net.in_proj_qkv = Linear(dims, mine.conv_dim)
+        net.in_proj_qkv.held_rows = conv_rows(whole, mine, rank)
+        net.in_proj_z = RowShard(dims, whole.value_dim, rank * mine.value_dim, mine.value_dim)
+        net.in_proj_b = RowShard(dims, whole.num_value_heads, first_v, nv)
+        net.in_proj_a = RowShard(dims, whole.num_value_heads, first_v, nv)
+    net.conv1d = DepthwiseConv1d(mine.conv_dim, whole.conv_kernel)
+    net.conv1d.held_rows = conv_rows(whole, mine, rank)
+    net.A_log, net.dt_bias = mx.zeros((nv,)), mx.ones((nv,))
+    net.held_rows = HeldRows(whole.num_value_heads, ((first_v, first_v + nv),))  # A_log's and dt_bias's
+    net.out_proj = ColumnShard(whole.value_dim, rank * mine.value_dim, mine.value_dim, dims, group)
+    net.linear = mine
+
+
+def conv_rows(whole: LinearAttentionArgs, mine: LinearAttentionArgs, rank: int) -> HeldRows:
+    """Rank `rank`'s channels of [q | k | v] (q and k of its key heads, v of its value heads), holding `mine`'s
+    share of `whole`'s heads: three spans."""
+    q, v, k = rank * mine.key_dim, 2 * whole.key_dim + rank * mine.value_dim, whole.key_dim + rank * mine.key_dim
+    return HeldRows(whole.conv_dim, ((q, q + mine.key_dim), (k, k + mine.key_dim), (v, v + mine.value_dim)))
 
 
 def split_mlps(model) -> dict[str, object]:
@@ -120,20 +191,29 @@ def mlp_note(mlp) -> str | None:
             "other ranks' by all_sum)")
 
 
-def attention_note(attn) -> str | None:
-    """An attention decision's note on a layer whose heads are split over ranks, None where it is whole."""
-    out = attn.o_proj
+def attention_note(mixer) -> str | None:
+    """A token-mixing layer's note on the heads this rank holds where they are split over ranks (an attention
+    layer's query and key/value heads, a linear-attention layer's key and value heads), None where it is whole."""
+    if isinstance(mixer, GatedDeltaNet):
+        out, dv, per_key = mixer.out_proj, mixer.linear.value_head_dim, mixer.linear.num_value_heads
+        per_key //= mixer.linear.num_key_heads  # value heads per key head
+        if not isinstance(out, ColumnShard):
+            return None
+        return (f"key heads {_heads(out.first // per_key, out.shape[1] // per_key, out.total // per_key, dv)}, "
+                f"value heads {_heads(out.first, out.shape[1], out.total, dv)} on rank {out.group.rank()} of "
+                f"{out.group.size()} (the other ranks' by all_sum)")
+    out, hd, k = mixer.o_proj, mixer.head_dim, mixer.k_proj
     if not isinstance(out, ColumnShard):
         return None
-    hd, k = attn.head_dim, attn.k_proj
-
-    def heads(first: int, width: int, total: int) -> str:
-        last = (first + width) // hd - 1
-        return f"{first // hd}{'' if last == first // hd else f'-{last}'} of {total // hd}"
-
-    return (f"query heads {heads(out.first, out.shape[1], out.total)}, key/value heads "
-            f"{heads(k.first, k.shape[0], k.total)} on rank {out.group.rank()} of {out.group.size()} (the other "
+    return (f"query heads {_heads(out.first, out.shape[1], out.total, hd)}, key/value heads "
+            f"{_heads(k.first, k.shape[0], k.total, hd)} on rank {out.group.rank()} of {out.group.size()} (the other "
             "ranks' by all_sum)")
+
+
+def _heads(first: int, width: int, total: int, head_dim: int) -> str:
+    """Heads [first, first + width) of total, in columns of head_dim each, in words: '2-3 of 4', '1 of 2'."""
+    start, last = first // head_dim, (first + width) // head_dim - 1
+    return f"{start}{'' if last == start else f'-{last}'} of {total // head_dim}"
 
 
 def shard_of(model) -> ExpertShard | None:
@@ -167,8 +247,9 @@ def resident_expert_bytes(model) -> int:
 
 
 def resident_attention_bytes(model) -> int:
-    """Bytes of the attention layers' arrays this process holds, over every layer."""
-    return sum(a.nbytes for layer in model.layers for _, a in tree_flatten(layer.self_attn.parameters()))
+    """Bytes of the token-mixing layers' arrays (attention, linear attention) this process holds, over every
+    layer."""
+    return sum(a.nbytes for layer in model.layers for _, a in tree_flatten(token_mixer(layer).parameters()))
 
 
 def resident_mlp_bytes(model) -> int:
@@ -183,13 +264,24 @@ def per_rank(group: mx.distributed.Group | None, value: int) -> list[int]:
     return mx.distributed.all_gather(mx.array([value], dtype=mx.int64), group=group).tolist()
 
 
+def mixers_note(model, linear: bool) -> str:
+    """The heads this rank holds of the model's first attention layer (or with `linear`, linear-attention layer),
+    in words (every such layer is split alike)."""
+    kind = [m for m in map(token_mixer, model.layers) if isinstance(m, GatedDeltaNet) == linear]
+    if not kind:
+        return "no linear attention" if linear else "no attention"
+    whole = "every key and value head in this process" if linear else "every head in this process"
+    return attention_note(kind[0]) or whole
+
+
 def report(model, group: mx.distributed.Group | None) -> dict:
-    """Where the experts, heads and MLP widths are: this rank's spans in words, and each rank's resident expert,
-    attention and MLP bytes and process peak memory so far (every rank calls this together)."""
+    """Where the experts, heads and MLP widths are: this rank's spans in words (the first attention layer's heads,
+    a hybrid's first linear-attention layer's), and each rank's resident expert, attention (linear attention
+    included) and MLP bytes and process peak memory so far (every rank calls this together)."""
     mlps = split_mlps(model)
     first = mlp_note(next(iter(mlps.values()))) if mlps else None
     return {"ranks": group.size() if group is not None else 1, "experts": describe(shard_of(model)),
-            "attention": attention_note(model.layers[0].self_attn) or "every head in this process",
+            "attention": mixers_note(model, False), "linear_attention": mixers_note(model, True),
             "mlps": first or ("every MLP's whole width in this process" if mlps else "no shared expert or dense MLP"),
             "expert_bytes_per_rank": per_rank(group, resident_expert_bytes(model)),
             "attention_bytes_per_rank": per_rank(group, resident_attention_bytes(model)),

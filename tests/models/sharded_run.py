@@ -45,7 +45,7 @@ def decode(model, prompt: list[int], n: int, fused: bool) -> dict:
         "tokens": trace.token_ids, "generate_tokens": generated, "compiled_tokens": compiled,
         "margins": [margin(s.logits) for s in steps if s.logits is not None],
         "notes": sorted({s.layers[i].path.note or "" for s in steps for i in s.layers}),
-        "attention_notes": sorted(set(dispatch(model)["attention"][0]["notes"])),
+        "attention_notes": sorted({n for layer in dispatch(model)["attention"].values() for n in layer["notes"]}),
         "records": [{str(i): {k: None if getattr(r, k) is None else np.asarray(getattr(r, k), np.float64).tolist()
                               for k in RECORDED} for i, r in s.layers.items()} for s in steps],
     }

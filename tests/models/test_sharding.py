@@ -1,9 +1,11 @@
 """Expert parallelism (and tensor parallelism): each rank loads only its span of experts (and of heads and MLP
-widths), and two processes under mlx.launch (the ring backend over 127.0.0.1) decode as one process does, fused kernels
-on and off, with the same records."""
+widths; a hybrid's linear-attention key heads with their value heads, conv channels and gates), and two processes under
+mlx.launch (the ring backend over 127.0.0.1) decode as one process does, fused kernels on and off, with the same
+records: Qwen2-MoE, Qwen3-MoE, gpt-oss, and the hybrids Qwen3-Next and Qwen3.5-MoE in both projection layouts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -21,9 +23,11 @@ from moebench.checkpoint.loader import SHIPPED_MODEL, STORED_LAYOUTS, load
 from moebench.checkpoint.weights import load_weights
 from moebench.errors import CheckpointError, ConfigError, MoebenchError
 from moebench.models import family
+from moebench.models.gated_delta import FUSED_QKVZ
 from moebench.models.layers import ColumnShard, RowShard
 from moebench.models.sharding import (
     TENSOR_MODE,
+    conv_rows,
     expert_span,
     resident_attention_bytes,
     resident_expert_bytes,
@@ -40,7 +44,7 @@ from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
 RUN = Path(__file__).with_name("sharded_run.py")
 PROMPT = [40, 69, 12, 7, 230, 18, 91, 3]
-TOKENS = 10
+TOKENS = 16
 SHIPPED_EXPERTS = read_model_args(SHIPPED_MODEL / "config.json").num_experts
 NEAR_TIE = 1e-3  # a top-two logit margin this small may flip under a different float32 summation order
 
@@ -76,7 +80,48 @@ def gpt_oss(tmp_path_factory) -> Path:
                         generator="numpy", progress=False)
 
 
-TOTALS = {"shipped": SHIPPED_EXPERTS, "qwen3": 16, "gpt_oss": 8}
+def hybrid(tmp_path_factory, preset: str) -> Path:
+    """make-random's tiny hybrid (mlx-lm's layout: 4-bit but for the 8-bit router and shared-expert gate; three
+    Gated DeltaNet layers of 2 key and 4 value heads, then gated full attention of 4 query and 2 key/value heads; 8
+    experts top-2 and a shared expert of width 128) in float32."""
+    return write_random(tmp_path_factory.mktemp(preset) / "ckpt", preset, dtype="float32", group_size=32,
+                        generator="numpy", progress=False)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory) -> Path:
+    """Qwen3-Next's fused linear projections (in_proj_qkvz, in_proj_ba: rows grouped per key head)."""
+    return hybrid(tmp_path_factory, "qwen3-next-tiny")
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory) -> Path:
+    """Qwen3.5's split linear projections (in_proj_qkv as [q | k | v], in_proj_z, in_proj_b, in_proj_a)."""
+    return hybrid(tmp_path_factory, "qwen3.5-moe-tiny")
+
+
+def hub(tmp_path_factory, model_type: str) -> Path:
+    """transformers' tiny float folder of the family as the hub lays it out (test_qwen3_next's: Qwen3-Next's experts
+    one by one, Qwen3.5's multimodal folder with fused experts; norms as offsets from 1, conv weights [C, 1, K]),
+    with the heads of the make-random ones."""
+    pytest.importorskip("torch", reason="the hub folders are written by transformers (dev dependency torch)")
+    from test_qwen3_next import HUB, save, torch_model
+
+    return save(torch_model(model_type, 1), tmp_path_factory.mktemp(model_type) / "hub", HUB[model_type])
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_hub(tmp_path_factory) -> Path:
+    return hub(tmp_path_factory, "qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_hub(tmp_path_factory) -> Path:
+    return hub(tmp_path_factory, "qwen3_5_moe")
+
+
+TOTALS = {"shipped": SHIPPED_EXPERTS, "qwen3": 16, "gpt_oss": 8, "qwen3_next": 8, "qwen3_5": 8}
+HYBRIDS = ("qwen3_next", "qwen3_5")
 
 
 @pytest.mark.parametrize("total", [7, 16, 60, 128])
@@ -192,6 +237,87 @@ def test_each_gpt_oss_rank_loads_its_experts_biases_heads_and_sinks(gpt_oss):
             assert a.window == b.window
 
 
+def _held(full: mx.array, spans) -> mx.array:
+    """The rows of `spans` ([first, end) each) of `full`, in order."""
+    return mx.concatenate([full[first:end] for first, end in spans])
+
+
+def _assert_rows(mine, full, spans, where: str) -> None:
+    """A projection holds exactly `spans` of the whole one's rows: weight, scales, biases and bias alike."""
+    for part in ("weight", "scales", "biases", "bias"):
+        assert (part in mine) == (part in full), (where, part)
+        if part in full:
+            assert mx.array_equal(mine[part], _held(full[part], spans)).item(), (where, part)
+
+
+def _assert_columns(mine, full, r: int, where: str) -> None:
+    """An output projection is a ColumnShard holding rank r's half of the whole one's input columns."""
+    parts, full_parts = mine.quantized_parts() or mine, full.quantized_parts() or full  # float: the weight alone
+    assert isinstance(mine, ColumnShard) and mine.shape == (full.shape[0], full.shape[1] // 2), where
+    for part in ("weight", "scales", "biases") if full.mode else ("weight",):
+        width = getattr(parts, part).shape[1]
+        assert mx.array_equal(getattr(parts, part), getattr(full_parts, part)[:, r * width:(r + 1) * width]).item(), \
+            (where, part)
+
+
+@pytest.mark.parametrize("name", [*HYBRIDS, "qwen3_next_hub", "qwen3_5_hub"])
+def test_each_hybrid_rank_loads_its_heads_and_linear_attention_share(name, request):
+    """A hybrid under experts+tensor over 2 ranks: the gated full attention's query heads (each head's query and
+    output-gate rows together) and key/value heads; each Gated DeltaNet's key head and the two value heads it
+    serves: Qwen3-Next's fused projection rows (grouped per key head), Qwen3.5's [q | k | v] rows in three spans and
+    z/b/a rows, the conv channels of its q, k and v, A_log and dt_bias of its value heads, out_proj's input columns;
+    the norms whole. The experts and the shared expert split as for every family. In mlx-lm's layout (make-random,
+    4-bit) and in transformers' (float; the conv weights turned and the norms offset as the loader reads them)."""
+    folder = request.getfixturevalue(name)
+    whole = _loaded(folder, None)
+    shards = [_loaded(folder, Ranks(r, 2), tensor=True) for r in range(2)]
+    assert {layer.layer_type for layer in whole.layers} == {"linear_attention", "full_attention"}
+    assert sum(resident_expert_bytes(m) for m in shards) == resident_expert_bytes(whole)
+    assert sum(resident_mlp_bytes(m) for m in shards) == resident_mlp_bytes(whole)
+    norms = sum(layer.mixer[n].weight.nbytes for layer in whole.layers for n in ("q_norm", "k_norm", "norm")
+                if n in layer.mixer)
+    assert sum(resident_attention_bytes(m) for m in shards) == resident_attention_bytes(whole) + norms
+    for r, sharded in enumerate(shards):
+        for i, (mine, full) in enumerate(zip(sharded.layers, whole.layers, strict=True)):
+            a, b, where = mine.mixer, full.mixer, (name, r, i)
+            if mine.layer_type == "full_attention":
+                assert (a.n_heads, a.n_kv_heads) == (2, 1)
+                for proj, rows in (("q_proj", 2 * 64), ("k_proj", 32), ("v_proj", 32)):  # q: per head 32 + 32 gate
+                    assert isinstance(a[proj], RowShard), where
+                    _assert_rows(a[proj], b[proj], [(r * rows, (r + 1) * rows)], (*where, proj))
+                for norm in ("q_norm", "k_norm"):
+                    assert mx.array_equal(a[norm].weight, b[norm].weight).item(), where
+                _assert_columns(a.o_proj, b.o_proj, r, where)
+                continue
+            lin = a.linear
+            assert (lin.num_key_heads, lin.num_value_heads, lin.layout) == (1, 2, b.linear.layout), where
+            channels = [(32 * r, 32 * r + 32), (64 + 32 * r, 96 + 32 * r), (128 + 64 * r, 192 + 64 * r)]  # q, k, v
+            assert conv_rows(b.linear, lin, r).spans == tuple(channels)
+            if lin.layout == FUSED_QKVZ:  # per key head: q 32, k 32, v 2 x 32, z 2 x 32; b 2, a 2
+                _assert_rows(a.in_proj_qkvz, b.in_proj_qkvz, [(192 * r, 192 * r + 192)], (*where, "qkvz"))
+                _assert_rows(a.in_proj_ba, b.in_proj_ba, [(4 * r, 4 * r + 4)], (*where, "ba"))
+            else:
+                _assert_rows(a.in_proj_qkv, b.in_proj_qkv, channels, (*where, "qkv"))
+                _assert_rows(a.in_proj_z, b.in_proj_z, [(64 * r, 64 * r + 64)], (*where, "z"))
+                for proj in ("in_proj_b", "in_proj_a"):
+                    _assert_rows(a[proj], b[proj], [(2 * r, 2 * r + 2)], (*where, proj))
+            assert mx.array_equal(a.conv1d.weight, _held(b.conv1d.weight, channels)).item(), where
+            for gate in ("A_log", "dt_bias"):
+                assert mx.array_equal(a[gate], b[gate][2 * r:2 * r + 2]).item() and a[gate].dtype == b[gate].dtype
+            assert mx.array_equal(a.norm.weight, b.norm.weight).item(), where
+            _assert_columns(a.out_proj, b.out_proj, r, where)
+
+
+def test_hybrid_heads_that_do_not_split_evenly_are_a_config_error_naming_the_layer(qwen3_5):
+    args = read_model_args(qwen3_5 / "config.json")  # linear attention: 2 key heads; full attention: 4 and 2
+    with pytest.raises(ConfigError, match=r"layer 0's linear attention's 2 key heads \(serving 4 value heads\) do "
+                                          "not split evenly over 4 ranks"):
+        shard_heads(family(args.model_type).Model(args), Ranks(0, 4))
+    wide = dataclasses.replace(args, linear_num_key_heads=4, linear_num_value_heads=4)  # linear layers split
+    with pytest.raises(ConfigError, match="layer 3's 4 query and 2 key/value heads do not split evenly over 4 ranks"):
+        shard_heads(family(args.model_type).Model(wide), Ranks(0, 4))
+
+
 def test_heads_that_do_not_split_evenly_are_a_config_error():
     model = family("qwen2_moe").Model(read_model_args(SHIPPED_MODEL / "config.json"))  # 4 heads, 2 key/value
     with pytest.raises(ConfigError, match="layer 0's 4 query and 2 key/value heads do not split evenly over 4 ranks"):
@@ -268,10 +394,11 @@ MODES = ("experts", TENSOR_MODE)
 
 
 @pytest.fixture(scope="module")
-def decodes(qwen3_stacked, gpt_oss, tmp_path_factory) -> dict:
+def decodes(qwen3_stacked, gpt_oss, qwen3_next, qwen3_5, tmp_path_factory) -> dict:
     """{(model, mode): (one process's record, [each rank's record of two])}."""
     out = {}
-    for name, folder in (("shipped", SHIPPED_MODEL), ("qwen3", qwen3_stacked), ("gpt_oss", gpt_oss)):
+    for name, folder in (("shipped", SHIPPED_MODEL), ("qwen3", qwen3_stacked), ("gpt_oss", gpt_oss),
+                         ("qwen3_next", qwen3_next), ("qwen3_5", qwen3_5)):
         alone = tmp_path_factory.mktemp(f"{name}-one")
         args = [str(TOKENS), *map(str, PROMPT)]
         subprocess.run([sys.executable, str(RUN), str(folder), str(alone), "experts", *args], check=True, timeout=300)
@@ -338,11 +465,11 @@ def test_each_rank_holds_half_the_experts_and_says_which(decodes):
     for (name, mode), (one, (rank0, rank1)) in decodes.items():
         whole = one["shard"]["expert_bytes_per_rank"][0]
         assert rank0["shard"]["expert_bytes_per_rank"] == [whole // 2, whole // 2], name
-        spans = {k: rank0["shard"][k] for k in ("experts", "attention", "mlps")}
+        spans = {k: rank0["shard"][k] for k in ("experts", "attention", "linear_attention", "mlps")}
         assert rank0["shard"] == rank1["shard"] | spans
         total = TOTALS[name]
         half = total // 2
-        shared = ["", ""] if (name, mode) != ("shipped", TENSOR_MODE) else [  # the shipped model's shared experts
+        shared = ["", ""] if name in ("qwen3", "gpt_oss") or mode == "experts" else [  # shared experts of 128
             f"; shared expert width {r * 64}-{r * 64 + 63} of 128 on rank {r} of 2 (the other ranks' by all_sum)"
             for r in range(2)]
         assert [r["on"]["notes"] for r in (rank0, rank1)] == [
@@ -351,6 +478,14 @@ def test_each_rank_holds_half_the_experts_and_says_which(decodes):
         assert [r["off"]["notes"] for r in (rank0, rank1)] == [r["on"]["notes"] for r in (rank0, rank1)], name
         attention = [r["on"]["attention_notes"] for r in (rank0, rank1)]
         whole_attention, whole_mlps = (one["shard"][k][0] for k in ("attention_bytes_per_rank", "mlp_bytes_per_rank"))
+        linear = [r["shard"]["linear_attention"] for r in (rank0, rank1)]
+        if name not in HYBRIDS:
+            assert linear == ["no linear attention"] * 2, name
+        elif mode == "experts":
+            assert linear == ["every key and value head in this process"] * 2, name
+        else:  # 2 key heads, each serving 2 value heads
+            assert linear == [f"key heads {r} of 2, value heads {2 * r}-{2 * r + 1} of 4 on rank {r} of 2 (the other "
+                              "ranks' by all_sum)" for r in range(2)], name
         if mode == "experts":
             assert attention == [[], []] and rank0["shard"]["attention_bytes_per_rank"] == [whole_attention] * 2
             assert rank0["shard"]["mlps"] == ("no shared expert or dense MLP" if name == "gpt_oss" else
@@ -361,7 +496,7 @@ def test_each_rank_holds_half_the_experts_and_says_which(decodes):
             assert rank0["shard"]["mlps"] == "no shared expert or dense MLP"
             assert rank0["shard"]["mlp_bytes_per_rank"] == [0, 0]
         else:
-            width = 128 if name == "shipped" else 256  # the shipped model's shared experts, the Qwen3 one's dense layer
+            width = 256 if name == "qwen3" else 128  # the Qwen3 checkpoint's dense layer, the others' shared experts
             assert [r["shard"]["mlps"] for r in (rank0, rank1)] == [
                 f"width {r * width // 2}-{(r + 1) * width // 2 - 1} of {width} on rank {r} of 2 (the other ranks' by "
                 "all_sum)" for r in range(2)], name
