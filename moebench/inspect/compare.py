@@ -86,7 +86,7 @@ def compare_step(model, step: StepRecord, layers: list[int] | None = None, dtype
             routed, per_expert = moe.routed_experts(path, block.switch_mlp, x, ids, scores)
             outputs[name] = (f64(routed[0]), f64(per_expert[0]), path)
         s64 = rec.topk_scores.astype(np.float64)
-        truth = expert_outputs(_parts(block.switch_mlp), f64(x[0]), rec.topk_ids)
+        truth = expert_outputs(_parts(block.switch_mlp), f64(x[0]), rec.topk_ids, moe.expert_variant(block.switch_mlp))
         shared = _shared_outputs(m, layer, x, ids, scores, backend)
         outputs["truth"] = ((s64[:, None] * truth).sum(axis=0), truth, "numpy float64")
         for a, b in PAIRS:

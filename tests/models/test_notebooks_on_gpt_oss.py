@@ -28,13 +28,6 @@ def gpt_oss_checkpoint(tmp_path_factory) -> Path:
     return folder
 
 
-# 03 compares the fused MoE kernel with the fallback step by step; the fused kernels decline gpt-oss's routing (top-k
-# logits then softmax) until issue 36's kernel part lands, and compare_step says so (UnsupportedKernelConfig)
-NO_FUSED_KERNEL = pytest.mark.xfail(strict=True, reason="the fused MoE kernels do not compute gpt-oss yet: "
-                                    "notebook 03's fused-vs-fallback comparison has no fused side")
-CASES = [pytest.param(nb, marks=NO_FUSED_KERNEL) if nb.stem == "03_fused_vs_fallback" else nb for nb in NOTEBOOKS]
-
-
-@pytest.mark.parametrize("notebook", CASES, ids=[nb.stem for nb in NOTEBOOKS])
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
 def test_notebook_runs_on_gpt_oss(notebook, gpt_oss_checkpoint, monkeypatch):
     run_notebook_on(notebook, gpt_oss_checkpoint, "gpt_oss", monkeypatch)

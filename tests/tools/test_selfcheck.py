@@ -36,7 +36,7 @@ def test_selfcheck_passes_and_reports_the_reference_backend_honestly(quantized_c
     combos = {(r["case"], r["mode"], r["bits"], r["group_size"]) for r in ran}
     # every supported affine bits / group-size combination and each microscaled mode at both shapes, the model's
     # own experts, the shared expert
-    assert len(combos) == 2 * (3 * 2 * 3 + 3) + 1 + 1
+    assert len(combos) == 2 * (3 * 2 * 3 + 3) + 1 + 1 + 5  # and gpt-oss's biased, clamped experts in each format
     assert {(r["mode"], r["bits"], r["group_size"]) for r in ran if r["mode"] != "affine"} == {
         ("mxfp4", "4/4/4", 32), ("nvfp4", "4/4/4", 16), ("mxfp8", "8/8/8", 32)}
     assert "| mxfp4 4/4/4 | 32 |" in text and "| nvfp4 4/4/4 | 16 |" in text and "| mxfp8 8/8/8 | 32 |" in text
@@ -55,9 +55,10 @@ def test_selfcheck_passes_and_reports_the_reference_backend_honestly(quantized_c
 def test_the_model_shape_is_checked_once_when_it_is_the_reference_shape(quantized_checkpoint, monkeypatch):
     monkeypatch.setattr(selfcheck, "A27B_SHAPE", ("same as the model", 128, 128, 2))  # the tiny model's D, Dff, K
     record = selfcheck.selfcheck(quantized_checkpoint, prompt_tokens=2, gen_tokens=2, repeats=1, progress=False)
-    assert {r["case"] for r in record["parity"]} == {"same as the model D128 Dff128 K2", "model layer 0 experts",
-                                                     "same as the model + shared expert Dffs 192"}
-    assert len(record["parity"]) == 18 + 3 + 1 + 1 and record["passed"]
+    assert {r["case"] for r in record["parity"]} == {
+        "same as the model D128 Dff128 K2", "model layer 0 experts", "same as the model + shared expert Dffs 192",
+        "same as the model + biases + clamped SwiGLU (limit 1, alpha 1.702)"}
+    assert len(record["parity"]) == 18 + 3 + 1 + 1 + 5 and record["passed"]
 
 
 def test_selfcheck_exits_nonzero_when_the_kernel_is_wrong(quantized_checkpoint, tmp_path, monkeypatch, capsys):
@@ -125,9 +126,9 @@ def test_a_gpu_backend_is_compared_with_the_cpu_reference(monkeypatch):
     real = fused_kernel.routed
     seen = []
 
-    def as_if_cuda(backend, *args):
+    def as_if_cuda(backend, *args, **kwargs):
         seen.append(backend)
-        return real("reference", *args)
+        return real("reference", *args, **kwargs)
 
     monkeypatch.setattr(fused_kernel, "routed", as_if_cuda)
     x, idx, scores, parts = _case_inputs()
