@@ -191,6 +191,11 @@ def _shard_path(folder: Path, index: Path, name: object) -> Path:
     return folder / relative
 
 
+def _read_at(f, offset: int, size: int) -> bytes:
+    f.seek(offset)
+    return f.read(size)
+
+
 class TensorStore:
     """Lazily loaded tensors of a checkpoint, taken one by one so that leftovers can be reported."""
 
@@ -250,21 +255,27 @@ class TensorStore:
         """Keep only rows [first, end) of a stored tensor's first axis (a rank's span of stacked experts), read
         from its file alone: the other rows are never read. A tensor made from stored ones (put: gpt-oss's
         interleaved gate/up split) is already read, and is cut in memory."""
+        self.narrow_spans(name, ((first, end),))
+
+    def narrow_spans(self, name: str, spans: tuple[tuple[int, int], ...]) -> None:
+        """Keep only the rows of `spans` ([first, end) each, in order) of a tensor's first axis, as narrow does for
+        one span (a rank's rows where they are several: a hybrid's [q | k | v] channels)."""
         if name not in self._tensors:
             raise CheckpointError(f"{self.where(name)}: missing tensor {name!r}")
         start, info = self._stored.get(name, (0, {"shape": list(self._tensors[name].shape)}))
         shape = info["shape"]
-        if not shape or not 0 <= first < end <= shape[0]:
-            raise CheckpointError(f"{self.where(name)}: tensor {name!r} of shape {tuple(shape)} has no rows "
-                                  f"{first}..{end - 1}")
+        for first, end in spans:
+            if not shape or not 0 <= first < end <= shape[0]:
+                raise CheckpointError(f"{self.where(name)}: tensor {name!r} of shape {tuple(shape)} has no rows "
+                                      f"{first}..{end - 1}")
         if name not in self._stored:
-            self._tensors[name] = mx.contiguous(self._tensors[name][first:end])
+            self._tensors[name] = mx.contiguous(mx.concatenate([self._tensors[name][a:b] for a, b in spans]))
             return
         row = math.prod(shape[1:]) * SAFETENSORS_DTYPES[info["dtype"]]
         with checkpoint_file(self._file_of[name], self.folder).open("rb") as f:
-            f.seek(start + first * row)
-            raw = f.read((end - first) * row)
-        rows = mx.array(np.frombuffer(raw, dtype=NUMPY_DTYPES[info["dtype"]]).reshape(end - first, *shape[1:]))
+            raw = b"".join(_read_at(f, start + first * row, (end - first) * row) for first, end in spans)
+        held = sum(end - first for first, end in spans)
+        rows = mx.array(np.frombuffer(raw, dtype=NUMPY_DTYPES[info["dtype"]]).reshape(held, *shape[1:]))
         self._tensors[name] = mx.view(rows, mx.bfloat16) if info["dtype"] == "BF16" else rows
 
     def rename(self, name: str, new: str) -> None:
@@ -275,11 +286,13 @@ class TensorStore:
             self._stored[new] = self._stored.pop(name)
 
     def put(self, name: str, array: mx.array, where: str | Path) -> None:
-        """Add a tensor made from stored ones (experts stacked), with the file it came from."""
+        """Add a tensor made from stored ones (experts stacked), with the file it came from. It is no longer as
+        stored, even under a stored tensor's name (a transformers conv weight turned): narrow cuts it in memory."""
         if name in self._tensors:
             raise CheckpointError(f"{where}: tensor {name!r} is stored twice")
         self._tensors[name] = array
         self._file_of[name] = Path(where)
+        self._stored.pop(name, None)
 
     def check_all_used(self) -> None:
         """Leftover tensors mean the checkpoint does not match the config (e.g. an extra layer)."""

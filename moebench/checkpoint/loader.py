@@ -33,7 +33,6 @@ STORED_LAYOUTS = {"gpt_oss": gpt_oss_layouts.to_moebench_names,
                                   qwen3_next_layouts.to_moebench_names)}
 SHIPPED_MODEL = Path(str(resources.files("moebench") / "shipped" / "tiny-qwen2-moe"))  # data/, in the wheel too
 ENV_MODEL = "MOEBENCH_MODEL"
-LINEAR_ATTENTION = "linear_attention"  # the layer type of a hybrid's recurrent layers (config layer_types)
 
 
 @dataclass(frozen=True)
@@ -177,9 +176,6 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
     if shard is not None:
         if not isinstance(shard, mx.distributed.Group):
             raise ConfigError(f"load: shard must be an mx.distributed.Group or None, got {type(shard).__name__}")
-        if LINEAR_ATTENTION in args.layer_types:
-            raise ConfigError(f"load: shard: {folder} ({args.model_type}) has linear-attention layers, which "
-                              "moebench.models.sharding does not split yet; load it without shard")
         shard_experts(model, shard)
         if tensor_parallel:
             shard_heads(model, shard)

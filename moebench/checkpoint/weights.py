@@ -143,6 +143,9 @@ def _load_tree(tree: nn.Module, prefix: str, store: TensorStore, dtype: mx.Dtype
         elif isinstance(module, SwitchGLU):
             stack_experts(store, path, module.num_experts)
     for path, module in modules:
+        if (held := getattr(module, "held_rows", None)) is not None:  # a rank's rows in several spans (sharding)
+            keys = (*PARTS, "bias") if isinstance(module, QuantizedWeight) else own_arrays(module)
+            narrow_tensors(store, path, keys, held.total, held.spans)
         if isinstance(module, RMSNorm):
             load_norm(store, path, module, dtype)
         elif not isinstance(module, QuantizedWeight):
@@ -209,15 +212,22 @@ def load_weight(store: TensorStore, name: str, module: QuantizedWeight, dtype: m
 
 def narrow_rows(store: TensorStore, name: str, module: RowShard) -> None:
     """Keep only a RowShard's rows of `{name}.weight` (+ scales, biases, bias) in the store, read alone."""
-    for part in (*PARTS, "bias"):
-        tensor = f"{name}.{part}"
+    narrow_tensors(store, name, (*PARTS, "bias"), module.total, ((module.first, module.first + module.shape[0]),))
+
+
+def narrow_tensors(store: TensorStore, name: str, keys: tuple[str, ...] | list[str], total: int,
+                   spans: tuple[tuple[int, int], ...]) -> None:
+    """Keep only the rows of `spans` of each stored `{name}.{key}` (of `total` rows, or a CheckpointError), read
+    alone."""
+    for key in keys:
+        tensor = f"{name}.{key}"
         if tensor not in store:
             continue
         rows = store.peek(tensor).shape
-        if not rows or rows[0] != module.total:
+        if not rows or rows[0] != total:
             raise CheckpointError(f"{store.where(tensor)}: {tensor} {tuple(rows)} holds {rows[0] if rows else 0} "
-                                  f"rows, config.json gives {module.total}")
-        store.narrow(tensor, module.first, module.first + module.shape[0])
+                                  f"rows, config.json gives {total}")
+        store.narrow_spans(tensor, spans)
 
 
 def load_columns(store: TensorStore, name: str, module: ColumnShard, dtype: mx.Dtype,
