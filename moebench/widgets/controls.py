@@ -20,7 +20,7 @@ from pathlib import Path
 import ipywidgets as widgets
 
 from ..checkpoint.loader import ENV_MODEL, SHIPPED_MODEL, load
-from ..inspect.record import Stepper, Trace
+from ..inspect.record import Stepper, Trace, mixer_text
 from .mainthread import Owner
 from .static import show
 from .text import error_html
@@ -32,11 +32,26 @@ def model_choices(environ=os.environ) -> list[str]:
     return list(dict.fromkeys([*named, str(SHIPPED_MODEL)]))
 
 
+def mixing_text(layer_types) -> str:
+    """', 3 linear attention + 1 full attention (layer 3)' for a hybrid; '' when every layer mixes tokens alike.
+    The layers of the rarer kind are listed (up to 8), so a reader sees where they sit."""
+    kinds = list(dict.fromkeys(layer_types))
+    if len(kinds) < 2:
+        return ""
+    counts = {k: list(layer_types).count(k) for k in kinds}
+    rare = min(kinds, key=counts.get)
+    at = [i for i, k in enumerate(layer_types) if k == rare]
+    listed = ", ".join(map(str, at[:8])) + (", ..." if len(at) > 8 else "")
+    parts = " + ".join(f"{counts[k]} {mixer_text(k)}" for k in kinds)
+    return f", {parts} ({mixer_text(rare)}: layer{'s' if len(at) > 1 else ''} {listed})"
+
+
 def describe_model(path: str, model) -> str:
     args = model.args
     shared = "yes" if getattr(args, "shared_expert_intermediate_size", 0) else "no"
-    return (f"<b>{html.escape(Path(path).name)}</b> ({html.escape(str(path))}): {len(model.layers)} layers, "
-            f"{args.num_experts} experts, top-{args.num_experts_per_tok}, shared expert: {shared}, "
+    return (f"<b>{html.escape(Path(path).name)}</b> ({html.escape(str(path))}): {len(model.layers)} layers"
+            f"{html.escape(mixing_text(getattr(args, 'layer_types', ())))}, {args.num_experts} experts, "
+            f"top-{args.num_experts_per_tok}, shared expert: {shared}, "
             f"activations {str(model.dtype).replace('mlx.core.', '')}")
 
 

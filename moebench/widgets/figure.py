@@ -7,14 +7,27 @@ plotly's FigureWidget sends each update to the browser as a one-off message and 
 each widget's state) draws the first, empty figure. LiveFigure copies the figure into that state after
 every update without sending it again (the open views applied the update already), and refreshes the
 static picture of the figure (static.Snapshot) that a saved notebook keeps.
+
+LiveFigure also loads plotly's front end outside anywidget's initialisation window. anywidget (0.11) gives a
+model 2 s from its creation in the browser to import its ES module and run `initialize`; past that it rejects
+the model's `ready` ("[anywidget] Failed to initialize model.", an unhandled rejection when nothing waits on it)
+and, since every comm message of the model first awaits `ready`, drops every later message: the figure stays
+as first drawn while the kernel goes on updating it (JupyterLab swallows the error). plotly ships its whole
+front end (a 5 MB bundle) as each FigureWidget's module, imported from a fresh blob URL per figure: fetching and
+compiling it can pass 2 s on a busy machine. Here the module anywidget imports is a few lines (FRONT_END):
+`initialize` returns at once and starts the bundle's import (kept once per page, shared by every figure);
+plotly's own widget takes over once it is evaluated, replaying in order the updates the kernel sent meanwhile,
+and views render when it is there.
 """
 
 from __future__ import annotations
 
 import sys
 from copy import deepcopy
+from functools import cache
 
 import numpy as np
+import traitlets
 
 
 def _import_plotly_widget():
@@ -38,8 +51,78 @@ UPDATES = ("_py2js_addTraces", "_py2js_restyle", "_py2js_relayout", "_py2js_upda
 STATE = frozenset({"_widget_data", "_widget_layout"})
 
 
+# The module anywidget imports for a LiveFigure: plotly's widget, loaded after `initialize` returned.
+FRONT_END = """
+const PY2JS = ["_py2js_addTraces", "_py2js_deleteTraces", "_py2js_moveTraces", "_py2js_restyle",
+  "_py2js_relayout", "_py2js_update", "_py2js_animate", "_py2js_removeLayoutProps", "_py2js_removeTraceProps"];
+// plotly's bundle, imported once per page (per bundle text: kernels may run different plotly versions)
+const bundles = (globalThis[Symbol.for("moebench.plotly-front-end")] ??= new Map());
+
+function importBundle(source) {
+  if (!bundles.has(source)) {
+    const url = URL.createObjectURL(new Blob([source], { type: "text/javascript" }));
+    bundles.set(source, import(url).finally(() => URL.revokeObjectURL(url)));
+  }
+  return bundles.get(source);
+}
+
+export default () => {
+  let widget; // plotly's widget for this figure: a promise until its module is evaluated
+  return {
+    initialize({ model }) {
+      let loaded = false;
+      let replaying = null; // [name, message]: a kernel update plotly missed, being applied now
+      const early = [];
+      const handlers = {};
+      for (const name of PY2JS) {
+        model.on(`change:${name}`, () => {
+          const message = model.get(name);
+          if (!loaded && message !== null) early.push([name, message]);
+        });
+      }
+      const figureModel = {
+        get: (key) => (replaying && replaying[0] === key ? replaying[1] : model.get(key)),
+        set: (key, value) => model.set(key, value),
+        save_changes: () => model.save_changes(),
+        on: (event, handler) => {
+          model.on(event, handler);
+          if (!loaded) (handlers[event] ??= []).push(handler);
+        },
+      };
+      widget = importBundle(model.get("_plotly_esm")).then((bundle) => {
+        const plotly = bundle.default();
+        plotly.initialize({ model: figureModel });
+        for (replaying of early) (handlers[`change:${replaying[0]}`] ?? []).forEach((handler) => handler());
+        replaying = null;
+        loaded = true;
+        return plotly;
+      });
+    },
+    async render({ el }) {
+      return (await widget).render({ el });
+    },
+  };
+};
+"""
+
+
+@cache
+def plotly_bundle() -> str:
+    """plotly's FigureWidget front end, as anywidget would send it for a plain FigureWidget (anywidget turns
+    plotly's file path into its contents)."""
+    return str(go.FigureWidget._esm)
+
+
 class LiveFigure(go.FigureWidget):
-    """A FigureWidget that a reloaded browser tab draws as it is now, with a static picture beside it."""
+    """A FigureWidget that a reloaded browser tab draws as it is now, with a static picture beside it; its
+    front end initialises at once, whatever the time plotly's bundle takes to load (see the module's doc)."""
+
+    _esm = FRONT_END
+    _plotly_esm = traitlets.Unicode().tag(sync=True)
+
+    @traitlets.default("_plotly_esm")
+    def _bundle(self) -> str:
+        return plotly_bundle()
 
     def __init__(self, *args, **kwargs):
         self._quiet = False
