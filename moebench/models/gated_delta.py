@@ -136,9 +136,9 @@ def delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arra
     Fewer than STEPPED_BELOW positions (a decode step among them: it stays exactly the per-token update) are
     stepped, the rest run chunked. What decides is the size of the graph, which sets the cost where every node is
     a kernel launch: stepping adds ~34 nodes a position (MLX 0.32), the chunked form ~120 to start with and ~20 a
-    chunk (its chunks shrink to a short prompt, chunk_size), so the two graphs are the same size at 4 positions
-    and 2048 positions are ~1,000 nodes instead of ~70,000. The arithmetic is about the same either way (some
-    three state-sized products a position), so on a CPU with slow float32 matmuls the chunked form gains little."""
+    chunk (its chunks shrink to a short prompt, chunk_size), so the two graphs are about the same size at 4
+    positions and 2048 positions are ~1,000 nodes instead of ~70,000. The arithmetic is about the same either way
+    (some three state-sized products a position), so where it decides (a CPU) the chunked form gains less."""
     if q.shape[1] < STEPPED_BELOW:
         return stepped_delta_rule(q, k, v, g, beta, state)
     return chunked_delta_rule(q, k, v, g, beta, state)
