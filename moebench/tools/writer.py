@@ -224,3 +224,12 @@ def gpt_oss_mlx_lm_tensors(tensors: Iterator[tuple[str, mx.array]], args: ModelA
         base = name.removesuffix(".weight")
         for part, value in zip(("weight", "scales", "biases"), mx.quantize(w, **spec), strict=False):
             yield f"{base}.{part}", value
+
+
+def write_gpt_oss_mlx_lm_checkpoint(folder: str | Path, config: dict, seed: int = 0, group_size: int = 32,
+                                    bits: int = 4) -> Path:
+    """A random gpt-oss checkpoint of `config` in mlx-lm's layout (gpt_oss_mlx_lm_tensors: mxfp4 experts, an 8-bit
+    router, affine `bits` / `group_size` elsewhere), with its quantization in config.json."""
+    args = model_args(config)
+    config = {**config, "quantization": gpt_oss_quantization(args, group_size, bits)}
+    return save_checkpoint(folder, config, gpt_oss_mlx_lm_tensors(random_tensors(args, seed), args, group_size, bits))

@@ -10,16 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from byte_tokenizer import write_byte_tokenizer
+from test_microscaled_decode import fused_then_fallback
 
-import moebench
-from moebench.checkpoint.config import model_args
 from moebench.checkpoint.loader import load
-from moebench.decode.loop import generate_tokens
-from moebench.execution.executor import executor, fused_moe
+from moebench.execution.executor import executor
 from moebench.inspect.truth import nmax
 from moebench.tools.drift import make_variant
 from moebench.tools.presets import get_preset
-from moebench.tools.writer import gpt_oss_mlx_lm_tensors, gpt_oss_quantization, random_tensors, save_checkpoint
+from moebench.tools.writer import write_gpt_oss_mlx_lm_checkpoint
 
 pytest.importorskip("mlx_lm")
 
@@ -35,10 +33,7 @@ def published(tmp_path_factory) -> Path:
     mlx-lm's layout: mxfp4 experts, affine 4-bit g32 elsewhere (as `moebench make-random` writes it)."""
     config = {**get_preset("gpt-oss-tiny").config, "num_local_experts": 32, "num_experts_per_tok": 4,
               "swiglu_limit": 1.0, "torch_dtype": "float32"}
-    args = model_args(config)
-    config["quantization"] = gpt_oss_quantization(args, 32, 4)
-    tensors = gpt_oss_mlx_lm_tensors(random_tensors(args, seed=36), args, 32, 4)
-    folder = save_checkpoint(tmp_path_factory.mktemp("gpt-oss") / "gpt-oss-tiny", config, tensors)
+    folder = write_gpt_oss_mlx_lm_checkpoint(tmp_path_factory.mktemp("gpt-oss") / "gpt-oss-tiny", config, seed=36)
     write_byte_tokenizer(folder)
     return folder
 
@@ -46,12 +41,6 @@ def published(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def folders(published, tmp_path_factory) -> dict[str, Path]:
     return {"mxfp4": published, "affine": make_variant(published, "4bit", tmp_path_factory.mktemp("variants"))}
-
-
-def _decode(model, fused: bool) -> tuple[list[int], list[np.ndarray]]:
-    with fused_moe(fused, model):
-        steps = [(tid, np.array(logits)) for tid, logits in generate_tokens(model, PROMPT, STEPS, compiled=False)]
-    return [tid for tid, _ in steps], [logits for _, logits in steps]
 
 
 @pytest.mark.parametrize("mode", ("mxfp4", "affine"))
@@ -65,12 +54,7 @@ def test_gpt_oss_runs_the_fused_moe_kernels_on_every_decode_step(folders, mode):
     for i in model.moe_blocks():
         decision = decode_plan.layers[i].moe
         assert decision.fused and decision.reason is None and decision.note is None, (i, decision)
-    fused_ids, fused_logits = _decode(model, True)
-    counts = moebench.dispatch(model)["moe"]
-    assert sorted(counts) == sorted(model.moe_blocks())
-    for layer, c in counts.items():  # the prompt's prefill falls back, every decode step runs fused
-        assert c["fused"] == {"reference": STEPS - 1} and c["fallback"] == 1, (layer, c)
-    fallback_ids, fallback_logits = _decode(model, False)
+    (fused_ids, fused_logits), (fallback_ids, fallback_logits) = fused_then_fallback(model, PROMPT, STEPS)
     for step, (fused, fallback) in enumerate(zip(fused_logits, fallback_logits, strict=True)):
         assert np.isfinite(fused).all()
         if fused_ids[:step] != fallback_ids[:step]:

@@ -38,10 +38,22 @@ def variants(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("variants")
 
 
-def _decode(model, fused: bool) -> tuple[list[int], list[np.ndarray]]:
+def decode_logits(model, fused: bool, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy ids and each step's logits of an eager decode, fused on or off."""
     with fused_moe(fused, model):
-        steps = [(tid, np.array(logits)) for tid, logits in generate_tokens(model, PROMPT, STEPS, compiled=False)]
-    return [tid for tid, _ in steps], [logits for _, logits in steps]
+        decoded = [(tid, np.array(logits)) for tid, logits in generate_tokens(model, prompt, steps, compiled=False)]
+    return [tid for tid, _ in decoded], [logits for _, logits in decoded]
+
+
+def fused_then_fallback(model, prompt: list[int], steps: int) -> tuple[tuple[list, list], tuple[list, list]]:
+    """(ids, logits) fused, then fallback; the fused decode's prefill fell back and every decode step of every MoE
+    layer ran the kernels."""
+    fused = decode_logits(model, True, prompt, steps)
+    counts = moebench.dispatch(model)["moe"]
+    assert sorted(counts) == sorted(model.moe_blocks())
+    for layer, c in counts.items():
+        assert c["fused"] == {"reference": steps - 1} and c["fallback"] == 1, (layer, c)
+    return fused, decode_logits(model, False, prompt, steps)
 
 
 @pytest.mark.parametrize("mode", ("affine", *MICROSCALED))
@@ -52,12 +64,7 @@ def test_converted_checkpoints_run_the_fused_pair_on_every_decode_step(sources, 
     assert model.args.model_type == family
     for block in model.moe_blocks().values():
         assert {p.mode for p in block.switch_mlp.quantized_parts()} == {mode}
-    fused_ids, fused_logits = _decode(model, True)
-    counts = moebench.dispatch(model)["moe"]
-    assert sorted(counts) == sorted(model.moe_blocks())
-    for layer, c in counts.items():  # the prompt's prefill falls back, every decode step runs fused
-        assert c["fused"] == {"reference": STEPS - 1} and c["fallback"] == 1, (layer, c)
-    fallback_ids, fallback_logits = _decode(model, False)
+    (fused_ids, fused_logits), (fallback_ids, fallback_logits) = fused_then_fallback(model, PROMPT, STEPS)
     assert fused_ids == fallback_ids
     for step, (fused, fallback) in enumerate(zip(fused_logits, fallback_logits, strict=True)):
         assert np.isfinite(fused).all()

@@ -133,6 +133,20 @@ def test_cuda_kernel_with_the_shared_expert_matches_reference_and_truth(mode, bi
     assert max(got.values()) < 5e-4
 
 
+def _variant_parity(what: str, x: mx.array, ids: list[int], scores_np: np.ndarray, parts, variant) -> None:
+    """The CUDA pair with expert `variant` against the CPU reference and the float64 truth, all within 5e-4 nRMS."""
+    idx, scores = mx.array(ids, dtype=mx.uint32), mx.array(scores_np)
+    out, y, _ = gpu_routed("cuda", x, idx, scores, *parts, variant=variant)
+    with mx.stream(mx.cpu):
+        ref_out, ref_y, _ = moe.routed("reference", x, idx, scores, *parts, variant=variant)
+        mx.eval(ref_out, ref_y)
+    truth_y, truth_out, _ = _truth(x, ids, scores_np, parts, variant=variant)
+    got = {"cuda y": nrms(f64(y), truth_y), "cuda out": nrms(f64(out), _bf16(truth_out)),
+           "reference y": nrms(f64(ref_y), truth_y), "cuda vs reference y": nrms(f64(y), f64(ref_y))}
+    print(f"\n{what}: " + ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
+    assert max(got.values()) < 5e-4
+
+
 CLAMP = (1.0, 1.702)  # a limit that bites on these activations (gpt-oss's is 7.0); gpt-oss's alpha
 # (biases, clamp): each of gpt-oss's expert variants alone and together
 VARIANTS = [(True, None), (False, CLAMP), (True, CLAMP)]
@@ -150,17 +164,7 @@ def test_cuda_expert_variants_match_reference_and_truth(mode, bits, group, biase
     x = mx.array(rng.standard_normal(D).astype(np.float32)).astype(mx.bfloat16)
     ids = [int(i) for i in rng.choice(E, K, replace=False)]
     scores_np = rng.dirichlet(np.ones(K)).astype(np.float32)
-    idx, scores = mx.array(ids, dtype=mx.uint32), mx.array(scores_np)
-    out, y, _ = gpu_routed("cuda", x, idx, scores, *parts, variant=variant)
-    with mx.stream(mx.cpu):
-        ref_out, ref_y, _ = moe.routed("reference", x, idx, scores, *parts, variant=variant)
-        mx.eval(ref_out, ref_y)
-    truth_y, truth_out, _ = _truth(x, ids, scores_np, parts, variant=variant)
-    got = {"cuda y": nrms(f64(y), truth_y), "cuda out": nrms(f64(out), _bf16(truth_out)),
-           "reference y": nrms(f64(ref_y), truth_y), "cuda vs reference y": nrms(f64(y), f64(ref_y))}
-    print(f"\n{mode} bits {bits} biases {biased} clamp {clamp}: " +
-          ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
-    assert max(got.values()) < 5e-4
+    _variant_parity(f"{mode} bits {bits} biases {biased} clamp {clamp}", x, ids, scores_np, parts, variant)
 
 
 def test_cuda_kernels_at_gpt_oss_20b_expert_shapes_match_reference_and_truth():
@@ -173,16 +177,7 @@ def test_cuda_kernels_at_gpt_oss_20b_expert_shapes_match_reference_and_truth():
     x = mx.array(rng.standard_normal(d).astype(np.float32)).astype(mx.bfloat16)
     ids = [int(i) for i in rng.choice(32, 4, replace=False)]
     scores_np = rng.dirichlet(np.ones(4)).astype(np.float32)
-    idx, scores = mx.array(ids, dtype=mx.uint32), mx.array(scores_np)
-    out, y, _ = gpu_routed("cuda", x, idx, scores, *parts, variant=variant)
-    with mx.stream(mx.cpu):
-        ref_out, ref_y, _ = moe.routed("reference", x, idx, scores, *parts, variant=variant)
-        mx.eval(ref_out, ref_y)
-    truth_y, truth_out, _ = _truth(x, ids, scores_np, parts, variant=variant)
-    got = {"cuda y": nrms(f64(y), truth_y), "cuda out": nrms(f64(out), _bf16(truth_out)),
-           "cuda vs reference y": nrms(f64(y), f64(ref_y))}
-    print("\ngpt-oss-20b experts: " + ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
-    assert max(got.values()) < 5e-4
+    _variant_parity("gpt-oss-20b experts", x, ids, scores_np, parts, variant)
 
 
 @pytest.mark.parametrize("n_exp,k,norm,gate_row,scoring", [

@@ -10,9 +10,8 @@ import pytest
 from byte_tokenizer import write_byte_tokenizer
 from test_notebooks_on_qwen3 import NOTEBOOKS, run_notebook_on
 
-from moebench.checkpoint.config import model_args
 from moebench.tools.presets import get_preset
-from moebench.tools.writer import gpt_oss_mlx_lm_tensors, gpt_oss_quantization, random_tensors, save_checkpoint
+from moebench.tools.writer import write_gpt_oss_mlx_lm_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -20,10 +19,7 @@ def gpt_oss_checkpoint(tmp_path_factory) -> Path:
     """gpt-oss-tiny's widths with gpt-oss-20b's 32 experts top-4, affine 4-bit g32 around mxfp4 experts."""
     config = {**get_preset("gpt-oss-tiny").config, "num_local_experts": 32, "num_experts_per_tok": 4,
               "torch_dtype": "float32"}
-    args = model_args(config)
-    config["quantization"] = gpt_oss_quantization(args, 32, 4)
-    tensors = gpt_oss_mlx_lm_tensors(random_tensors(args, seed=5), args, 32, 4)
-    folder = save_checkpoint(tmp_path_factory.mktemp("gpt-oss") / "ckpt", config, tensors)
+    folder = write_gpt_oss_mlx_lm_checkpoint(tmp_path_factory.mktemp("gpt-oss") / "ckpt", config, seed=5)
     write_byte_tokenizer(folder)
     return folder
 
