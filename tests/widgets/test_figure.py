@@ -51,3 +51,16 @@ def test_the_span_leaves_room_for_a_mark_on_the_first_and_last_expert():
     low, high = axis.span(mark_px=9)
     assert (0 - low) * axis.column_px >= 4.5 and (high - 511) * axis.column_px >= 4.5
     assert ExpertAxis(np.arange(8), 800, 10).span(mark_px=20) == [-0.5, 7.5]  # marks fit their columns
+
+
+def test_anywidget_imports_the_small_front_end_and_plotlys_bundle_travels_beside_it():
+    """anywidget gives a model's module 2 s to load: the module it imports is moebench's few lines, which load
+    plotly's bundle (the figure's own _plotly_esm, synced) once per page, outside that window."""
+    import plotly.graph_objects as go
+
+    from moebench.widgets.figure import FRONT_END, plotly_bundle
+
+    fig = LiveFigure()
+    state = fig.get_state()
+    assert state["_esm"] == FRONT_END and len(FRONT_END) < 4_000
+    assert state["_plotly_esm"] == plotly_bundle() == str(go.FigureWidget._esm) and len(plotly_bundle()) > 1_000_000
