@@ -55,6 +55,12 @@ CKPT=${MOEBENCH_DEVICE_CKPT:-/root/moebench-$PRESET-$QUANT-$DTYPE${LAYOUT:+-$LAY
 stages=${*:-make bench selfcheck}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# MLX compiles each CUDA kernel variant with NVRTC on first use and keeps the result in MLX_PTX_CACHE_DIR (default
+# /tmp/mlx/<version>/ptx): on a fresh machine the first warm-up of a real-size model spent 124-134 s compiling
+# (docs/benchmarks/issues-36-41-h200-cpu-2026-12-03.md). Keep the cache in the git-ignored .ptx-cache/: carry it
+# (carry [".ptx-cache"]) and bring it back (the call's $OUT gets ptx-cache.tgz: tar xzf it into .ptx-cache/ here).
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$PWD/.ptx-cache}
+mkdir -p "$MLX_PTX_CACHE_DIR"
 log() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$OUT/timing.txt"; }
 failed=()
 
@@ -151,6 +157,8 @@ if [[ " $stages " == *" selfcheck "* ]]; then
       python3 -m moebench.cli selfcheck data/tiny-qwen2-moe --json "$OUT/selfcheck-shipped.json"
   fi
 fi
+
+tar czf "$OUT/ptx-cache.tgz" -C "$MLX_PTX_CACHE_DIR" . 2>/dev/null && log "ptx cache: $(du -sh "$MLX_PTX_CACHE_DIR" | cut -f1)"
 
 echo; echo "== results (full logs, tables and JSON in $OUT) =="
 [ -f "$OUT/bench-$PRESET.txt" ] && grep -E "^(model |prompt |\||skipped|moebench .* / snapshot)" "$OUT/bench-$PRESET.txt"
