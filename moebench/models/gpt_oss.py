@@ -125,22 +125,14 @@ class Attention(qwen2_moe.Attention):
         """Full layers: causal (the cache's own mask). Windowed ones: query i, at position offset + i, sees the
         cache slots p (slot p holds position p) with offset + i - window < p <= offset + i."""
         if self.window is None:
-            return cache.attention_mask(length) if cache is not None else ("causal" if length > 1 else None)
+            return super().mask(length, keys, offset, cache)
         query = offset + mx.arange(length, dtype=mx.int32)[:, None]
         slot = mx.arange(keys, dtype=mx.int32)[None, :]
         return (slot <= query) & (slot > query - self.window)
 
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
-        b, length, _ = x.shape
-        q, k, v = self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
-                                                   mask=self.mask(length, k.shape[2], offset, cache),
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask,
                                                    sinks=self.head_sinks().astype(q.dtype))
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
 
 def clamped_swiglu(gate: mx.array, up: mx.array, limit: float, alpha: float) -> mx.array:

@@ -63,17 +63,36 @@ class Attention(nn.Module):
         return tuple(t.reshape(b, length, n, self.head_dim).transpose(0, 2, 1, 3)
                      for t, n in ((q, self.n_heads), (k, self.n_kv_heads), (v, self.n_kv_heads)))
 
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
+        """x [B, L, D] -> q, k, v [B, heads, L, hd] and an output gate (None: the family has none)."""
+        return (*self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x)), None)
+
+    def rope(self, x: mx.array, offset) -> mx.array:
+        """Rotate-half RoPE of every dim at rope_theta, from position `offset`."""
+        return mx.fast.rope(x, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+
+    def mask(self, length: int, keys: int, offset, cache) -> mx.array | str | None:
+        """Causal: the cache's own mask for `length` new queries over `keys` slots."""
+        return cache.attention_mask(length) if cache is not None else ("causal" if length > 1 else None)
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+
+    def gated(self, out: mx.array, gate: mx.array | None, record: Record | None) -> mx.array:
+        """The heads' output [B, L, heads * hd] before o_proj, times the output gate where the family has one."""
+        return out
+
+    def __call__(self, x: mx.array, cache=None, record: Record | None = None) -> mx.array:
+        """One forward for every family's attention: the steps above are what a family changes. `record`: where
+        the steps record what the family declares beyond attention (an output gate)."""
         b, length, _ = x.shape
-        q, k, v = self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v, gate = self.project(x)
         offset = cache.offset if cache is not None else 0
-        q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
-        k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+        q, k = self.rope(q, offset), self.rope(k, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        mask = cache.attention_mask(length) if cache is not None else ("causal" if length > 1 else None)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+        out = self.attend(q, k, v, self.mask(length, k.shape[2], offset, cache))
+        return self.o_proj(self.gated(out.transpose(0, 2, 1, 3).reshape(b, length, -1), gate, record))
 
 
 class MLP(nn.Module):

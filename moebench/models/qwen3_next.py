@@ -151,23 +151,22 @@ class GatedAttention(qwen3_moe.Attention):
     def spec(self) -> AttentionSpec:
         return replace(super().spec, rope_fraction=self.rotary_fraction, output_gate=True)
 
-    def __call__(self, x: mx.array, cache=None, record: Record | None = None) -> mx.array:
-        """With `record`, hands it sigmoid(gate) per head (moebench.models.hooks.OUTPUT_GATE)."""
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Each head's q_proj rows: its queries, then its output gate."""
         b, length, _ = x.shape
         queries, gate = mx.split(self.q_proj(x).reshape(b, length, self.n_heads, 2 * self.head_dim), 2, axis=-1)
-        q, k, v = self.heads(queries.reshape(b, length, -1), self.k_proj(x), self.v_proj(x))
-        offset = cache.offset if cache is not None else 0
-        q = mx.fast.rope(q, self.rotary_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
-        k = mx.fast.rope(k, self.rotary_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        mask = cache.attention_mask(length) if cache is not None else ("causal" if length > 1 else None)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        out = out.transpose(0, 2, 1, 3).reshape(b, length, -1)
+        return (*self.heads(queries.reshape(b, length, -1), self.k_proj(x), self.v_proj(x)), gate)
+
+    def rope(self, x: mx.array, offset) -> mx.array:
+        """Rotary on the first rotary_dims of each head only."""
+        return mx.fast.rope(x, self.rotary_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+
+    def gated(self, out: mx.array, gate: mx.array, record: Record | None) -> mx.array:
+        """out times sigmoid(gate); with `record`, hands it sigmoid(gate) per head (hooks.OUTPUT_GATE)."""
         gate = mx.sigmoid(gate)
         if record is not None:
             record(hooks.OUTPUT_GATE, gate.astype(mx.float32).reshape(-1, self.n_heads, self.head_dim))
-        return self.o_proj(out * gate.reshape(b, length, -1))
+        return out * gate.reshape(out.shape)
 
 
 class DecoderLayer(qwen2_moe.DecoderLayer):
