@@ -19,10 +19,12 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..models import hooks
 from ..models.declare import LinearAttentionSpec
 from ..models.hooks import Record, layer_scope
 from ..models.run import token_mixer
@@ -31,7 +33,15 @@ from . import support
 from .kernel import GPU_BACKENDS, available_backend
 from .plan import SWITCHED_OFF, Counts, Decision, LayerPlan, Plan, Shape, tokens_decision
 from .settings import KernelSettings, parse_switch
-from .steps import AttentionKernel, LayerWeights, MoeKernel, attention_step_note, attention_step_reason, moe_note
+from .steps import (
+    AttentionKernel,
+    LayerWeights,
+    LinearAttentionKernel,
+    MoeKernel,
+    attention_step_note,
+    attention_step_reason,
+    moe_note,
+)
 
 # Prompt tokens a forward call runs through the layers at once (mlx-lm's prefill step): a longer prompt runs in
 # chunks, so its activations (attention scores above all) take the memory of one chunk, not of the whole prompt.
@@ -110,10 +120,12 @@ class Executor:
         reason = base.reason if base else attention_step_reason(mixer, weights)
         if reason is None and not settings.attention_kernel:
             reason = "the attention kernel switched off (KernelSettings.attention_kernel)"
-        note = None if isinstance(mixer.spec, LinearAttentionSpec) else attention_note(mixer)
-        attn = Decision("fallback", reason, note) if reason else Decision(backend, note=attention_step_note(mixer))
-        attention_step = AttentionKernel(mixer, weights, backend, shape.static and backend in GPU_BACKENDS) \
-            if attn.fused else None
+        linear = isinstance(mixer.spec, LinearAttentionSpec)
+        note = None if linear else attention_note(mixer)
+        if not reason:  # a fused linear layer's note: which heads this rank holds, on a sharded model
+            note = attention_note(mixer) if linear else attention_step_note(mixer)
+        attn = Decision("fallback", reason, note) if reason else Decision(backend, note=note)
+        attention_step = self._attention_step(mixer, weights, backend, shape) if attn.fused else None
         block = weights.block
         if block is None:
             return LayerPlan(attn, None, attention_step)
@@ -123,6 +135,15 @@ class Executor:
             return LayerPlan(attn, Decision("fallback", reason, block_note(block)), attention_step)
         return LayerPlan(attn, Decision(backend, note=moe_note(block, weights)), attention_step,
                          MoeKernel(block, weights, backend, settings.rows))
+
+    @staticmethod
+    def _attention_step(mixer, weights: LayerWeights, backend: str,
+                        shape: Shape) -> AttentionKernel | LinearAttentionKernel:
+        """The kernel step of a token mixing the plan fused: the gated delta step for a linear-attention layer,
+        the decode-attention kernel (writing a static cache in place on a GPU) for an attention layer."""
+        if isinstance(mixer.spec, LinearAttentionSpec):
+            return LinearAttentionKernel(mixer, backend)
+        return AttentionKernel(mixer, weights, backend, shape.static and backend in GPU_BACKENDS)
 
     # -- running and counting ----------------------------------------------------------------------
     def forward(self, tokens: mx.array, cache: list, plan: Plan, record: Record | None = None,
@@ -136,7 +157,7 @@ class Executor:
                 m.model(tokens[:, :PREFILL_CHUNK], cache, None, plan.layers)
                 mx.eval([c.state for c in cache])
                 tokens = tokens[:, PREFILL_CHUNK:]
-        h = m.model(tokens, cache, record, plan.layers)
+        h = m.model(tokens, cache, record, plan.layers if record is None else recording(plan.layers, record))
         if record is not None:
             for i, layer_plan in enumerate(plan.layers):
                 layer_plan.record(record.scope(layer_scope(i)))
@@ -175,6 +196,13 @@ class Executor:
         attention, moe_layers = self.counts()
         return {"moe_layers": len(self.blocks), **_summed(moe_layers.values()),
                 "attention": {"layers": len(attention), **_summed(attention.values())}}
+
+
+def recording(layers: tuple[LayerPlan, ...], record: Record) -> tuple[LayerPlan, ...]:
+    """A plan's layers for a recorded forward: a fused linear-attention step is handed its layer's `mixer` record,
+    to record what the module would (LayerPlan.attend calls a step without one)."""
+    return tuple(replace(lp, attention_step=partial(lp.attention_step, record=record.scope(layer_scope(i)).scope(
+        hooks.MIXER))) if isinstance(lp.attention_step, LinearAttentionKernel) else lp for i, lp in enumerate(layers))
 
 
 def _summed(counts) -> dict:

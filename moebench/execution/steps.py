@@ -1,5 +1,8 @@
 """The fused steps a plan runs in place of a layer's modules, for one decode token.
 
+LinearAttentionKernel: a Gated DeltaNet layer's in-projections, then the gated delta step kernel (convolution, q/k
+norm, gates, the state's update, the gated norm), then its out-projection; the new states go into its cache.
+
 AttentionKernel: the stacked q/k/v matmul, then the decode-attention kernel (bias, the q/k norm where the
 family has one, RoPE, attention over the cache and the new token); the new key and value go into the
 cache, stored by the kernel itself in place where the plan says the cache allows it (a compiled step's
@@ -16,15 +19,17 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..decode.state import empty_state
 from ..models import hooks
 from ..models.declare import CLAMPED_SWIGLU, PER_HEAD, WHOLE_PROJECTION, LinearAttentionSpec
+from ..models.gated_delta import gates, record_linear
 from ..models.hooks import Record
 from ..models.layers import ColumnShard
 from ..models.routing import route
 from ..models.run import token_mixer
 from ..models.sharding import attention_note, block_note
 from ..models.switch import ExpertShard, weighted_sum
-from . import attention, moe
+from . import attention, linear_attention, moe
 from .attention import QKNorm, rope_frequencies
 from .kernel import run_compiled
 from .support import attention_reason, linear_attention_reason
@@ -112,6 +117,31 @@ class AttentionKernel:
         q_width, kv_width = self.heads.n_heads * self.heads.head_dim, self.heads.n_kv_heads * self.heads.head_dim
         q, k, v = mx.split(qkv, [q_width, q_width + kv_width], axis=-1)
         return mx.concatenate([self.norms[0](q), self.norms[1](k), v], axis=-1)
+
+
+class LinearAttentionKernel:
+    """One linear-attention layer (Gated DeltaNet) for one token: the module's in-projections, the gated delta
+    step kernel on `backend` (moebench.execution.linear_attention), the module's out-projection; the new conv and
+    delta states go into the layer's cache as the module writes them, so a rollback, the Stepper and the compiled
+    step see the same states either way. With `record` (a recorded forward hands it the layer's `mixer` record) it
+    records what the module records: the gates from the projections, the state norm after the step, silu(z)."""
+
+    def __init__(self, net, backend: str):
+        self.net, self.backend, self.spec = net, backend, net.spec
+
+    def __call__(self, xn: mx.array, cache, record: Record | None = None) -> mx.array:
+        net = self.net
+        qkv, z, b, a = net.project(xn)
+        conv, delta = cache.conv, cache.delta
+        if conv is None:  # before the first position
+            conv, delta = empty_state(self.spec, qkv.dtype)
+        weights = linear_attention.GatedDeltaWeights.of(net)
+        out, conv, delta = linear_attention.gated_delta_step(self.backend, qkv, z, b, a, conv, delta, weights,
+                                                             self.spec)
+        if record is not None:
+            record_linear(record, *gates(a, b, weights.a_log, weights.dt_bias), delta, z)
+        cache.write(conv, delta, 1)
+        return net.out_proj(out)
 
 
 class MoeKernel:

@@ -13,6 +13,7 @@ import mlx.core as mx
 from ..models.args import FP_MODES, QuantizedParts
 from ..models.declare import (
     CLAMPED_SWIGLU,
+    GATED_DELTA,
     SCORINGS,
     SIGMOID_GATED,
     SWIGLU,
@@ -153,6 +154,18 @@ def attention_reason(spec: AttentionSpec) -> str | None:
     return None
 
 
-def linear_attention_reason(spec: LinearAttentionSpec) -> str:
-    """Why no fused kernel runs a linear-attention layer: none is written for one yet."""
-    return f"{spec.kind} (no fused kernel)"
+MAX_KEY_HEAD_DIM = 256  # the gated delta kernel holds a state row's key_head_dim / 32 values a lane in registers
+
+
+def linear_attention_reason(spec: LinearAttentionSpec) -> str | None:
+    """Why the gated delta decode kernel cannot run a linear-attention layer declaring `spec`, or None when it can."""
+    if spec.kind != GATED_DELTA:
+        return f"{spec.kind} (the linear-attention kernel computes {GATED_DELTA})"
+    if spec.key_head_dim % LANES or spec.key_head_dim > MAX_KEY_HEAD_DIM:
+        return (f"key_head_dim {spec.key_head_dim} (the kernel needs a multiple of {LANES} up to "
+                f"{MAX_KEY_HEAD_DIM})")
+    if spec.num_value_heads % spec.num_key_heads:
+        return f"{spec.num_value_heads} value heads do not divide into {spec.num_key_heads} key heads"
+    if spec.conv_kernel < 2:
+        return f"a convolution of {spec.conv_kernel} tap (the kernel carries a conv state of kernel - 1 positions)"
+    return None

@@ -2,7 +2,7 @@
 (independently of MLX), scales and biases upcast before the affine map (or, in the microscaled modes
 mxfp4, nvfp4 and mxfp8, codes and scales decoded from their formats' definitions), every product
 accumulated in float64; the declared variants (expert biases, the clamped SwiGLU) from their definitions
-too. compare, selfcheck and the tests use it.
+too; and a Gated DeltaNet decode step from its definition. compare, selfcheck and the tests use it.
 """
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import UnsupportedKernelConfig
+from ..execution.linear_attention import GatedDeltaWeights
 from ..execution.moe import ExpertVariant
 from ..models.args import QuantizedParts
+from ..models.declare import LinearAttentionSpec
+from ..models.gated_delta import L2_EPS
 
 
 def f64(a: mx.array) -> np.ndarray:
@@ -112,6 +115,30 @@ def expert_outputs(parts: list[QuantizedParts], x: np.ndarray, ids: np.ndarray |
             pick = (lambda b: b[np.asarray(ids, dtype=np.int64)]) if ids is not None else (lambda b: b)
             biases = [pick(f64(b)) for b in variant.biases]
     return swiglu_f64(*(dequantize_f64(p, ids) for p in parts), x.astype(np.float64), biases, clamp)
+
+
+def gated_delta_f64(qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, conv_state: mx.array, state: mx.array,
+                    weights: GatedDeltaWeights, spec: LinearAttentionSpec) -> tuple[np.ndarray, ...]:
+    """One token of a Gated DeltaNet layer from its definition (the arguments as
+    moebench.execution.linear_attention.gated_delta_step's), every step in float64: (the output before out_proj
+    [Hv * Dv], the new conv state [kernel - 1, C], the new delta state [Hv, Dv, Dk])."""
+    hk, hv, dk, dv = spec.num_key_heads, spec.num_value_heads, spec.key_head_dim, spec.value_head_dim
+    window = np.concatenate([f64(conv_state)[0], f64(qkv).reshape(1, -1)])  # [kernel, C]
+    x = (window * f64(weights.conv)[..., 0].T).sum(axis=0)
+    x = x / (1 + np.exp(-x))  # SiLU
+    q, k, v = x[: hk * dk].reshape(hk, dk), x[hk * dk : 2 * hk * dk].reshape(hk, dk), x[2 * hk * dk :].reshape(hv, dv)
+    q = q / np.sqrt((q**2).sum(-1, keepdims=True) + L2_EPS) / np.sqrt(dk)
+    k = k / np.sqrt((k**2).sum(-1, keepdims=True) + L2_EPS)
+    q, k = np.repeat(q, hv // hk, axis=0), np.repeat(k, hv // hk, axis=0)  # a key head serves hv / hk value heads
+    softplus = np.logaddexp(0.0, f64(a).reshape(hv) + f64(weights.dt_bias))
+    g = np.exp(-np.exp(f64(weights.a_log)) * softplus)
+    beta = 1 / (1 + np.exp(-f64(b).reshape(hv)))
+    s = f64(state)[0] * g[:, None, None]
+    s = s + (beta[:, None] * (v - np.einsum("hvk,hk->hv", s, k)))[..., None] * k[:, None, :]
+    o = np.einsum("hvk,hk->hv", s, q)
+    normed = o / np.sqrt((o**2).mean(-1, keepdims=True) + weights.eps) * f64(weights.norm)
+    gate = f64(z).reshape(hv, dv)
+    return (gate / (1 + np.exp(-gate)) * normed).reshape(-1), window[1:], s
 
 
 def nrms(a: np.ndarray, ref: np.ndarray) -> float:
