@@ -17,6 +17,8 @@ Recording keeps the same launches and adds the recorded parts beside them.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 
 from ..decode.state import empty_state
@@ -32,17 +34,17 @@ from ..models.switch import ExpertShard, weighted_sum
 from . import attention, linear_attention, moe
 from .attention import QKNorm, rope_frequencies
 from .kernel import run_compiled
-from .support import attention_reason, linear_attention_reason
+from .support import attention_reason, linear_attention_reason, rotary_dims
 from .weights import Derived, FusedWeights, RowStack
 
 ROUTE_NOTE = "routing by moebench.models.routing.route (an intervention is set), not the router kernel"
 
 
 class LayerWeights:
-    """What one decoder layer's kernels read, derived from its modules: the stacked q/k/v rows (the module's
-    own arrays become views of them, so both cost the memory of one; none for a linear-attention layer, nor where
-    q_proj holds an output gate beside the queries), the router's rows stacked with the shared expert gate's, and
-    the experts' quantized parts; each rebuilt when a weight is replaced."""
+    """What one decoder layer's kernels read, derived from its modules: the stacked q/k/v rows (q_proj's as the
+    module stores them, an output gate's rows included; the module's own arrays become views of them, so both cost
+    the memory of one; none for a linear-attention layer), the router's rows stacked with the shared expert gate's,
+    and the experts' quantized parts; each rebuilt when a weight is replaced."""
 
     def __init__(self, layer, block=None):
         """`block`: the layer's MoE block (the model's moe_blocks()), None for a dense MLP layer."""
@@ -51,7 +53,7 @@ class LayerWeights:
         self.block = block
         self.has_shared = block is not None and block.spec.shared is not None  # decided once, read every step
         self.qkv = None
-        if not isinstance(spec, LinearAttentionSpec) and not spec.output_gate:
+        if not isinstance(spec, LinearAttentionSpec):
             self.qkv = RowStack(attn.q_proj, attn.k_proj, attn.v_proj)
             self.qkv.share_storage()
         self.router = RowStack(block.gate, block.shared_expert_gate) if self.has_shared else None
@@ -70,8 +72,6 @@ def attention_step_reason(attn, weights: LayerWeights) -> str | None:
     spec = attn.spec
     if isinstance(spec, LinearAttentionSpec):
         return linear_attention_reason(spec)
-    if weights.qkv is None:  # q_proj holds an output gate beside the queries: nothing stacked, the spec says why
-        return attention_reason(spec)
     if weights.qkv.get() is None:
         return "q, k and v are stored differently (no stacked projection for the kernel)"
     return attention_reason(spec)
@@ -86,17 +86,37 @@ def attention_step_note(attn) -> str | None:
     return "; ".join(n for n in notes if n) or None
 
 
+def rotary(attn) -> tuple[mx.array, float]:
+    """The layer's rotation frequencies [rotary_dims / 2] and the attention factor multiplying q and k: at
+    rope_theta and 1, or, where the layer declares scaled rotary, its own: the reciprocals of the wavelengths it
+    hands mx.fast.rope (`_rope_freqs`, kept out of its parameters by the underscore; mx.fast.rope turns by their
+    reciprocals too) and its `rope_factor`."""
+    spec = attn.spec
+    if not spec.scaled_rope:
+        return rope_frequencies(rotary_dims(spec), attn.rope_theta), 1.0
+    inv_freq = 1.0 / attn._rope_freqs.astype(mx.float32)
+    mx.eval(inv_freq)
+    return inv_freq, float(attn.rope_factor)
+
+
 class AttentionKernel:
     """One layer's attention for one token through the decode-attention kernel on `backend`; with `write`
-    the kernel stores the token's key and value in the cache buffers in place."""
+    the kernel stores the token's key and value in the cache buffers in place. The layer's declared variants
+    ride along: partial or scaled rotary (its frequencies and attention factor), the sinks (the heads this
+    process holds), the window and the output gate (inside the kernel; a recorded step records sigmoid(gate) as
+    the module does), and q, k and v clamped before the kernel, after the whole-projection norm where the
+    family has one (the kernel is handed the declaration without the clamp, as it sees them clamped)."""
 
     def __init__(self, attn, weights: LayerWeights, backend: str, write: bool):
         self.o_proj, self.qkv, self.backend, self.write = attn.o_proj, weights.qkv, backend, write
-        self.heads = attn.spec
-        self.inv_freq = rope_frequencies(attn.head_dim, attn.rope_theta)
+        spec = attn.spec
+        self.heads, self.clip = replace(spec, clip_qkv=None), spec.clip_qkv
+        self.inv_freq, self.rope_scale = rotary(attn)
+        self.sinks = attn.head_sinks() if spec.sinks else None
         self.norms = (attn.q_norm, attn.k_norm) if self.heads.qk_norm is not None else None
 
-    def __call__(self, xn: mx.array, cache) -> mx.array:
+    def __call__(self, xn: mx.array, cache, record: Record | None = None) -> mx.array:
+        """`record`: the layer's `mixer` record (a recorded step), where the output gate is recorded."""
         stacked = self.qkv.get()
         keys, values, slots, block = cache.decode_buffers(self.heads.n_kv_heads, self.heads.head_dim, xn.dtype)
         qkv, bias, qk_norm = stacked.matmul(xn), stacked.get("bias"), None
@@ -104,13 +124,25 @@ class AttentionKernel:
             qk_norm = QKNorm(self.norms[0]["weight"], self.norms[1]["weight"], self.norms[0].eps)
         elif self.heads.qk_norm == WHOLE_PROJECTION:  # across every head: before the kernel, which sees one head
             qkv, bias = self._whole_projection_norm(qkv if bias is None else qkv + bias), None
+        if self.clip is not None:
+            qkv, bias = mx.clip(qkv if bias is None else qkv + bias, -self.clip, self.clip), None
+        if record is not None and self.heads.output_gate:
+            self._record_gate(qkv if bias is None else qkv + bias, record)
+        sinks = None if self.sinks is None else self.sinks.astype(xn.dtype)  # in the activation dtype, as attended
         out, k, v = attention.decode_attention(self.backend, qkv, bias, self.inv_freq, slots, keys, values, self.heads,
-                                               block, self.write, qk_norm)
+                                               block, self.write, qk_norm, sinks, self.rope_scale)
         if self.write:
             cache.written_in_place(k, v)
         else:
             cache.write(k, v)
         return self.o_proj(out)
+
+    def _record_gate(self, projected: mx.array, record: Record) -> None:
+        """sigmoid of each head's gate rows of the projection (bias added), float32 [1, H, hd], as the module
+        records it (hooks.OUTPUT_GATE)."""
+        h, hd = self.heads.n_heads, self.heads.head_dim
+        gate = projected[..., : 2 * h * hd].reshape(-1, h, 2, hd)[:, :, 1]
+        record(hooks.OUTPUT_GATE, mx.sigmoid(gate).astype(mx.float32))
 
     def _whole_projection_norm(self, qkv: mx.array) -> mx.array:
         """q and k of the stacked projection [..., (H + 2 KV) hd] each RMS-normed over its whole width."""

@@ -14,6 +14,7 @@ from ..models.args import FP_MODES, QuantizedParts
 from ..models.declare import (
     CLAMPED_SWIGLU,
     GATED_DELTA,
+    PER_HEAD,
     SCORINGS,
     SIGMOID_GATED,
     SWIGLU,
@@ -133,24 +134,32 @@ def shared_fold_reason(routed: tuple[QuantizedParts, ...], shared: dict[str, Qua
     return None
 
 
+def rotary_dims(spec: AttentionSpec) -> int:
+    """The dims of each head an attention declaring `spec` rotates (transformers' int(head_dim * fraction))."""
+    return int(spec.head_dim * spec.rope_fraction)
+
+
+# Rotated dims the kernel pairs within a lane or with lane ^ 16 (a multiple of 32), or within lanes < 32 by
+# lane ^ (dims / 2) (a power of two up to 16).
+_ROPE_IN_ONE_LANE = (2, 4, 8, 16)
+
+
 def attention_reason(spec: AttentionSpec) -> str | None:
-    """Why the decode-attention kernel cannot run an attention layer declaring `spec`, or None when it can."""
+    """Why the decode-attention kernel cannot run an attention layer declaring `spec`, or None when it can. Partial
+    rotary, an output gate, a sliding window, sinks and scaled rotary are kernel variants; q, k and v clamped
+    are clamped by the step before the kernel, unless the kernel normalises them first."""
     if spec.head_dim % LANES:
         return f"head_dim {spec.head_dim} (the kernel needs a multiple of {LANES})"
     if spec.n_heads % spec.n_kv_heads:
         return f"{spec.n_heads} query heads do not divide into {spec.n_kv_heads} key/value heads"
-    if spec.rope_fraction != 1.0:
-        return f"rotary on {spec.rope_fraction:g} of each head (the kernel rotates whole heads)"
-    if spec.window is not None:
-        return f"a sliding window of {spec.window} positions (the kernel attends to every position)"
-    if spec.sinks:
-        return "attention sinks (the kernel has none)"
-    if spec.clip_qkv is not None:
-        return f"q, k and v clamped at {spec.clip_qkv:g} (the kernel does not clamp)"
-    if spec.output_gate:
-        return "an output gate on the attention output (the kernel has none)"
-    if spec.scaled_rope:
-        return "scaled (YaRN) rotary (the kernel rotates at rope_theta)"
+    dims = rotary_dims(spec)
+    if dims != spec.head_dim and (dims < 2 or dims % LANES and dims not in _ROPE_IN_ONE_LANE):
+        return (f"rotary on {dims} of {spec.head_dim} dims of each head (the kernel rotates a multiple of {LANES} "
+                f"dims, or {', '.join(map(str, _ROPE_IN_ONE_LANE))})")
+    if spec.window is not None and spec.window < 1:
+        return f"a sliding window of {spec.window} positions (a window holds at least the token itself)"
+    if spec.clip_qkv is not None and spec.qk_norm == PER_HEAD:
+        return f"q, k and v clamped at {spec.clip_qkv:g} after the per-head norm (the kernel does not clamp)"
     return None
 
 

@@ -1,5 +1,8 @@
 """The decode-attention step: its reference against MLX's own attention path, the checks that stand
-between a bad launch and the process, and when a layer declines it (always with the reason)."""
+between a bad launch and the process, and when a layer declines it (always with the reason). The declared
+variants against the attention modules of the families declaring them: the hybrids' gated full-attention layer
+(partial rotary, the output gate; Qwen3-Next and Qwen3.5-MoE) and gpt-oss's windowed and full layers (sinks, the
+window, YaRN), layer by layer and through whole decodes with the fused path on and off."""
 
 from __future__ import annotations
 
@@ -8,13 +11,21 @@ import numpy as np
 import pytest
 
 import moebench
+from moebench.decode.cache import KVCache
 from moebench.decode.loop import generate
 from moebench.errors import UnsupportedKernelConfig
 from moebench.execution import attention
 from moebench.execution.attention import QKNorm, decode_attention, rope_frequencies, splits
+from moebench.execution.executor import executor
+from moebench.execution.steps import AttentionKernel, LayerWeights
 from moebench.execution.support import attention_reason
+from moebench.inspect.record import Recorder, Stepper
 from moebench.inspect.truth import f64, nrms
-from moebench.models.declare import AttentionSpec
+from moebench.models import hooks
+from moebench.models.declare import PER_HEAD, WHOLE_PROJECTION, AttentionSpec
+from moebench.models.run import token_mixer
+from moebench.tools.presets import get_preset, write_random
+from moebench.tools.writer import write_random_checkpoint
 
 BASE = 10000.0
 
@@ -82,6 +93,8 @@ def test_bad_inputs_are_named_before_any_launch():
     """Each case differs from a good call in one respect, and raises every time (a failed check is never
     remembered as passed)."""
     heads = AttentionSpec(4, 4, 64)
+    sinking, scaled = AttentionSpec(4, 4, 64, sinks=True), AttentionSpec(4, 4, 64, scaled_rope=True)
+    gated = AttentionSpec(4, 4, 64, output_gate=True)
     qkv, b, inv, slots, cached_k, cached_v = _inputs(heads, 3, 16, mx.float32)
     decode_attention("reference", qkv, b, inv, slots, cached_k, cached_v, heads)
     cases = {
@@ -94,6 +107,25 @@ def test_bad_inputs_are_named_before_any_launch():
         "cache block 1 is outside": ((qkv, b, inv, slots, cached_k, cached_v, heads, 1), {}),
         "multiple of 32": ((qkv, b, inv, slots, cached_k, cached_v, AttentionSpec(4, 4, 48)), {}),
         "cannot write the cache in place": ((qkv, b, inv, slots, cached_k, cached_v, heads), {"write": True}),
+        # the declared variants' inputs
+        "declares sinks: pass them": ((qkv, b, inv, slots, cached_k, cached_v, sinking), {}),
+        "sinks given for an attention declaring none": ((qkv, b, inv, slots, cached_k, cached_v, heads),
+                                                        {"sinks": mx.zeros((4,))}),
+        "sinks \\(3,\\)": ((qkv, b, inv, slots, cached_k, cached_v, sinking), {"sinks": mx.zeros((3,))}),
+        "sinks \\(4,\\) mlx.core.bfloat16": ((qkv, b, inv, slots, cached_k, cached_v, sinking),
+                                               {"sinks": mx.zeros((4,), mx.bfloat16)}),
+        "rope_scale nan": ((qkv, b, inv, slots, cached_k, cached_v, scaled), {"rope_scale": float("nan")}),
+        "rope_scale 0": ((qkv, b, inv, slots, cached_k, cached_v, scaled), {"rope_scale": 0}),
+        "declaring plain rotary": ((qkv, b, inv, slots, cached_k, cached_v, heads), {"rope_scale": 1.5}),
+        "a sliding window of 0 positions": ((qkv, b, inv, slots, cached_k, cached_v, AttentionSpec(4, 4, 64, window=0)),
+                                            {}),
+        "expected one token's \\(1024,\\)": ((qkv, b, inv, slots, cached_k, cached_v, gated), {}),
+        "the 16 rotated dims": ((qkv, b, inv, slots, cached_k, cached_v, AttentionSpec(4, 4, 64, rope_fraction=0.25)),
+                                {}),
+        "rotary on 24 of 64 dims": ((qkv, b, inv, slots, cached_k, cached_v,
+                                     AttentionSpec(4, 4, 64, rope_fraction=0.375)), {}),
+        "the kernel takes them clamped": ((qkv, b, inv, slots, cached_k, cached_v,
+                                           AttentionSpec(4, 4, 64, clip_qkv=8.0)), {}),
     }
     for message, (args, kwargs) in cases.items():
         for _ in range(2):
@@ -107,6 +139,17 @@ def test_support_reasons_and_splits():
     assert attention_reason(AttentionSpec(16, 16, 128)) is None and attention_reason(AttentionSpec(4, 2, 32)) is None
     assert "multiple of 32" in attention_reason(AttentionSpec(4, 4, 48))
     assert "do not divide" in attention_reason(AttentionSpec(6, 4, 64))
+    # the declared variants the kernel computes: a quarter of each head rotated (256 -> 64, 64 -> 16, 32 -> 8), the
+    # output gate, a window, sinks, scaled rotary; q, k and v clamped by the step unless normed inside the kernel
+    for words in (dict(rope_fraction=0.25), dict(rope_fraction=0.5), dict(output_gate=True), dict(window=128),
+                  dict(sinks=True), dict(scaled_rope=True), dict(clip_qkv=8.0),
+                  dict(clip_qkv=8.0, qk_norm=WHOLE_PROJECTION)):
+        for shape in ((16, 2, 256), (4, 2, 64), (4, 2, 32)):
+            assert attention_reason(AttentionSpec(*shape, **words)) is None, (shape, words)
+    assert "rotary on 24 of 64 dims" in attention_reason(AttentionSpec(4, 4, 64, rope_fraction=0.375))
+    assert "rotary on 0 of 32 dims" in attention_reason(AttentionSpec(4, 4, 32, rope_fraction=0.01))
+    assert "clamped at 8 after the per-head norm" in attention_reason(AttentionSpec(4, 4, 64, clip_qkv=8.0,
+                                                                                    qk_norm=PER_HEAD))
     assert splits(1) == splits(attention.SPLIT_POSITIONS) == 1  # a short cache: one threadgroup a head, no join
     assert splits(attention.SPLIT_POSITIONS + 1) == 2 and splits(10**7) == attention.MAX_SPLITS
 
@@ -139,3 +182,135 @@ def test_long_contexts_run_the_kernel(quantized_checkpoint):
     for part in ("attention", "moe"):
         for d in counts[part].values():
             assert d["fused"] == {backend: 3} and d["fallback"] == 1 + 4  # the prefills, and the fallback run
+
+
+# ---- the declared variants, against the families' own attention -------------------------------------------------
+
+FULL_LAYER = 3  # the hybrids' gated full-attention layer (the tiny presets: three Gated DeltaNet layers, then it)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """family(preset) -> a float32 model of that preset with random weights, as users make them: the hybrids' float
+    folders, gpt-oss as make-random writes it (mlx-lm's layout: mxfp4 experts, 8-bit elsewhere)."""
+    made = {}
+
+    def get(preset: str, **fields):
+        key = (preset, *sorted(fields.items()))
+        if key not in made:
+            folder = tmp_path_factory.mktemp(preset) / "ckpt"
+            if get_preset(preset).config["model_type"] == "gpt_oss":
+                write_random(folder, preset, bits=8, group_size=32, dtype="float32", seed=3, progress=False)
+            else:
+                config = {**get_preset(preset).config, **fields, "torch_dtype": "float32"}
+                write_random_checkpoint(folder, config, seed=3)
+            made[key] = moebench.load(folder)[0]
+        return made[key]
+
+    return get
+
+
+def _layer_steps(model, layer: int, steps: int, seed: int = 0):
+    """The layer's attention module (the fallback) and its fused step on the reference backend, each fed the same
+    normed inputs one token at a time over its own KV cache after the same 3-token prefill: yields (position,
+    fallback output, fused output, fallback's recorded output gate, fused step's)."""
+    attn = token_mixer(model.layers[layer])
+    step = AttentionKernel(attn, LayerWeights(model.layers[layer]), "reference", False)
+    d = model.args.hidden_size
+    xs = mx.random.normal((3 + steps, 1, 1, d), key=mx.random.key(seed))
+    fallback, fused = KVCache(), KVCache()
+    prompt = xs[:3].reshape(1, 3, d)
+    mx.eval(attn(prompt, fallback), attn(prompt, fused))
+    for i in range(steps):
+        x, records = xs[3 + i], (Recorder(), Recorder())
+        want, got = attn(x, fallback, records[0]), step(x, fused, records[1])
+        mx.eval(want, got)
+        gates = [r.values.get(hooks.OUTPUT_GATE) for r in records]
+        yield 3 + i, want, got, *gates
+
+
+@pytest.mark.parametrize("preset", ["qwen3-next-tiny", "qwen3.5-moe-tiny"])
+def test_the_hybrids_gated_full_attention_runs_as_the_module(family, preset):
+    """Rotary on a quarter of each head (8 of 32 dims), the output gate inside the kernel, the per-head q/k norm:
+    each decode step's output equals the module's within the kernel's float32 bound, and a recorded step records
+    the module's output gate."""
+    model = family(preset)
+    spec = token_mixer(model.layers[FULL_LAYER]).spec
+    assert spec.output_gate and spec.rope_fraction == 0.25 and attention_reason(spec) is None
+    for position, want, got, gate, fused_gate in _layer_steps(model, FULL_LAYER, 40):
+        assert got.shape == want.shape and nrms(f64(got), f64(want)) < 1e-5, position
+        assert gate.shape == fused_gate.shape == (1, spec.n_heads, spec.head_dim)
+        assert np.abs(f64(gate) - f64(fused_gate)).max() < 1e-6, position
+
+
+@pytest.mark.parametrize("layer", [0, 1])  # the windowed layer (4 positions), the full one
+def test_gpt_oss_attention_runs_as_the_module(family, layer):
+    """Sinks, YaRN's frequencies and attention factor, biases, and on layer 0 the 4-position window: each decode
+    step's output equals the module's, below and far past the window and across SPLIT_POSITIONS."""
+    model = family("gpt-oss-tiny")
+    spec = token_mixer(model.layers[layer]).spec
+    assert spec.sinks and spec.scaled_rope and spec.window == (4 if layer == 0 else None)
+    assert attention_reason(spec) is None
+    for position, want, got, *gates in _layer_steps(model, layer, attention.SPLIT_POSITIONS + 8, seed=layer):
+        assert gates == [None, None]
+        assert nrms(f64(got), f64(want)) < 1e-5, position
+
+
+def _sinks_matter(model, layer: int) -> None:
+    """The checkpoint's sinks change the output (so the test above would see them dropped)."""
+    attn = token_mixer(model.layers[layer])
+    x = mx.random.normal((1, 4, model.args.hidden_size), key=mx.random.key(7))
+    with_sinks = attn(x)
+    saved = attn["sinks"]
+    attn["sinks"] = mx.full(saved.shape, -1e4)
+    try:
+        assert nrms(f64(attn(x)), f64(with_sinks)) > 1e-3
+    finally:
+        attn["sinks"] = saved
+
+
+def test_gpt_oss_sinks_and_window_change_what_the_layer_computes(family):
+    model = family("gpt-oss-tiny")
+    for layer in (0, 1):
+        _sinks_matter(model, layer)
+
+
+def test_olmoe_clamped_qkv_runs_as_the_module(family):
+    """OLMoE's q, k and v clamped after the whole-projection norms: the step clamps them before the kernel, and
+    each decode step's output equals the module's; the clamp bites on these weights."""
+    model = family("olmoe-tiny", clip_qkv=0.5)
+    attn = token_mixer(model.layers[1])
+    assert attn.spec.clip_qkv == 0.5 and attention_reason(attn.spec) is None
+    assert executor(model).plan_for(1, False).layers[1].attention.fused
+    for position, want, got, *_ in _layer_steps(model, 1, 12):
+        assert nrms(f64(got), f64(want)) < 1e-5, position
+    x = mx.random.normal((1, 1, model.args.hidden_size), key=mx.random.key(0))
+    assert (mx.abs(attn.v_proj(x)) > 0.5).sum().item() > 0
+
+
+def _decode(model, prompt: list[int], steps: int, fused: bool):
+    with moebench.fused_moe(fused, model):
+        return Stepper(model, None, prompt, keep_logits=True).run(steps)
+
+
+@pytest.mark.parametrize("preset,layers,prompt", [("qwen3-next-tiny", [FULL_LAYER], 8),
+                                                  ("qwen3.5-moe-tiny", [FULL_LAYER], 8),
+                                                  ("gpt-oss-tiny", [0, 1], attention.SPLIT_POSITIONS - 4)])
+def test_decodes_run_the_kernel_on_the_declared_layers(family, preset, layers, prompt):
+    """With fused on, the plan runs the attention kernel on the hybrids' full-attention layer and on both gpt-oss
+    layers (no decline); greedy tokens equal the fallback's and every step's logits lie within the fused path's
+    float32 bound (gpt-oss's decode crosses SPLIT_POSITIONS, far past its window); the compiled step (the position
+    a traced input) decodes the same tokens."""
+    model = family(preset)
+    plan = executor(model).plan_for(1, False)
+    for i in layers:
+        decision = plan.layers[i].attention
+        assert decision.fused and decision.reason is None, (i, decision)
+        assert isinstance(plan.layers[i].attention_step, AttentionKernel)
+    ids = np.random.default_rng(5).integers(0, model.args.vocab_size, prompt).tolist()
+    on, off = _decode(model, ids, 12, True), _decode(model, ids, 12, False)
+    assert on.token_ids == off.token_ids
+    for a, b in zip(on.generated, off.generated, strict=True):
+        assert np.abs(a.logits - b.logits).max() < 1e-4, a.position
+    with moebench.fused_moe(True, model):
+        assert generate(model, ids, 12, compiled=True).token_ids == on.token_ids

@@ -4,7 +4,8 @@ CI has no Apple GPU, so the Metal prelude plus the shared bodies of the four sta
 kernel A and kernel B, and decode attention) are wrapped in the signature MLX's metal_kernel would write
 and compiled as C++ against kernels/metal_cpu_shim.h (every supported quantization mode / bits / group size /
 shared-expert / router-flag combination, attention with and without bias and with and without the in-place cache write
-at MHA, GQA and MQA head shapes, float32 and bfloat16), then run on the CPU against the references (the
+at MHA, GQA and MQA head shapes, and its declared variants: partial rotary, the output gate, a sliding window, sinks
+and the rotary attention factor; float32 and bfloat16), then run on the CPU against the references (the
 attention kernel as threadgroups of simdgroups meeting at barriers). The emulated signatures and launch
 geometry are checked against what moebench.execution.moe and moebench.execution.attention actually
 launch. Where nvcc exists, the CUDA prelude plus the same bodies compile the way MLX's cuda_kernel wraps
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+from dataclasses import dataclass
 from itertools import product
 
 import mlx.core as mx
@@ -67,8 +69,9 @@ TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
     DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID"),
            ("int", "MODE"), ("bool", "EBIAS")],
     ATTENTION: [("typename", "T"), ("typename", "OT"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS"),
-                ("bool", "QKNORM"), ("int", "W"), ("int", "S"), ("bool", "WRITE")],
-    COMBINE: [("typename", "T"), ("int", "H"), ("int", "HD"), ("int", "S")],
+                ("bool", "QKNORM"), ("int", "ROPE_DIMS"), ("int", "FACTOR"), ("bool", "GATE"), ("int", "WINDOW"),
+                ("bool", "SINKS"), ("int", "W"), ("int", "S"), ("bool", "WRITE")],
+    COMBINE: [("typename", "T"), ("int", "H"), ("int", "HD"), ("int", "S"), ("bool", "GATE")],
 }
 # Element type of each kernel parameter: a C type or a template type name; uint32_t when not listed.
 PARAM_TYPES: dict[Stage, dict[str, str]] = {
@@ -130,8 +133,10 @@ def _constant_inputs(stage: Stage, inst: Instance) -> tuple[str, ...]:
     """The inputs MLX's metal_kernel puts in `constant` (under 8 elements) at this instance's shapes."""
     if stage is ROUTER:
         sizes = {"logits": inst["E"] + inst["SHARED"]}
-    elif stage is ATTENTION:  # [P, CAP], [block], eps [1] (inv_freq stands in without the q/k norm); the others
-        sizes = {"pos": 2, "block": 1, "eps": 1 if inst["QKNORM"] else inst["HD"] // 2}  # hold >= HD / 2 >= 16
+    elif stage is ATTENTION:  # [P, CAP], [block], eps [1] (inv_freq stands in without the q/k norm), inv_freq
+        half = inst["ROPE_DIMS"] // 2  # [ROPE_DIMS / 2], sinks [H] (qkv stands in without them); the others hold
+        sizes = {"pos": 2, "block": 1, "eps": 1 if inst["QKNORM"] else half, "inv_freq": half,  # >= HD >= 32
+                 "sinks": inst["H"] if inst["SINKS"] else 8}
     elif stage is COMBINE:
         sizes = {}
     else:  # without a shared expert the caller passes scores in place of B's sgate [1]
@@ -176,21 +181,56 @@ def _launcher(stage: Stage, inst: Instance) -> str:
             f"{', '.join(buffers)}, t); }});\n}}")
 
 
+@dataclass(frozen=True)
+class Declared:
+    """The attention kernel's declared variants of one instance: rotated dims (None: the whole head), the
+    rotary attention factor (1: none), the output gate, a window (None: every position), sinks."""
+
+    rope_dims: int | None = None
+    factor: float = 1.0
+    gate: bool = False
+    window: int | None = None
+    sinks: bool = False
+
+    def heads(self, shape: tuple[int, int, int]) -> AttentionSpec:
+        rotated = self.rope_dims or shape[2]
+        return AttentionSpec(*shape, rope_fraction=rotated / shape[2], output_gate=self.gate, window=self.window,
+                             sinks=self.sinks, scaled_rope=self.factor != 1.0)
+
+
+PLAIN = Declared()
+
+
 def _attention_instance(shape: tuple[int, int, int], bias: bool, write: bool, flavor: str = "f32", qknorm: bool = False,
-                        splits: int = 1) -> Instance:
+                        splits: int = 1, declared: Declared = PLAIN) -> Instance:
     out = FLAVORS[flavor]["T"] if splits == 1 else "float"  # the output, or the partials a second launch joins
     return _instance(ATTENTION, flavor, **dict(zip(("H", "KV", "HD"), shape, strict=True)), BIAS=bias, QKNORM=qknorm,
-                     W=WARPS_PER_HEAD, S=splits, WRITE=write, OT=out)
+                     ROPE_DIMS=declared.rope_dims or shape[2],
+                     FACTOR=moe.float_bits(declared.factor) if declared.factor != 1.0 else 0, GATE=declared.gate,
+                     WINDOW=declared.window or 0, SINKS=declared.sinks, W=WARPS_PER_HEAD, S=splits, WRITE=write,
+                     OT=out)
 
 
-def _combine_instance(shape: tuple[int, int, int], splits: int, flavor: str = "f32") -> Instance:
-    return _instance(COMBINE, flavor, H=shape[0], HD=shape[2], S=splits)
+def _combine_instance(shape: tuple[int, int, int], splits: int, flavor: str = "f32", gate: bool = False) -> Instance:
+    return _instance(COMBINE, flavor, H=shape[0], HD=shape[2], S=splits, GATE=gate)
 
 
 # Beside every bias x write case with one threadgroup a head: the q/k norm, and three threadgroups a head
 # (the positions' chunks of 64, so with CAP 80 one split holds 0..63, one 64..79, one none).
 ATTENTION_VARIANTS = [(bias, write, False, 1) for bias, write in product((False, True), (False, True))] + [
     (False, False, True, 1), (True, False, False, 3), (False, True, False, 3), (False, True, True, 3)]
+# The declared variants, each at shapes that exercise it, one threadgroup a head and three:
+# (shape, bias, q/k norm, Declared). The hybrids' full attention (the q/k norm, the output gate, a quarter of each
+# head rotated: 8 of 32 dims in lanes < 8, 16 of 64, 64 of 256 in the lane itself) and 96 of 128 (the partner in
+# lane ^ 16); gpt-oss's (biases, sinks, YaRN's factor, with and without a window of 70 positions, which the
+# three splits share, and of 5).
+DECLARED_RUNS = [((2, 1, 32), False, True, Declared(rope_dims=8, gate=True)),
+                 ((4, 2, 64), False, True, Declared(rope_dims=16, gate=True)),
+                 ((2, 1, 256), True, True, Declared(rope_dims=64, gate=True)),
+                 ((4, 4, 128), False, False, Declared(rope_dims=96)),
+                 ((8, 2, 64), True, False, Declared(factor=1.35, window=70, sinks=True)),
+                 ((4, 1, 32), True, False, Declared(factor=1.35, sinks=True)),
+                 ((4, 2, 64), True, False, Declared(window=5))]
 
 
 def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shapes, attention_shapes):
@@ -214,6 +254,9 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
             yield ATTENTION, _attention_instance(shape, bias, write, flavor, qknorm, splits)
         for shape in attention_shapes:
             yield COMBINE, _combine_instance(shape, 3, flavor)
+        for (shape, bias, qknorm, declared), splits in product(DECLARED_RUNS, (1, 3)):
+            yield ATTENTION, _attention_instance(shape, bias, splits == 3, flavor, qknorm, splits, declared)
+            yield COMBINE, _combine_instance(shape, 3, flavor, declared.gate)
 
 
 # (mode, gate bits, down bits, group): affine, and each microscaled mode at MLX's fixed bits and group size
@@ -247,6 +290,9 @@ def _run_instances():
         yield ATTENTION, _attention_instance(shape, bias, write, qknorm=qknorm, splits=splits)
     for shape in ATTENTION_SHAPES:
         yield COMBINE, _combine_instance(shape, 3)
+    for (shape, bias, qknorm, declared), splits in product(DECLARED_RUNS, (1, 3)):
+        yield ATTENTION, _attention_instance(shape, bias, splits == 3, qknorm=qknorm, splits=splits, declared=declared)
+        yield COMBINE, _combine_instance(shape, 3, gate=declared.gate)
 
 
 def _metal_unit() -> str:
@@ -364,14 +410,19 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
                    x if dffs else None, rows=rows, variant=variant)
     moe.gpu_select("metal", mx.zeros((1, 4 + bool(dffs)), mx.bfloat16), 4, 2, True, bool(dffs),
                    SOFTMAX_THEN_TOPK if dffs else TOPK_THEN_SOFTMAX)
-    heads = AttentionSpec(8, 2, 64)
-    qkv = mx.array(rng.standard_normal((1, heads.width)).astype(np.float32), dtype=mx.bfloat16)
+    # with dffs every option and declared variant (a quarter of each head rotated, the output gate, a window wider
+    # than the cache, sinks, the rotary factor)
+    declared = Declared(rope_dims=16, factor=1.5, gate=True, window=600, sinks=True) if dffs else PLAIN
+    heads = declared.heads((8, 2, 64))
+    qkv = mx.array(rng.standard_normal((1, attention.projection_width(heads))).astype(np.float32), dtype=mx.bfloat16)
     capacity = SPLIT_POSITIONS + 1 if dffs else CAP  # with dffs: two threadgroups a head, and the launch joining them
     cache = mx.zeros((1, 2, capacity, 64), mx.bfloat16)
     norm = mx.ones((64,), mx.bfloat16)
-    attention.gpu_decode_attention("metal", qkv, qkv[0] if dffs else None, rope_frequencies(64, 1e6),
-                                   mx.array([5, capacity], mx.int32), cache, cache, heads, write=bool(dffs),
-                                   qk_norm=QKNorm(norm, norm, 1e-6) if dffs else None)  # with dffs: every option
+    attention.gpu_decode_attention("metal", qkv, qkv[0] if dffs else None,
+                                   rope_frequencies(declared.rope_dims or 64, 1e6), mx.array([5, capacity], mx.int32),
+                                   cache, cache, heads, write=bool(dffs),
+                                   qk_norm=QKNorm(norm, norm, 1e-6) if dffs else None,
+                                   sinks=mx.zeros((8,), mx.bfloat16) if dffs else None, rope_scale=declared.factor)
     assert set(launches) == {ROUTER, GATE_UP, DOWN, ATTENTION} | ({COMBINE} if dffs else set())
     assert dict(launches[GATE_UP][1])["MODE"] == dict(launches[DOWN][1])["MODE"] == KERNEL_MODES.index(mode)
     expected = VARIANTS_OFF if dffs else {**_CLAMPED, "EBIAS": True, "TOPK_FIRST": True}
@@ -388,6 +439,10 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
         assert _constant_inputs(stage, inst) == small, stage.name
     template = dict(launches[ATTENTION][1])
     assert template["WRITE"] is bool(dffs) and template["QKNORM"] is bool(dffs) and template["S"] == 1 + bool(dffs)
+    assert (template["ROPE_DIMS"], template["FACTOR"], template["GATE"], template["WINDOW"], template["SINKS"]) == (
+        (16, moe.float_bits(1.5), True, 600, True) if dffs else (64, 0, False, 0, False))
+    if dffs:
+        assert dict(launches[COMBINE][1])["GATE"] is True
     output_rows = {GATE_UP: K * DFF + dffs, DOWN: DIN, ROUTER: 1,
                    ATTENTION: heads.n_heads * template["S"] * WARPS_PER_HEAD, COMBINE: heads.n_heads}
     group_rows = {GATE_UP: rows, DOWN: rows, ROUTER: 1, ATTENTION: WARPS_PER_HEAD, COMBINE: 1}
@@ -567,35 +622,59 @@ def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bia
     With `write` it stores the new key and value at slot pos of its block, and changes nothing else; with
     `qknorm` it normalises each head of q and k first; with `splits` threadgroups a head their partials are
     joined by the second launch."""
-    heads = AttentionSpec(*shape)
+    _run_attention(shim_library, shape, bias, write, qknorm, splits, pos)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("pos", [0, 4, 5, 9, 63, 64, 69, 70, CAP - 1])
+@pytest.mark.parametrize("shape,bias,qknorm,declared", DECLARED_RUNS, ids=lambda v: str(v))
+def test_shimmed_attention_variants_match_the_reference_on_cpu(shim_library, shape, bias, qknorm, declared, splits,
+                                                               pos):
+    """Each declared variant against the reference, below and above the windows (5 and 70 positions), at the
+    warps' block edges, across the splits' chunks (64 positions), with the in-place write when split: slots
+    outside the window hold NaN too, so a kernel reading one fails."""
+    _run_attention(shim_library, shape, bias, splits == 3, qknorm, splits, pos, declared)
+
+
+def _run_attention(lib: ctypes.CDLL, shape: tuple[int, int, int], bias: bool, write: bool, qknorm: bool, splits: int,
+                   pos: int, declared: Declared = PLAIN) -> None:
+    """The shimmed kernel (and, split, the joining launch) at position `pos` against reference_decode_attention."""
+    heads = declared.heads(shape)
     block = pos % 3
     rng = np.random.default_rng(sum(shape) * 100 + pos * 2 + bias + 4 * qknorm + 8 * splits)
-    qkv, qkv_bias = (rng.standard_normal(heads.width).astype(np.float32) for _ in range(2))
+    width = attention.projection_width(heads)
+    qkv, qkv_bias = (rng.standard_normal(width).astype(np.float32) for _ in range(2))
     norms = [rng.uniform(0.5, 1.5, heads.head_dim).astype(np.float32) for _ in range(2)]
+    sinks = rng.uniform(-1.0, 3.0, heads.n_heads).astype(np.float32)  # some above the scores, some below
     qk_norm = QKNorm(mx.array(norms[0]), mx.array(norms[1]), 1e-6) if qknorm else None
-    inv_freq, slots = rope_frequencies(heads.head_dim, 10000.0), np.array([pos, CAP], np.int32)
+    inv_freq = rope_frequencies(declared.rope_dims or heads.head_dim, 10000.0)
+    slots = np.array([pos, CAP], np.int32)
     cache = rng.standard_normal((2, 3, heads.n_kv_heads, CAP, heads.head_dim)).astype(np.float32)
     truth = reference_decode_attention(mx.array(qkv), mx.array(qkv_bias) if bias else None, inv_freq,
-                                       mx.array(slots), *map(mx.array, cache), heads, block, qk_norm)
+                                       mx.array(slots), *map(mx.array, cache), heads, block, qk_norm,
+                                       mx.array(sinks) if declared.sinks else None, declared.factor)
+    oldest = max(0, pos + 1 - declared.window) if declared.window else 0
     unread = np.full_like(cache, np.nan)
-    unread[:, block, :, :pos] = cache[:, block, :, :pos]
+    unread[:, block, :, oldest:pos] = cache[:, block, :, oldest:pos]
     before = unread.copy()
-    out_size = heads.n_heads * heads.head_dim if splits == 1 else heads.n_heads * splits * (heads.head_dim + 2)
+    out_size = heads.n_heads * heads.head_dim if splits == 1 else \
+        heads.n_heads * splits * (heads.head_dim + 2) + heads.n_heads * heads.head_dim * declared.gate
     outputs = {n: _output(out_size if n == "out" else heads.n_kv_heads * heads.head_dim) for n in ATTENTION.outputs}
     rows = (heads.n_heads * splits + 1) * WARPS_PER_HEAD  # one padding threadgroup past the heads: it writes nothing
-    _launch(shim_library, ATTENTION, _attention_instance(shape, bias, write, qknorm=qknorm, splits=splits), rows, {
-        "qkv": qkv, "bias": qkv_bias if bias else qkv, "inv_freq": np.array(inv_freq), "pos": slots,
-        "keys": unread[0], "values": unread[1], "block": np.array([block], np.int32),
-        "q_norm": norms[0] if qknorm else qkv, "k_norm": norms[1] if qknorm else qkv,
-        "eps": np.array([1e-6], np.float32) if qknorm else np.array(inv_freq), **outputs})
+    _launch(lib, ATTENTION, _attention_instance(shape, bias, write, qknorm=qknorm, splits=splits, declared=declared),
+            rows, {"qkv": qkv, "bias": qkv_bias if bias else qkv, "inv_freq": np.array(inv_freq), "pos": slots,
+                   "keys": unread[0], "values": unread[1], "block": np.array([block], np.int32),
+                   "q_norm": norms[0] if qknorm else qkv, "k_norm": norms[1] if qknorm else qkv,
+                   "eps": np.array([1e-6], np.float32) if qknorm else np.array(inv_freq),
+                   "sinks": sinks if declared.sinks else qkv, **outputs})
     if splits > 1:
         parts = _written(outputs["out"], "out")
         outputs["out"] = _output(heads.n_heads * heads.head_dim)
-        _launch(shim_library, COMBINE, _combine_instance(shape, splits), _padded(heads.n_heads),
+        _launch(lib, COMBINE, _combine_instance(shape, splits, gate=declared.gate), _padded(heads.n_heads),
                 {"parts": parts, "out": outputs["out"]})
     for name, want in zip(ATTENTION.outputs, truth, strict=True):
         got = _written(outputs[name], name)
-        assert np.isfinite(got).all(), f"{name}: not finite (a cache slot >= pos read?)"
+        assert np.isfinite(got).all(), f"{name}: not finite (a cache slot outside the positions attended to read?)"
         error = nrms(got, np.array(want).reshape(-1))
         assert error < 1e-5, f"{name}: shimmed kernel vs reference nRMS {error:.2e}"
     if write:

@@ -1,15 +1,18 @@
 """The CUDA kernels (router, the pair with and without the shared expert in affine, mxfp4, nvfp4 and mxfp8,
 gpt-oss's declared variants: expert biases, the clamped SwiGLU, top-k logits then softmax; decode attention with
-and without its in-place cache write) against the CPU reference and the float64 truth (moebench.inspect.truth), at
-Qwen1.5-MoE-A2.7B and gpt-oss-20b shapes; and decoding through them: the kernels on every decode step (a tiny
-gpt-oss's MoE too), greedy tokens with them on and off, the compiled step (which writes the cache in place)
-against the eager step.
+and without its in-place cache write, and its declared variants: the hybrids' partial rotary and output gate,
+gpt-oss's window, sinks and YaRN) against the CPU reference and the float64 truth (moebench.inspect.truth), at
+Qwen1.5-MoE-A2.7B, Qwen3.5-35B-A3B and gpt-oss-20b shapes; and decoding through them: the kernels on every decode
+step (a tiny gpt-oss's MoE too; a tiny hybrid's and gpt-oss's attention), greedy tokens with them on and off, the
+compiled step (which writes the cache in place) against the eager step.
 
 Runs only where MLX has a CUDA back-end (the H200 of the device tool); skips cleanly elsewhere.
 Numbers are printed as well as asserted (run with -s to see them).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -26,8 +29,9 @@ from moebench.execution.kernel import available_backend
 from moebench.execution.moe import gpu_routed
 from moebench.execution.support import MICROSCALED
 from moebench.inspect.truth import expert_outputs, f64, nrms
-from moebench.models.args import FP_MODES, QuantizedParts
+from moebench.models.args import FP_MODES, QuantizedParts, YarnScaling
 from moebench.models.declare import SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, AttentionSpec
+from moebench.models.gpt_oss import yarn
 from moebench.models.switch import SwitchGLU, weighted_sum
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
@@ -310,33 +314,43 @@ def test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step(t
 
 
 def _attention_truth(qkv: np.ndarray, bias: np.ndarray | None, p: int, keys: np.ndarray, values: np.ndarray,
-                     heads: AttentionSpec, base: float, norms: tuple[np.ndarray, np.ndarray, float] | None = None
-                     ) -> np.ndarray:
+                     heads: AttentionSpec, base: float, norms: tuple[np.ndarray, np.ndarray, float] | None = None,
+                     inv_freq: np.ndarray | None = None, factor: float = 1.0,
+                     sinks: np.ndarray | None = None) -> np.ndarray:
     """float64 attention of one token over positions 0..p (the new one rotated here, earlier ones cached), with
-    each head of q and k RMS-normalised first when `norms` gives (q weight, k weight, eps)."""
+    each head of q and k RMS-normalised first when `norms` gives (q weight, k weight, eps); and what `heads`
+    declares: rotary on the first int(head_dim * rope_fraction) dims (at `base`, or at `inv_freq` when given),
+    q and k times `factor` first, the last `window` positions only, `sinks` in the denominators, each head's output
+    times sigmoid of its gate rows (q_proj's rows per head: queries, then gate)."""
     h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
+    rows, rd = (2 * h if heads.output_gate else h), int(hd * heads.rope_fraction)
     x = qkv.astype(np.float64) + (bias.astype(np.float64) if bias is not None else 0.0)
+    queries = x[: rows * hd].reshape(h, -1, hd)
+    q, k, v = queries[:, 0], x[rows * hd : (rows + kv) * hd].reshape(kv, hd), x[(rows + kv) * hd :]
     if norms is not None:
-        heads_of = [x[: h * hd].reshape(h, hd), x[h * hd : (h + kv) * hd].reshape(kv, hd)]
-        normed = [a / np.sqrt((a * a).mean(axis=-1, keepdims=True) + norms[2]) * w
-                  for a, w in zip(heads_of, norms[:2], strict=True)]
-        x = np.concatenate([normed[0].reshape(-1), normed[1].reshape(-1), x[(h + kv) * hd :]])
-    inv = base ** (-np.arange(0, hd, 2) / hd)
+        q, k = (a / np.sqrt((a * a).mean(axis=-1, keepdims=True) + norms[2]) * w
+                for a, w in zip((q, k), norms[:2], strict=True))
+    inv = base ** (-np.arange(0, rd, 2) / rd) if inv_freq is None else inv_freq.astype(np.float64)
     c, s = np.cos(p * inv), np.sin(p * inv)
 
     def rot(a):
-        a1, a2 = a[..., : hd // 2], a[..., hd // 2 :]
-        return np.concatenate([a1 * c - a2 * s, a2 * c + a1 * s], axis=-1)
+        a = a * factor
+        a1, a2 = a[..., : rd // 2], a[..., rd // 2 : rd]
+        return np.concatenate([a1 * c - a2 * s, a2 * c + a1 * s, a[..., rd:]], axis=-1)
 
-    q, k, v = rot(x[: h * hd].reshape(h, hd)), rot(x[h * hd : (h + kv) * hd].reshape(kv, hd)), x[(h + kv) * hd :]
-    ks = np.concatenate([keys[0, :, :p].astype(np.float64), k[:, None]], axis=1)  # [KV, p + 1, HD]
-    vs = np.concatenate([values[0, :, :p].astype(np.float64), v.reshape(kv, 1, hd)], axis=1)
+    q, k = rot(q), rot(k)
+    oldest = 0 if heads.window is None else max(0, p + 1 - heads.window)
+    ks = np.concatenate([keys[0, :, oldest:p].astype(np.float64), k[:, None]], axis=1)  # [KV, attended, HD]
+    vs = np.concatenate([values[0, :, oldest:p].astype(np.float64), v.reshape(kv, 1, hd)], axis=1)
     group = h // kv
     out = np.empty((h, hd))
     for i in range(h):
         sc = ks[i // group] @ q[i] / np.sqrt(hd)
-        w = np.exp(sc - sc.max())
-        out[i] = (w / w.sum()) @ vs[i // group]
+        top = sc.max() if sinks is None else max(sc.max(), sinks[i])
+        w = np.exp(sc - top)
+        out[i] = w @ vs[i // group] / (w.sum() + (0.0 if sinks is None else np.exp(sinks[i] - top)))
+    if heads.output_gate:
+        out = out / (1 + np.exp(-queries[:, 1]))
     return out.reshape(-1)
 
 
@@ -405,3 +419,105 @@ def test_cuda_attention_kernel_matches_reference_and_truth(heads, bias, p, dtype
         want = f64(before)
         want[block, :, p] = f64(new)[0, :, 0]
         assert np.array_equal(f64(after), want, equal_nan=True), f"{name}: the in-place write is wrong"
+
+
+# Qwen3.5-35B-A3B's full attention (16 query heads over 2 of 256, the q/k norm, rotary on 64 dims, the output gate);
+# gpt-oss-20b's (64 query heads over 8 of 64, biases, sinks, YaRN; a 128-position window on alternate layers)
+HYBRID_HEADS = AttentionSpec(16, 2, 256, rope_fraction=0.25, output_gate=True)
+GPT_OSS_HEADS = AttentionSpec(64, 8, 64, qkv_bias=True, sinks=True, scaled_rope=True)
+GPT_OSS_YARN = YarnScaling(factor=32.0, original_max_position_embeddings=4096, truncate=False)
+
+
+# (heads, position, dtype, cache slots): one threadgroup a head and several (the gate then follows the partials;
+# a window never needs more than one: 128 positions); below the window, at its edge and far past it
+@pytest.mark.parametrize("heads,p,dtype,cap", [
+    (HYBRID_HEADS, 0, mx.bfloat16, 256),
+    (HYBRID_HEADS, 100, mx.bfloat16, 256),
+    (HYBRID_HEADS, 2047, mx.bfloat16, 2304),
+    (HYBRID_HEADS, 1500, mx.float32, 2048),
+    (GPT_OSS_HEADS, 600, mx.bfloat16, 4352),
+    (GPT_OSS_HEADS, 4000, mx.float32, 4352),
+    (replace(GPT_OSS_HEADS, window=128), 50, mx.bfloat16, 256),
+    (replace(GPT_OSS_HEADS, window=128), 127, mx.bfloat16, 256),
+    (replace(GPT_OSS_HEADS, window=128), 128, mx.bfloat16, 256),
+    (replace(GPT_OSS_HEADS, window=128), 3000, mx.bfloat16, 4352),
+    (replace(GPT_OSS_HEADS, window=128), 4000, mx.float32, 4352)])
+def test_cuda_attention_variants_match_reference_and_truth(heads, p, dtype, cap):
+    """The declared variants on CUDA against the CPU reference and the float64 truth, in the plain kernel's bounds;
+    with the in-place write storing the key and value it outputs."""
+    base = 10_000_000.0 if heads.output_gate else 150_000.0
+    rng = np.random.default_rng(p + heads.head_dim + 7 * heads.output_gate)
+    cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
+    qkv = cast(rng.standard_normal((1, 1, attention.projection_width(heads))))
+    b = cast(0.5 * rng.standard_normal(attention.projection_width(heads))) if heads.qkv_bias else None
+    weights = [cast(rng.uniform(0.5, 1.5, heads.head_dim)) for _ in range(2)]
+    qk_norm = attention.QKNorm(*weights, 1e-6) if heads.output_gate else None
+    sinks = cast(rng.uniform(-1.0, 4.0, heads.n_heads)) if heads.sinks else None
+    if heads.scaled_rope:
+        inv_freq, factor = yarn(heads.head_dim, base, GPT_OSS_YARN)
+        mx.eval(inv_freq)
+    else:
+        inv_freq, factor = rope_frequencies(int(heads.head_dim * heads.rope_fraction), base), 1.0
+    block = p % 3
+    caches = []
+    for _ in range(2):
+        c = np.full((3, heads.n_kv_heads, cap, heads.head_dim), np.nan)
+        c[block] = rng.standard_normal(c.shape[1:])
+        caches.append(cast(c))
+    keys, values = caches
+    slots = mx.array([p, cap], dtype=mx.int32)
+    args = (qkv, b, inv_freq, slots, keys, values, heads, block)
+    variants = dict(qk_norm=qk_norm, sinks=sinks, rope_scale=factor)
+    out = attention.decode_attention("cuda", *args, **variants)
+    with mx.stream(mx.cpu):
+        ref = attention.decode_attention("reference", *args, **variants)
+        mx.eval(ref)
+    buffers = [keys + 0, values + 0]
+    mx.eval(buffers)
+    written = attention.decode_attention("cuda", qkv, b, inv_freq, slots, *buffers, heads, block, write=True,
+                                         **variants)
+    mx.eval(written)
+    norms = (f64(weights[0]), f64(weights[1]), 1e-6) if qk_norm is not None else None
+    truth = _attention_truth(f64(qkv).reshape(-1), None if b is None else f64(b), p, f64(keys[block : block + 1]),
+                             f64(values[block : block + 1]), heads, base, norms, np.array(inv_freq), factor,
+                             None if sinks is None else f64(sinks))
+    got = {"cuda out vs truth": nrms(f64(out[0]).reshape(-1), truth),
+           "reference out vs truth": nrms(f64(ref[0]).reshape(-1), truth),
+           **{f"cuda vs reference {n}": nrms(f64(a), f64(r)) for n, a, r in zip(("out", "k_new", "v_new"), out, ref,
+                                                                                  strict=True)},
+           **{f"cuda vs reference {n} (write)": nrms(f64(a), f64(r))
+              for n, a, r in zip(("out", "k_new", "v_new"), written, ref, strict=True)}}
+    print(f"\nattention variants {heads} P {p} of {cap} ({attention.splits(attention.attended(heads, cap))} a head) "
+          f"{dtype}: " + ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
+    assert max(v for k, v in got.items() if k.startswith("cuda vs")) < 5e-4
+    if dtype == mx.float32:
+        assert got["cuda out vs truth"] < 5e-4 and got["reference out vs truth"] < 5e-4
+    assert got["cuda out vs truth"] < 1e-2
+    for name, before, after, new in zip(("keys", "values"), (keys, values), buffers, written[1:], strict=True):
+        want = f64(before)
+        want[block, :, p] = f64(new)[0, :, 0]
+        assert np.array_equal(f64(after), want, equal_nan=True), f"{name}: the in-place write is wrong"
+
+
+@pytest.mark.parametrize("preset", ["qwen3.5-moe-tiny", "gpt-oss-tiny"])
+def test_variant_decodes_on_cuda_run_the_attention_kernel_every_step(tmp_path, preset):
+    """A tiny hybrid's full-attention layer and both tiny gpt-oss layers run the CUDA attention kernel on every
+    decode step (eager and compiled, which writes the cache in place); greedy tokens with fused on and off are
+    printed, and equal but at near-ties."""
+    from moebench.tools.presets import write_random
+
+    model, _ = load(write_random(tmp_path / preset, preset, bits=4, group_size=32, dtype="bfloat16", seed=41,
+                                 progress=False))
+    ex = executor(model)
+    attending = [i for i, layer in enumerate(model.layers) if isinstance(layer.mixer.spec, AttentionSpec)]
+    runs = {}
+    for on, compiled in ((True, False), (True, True), (False, False)):
+        ex.reset_counts()
+        with fused_moe(on, model):
+            runs[on, compiled] = generate(model, [1, 2, 3, 4, 5, 6, 7, 8], 24, compiled=compiled).token_ids
+        counts = ex.dispatch()["attention"]
+        for i in attending:
+            assert counts[i]["fused"].get("cuda", 0) == (23 if on else 0), (i, counts[i])
+    print(f"\n{preset} greedy tokens fused {runs[True, False]}\n  compiled {runs[True, True]}\n"
+          f"  fallback {runs[False, False]}")
+    assert runs[True, False] == runs[True, True]
