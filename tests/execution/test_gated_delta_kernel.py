@@ -48,9 +48,9 @@ PRESETS = ("qwen3-next-tiny", "qwen3.5-moe-tiny")
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 STEPS = 64
 # (key heads, value heads, key_head_dim, value_head_dim, conv taps): grouped (Hv = 2 Hk) at the tiny presets' size,
-# Hv = Hk, three value heads a key head with a value width that is no multiple of 32 and two taps, and the shape of
-# Qwen3.5-35B-A3B / Qwen3-Next-80B-A3B (16 key heads serving 32 value heads of 128, 4 taps)
-SHAPES = ((2, 4, 32, 32, 4), (4, 4, 64, 64, 4), (1, 3, 64, 48, 2), (16, 32, 128, 128, 4))
+# Hv = Hk, three value heads a key head of a width that is no multiple of 32 nor of a warp's block of rows (4) and
+# two taps, and the shape of Qwen3.5-35B-A3B / Qwen3-Next-80B-A3B (16 key heads serving 32 value heads of 128, 4 taps)
+SHAPES = ((2, 4, 32, 32, 4), (4, 4, 64, 64, 4), (1, 3, 64, 34, 2), (16, 32, 128, 128, 4))
 DECAYS = ("typical", "strong", "none")
 
 

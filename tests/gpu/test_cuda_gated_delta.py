@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX with a CUDA back-end")]
 
 # (key heads, value heads, key_head_dim, value_head_dim, conv taps)
-SHAPES = ((2, 4, 32, 32, 4), (4, 4, 64, 64, 4), (1, 3, 64, 48, 2), (16, 32, 128, 128, 4))
+SHAPES = ((2, 4, 32, 32, 4), (4, 4, 64, 64, 4), (1, 3, 64, 34, 2), (16, 32, 128, 128, 4))
 DECAYS = {"typical": (0.0, 0.0), "strong": (12.0, 2.0), "none": (-40.0, 0.0)}  # shifts of a + dt_bias, A_log
 PRESETS = ("qwen3-next-tiny", "qwen3.5-moe-tiny")
 
