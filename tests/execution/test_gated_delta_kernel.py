@@ -7,7 +7,8 @@ against the reference at several head shapes, both dtypes. The decode of tiny Qw
 checkpoints (`moebench make-random`'s) with the step fused and not: the plan runs the linear layers through it,
 64 steps decode the same tokens and logits, the module's own layer and the fused step agree step after step, a
 recorded step records what the module records, and a Stepper that rolls back or is interrupted after fused steps
-finds every state as it was. Inputs the kernel cannot take are named errors before MLX sees them.
+finds every state as it was. A layer the kernel cannot take falls back and the dispatch counts say why; inputs it
+cannot take are named errors before MLX sees them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 import moebench
-from moebench.decode.loop import Session, generate_tokens
+from moebench.decode.loop import Session, generate, generate_tokens
 from moebench.decode.state import LinearAttentionState
 from moebench.errors import UnsupportedKernelConfig
 from moebench.execution import linear_attention
@@ -350,6 +351,20 @@ def test_fused_decode_equals_the_fallback_for_64_steps(hybrids, preset):
             assert counts["fused"] == ({"reference": STEPS - 1} if fused else {})
     assert runs[True][0] == runs[False][0] and len(set(runs[True][0])) > 4
     assert np.abs(runs[True][1] - runs[False][1]).max() <= 1e-4
+
+
+def test_a_linear_layer_the_kernel_cannot_take_falls_back_and_says_why(tmp_path):
+    """Key heads of 48 dims (no multiple of 32): every decode step of every linear layer runs the module, and the
+    dispatch counts name why."""
+    config = {**get_preset("qwen3.5-moe-tiny").config, "torch_dtype": "float32", "linear_key_head_dim": 48}
+    model, _ = moebench.load(write_random_checkpoint(tmp_path / "ckpt", config, seed=5))
+    executor(model).reset_counts()
+    assert len(generate(model, PROMPT, 4).token_ids) == 4
+    for i in range(3):
+        assert moebench.dispatch(model)["attention"][i] == {
+            "fused": {}, "fallback": 4, "notes": {}, "reasons": {
+                "8 tokens (the kernel runs single-token decode)": 1,
+                "key_head_dim 48 (the kernel needs a multiple of 32 up to 256)": 3}}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
