@@ -46,7 +46,13 @@ from .sampling import GREEDY, DecodeError, Sampling, sample, seen_tokens
 # behind the running one while the host reads a token and builds the next
 # (docs/benchmarks/cache-writes-h200-2026-12-01.md); tokens are the same at any depth.
 STEPS_AHEAD = 2
-COMPILED_BY_DEFAULT = ("cuda",)  # backends whose fused decode was measured faster through the compiled step
+# Where generate decodes through the compiled step by default (use_compiled): per backend, the fused switch settings
+# under which it was measured faster there. CUDA: the fused kernels
+# (docs/benchmarks/attention-kernel-h200-2026-11-30.md). The CPU ('reference'): fused and fallback alike, with
+# logits equal bit for bit to the eager loop's: eagerly the host builds every op of every layer again each token,
+# and on a CPU that host time is taken from the cores computing the step before
+# (docs/benchmarks/cpu-default-path-2026-12-03.md). Metal: not measured, eager.
+COMPILED_BY_DEFAULT: dict[str, tuple[bool, ...]] = {"cuda": (True,), "reference": (True, False)}
 
 
 @dataclass
@@ -77,14 +83,19 @@ def is_moebench_model(model) -> bool:
     return hasattr(model, "moe_blocks")
 
 
+def compiled_by_default(backend: str, fused: bool) -> bool:
+    """Whether a moebench model decodes through the compiled step by default on `backend` with the fused kernels
+    on or off (COMPILED_BY_DEFAULT)."""
+    return fused in COMPILED_BY_DEFAULT.get(backend, ())
+
+
 def use_compiled(model, compiled: bool | None) -> bool:
-    """Whether to decode through the compiled step: as asked, or by default (None) where it was measured
-    to win, a moebench model with the fused kernels on CUDA (docs/benchmarks/attention-kernel-h200-2026-11-30.md);
-    elsewhere (CPU, Metal, the fallback, other engines' models) eager."""
+    """Whether to decode through the compiled step: as asked, or by default (None) where it was measured to win
+    (compiled_by_default: CUDA with the fused kernels, the CPU either way); elsewhere (Metal, the fallback on CUDA,
+    other engines' models) eager."""
     if compiled is not None:
         return compiled
-    return (is_moebench_model(model) and available_backend() in COMPILED_BY_DEFAULT
-            and executor(model).settings.fused)
+    return is_moebench_model(model) and compiled_by_default(available_backend(), executor(model).settings.fused)
 
 
 def check_prompt(model, prompt_ids: Iterable[int]) -> list[int]:

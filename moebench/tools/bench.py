@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 from tqdm.auto import tqdm
 
 from ..checkpoint.loader import default_model_path, load, model_bytes
-from ..decode.loop import COMPILED_BY_DEFAULT, STEPS_AHEAD, GenerationResult, generate_tokens
+from ..decode.loop import COMPILED_BY_DEFAULT, STEPS_AHEAD, GenerationResult, compiled_by_default, generate_tokens
 from ..decode.sampling import check_seed
 from ..errors import MoebenchError
 from ..execution.executor import executor, fused_moe
@@ -379,11 +379,11 @@ def arm_record(result: ArmResult, reference: ArmResult) -> dict:
 def snapshot_ratios(results: list[ArmResult]) -> list[dict]:
     """Per snapshot arm, this revision's arm decoding the same way by default (fused or not; compiled where
     generate compiles by default) over it, round by round (the two ran back to back in each round)."""
-    compiled = available_backend() in COMPILED_BY_DEFAULT
+    backend = available_backend()
     rows = []
     for snap in (r for r in results if r.arm.engine == "moebench snapshot"):
         fused = snap.arm.experts != "gather_qmm"
-        loop = "moebench compiled" if fused and compiled else "moebench"
+        loop = "moebench compiled" if compiled_by_default(backend, fused) else "moebench"
         head = next((r for r in results if r.arm.engine == "moebench" and r.arm.loop == loop
                      and (r.arm.experts != "gather_qmm") == fused), None)
         if head is not None:
@@ -444,7 +444,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="moebench arms with the fused kernels (on), the fallback (off) or both (default)")
     p.add_argument("--compiled", choices=("on", "off", "both", "auto"), default="auto",
                    help="moebench arms through the mx.compile'd decode step (on), eager (off) or both; auto: "
-                        "both on CUDA, where generate decodes compiled by default, else off")
+                        "both where generate decodes compiled by default (CUDA, the CPU), else off")
     p.add_argument("--compare", choices=("mlx-lm",), default=None, help="also run mlx-lm on the same checkpoint")
     p.add_argument("--snapshot", metavar="DIR", default=None,
                    help="also run an earlier revision of moebench on the same checkpoint, interleaved: DIR holds "

@@ -114,16 +114,40 @@ def test_bad_sampling_settings_are_named(kwargs, message):
         Sampling(**kwargs)
 
 
-def test_the_compiled_step_is_the_default_only_for_fused_decoding_on_cuda(monkeypatch):
+def test_the_compiled_step_is_the_default_for_fused_decoding_on_cuda_and_every_decoding_on_the_cpu(monkeypatch):
     from moebench.decode import loop as decode
 
     model, _ = moebench.load()
-    assert decode.use_compiled(model, None) is (decode.available_backend() == "cuda")
     monkeypatch.setattr(decode, "available_backend", lambda: "cuda")
     assert decode.use_compiled(model, None)
     assert not decode.use_compiled(object(), None)  # another engine's model: eager
     with moebench.fused_moe(False, model):
         assert not decode.use_compiled(model, None)
+    monkeypatch.setattr(decode, "available_backend", lambda: "reference")  # the CPU: fused or not
+    assert decode.use_compiled(model, None)
+    with moebench.fused_moe(False, model):
+        assert decode.use_compiled(model, None)
+    assert not decode.use_compiled(object(), None)
     monkeypatch.setattr(decode, "available_backend", lambda: "metal")
     assert not decode.use_compiled(model, None)
     assert decode.use_compiled(object(), True) and not decode.use_compiled(model, False)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_default_decode_on_the_cpu_gives_the_eager_loops_tokens_and_logits_bit_for_bit(quantized_checkpoint,
+                                                                                           fused):
+    """The CPU decodes through the compiled step by default (faster there, docs/benchmarks/cpu-default-path-
+    2026-12-03.md) and computes exactly what the eager loop computes: the same tokens and the same logits."""
+    from moebench.execution.executor import executor
+
+    if moebench.available_backend() != "reference":
+        pytest.skip("the CPU's default (this machine decodes on a GPU)")
+    model, _ = moebench.load(quantized_checkpoint)
+    with moebench.fused_moe(fused, model):
+        eager = list(generate_tokens(model, PROMPT, 16, compiled=False))
+        executor(model).compiled.clear()
+        default = list(generate_tokens(model, PROMPT, 16))
+    assert executor(model).compiled  # the default ran a traced step
+    assert [t for t, _ in default] == [t for t, _ in eager]
+    for (_, a), (_, b) in zip(default, eager, strict=True):
+        assert np.array_equal(np.array(a), np.array(b))

@@ -94,7 +94,7 @@ def test_compare_traces_reports_first_divergence_and_reference_margin():
 def test_bench_cli_on_a_quantized_checkpoint(quantized_checkpoint, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main(["bench", str(quantized_checkpoint), "--prompt-tokens", "3", "--gen-tokens", "4", "--repeats", "1",
-               "--fused", "both", "--compare", "mlx-lm", "--json", str(out), "--no-progress"])
+               "--fused", "both", "--compiled", "off", "--compare", "mlx-lm", "--json", str(out), "--no-progress"])
     assert rc == 0
     table = capsys.readouterr().out
     assert "| arm " in table and "| decode tok/s " in table and "| vs baseline |" in table
@@ -169,7 +169,7 @@ def test_mlx_lm_skipped_with_a_reason(quantized_checkpoint, tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "mlx_lm.generate", None)  # as if mlx-lm were not installed
     out = tmp_path / "b.json"
     assert main(["bench", str(quantized_checkpoint), "--prompt-tokens", "2", "--gen-tokens", "2", "--repeats", "1",
-                 "--fused", "on", "--compare", "mlx-lm", "--json", str(out), "--no-progress"]) == 0
+                 "--fused", "on", "--compiled", "off", "--compare", "mlx-lm", "--json", str(out), "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert "skipping mlx-lm: mlx-lm is not installed" in captured.err
     (length,) = json.loads(out.read_text())["lengths"]
@@ -205,8 +205,8 @@ def test_bench_compiled_arms_decode_the_eager_tokens(quantized_checkpoint, tmp_p
     assert arms["moebench fallback compiled"]["tokens"] == arms["moebench fallback"]["tokens"]
 
 
-def test_by_default_cuda_benches_both_loops_and_other_backends_the_eager_one(quantized_checkpoint, tmp_path,
-                                                                             monkeypatch):
+def test_by_default_cuda_and_the_cpu_bench_both_loops_and_metal_the_eager_one(quantized_checkpoint, tmp_path,
+                                                                               monkeypatch):
     from moebench.tools import bench
 
     def arms(out):
@@ -215,9 +215,37 @@ def test_by_default_cuda_benches_both_loops_and_other_backends_the_eager_one(qua
         assert main(argv) == 0
         return [a["name"] for a in json.loads(out.read_text())["lengths"][0]["arms"]]
 
-    assert arms(tmp_path / "here.json") == ["moebench fallback"]  # this CPU: generate's default is eager
-    monkeypatch.setattr(bench, "available_backend", lambda: "cuda")  # where generate decodes compiled by default
-    assert arms(tmp_path / "cuda.json") == ["moebench fallback", "moebench fallback compiled"]
+    both = ["moebench fallback", "moebench fallback compiled"]
+    assert arms(tmp_path / "here.json") == both  # this CPU: generate decodes compiled by default
+    monkeypatch.setattr(bench, "available_backend", lambda: "cuda")
+    assert arms(tmp_path / "cuda.json") == both
+    monkeypatch.setattr(bench, "available_backend", lambda: "metal")  # where generate decodes eagerly
+    assert arms(tmp_path / "metal.json") == ["moebench fallback"]
+
+
+def test_a_snapshot_is_measured_against_this_revisions_default_loop(monkeypatch):
+    """Each snapshot arm (an earlier revision decoding with its defaults) is set against the arm decoding as generate
+    does by default here: on the CPU the compiled step, fused or not; on CUDA compiled when fused; on Metal eager."""
+    eager = [timed_result(name, [100.0, 100.0]) for name in ("moebench fallback", "moebench fused (reference)")]
+    compiled = [timed_result(name, [150.0, 150.0])
+                for name in ("moebench fallback compiled", "moebench fused (reference) compiled")]
+    for result in compiled:
+        result.arm.loop = "moebench compiled"
+    snapshots = [timed_result(name, [50.0, 50.0]) for name in ("snapshot fallback", "snapshot fused")]
+    for result in snapshots:
+        result.arm.engine = "moebench snapshot"
+
+    def ratios(backend):
+        monkeypatch.setattr(bench, "available_backend", lambda: backend)
+        return {(r["arm"], r["snapshot"]): r["ratio"]["median"] for r in bench.snapshot_ratios(
+            eager + compiled + snapshots)}
+
+    assert ratios("reference") == pytest.approx({("moebench fallback compiled", "snapshot fallback"): 3.0,
+                                                 ("moebench fused (reference) compiled", "snapshot fused"): 3.0})
+    assert ratios("cuda") == pytest.approx({("moebench fallback", "snapshot fallback"): 2.0,
+                                            ("moebench fused (reference) compiled", "snapshot fused"): 3.0})
+    assert ratios("metal") == pytest.approx({("moebench fallback", "snapshot fallback"): 2.0,
+                                             ("moebench fused (reference)", "snapshot fused"): 2.0})
 
 
 def test_several_prompt_lengths_bench_every_arm_on_models_loaded_once(quantized_checkpoint, tmp_path, monkeypatch,
@@ -236,7 +264,8 @@ def test_several_prompt_lengths_bench_every_arm_on_models_loaded_once(quantized_
         monkeypatch.setattr(bench, name, counted(name))
     out = tmp_path / "lengths.json"
     assert main(["bench", str(quantized_checkpoint), "--prompt-tokens", "3", "9", "--gen-tokens", "3", "--repeats", "2",
-                 "--fused", "both", "--compare", "mlx-lm", "--json", str(out), "--no-progress"]) == 0
+                 "--fused", "both", "--compiled", "off", "--compare", "mlx-lm", "--json", str(out),
+                 "--no-progress"]) == 0
     assert loads == ["load", "mlx_lm_model"]
     record = json.loads(out.read_text())
     assert record["prompt_tokens"] == [3, 9]
