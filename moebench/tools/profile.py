@@ -7,6 +7,9 @@ Decode speed (bench) is one number; this splits it per token, to tell Python-bou
 - eval ms: `mx.eval(next_token)` of that graph, synchronously (the device's compute plus launch overheads);
 - sync ms/token: build + eval of one step; pipelined ms/token: `decode.generate`, which builds step n+1
   while step n evaluates, so where build < eval it approaches eval alone;
+- with --compiled on (both: beside the eager arms), moebench's arms run through the compiled decode step
+  (moebench.decode.compiled, generate's default on CUDA and the CPU): build ms is then the host's call of the
+  traced step, and its graph the few nodes that replay it;
 - graph nodes/token: primitives in the unevaluated graph of one decode step (from mx.export_to_dot, which
   names each primitive; array nodes are not counted), per decoder layer and by primitive name.
 
@@ -35,6 +38,7 @@ import mlx.core as mx
 
 from ..checkpoint.loader import default_model_path, load
 from ..decode.cache import make_cache
+from ..decode.compiled import CompiledForward
 from ..decode.loop import generate
 from ..errors import MoebenchError
 from ..execution.executor import executor, fused_moe
@@ -57,6 +61,7 @@ class ProfileArm:
     engine: str  # 'moebench' or 'mlx-lm'
     model: object
     fused: bool | None = None
+    compiled: bool = False  # moebench's compiled decode step instead of the eager forward
 
 
 def count_primitives(dot: str) -> Counter:
@@ -74,6 +79,19 @@ def graph_nodes(*outputs: mx.array) -> dict:
     counts = count_primitives(buffer.getvalue())
     ordered = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
     return {"total": sum(counts.values()), "by_primitive": ordered, "error": None}
+
+
+def compiled_greedy_step(model, capacity: int) -> Step:
+    """A greedy one-step function through moebench's compiled decode step over a fresh static cache of `capacity`
+    positions (each step's plan counted)."""
+    ex = executor(model)
+    fast = CompiledForward(ex, capacity)
+
+    def step(ids: mx.array) -> mx.array:
+        logits, plan = fast(ids.reshape(-1), ex.settings)
+        ex.count(plan)
+        return mx.argmax(logits, axis=-1, keepdims=True)
+    return step
 
 
 def greedy_step(model) -> Step:
@@ -109,10 +127,11 @@ def moe_path(model) -> dict | None:
             "attention": _paths([lp.attention for lp in layers])}
 
 
-def profile_steps(model, prompt_ids: list[int], steps: int, warmup: int = 3) -> dict:
-    """Prefill, then `warmup` + `steps` synchronous one-token steps: build and eval time of each timed step,
-    and the graph of the first decode step (exported between its build and its eval, outside both timers)."""
-    step = greedy_step(model)
+def profile_steps(model, prompt_ids: list[int], steps: int, warmup: int = 3, compiled: bool = False) -> dict:
+    """Prefill, then `warmup` + `steps` synchronous one-token steps (through the compiled step with `compiled`):
+    build and eval time of each timed step, and the graph of the first decode step (exported between its build
+    and its eval, outside both timers)."""
+    step = compiled_greedy_step(model, len(prompt_ids) + warmup + steps) if compiled else greedy_step(model)
     token = step(mx.array(prompt_ids, dtype=mx.uint32))
     mx.eval(token)
     build, evals, graph = [], [], None
@@ -137,11 +156,11 @@ def profile_steps(model, prompt_ids: list[int], steps: int, warmup: int = 3) -> 
             "dispatch": moe_path(model)}
 
 
-def pipelined_ms(model, prompt_ids: list[int], gen_tokens: int) -> dict:
-    """ms/token of decode.generate's eager loop (evaluation one step ahead of graph building; the graph the
-    steps profile measured), after one untimed run."""
-    generate(model, prompt_ids, gen_tokens, compiled=False)
-    result = generate(model, prompt_ids, gen_tokens, compiled=False)
+def pipelined_ms(model, prompt_ids: list[int], gen_tokens: int, compiled: bool = False) -> dict:
+    """ms/token of decode.generate's loop, eager or through the compiled step (evaluation steps ahead of graph
+    building; the graph the steps profile measured), after one untimed run."""
+    generate(model, prompt_ids, gen_tokens, compiled=compiled)
+    result = generate(model, prompt_ids, gen_tokens, compiled=compiled)
     tps = result.decode_tps
     return {"ms_per_token": 1e3 / tps if tps else None, "decode_tps": tps}
 
@@ -150,19 +169,21 @@ def profile_arm(arm: ProfileArm, prompt_ids: list[int], steps: int, gen_tokens: 
     """The steps profile and the pipelined time of one arm, its fused switch set for both."""
     switch = fused_moe(arm.fused, arm.model) if arm.fused is not None else contextlib.nullcontext()
     with switch:
-        record = profile_steps(arm.model, prompt_ids, steps, warmup)
-        pipelined = pipelined_ms(arm.model, prompt_ids, gen_tokens)
+        record = profile_steps(arm.model, prompt_ids, steps, warmup, arm.compiled)
+        pipelined = pipelined_ms(arm.model, prompt_ids, gen_tokens, arm.compiled)
     return {"name": arm.name, "engine": arm.engine, "fused": arm.fused, **record,
             "pipelined_ms_per_token": pipelined["ms_per_token"], "pipelined_decode_tps": pipelined["decode_tps"]}
 
 
-def moebench_profile_arms(model, fused: str) -> list[ProfileArm]:
-    """The moebench arms `fused` ('on', 'off' or 'both') asks for, fused first."""
+def moebench_profile_arms(model, fused: str, compiled: str = "off") -> list[ProfileArm]:
+    """The moebench arms `fused` and `compiled` ('on', 'off' or 'both') ask for: fused first, eager first."""
     arms = []
-    if fused in ("on", "both"):
-        arms.append(ProfileArm(f"moebench fused ({available_backend()})", "moebench", model, True))
-    if fused in ("off", "both"):
-        arms.append(ProfileArm("moebench fallback", "moebench", model, False))
+    for step in [c for c in (False, True) if compiled == "both" or compiled == ("on" if c else "off")]:
+        suffix = " compiled" if step else ""
+        if fused in ("on", "both"):
+            arms.append(ProfileArm(f"moebench fused ({available_backend()}){suffix}", "moebench", model, True, step))
+        if fused in ("off", "both"):
+            arms.append(ProfileArm(f"moebench fallback{suffix}", "moebench", model, False, step))
     return arms
 
 
@@ -251,6 +272,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-tokens", type=at_least(1), default=64, help="tokens of the pipelined decode")
     p.add_argument("--fused", choices=("on", "off", "both"), default="both",
                    help="profile moebench with the fused kernels (on), the fallback (off) or both (default)")
+    p.add_argument("--compiled", choices=("on", "off", "both"), default="off",
+                   help="moebench's arms eager (off, the graph the host builds every token), through the compiled "
+                        "decode step (on; generate's default on CUDA and the CPU) or both")
     p.add_argument("--compare", choices=("mlx-lm",), default=None, help="also profile mlx-lm's model of the folder")
     p.add_argument("--seed", type=SEED, default=0, help="seed of the prompt's token ids")
     p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
@@ -261,7 +285,7 @@ def _run(a: argparse.Namespace) -> int:
     path = Path(a.model) if a.model else default_model_path()
     model, _ = load(path, verbose=True)
     prompt_ids = prompt_token_ids(model.args.vocab_size, a.prompt_tokens, a.seed)
-    arms, skipped = moebench_profile_arms(model, a.fused), []
+    arms, skipped = moebench_profile_arms(model, a.fused, a.compiled), []
     if a.compare == "mlx-lm":
         other, reason = mlx_lm_model(path)
         if other is None:
