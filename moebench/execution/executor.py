@@ -120,10 +120,9 @@ class Executor:
         reason = base.reason if base else attention_step_reason(mixer, weights)
         if reason is None and not settings.attention_kernel:
             reason = "the attention kernel switched off (KernelSettings.attention_kernel)"
+        # a linear layer's notes: none either way (the shard report names the linear heads a rank holds)
         linear = isinstance(mixer.spec, LinearAttentionSpec)
-        note = None if linear else attention_note(mixer)
-        if not reason:  # a fused linear layer's note: which heads this rank holds, on a sharded model
-            note = attention_note(mixer) if linear else attention_step_note(mixer)
+        note = None if linear else attention_note(mixer) if reason else attention_step_note(mixer)
         attn = Decision("fallback", reason, note) if reason else Decision(backend, note=note)
         attention_step = self._attention_step(mixer, weights, backend, shape) if attn.fused else None
         block = weights.block
