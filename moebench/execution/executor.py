@@ -19,12 +19,10 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from functools import partial
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..models import hooks
 from ..models.declare import LinearAttentionSpec
 from ..models.hooks import Record, layer_scope
 from ..models.run import token_mixer
@@ -156,7 +154,7 @@ class Executor:
                 m.model(tokens[:, :PREFILL_CHUNK], cache, None, plan.layers)
                 mx.eval([c.state for c in cache])
                 tokens = tokens[:, PREFILL_CHUNK:]
-        h = m.model(tokens, cache, record, plan.layers if record is None else recording(plan.layers, record))
+        h = m.model(tokens, cache, record, plan.layers)
         if record is not None:
             for i, layer_plan in enumerate(plan.layers):
                 layer_plan.record(record.scope(layer_scope(i)))
@@ -195,13 +193,6 @@ class Executor:
         attention, moe_layers = self.counts()
         return {"moe_layers": len(self.blocks), **_summed(moe_layers.values()),
                 "attention": {"layers": len(attention), **_summed(attention.values())}}
-
-
-def recording(layers: tuple[LayerPlan, ...], record: Record) -> tuple[LayerPlan, ...]:
-    """A plan's layers for a recorded forward: a fused linear-attention step is handed its layer's `mixer` record,
-    to record what the module would (LayerPlan.attend calls a step without one)."""
-    return tuple(replace(lp, attention_step=partial(lp.attention_step, record=record.scope(layer_scope(i)).scope(
-        hooks.MIXER))) if isinstance(lp.attention_step, LinearAttentionKernel) else lp for i, lp in enumerate(layers))
 
 
 def _summed(counts) -> dict:

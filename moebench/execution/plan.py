@@ -67,8 +67,10 @@ class LayerPlan:
     attention_step: AttentionStep | None = None
     moe_step: MoeStep | None = None
 
-    def attend(self, attn, xn: mx.array, cache) -> mx.array:
-        return (self.attention_step or attn)(xn, cache)
+    def attend(self, attn, xn: mx.array, cache, record: Record | None = None) -> mx.array:
+        if self.attention_step is not None:
+            return self.attention_step(xn, cache, record)
+        return MODULES.attend(attn, xn, cache, record)
 
     def feed_forward(self, mlp, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
         if self.moe_step is not None:

@@ -221,24 +221,36 @@ class MoeKernel:
         variant = None if w.biases is None and self.clamp is None else moe.ExpertVariant(w.biases, self.clamp)
         out, expert_out, shared = moe.routed(self.backend, xn, slots, weights, *w.experts, folded if mine else None,
                                              residual if once and not beside else None, self.rows, variant)
-        if self.shard is not None:
+        if self.shard is not None and recording:  # every rank records every slot: the others' by the same all_sum
+            out, expert_out, shared = self._summed_with_records(out, expert_out, shared, held, folded, mine, xn)
+        elif self.shard is not None:
             out = mx.distributed.all_sum(out, group=self.shard.group)
         block_out = None
         if beside:
             shared = b.shared_expert(xn)
             out = block_out = out + gate.astype(out.dtype) * shared
             out = residual + out
-        if recording and self.shard is not None:  # every rank records every slot: the others' by all_sum
-            expert_out = mx.distributed.all_sum(mx.where(held[..., None], expert_out, 0), group=self.shard.group)
-            if folded is not None:
-                shared = mx.distributed.all_sum(shared if mine else mx.zeros(xn.shape, mx.float32),
-                                                group=self.shard.group)
         if recording:
             weighted, mixed = run_compiled(recorded_mix, (xn.dtype,), expert_out, scores, shared, gate)
             hooks.record_moe(record, logits, probs, inds, scores, expert_out, weighted, shared, gate,
                              mixed if block_out is None else block_out)
             out = out.reshape(shape)
         return out
+
+    def _summed_with_records(self, out: mx.array, expert_out: mx.array, shared: mx.array | None, held: mx.array,
+                             folded, mine: bool, xn: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
+        """The block output and the recorded expert (and folded shared expert) outputs summed over the ranks in one
+        all_sum (in float32): the ranks' graphs differ (the residual and a whole shared expert on rank 0 alone), and
+        MLX orders independent collectives by each rank's graph, so separate all_sums could pair one rank's block
+        output with another's records."""
+        parts = [out.astype(mx.float32).reshape(-1), mx.where(held[..., None], expert_out, 0).reshape(-1)]
+        if folded is not None:
+            parts.append((shared if mine else mx.zeros(xn.shape, mx.float32)).reshape(-1))
+        summed = mx.distributed.all_sum(mx.concatenate(parts), group=self.shard.group)
+        ends = (out.size, out.size + expert_out.size)
+        out_sum = summed[: ends[0]].reshape(out.shape).astype(out.dtype)
+        experts = summed[ends[0] : ends[1]].reshape(expert_out.shape)
+        return out_sum, experts, summed[ends[1] :].reshape(xn.shape) if folded is not None else shared
 
 
 def recorded_mix(expert_out: mx.array, scores: mx.array, shared: mx.array | None, gate: mx.array | None,

@@ -30,7 +30,8 @@ MoE block, then the value's own name. Stable: notebooks, widgets and exported fi
                                  token's is the size of a residual vector, so it is kept whole
 
 `mixer` is the layer's token-mixing module (the model's `layer.mixer`); its values are recorded where the module
-computes them, when the module runs (a fused attention kernel running the layer would record none). Split by heads
+computes them, or by the fused kernel step running the layer in its place (the same values, from the kernel's
+inputs and outputs). Split by heads
 over processes (moebench.models.sharding's experts+tensor mode), a process records the heads it holds.
 
 A forward pass hands them to a Record while it builds the graph (L = tokens in the call); with none

@@ -21,7 +21,6 @@ layer's kind and its token mixing's gates and state norms (moebench.models.hooks
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -201,14 +200,14 @@ class DecoderLayer(qwen2_moe.DecoderLayer):
 
 @dataclass(frozen=True)
 class RecordedMixing:
-    """A LayerRun that hands the token-mixing module a record (LayerRun.attend passes none): the module gets it
-    whenever it runs, a kernel step taking its place records nothing."""
+    """A LayerRun that hands the token mixing a record: the module, or the kernel step taking its place, records
+    into it."""
 
     run: LayerRun
     record: Record
 
     def attend(self, attn, xn: mx.array, cache) -> mx.array:
-        return self.run.attend(partial(attn, record=self.record), xn, cache)
+        return self.run.attend(attn, xn, cache, self.record)
 
     def feed_forward(self, mlp, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
         return self.run.feed_forward(mlp, xn, residual, record)

@@ -15,8 +15,9 @@ from .hooks import Record
 
 
 class LayerRun(Protocol):
-    def attend(self, attn, xn: mx.array, cache) -> mx.array:
-        """The attention output for the normed input `xn`, continuing `cache`."""
+    def attend(self, attn, xn: mx.array, cache, record: Record | None = None) -> mx.array:
+        """The attention output for the normed input `xn`, continuing `cache`; `record`: where the token mixing
+        records what it computes (a hybrid layer's `mixer` place), handed to whichever runs it."""
 
     def feed_forward(self, mlp, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
         """residual + the MLP (or MoE block) of the normed input `xn`; `record` only for a MoE block."""
@@ -25,8 +26,8 @@ class LayerRun(Protocol):
 class Modules:
     """Each part by the model's own module."""
 
-    def attend(self, attn, xn: mx.array, cache) -> mx.array:
-        return attn(xn, cache)
+    def attend(self, attn, xn: mx.array, cache, record: Record | None = None) -> mx.array:
+        return attn(xn, cache, record)
 
     def feed_forward(self, mlp, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
         return residual + (mlp(xn) if record is None else mlp(xn, record))

@@ -17,7 +17,7 @@ from moebench.execution.executor import executor, fused_moe, fused_moe_enabled, 
 from moebench.execution.settings import KernelSettings
 from moebench.inspect.record import Recorder
 from moebench.models.args import QuantizedParts
-from moebench.models.declare import AttentionSpec
+from moebench.models.declare import PER_HEAD, AttentionSpec
 from moebench.models.routing import Intervention
 from moebench.models.switch import SwitchGLU
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
@@ -269,8 +269,9 @@ def test_a_long_prompt_runs_in_chunks_with_the_same_tokens_and_less_memory(folde
         assert peak < 0.8 * whole_peak, f"compiled={compiled}: {peak / 1e6:.0f} MB against {whole_peak / 1e6:.0f} MB"
 
 
-@pytest.mark.parametrize("words,reason", [(dict(output_gate=True), "an output gate on the attention output"),
-                                          (dict(scaled_rope=True), "scaled (YaRN) rotary")])
+@pytest.mark.parametrize("words,reason", [(dict(rope_fraction=0.375), "rotary on 24 of 64 dims"),
+                                          (dict(clip_qkv=8.0, qk_norm=PER_HEAD), "after the per-head norm"),
+                                          (dict(window=0), "a sliding window of 0 positions")])
 def test_attention_the_kernel_does_not_compute_declines_by_its_declaration(words, reason):
     """A declaration the decode-attention kernel does not compute is declined with its words, whatever else holds."""
     assert support.attention_reason(AttentionSpec(8, 2, 64)) is None

@@ -31,6 +31,7 @@ from moebench.decode.loop import Session, generate
 from moebench.decode.state import LinearAttentionState
 from moebench.errors import CheckpointError, ConfigError
 from moebench.execution.executor import executor
+from moebench.execution.kernel import available_backend
 from moebench.inspect.record import Stepper
 from moebench.models import qwen3_next
 
@@ -54,7 +55,6 @@ RECIPES = {
     "8bit": dict(quantize=True, q_bits=8, q_group_size=64),
     "mxfp4": dict(quantize=True, q_mode="mxfp4"),
 }
-GATED_DELTA_REASON = "Gated DeltaNet linear attention (no fused kernel)"
 
 
 def torch_model(family: str, seed: int):
@@ -205,17 +205,16 @@ def test_converted_folders_match_mlx_lm(converted, family, recipe):
 # ---- decoding ------------------------------------------------------------------------------------------
 
 def test_decisions_caches_and_the_compiled_step(hf, tmp_path):
-    """Linear layers fall back with their reason, recorded like every decision; the gated full-attention layer
-    declines the attention kernel (partial rotary; at a rotary fraction of 1, its output gate); caches by layer
-    type, the KV bytes of the full-attention layer alone; the compiled step decodes what the eager loop does."""
+    """Linear layers run the gated delta step kernel, recorded like every decision; the gated full-attention layer
+    runs the attention kernel (partial rotary and the output gate are its variants); caches by layer type, the KV
+    bytes of the full-attention layer alone; the compiled step decodes what the eager loop does."""
     folder, _ = hf("qwen3_next", "per-expert")
     ours, _ = moebench.load(folder)
     plan = executor(ours).plan_for(1, False)
-    reasons = [layer.attention.reason for layer in plan.layers]
-    assert reasons == [GATED_DELTA_REASON] * 3 + ["rotary on 0.25 of each head (the kernel rotates whole heads)"]
-    assert ours.layers[3].self_attn.spec.output_gate and executor(ours).weights[3].qkv is None
+    assert [layer.attention.path for layer in plan.layers] == [available_backend()] * 4
+    assert ours.layers[3].self_attn.spec.output_gate and plan.layers[3].attention.fused
     trace = Stepper(ours, None, _prompt(2), record=True).run(3)
-    assert trace.generated[-1].layers[0].attn_path.reason == GATED_DELTA_REASON
+    assert trace.generated[-1].layers[0].attn_path.path == available_backend()
 
     session = Session(ours, compiled=True)
     assert isinstance(session.compiled, CompiledForward)  # the recurrent states are the traced step's inputs
@@ -223,21 +222,13 @@ def test_decisions_caches_and_the_compiled_step(hf, tmp_path):
     assert kv_cache_bytes(ours, 100) == 2 * 2 * 32 * 100 * 4
     assert generate(ours, _prompt(2), 3, compiled=True).token_ids == trace.token_ids
 
-    whole = tmp_path / "whole-rotary"
-    shutil.copytree(folder, whole)
-    config = json.loads((whole / "config.json").read_text())
-    config["partial_rotary_factor"] = config["rope_parameters"]["partial_rotary_factor"] = 1.0
-    (whole / "config.json").write_text(json.dumps(config))
-    gated, _ = moebench.load(whole)
-    reason = executor(gated).plan_for(1, False).layers[3].attention.reason
-    assert reason == "an output gate on the attention output (the kernel has none)"
-
 
 @pytest.mark.parametrize("pipeline", [True, False])
 @pytest.mark.parametrize("where", ["linear", "full"])
 def test_interrupted_stepper_is_back_at_its_last_whole_step(hf, monkeypatch, where, pipeline):
-    """An interrupt inside a hybrid step (in layer 1's linear attention, after layer 0 wrote its state; or in
-    layer 3's full attention, after every linear layer wrote) leaves every cache at the last whole step; the tokens
+    """An interrupt inside a hybrid step (in layer 1's linear attention, after layer 0 wrote its state - in its
+    projections, which the module and the fused step both run; or in layer 3's full attention, after every linear
+    layer wrote) leaves every cache at the last whole step; the tokens
     and logits after resuming are an uninterrupted decode's, bit for bit, and moebench.generate's greedy tokens."""
     folder, _ = hf("qwen3_5_moe", "fused")
     ours, _ = moebench.load(folder)
@@ -249,18 +240,21 @@ def test_interrupted_stepper_is_back_at_its_last_whole_step(hf, monkeypatch, whe
     stepper.prefill()
     for _ in range(4):
         stepper.step()
-    target = ours.layers[1].linear_attn if where == "linear" else ours.layers[3].self_attn
-    original = type(target).__call__
+    # the full-attention layer's decode step is the attention kernel's (the plan's step taking the module's place)
+    target = ours.layers[1].linear_attn if where == "linear" else \
+        executor(ours).plan_for(1, False).layers[3].attention_step
+    method = "project" if where == "linear" else "__call__"
+    original = getattr(type(target), method)
 
     def interrupted(self, *args, **kwargs):
         if self is target:
             raise KeyboardInterrupt
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(target), "__call__", interrupted)
+    monkeypatch.setattr(type(target), method, interrupted)
     with pytest.raises(KeyboardInterrupt):
         stepper.step()
-    monkeypatch.setattr(type(target), "__call__", original)
+    monkeypatch.setattr(type(target), method, original)
     position = len(stepper.trace.steps)
     assert position == PROMPT + 4
     assert [c.offset for c in stepper.session.cache] == [position] * 4

@@ -153,9 +153,10 @@ def test_a_gpu_router_kernel_is_compared_with_the_cpu_reference(monkeypatch, err
 @pytest.mark.parametrize("error,shift,passes", [(0.0, 0, True), (1e-2, 0, False), (0.0, 1, False)])
 def test_a_gpu_attention_kernel_is_compared_with_the_cpu_reference(quantized_checkpoint, monkeypatch, error, shift,
                                                                    passes):
-    def as_if_cuda(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=False, qk_norm=None):
+    def as_if_cuda(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=False, qk_norm=None,
+                   sinks=None, rope_scale=1.0):
         out, k, v = attention_kernel.reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads,
-                                                                 block, qk_norm)
+                                                                 block, qk_norm, sinks, rope_scale)
         if write:  # as the kernel stores them, into the caller's arrays
             keys[block, :, slots[0].item() + shift] = k[0, :, 0]
             values[block, :, slots[0].item() + shift] = v[0, :, 0]
