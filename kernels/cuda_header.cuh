@@ -28,10 +28,11 @@ MB_FN uint32_t mb_lane_min(uint32_t v) {
 MB_FN void mb_barrier() { __syncthreads(); }
 // The same, for writes to MB_SHARED memory.
 MB_FN void mb_barrier_shared() { __syncthreads(); }
-// Precise expf, not __expf: the fused path must stay within the reference's rounding class.
 // The value of lane (this lane ^ mask).
 MB_FN float mb_lane_xor(float v, uint32_t mask) { return __shfl_xor_sync(0xffffffffu, v, int(mask)); }
+// Precise expf and logf, not __expf / __logf: the fused path must stay within the reference's rounding class.
 MB_FN float mb_exp(float v) { return expf(v); }
+MB_FN float mb_log(float v) { return logf(v); }
 MB_FN float mb_cos(float v) { return cosf(v); }
 MB_FN float mb_sin(float v) { return sinf(v); }
 MB_FN float mb_rsqrt(float v) { return 1.0f / sqrtf(v); }

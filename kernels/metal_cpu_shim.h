@@ -78,6 +78,7 @@ inline void threadgroup_barrier(mem_flags) { mb_shim_threadgroup->arrive_and_wai
 inline float exp(float v) { return std::exp(v); }
 namespace precise {
 inline float cos(float v) { return std::cos(v); }
+inline float log(float v) { return std::log(v); }
 inline float sin(float v) { return std::sin(v); }
 inline float sqrt(float v) { return std::sqrt(v); }
 }  // namespace precise

@@ -16,6 +16,7 @@ MB_FN void mb_barrier() { metal::threadgroup_barrier(metal::mem_flags::mem_devic
 // The same, for writes to MB_SHARED memory.
 MB_FN void mb_barrier_shared() { metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup); }
 MB_FN float mb_exp(float v) { return metal::exp(v); }
+MB_FN float mb_log(float v) { return metal::precise::log(v); }
 MB_FN float mb_cos(float v) { return metal::precise::cos(v); }
 MB_FN float mb_sin(float v) { return metal::precise::sin(v); }
 MB_FN float mb_rsqrt(float v) { return 1.0f / metal::precise::sqrt(v); }

@@ -8,14 +8,15 @@ Backends: 'metal' and 'cuda' (kernels/gated_delta.body behind the per-backend pr
 model's own functions in MLX ops (mx.conv1d, nn.silu, normalize_qk, gates, delta_step, the gated norm's
 arithmetic), one compiled graph - the CPU path and the test oracle, equal to the unfused layer's decode step.
 
-Rounding, every backend: where the unfused path rounds to the activation dtype T the kernel rounds too (the
-convolution's output, the sigmoid and the product of SiLU, the normalised q and k and their scaling, a + dt_bias,
-the output before the norm, the norm's normalised value and its product with the weight, the result); the gates,
-the state, S k, S q and silu(z) times the norm stay float32. Where they may differ: the order of the float32 sums
-(the convolution's taps, S k and S q across lanes, the squares of the norms) and exp and log by an ulp (MLX's CPU
-exp is an approximation of its own) - in float32 a few ulps of the result; in bfloat16 such an ulp can flip the
-last bit of a rounded intermediate (SiLU's sigmoid above all), which carries through the norms into the state and
-the output: a unit or two of bfloat16's last place there.
+Rounding, every backend: where the unfused path rounds to the activation dtype T on Metal and CUDA the kernel
+rounds too (the convolution's output; SiLU's sigmoid op by op - exp(|x|), 1 + it, the quotient, 1 - it - and its
+product; the normalised q and k and their scaling, a + dt_bias, the output before the norm, the norm's normalised
+value and its product with the weight, the result); the gates, the state, S k, S q and silu(z) times the norm stay
+float32. MLX's CPU rounds its sigmoid otherwise (only the exp and the result), so in bfloat16 the reference backend
+on the CPU parts from the kernel by a unit of the last place in some SiLU outputs; where q . k nearly cancels those
+carry into the output many times over. Where the kernel and the reference on its own GPU may differ: the order of
+the float32 sums (the convolution's taps, S k and S q across lanes, the squares of the norms) and exp and log by an
+ulp - in float32 a few ulps of the result; in bfloat16 such an ulp can flip the last bit of a rounded value.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 The reference backend against the float64 truth of one step (moebench.inspect.truth.gated_delta_f64): grouped and
 ungrouped heads, a strong decay (g near 0), none (g = 1), states that are not zero, float32 and bfloat16. The Metal
 twin of the kernel compiled with g++ against kernels/metal_cpu_shim.h (CI has no Apple GPU) and run on the CPU
-against the reference at several head shapes, both dtypes. The decode of tiny Qwen3-Next and Qwen3.5-MoE
+against the reference (in bfloat16 as it rounds on Metal and CUDA) at several head shapes, both dtypes, and on the
+inputs the H200 found where q and k nearly cancel. The decode of tiny Qwen3-Next and Qwen3.5-MoE
 checkpoints (`moebench make-random`'s) with the step fused and not: the plan runs the linear layers through it,
 64 steps decode the same tokens and logits, the module's own layer and the fused step agree step after step, a
 recorded step records what the module records, and a Stepper that rolls back or is interrupted after fused steps
@@ -19,8 +20,10 @@ import subprocess
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from gpu.test_cuda_gated_delta import random_step_inputs
 
 import moebench
 from moebench.decode.loop import Session, generate, generate_tokens
@@ -35,6 +38,7 @@ from moebench.execution.linear_attention import (
     GatedDeltaWeights,
     constants,
     gated_delta_step,
+    reference_gated_delta,
 )
 from moebench.execution.steps import LinearAttentionKernel
 from moebench.execution.support import linear_attention_reason
@@ -249,28 +253,64 @@ def _run_shim(lib: ctypes.CDLL, inputs, weights: GatedDeltaWeights, spec: Linear
     return tuple(back(n) for n in GATED_DELTA.outputs)
 
 
+def gpu_sigmoid(x: mx.array) -> mx.array:
+    """mx.sigmoid as MLX computes it on Metal and CUDA: in x's dtype, exp(|x|), 1 + it, the quotient and 1 - it each
+    rounded to it (MLX's CPU rounds only the exp and the result, so in bfloat16 its sigmoid parts from theirs by a
+    unit of the last place in about one value in ten)."""
+    y = 1 / (1 + mx.exp(mx.abs(x)))
+    return mx.where(x < 0, y, 1 - y)
+
+
+def gpu_rounded_reference(monkeypatch, inputs, weights: GatedDeltaWeights, spec: LinearAttentionSpec):
+    """The reference backend's step as it rounds on the GPU the kernel runs on: nn.silu through gpu_sigmoid (the
+    only op of the step whose rounding MLX's CPU and GPUs differ on), as float32 arrays."""
+    with monkeypatch.context() as patch:
+        patch.setattr(nn, "silu", lambda x: x * gpu_sigmoid(x))
+        return [np.array(x.astype(mx.float32)).reshape(-1) for x in reference_gated_delta(*inputs, weights, spec)]
+
+
+def _check_shimmed_step(shim, monkeypatch, inputs, weights: GatedDeltaWeights, spec: LinearAttentionSpec,
+                        case: str) -> None:
+    """Every output element written; the conv state moved on exactly; float32 within float32 rounding of the
+    reference. bfloat16: the kernel rounds where the reference rounds on Metal and CUDA, so against that
+    (gpu_rounded_reference) only the order of float32 sums is left: the state within float32 rounding, the output
+    within a unit of bfloat16's last place (2^-8 relative: a last bit flipped here and there), and as near the
+    float64 truth as that reference is."""
+    got = _run_shim(shim, inputs, weights, spec)
+    if inputs[0].dtype == mx.float32:
+        want = [np.array(x).reshape(-1) for x in gated_delta_step("reference", *inputs, weights, spec)]
+    else:
+        want = gpu_rounded_reference(monkeypatch, inputs, weights, spec)
+    truth = [x.reshape(-1) for x in gated_delta_f64(*inputs, weights, spec)]
+    for name, g, w, exact in zip(GATED_DELTA.outputs, got, want, truth, strict=True):
+        assert np.isfinite(g).all(), f"{name}: not every element written"
+        if name == "conv_new":
+            assert np.array_equal(g, w), "the conv state moves on exactly"
+        elif inputs[0].dtype == mx.float32 or name == "state_new":
+            assert nrms(g, w) < 1e-6, (name, case, nrms(g, w))
+        else:
+            assert nrms(g, w) < 2**-8, (name, case, nrms(g, w))
+            assert nrms(g, exact) < 1.5 * nrms(w, exact) + 1e-3, (name, case, nrms(g, exact), nrms(w, exact))
+
+
 @pytest.mark.parametrize("shape,dtype", SHIM_RUNS, ids=str)
-def test_shimmed_kernel_matches_the_reference_on_cpu(shim, shape, dtype):
-    """Every output element written and equal to the reference's within float32 rounding. In bfloat16 the two
-    part where an intermediate rounds the other way (moebench.execution.linear_attention says where), so there
-    the kernel must be as near the float64 truth as the reference is, and within a unit or two of bfloat16's last
-    place (2^-8 relative) of it."""
+def test_shimmed_kernel_matches_the_reference_on_cpu(shim, monkeypatch, shape, dtype):
     spec = spec_of(shape)
     for decay in DECAYS:
         inputs, weights = step_inputs(spec, decay, dtype, seed=sum(shape) + 1)
-        got = _run_shim(shim, inputs, weights, spec)
-        want = [np.array(x.astype(mx.float32)).reshape(-1) for x in gated_delta_step("reference", *inputs, weights,
-                                                                                        spec)]
-        truth = [x.reshape(-1) for x in gated_delta_f64(*inputs, weights, spec)]
-        for name, g, w, exact in zip(GATED_DELTA.outputs, got, want, truth, strict=True):
-            assert np.isfinite(g).all(), f"{name}: not every element written"
-            if name == "conv_new":
-                assert np.array_equal(g, w), "the conv state moves on exactly"
-            elif dtype == mx.float32:
-                assert nrms(g, w) < 1e-6, (name, decay, nrms(g, w))
-            else:
-                assert nrms(g, w) < 2**-7, (name, decay, nrms(g, w))
-                assert nrms(g, exact) < 1.5 * nrms(w, exact) + 1e-3, (name, decay, nrms(g, exact), nrms(w, exact))
+        _check_shimmed_step(shim, monkeypatch, inputs, weights, spec, decay)
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_shimmed_kernel_rounds_as_the_gpu_reference_where_q_and_k_nearly_cancel(shim, monkeypatch, decay):
+    """The inputs the H200 run of tests/gpu/test_cuda_gated_delta.py failed on in bfloat16 (three value heads of 34
+    on one key head, two taps): q . k is 0.4% of |q| |k|, so o = S q cancels, and with a strong decay the gated
+    norm's eps outweighs o's mean square - the output follows q . k, where every bfloat16 rounding of q and k
+    counts. A kernel that rounded SiLU's sigmoid once (not op by op as MLX's GPUs do) was 1.1e-1 from the truth
+    where CUDA's reference is 5.0e-2, and 1.7e-1 from that reference."""
+    shape = SHAPES[2]
+    inputs, weights = random_step_inputs(shape, decay, mx.bfloat16, seed=sum(shape))
+    _check_shimmed_step(shim, monkeypatch, inputs, weights, spec_of(shape), decay)
 
 
 def test_shimmed_kernel_at_full_size_matches_the_float64_truth(shim):
