@@ -39,7 +39,7 @@ from ..errors import MoebenchError
 from ..execution.executor import executor, fused_moe
 from ..execution.kernel import available_backend
 from ..models.sharding import MODES, TENSOR_MODE, init_group, report
-from .bench_table import format_table, overlapping_arms
+from .bench_table import format_header, format_length, overlapping_arms
 from .flags import SEED, at_least
 
 SCHEMA = "moebench.tools.bench/2"  # /2: a block per prompt length (lengths[]); weights and own peak per arm
@@ -500,22 +500,25 @@ def _run(a: argparse.Namespace) -> int:
         skipped.append({"arm": "snapshot", "reason": "--snapshot runs an earlier revision unsharded: not with --shard"})
     elif a.snapshot:
         arms += snapshot_arms(Path(a.snapshot), path, a.fused)
-    lengths = []
+    lengths, arguments = [], {k: v for k, v in vars(a).items() if k != "run"}
     for ids in prompts:
         results, failures = run_arms(arms, ids, a.gen_tokens, a.repeats, progress=not (a.no_progress or quiet),
                                      desc=f"bench {len(ids)} tokens")
         lengths.append(length_record(ids, results, skipped + failures))
+        shard = report(model, group) if group is not None else None  # every rank takes part
+        if not quiet:  # each length as soon as it is measured: a run stopped later keeps it
+            record = bench_record(lengths, model, a.gen_tokens, a.repeats, arguments, shard)
+            print(*([format_header(record, a.verbose)] if len(lengths) == 1 else []),
+                  format_length(record, lengths[-1], a.verbose), sep="\n\n", end="\n\n", flush=True)
+            if a.json:
+                _save(Path(a.json), record)
     if not any(length["arms"] for length in lengths):
         raise MoebenchError("every arm failed: " + "; ".join(f"{f['arm']}: {f['reason']}" for f in failures))
-    arguments = {k: v for k, v in vars(a).items() if k != "run"}
-    shard = report(model, group) if group is not None else None
-    if quiet:
-        return 0
-    record = bench_record(lengths, model, a.gen_tokens, a.repeats, arguments, shard)
-    print(format_table(record, verbose=a.verbose))
-    if a.json:
-        try:
-            Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
-        except OSError as e:
-            raise MoebenchError(f"--json {a.json}: cannot write the record: {e}") from e
     return 0
+
+
+def _save(path: Path, record: dict) -> None:
+    try:
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    except OSError as e:
+        raise MoebenchError(f"--json {path}: cannot write the record: {e}") from e

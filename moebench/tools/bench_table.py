@@ -149,8 +149,17 @@ def _header(record: dict, verbose: bool) -> list[str]:
     return [part for line in lines for part in _wrapped(line)]
 
 
+def format_header(record: dict, verbose: bool = False) -> str:
+    """The model and platform the record's lengths were measured on."""
+    return "\n".join(_header(record, verbose))
+
+
+def format_length(record: dict, length: dict, verbose: bool = False) -> str:
+    """One prompt length of the record: one row per arm (the rest of the record per arm with `verbose`)."""
+    return _length_table(record, length, verbose)
+
+
 def format_table(record: dict, verbose: bool = False) -> str:
-    """The model and platform, then per prompt length one row per arm (the rest of the record per arm with
-    `verbose`)."""
-    return "\n\n".join(["\n".join(_header(record, verbose)),
-                        *(_length_table(record, length, verbose) for length in record["lengths"])])
+    """The header, then every prompt length's table."""
+    return "\n\n".join([format_header(record, verbose),
+                        *(format_length(record, length, verbose) for length in record["lengths"])])

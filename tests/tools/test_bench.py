@@ -357,6 +357,28 @@ def test_a_length_where_every_arm_fails_is_reported_and_the_others_stand(quantiz
     assert "every arm failed: short: warm-up failed: RuntimeError: out of memory" in capsys.readouterr().err
 
 
+def test_a_run_stopped_inside_a_length_keeps_the_lengths_before_it(quantized_checkpoint, tmp_path, monkeypatch,
+                                                                     capsys):
+    """A time limit that stops a bench inside its second length leaves the first length's table printed and its
+    record saved (a device call's limit kills the process: what was measured must already be out)."""
+    def stopped_at_long_prompts(ids, n):
+        if len(ids) > 3:
+            raise KeyboardInterrupt  # stands in for the limit's signal
+        for t in range(n):
+            yield t, mx.zeros(4)
+
+    arm = Arm("short", "moebench", "test", "none", "float32", stopped_at_long_prompts)
+    monkeypatch.setattr(bench, "moebench_arms", lambda *args: [arm])
+    out = tmp_path / "b.json"
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", str(quantized_checkpoint), "--gen-tokens", "2", "--repeats", "1", "--json", str(out),
+              "--no-progress", "--prompt-tokens", "2", "6"])
+    (short,) = json.loads(out.read_text())["lengths"]
+    assert short["prompt_tokens"] == 2 and [a["name"] for a in short["arms"]] == ["short"]
+    table = capsys.readouterr().out
+    assert "prompt 2 tokens, 2 generated" in table and "| short " in table and "prompt 6 tokens" not in table
+
+
 @pytest.mark.parametrize("init", ["this is not python(", "raise ImportError('half an archive')",
                                   "def load(path):\n    raise RuntimeError('its own bug')\n"])
 def test_a_broken_snapshot_folder_is_named_and_forgotten(quantized_checkpoint, tmp_path, capsys, init):
