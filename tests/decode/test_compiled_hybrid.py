@@ -4,11 +4,10 @@ keys and values for the full-attention layers alone."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import HYBRID_PRESETS
 
 import moebench
 from moebench.decode import compiled as compiled_module
@@ -18,24 +17,9 @@ from moebench.decode.loop import STEPS_AHEAD, Session, generate, generate_tokens
 from moebench.decode.state import LinearAttentionState
 from moebench.errors import DecodeError
 from moebench.execution.executor import executor
-from moebench.tools.presets import get_preset
-from moebench.tools.writer import write_random_checkpoint
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
-PRESETS = ("qwen3-next-tiny", "qwen3.5-moe-tiny")
 ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def hybrids(tmp_path_factory) -> dict[str, Path]:
-    """Each tiny hybrid as `moebench make-random` writes it (4-bit, mlx-lm's stacked layout, float32 activations):
-    three Gated DeltaNet layers, then one gated full-attention layer."""
-    folders = {}
-    for preset in PRESETS:
-        config = {**get_preset(preset).config, "torch_dtype": "float32"}
-        folders[preset] = write_random_checkpoint(tmp_path_factory.mktemp(preset) / "ckpt", config, seed=7, bits=4,
-                                                  layout="stacked")
-    return folders
 
 
 def _decode(model, steps: int, compiled: bool) -> tuple[list[int], list[np.ndarray]]:
@@ -49,11 +33,11 @@ def _assert_same(a: tuple[list[int], list[np.ndarray]], b: tuple[list[int], list
 
 
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("preset", PRESETS)
-def test_compiled_hybrid_decode_equals_eager_for_64_steps(hybrids, preset, fused):
+@pytest.mark.parametrize("preset", HYBRID_PRESETS)
+def test_compiled_hybrid_decode_equals_eager_for_64_steps(tiny_hybrids, preset, fused):
     """Greedy tokens and every step's logits of the compiled step equal the eager loop's over 64 steps (the
     recurrent state carried through the traced step does not drift), and the dispatch counts are the same."""
-    model, _ = moebench.load(hybrids[preset])
+    model, _ = moebench.load(tiny_hybrids[preset])
     ex = executor(model)
     with moebench.fused_moe(fused, model):
         ex.reset_counts()
@@ -67,10 +51,10 @@ def test_compiled_hybrid_decode_equals_eager_for_64_steps(hybrids, preset, fused
         assert moebench.dispatch(model)["moe"][0]["fused"] == ({"reference": 63} if fused else {})
 
 
-def test_compiled_step_equals_the_eager_cache_step_by_step(hybrids):
+def test_compiled_step_equals_the_eager_cache_step_by_step(tiny_hybrids):
     """CompiledForward's logits after a one-token prompt (its states start as zeros in the traced step) and after
     each fed token equal the model's own forward over its eager caches."""
-    model, _ = moebench.load(hybrids["qwen3.5-moe-tiny"])
+    model, _ = moebench.load(tiny_hybrids["qwen3.5-moe-tiny"])
     ex = executor(model)
     fast = CompiledForward(ex, 32)
     caches = Session(model, compiled=False).cache
@@ -81,10 +65,10 @@ def test_compiled_step_equals_the_eager_cache_step_by_step(hybrids):
     assert fast.position == 6 and all(s.offset == 6 for s in fast.cache.states)
 
 
-def test_a_prompt_prefilled_in_chunks_leaves_the_states_of_one_pass(hybrids, monkeypatch):
+def test_a_prompt_prefilled_in_chunks_leaves_the_states_of_one_pass(tiny_hybrids, monkeypatch):
     """A prompt longer than a prefill chunk runs chunk after chunk through the static cache, each chunk continuing
     the states the one before left: the decode after it equals the eager one that prefilled the prompt at once."""
-    model, _ = moebench.load(hybrids["qwen3.5-moe-tiny"])
+    model, _ = moebench.load(tiny_hybrids["qwen3.5-moe-tiny"])
     eager = _decode(model, 8, compiled=False)
     monkeypatch.setattr(compiled_module, "PREFILL_CHUNK", 4)  # 10 prompt tokens: chunks of 4, 4 and 2
     _assert_same(_decode(model, 8, compiled=True), eager)
@@ -95,11 +79,11 @@ def _greedy(forward: CompiledForward, feed: list[int], settings) -> tuple[int, n
     return int(mx.argmax(logits).item()), np.array(logits)
 
 
-def test_rollback_mid_decode_then_resume_equals_an_uninterrupted_decode(hybrids):
+def test_rollback_mid_decode_then_resume_equals_an_uninterrupted_decode(tiny_hybrids):
     """Steps fed and rolled back (as the decode loop rolls back the steps it queued) leave the keys, values and
     recurrent states as they were: resuming gives an uninterrupted decode's tokens and logits exactly. A rewind
     further back than kept is refused and changes nothing."""
-    model, _ = moebench.load(hybrids["qwen3-next-tiny"])
+    model, _ = moebench.load(tiny_hybrids["qwen3-next-tiny"])
     ex = executor(model)
     settings = ex.settings
     plain = CompiledForward(ex, 64)
@@ -133,7 +117,7 @@ def test_rollback_mid_decode_then_resume_equals_an_uninterrupted_decode(hybrids)
     assert _greedy(forward, [tok], settings)[0] == expected[0][0]
 
 
-def test_settings_changed_mid_decode_roll_back_the_queued_compiled_steps(hybrids):
+def test_settings_changed_mid_decode_roll_back_the_queued_compiled_steps(tiny_hybrids):
     """The fused switch flipped between tokens rolls back the steps the loop queued under the old settings and
     builds them again: the compiled decode follows the eager one token for token."""
 
@@ -147,14 +131,14 @@ def test_settings_changed_mid_decode_roll_back_the_queued_compiled_steps(hybrids
                     moebench.set_fused_moe(n == 11, model)
         return tokens, logits
 
-    model, _ = moebench.load(hybrids["qwen3.5-moe-tiny"])
+    model, _ = moebench.load(tiny_hybrids["qwen3.5-moe-tiny"])
     _assert_same(toggled(model, True), toggled(model, False))
 
 
-def test_an_interrupted_prefill_writes_no_state(hybrids, monkeypatch):
+def test_an_interrupted_prefill_writes_no_state(tiny_hybrids, monkeypatch):
     """A forward that fails part-way through its layers (after the first linear-attention layer wrote its new
     states) changes nothing: called again, the compiled forward gives an uninterrupted one's logits."""
-    model, _ = moebench.load(hybrids["qwen3-next-tiny"])
+    model, _ = moebench.load(tiny_hybrids["qwen3-next-tiny"])
     ex = executor(model)
     expected = np.array(CompiledForward(ex, 32)(mx.array(PROMPT, dtype=mx.uint32), ex.settings)[0])
     forward = CompiledForward(ex, 32)
@@ -175,10 +159,10 @@ def test_an_interrupted_prefill_writes_no_state(hybrids, monkeypatch):
     assert np.array_equal(again, expected)
 
 
-def test_only_full_attention_layers_hold_keys_and_values(hybrids):
+def test_only_full_attention_layers_hold_keys_and_values(tiny_hybrids):
     """The static cache allocates one block a full-attention layer (one of the tiny hybrid's four) and a recurrent
     state a linear-attention layer; its bytes are kv_cache_bytes'. The eager caches are the same split."""
-    model, _ = moebench.load(hybrids["qwen3-next-tiny"])
+    model, _ = moebench.load(tiny_hybrids["qwen3-next-tiny"])
     forward = CompiledForward(executor(model), 100, keep=3)
     cache, attn = forward.cache, model.layers[3].self_attn
     assert cache.blocks == (None, None, None, 0)
@@ -189,10 +173,10 @@ def test_only_full_attention_layers_hold_keys_and_values(hybrids):
     assert [type(c) for c in session.cache] == [LinearAttentionState] * 3 + [KVCache]
 
 
-def test_generate_compiles_a_hybrid(hybrids):
+def test_generate_compiles_a_hybrid(tiny_hybrids):
     """Nothing refuses a hybrid the compiled step: a Session asked for it gets one (recording still runs eagerly),
     and generate(..., compiled=True) decodes what the eager loop decodes."""
-    model, _ = moebench.load(hybrids["qwen3-next-tiny"])
+    model, _ = moebench.load(tiny_hybrids["qwen3-next-tiny"])
     assert compile_blocker(False) is None and "recording" in compile_blocker(True)
     assert Session(model, compiled=True).compiled is not None
     assert Session(model, compiled=True, recording=True).compiled is None

@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from conftest import HYBRID_PRESETS, assert_back_at_and_resumes
 from gpu.test_cuda_gated_delta import random_step_inputs
 
 import moebench
@@ -49,7 +50,6 @@ from moebench.models.declare import LinearAttentionSpec
 from moebench.tools.presets import get_preset
 from moebench.tools.writer import write_random_checkpoint
 
-PRESETS = ("qwen3-next-tiny", "qwen3.5-moe-tiny")
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 STEPS = 64
 # (key heads, value heads, key_head_dim, value_head_dim, conv taps): grouped (Hv = 2 Hk) at the tiny presets' size,
@@ -359,23 +359,11 @@ def test_the_kernel_launch_geometry_is_what_the_shim_runs():
 
 # ---- decoding the hybrids ---------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def hybrids(tmp_path_factory) -> dict[str, Path]:
-    """Each tiny hybrid as `moebench make-random` writes it in float32 (three Gated DeltaNet layers, then a gated
-    full-attention layer), its experts at 4 bits (mlx-lm's stacked layout) so the MoE kernels run beside."""
-    folders = {}
-    for preset in PRESETS:
-        config = {**get_preset(preset).config, "torch_dtype": "float32"}
-        folders[preset] = write_random_checkpoint(tmp_path_factory.mktemp(preset) / "ckpt", config, seed=5, bits=4,
-                                                  layout="stacked")
-    return folders
-
-
-@pytest.mark.parametrize("preset", PRESETS)
-def test_fused_decode_equals_the_fallback_for_64_steps(hybrids, preset):
+@pytest.mark.parametrize("preset", HYBRID_PRESETS)
+def test_fused_decode_equals_the_fallback_for_64_steps(tiny_hybrids, preset):
     """The plan runs every linear layer's decode step through the kernel (prefill falls back, one token at a time
     is what it runs); the tokens and every step's logits over 64 steps are the fallback's."""
-    model, _ = moebench.load(hybrids[preset])
+    model, _ = moebench.load(tiny_hybrids[preset])
     ex = executor(model)
     plan = ex.plan_for(1, False)
     assert [layer.attention.path for layer in plan.layers[:3]] == ["reference"] * 3
@@ -407,11 +395,11 @@ def test_a_linear_layer_the_kernel_cannot_take_falls_back_and_says_why(tmp_path)
                 "key_head_dim 48 (the kernel needs a multiple of 32 up to 256)": 3}}
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_the_fused_step_keeps_the_module_s_states_step_by_step(hybrids, preset):
+@pytest.mark.parametrize("preset", HYBRID_PRESETS)
+def test_the_fused_step_keeps_the_module_s_states_step_by_step(tiny_hybrids, preset):
     """Layer 0's GatedDeltaNet and the fused step, each on its own cache, fed the same inputs for 64 steps after
     a prompt: outputs within 1e-5 and states that do not drift apart."""
-    model, _ = moebench.load(hybrids[preset])
+    model, _ = moebench.load(tiny_hybrids[preset])
     net = model.layers[0].linear_attn
     step = LinearAttentionKernel(net, "reference")
     module_cache, fused_cache = LinearAttentionState(2), LinearAttentionState(2)
@@ -426,8 +414,8 @@ def test_the_fused_step_keeps_the_module_s_states_step_by_step(hybrids, preset):
     assert mx.array_equal(fused_cache.conv, module_cache.conv).item()
 
 
-def test_a_recorded_fused_step_records_what_the_module_records(hybrids):
-    model, _ = moebench.load(hybrids["qwen3-next-tiny"])
+def test_a_recorded_fused_step_records_what_the_module_records(tiny_hybrids):
+    model, _ = moebench.load(tiny_hybrids["qwen3-next-tiny"])
     traces = {}
     for fused in (True, False):
         stepper = Stepper(model, None, PROMPT, record=True, fused=fused, pipeline=False)
@@ -440,10 +428,10 @@ def test_a_recorded_fused_step_records_what_the_module_records(hybrids):
             assert a is not None and a.shape == b.shape and np.abs(a - b).max() <= 1e-5, (i, name)
 
 
-def test_a_rolled_back_fused_step_leaves_the_states_as_they_were(hybrids, monkeypatch):
+def test_a_rolled_back_fused_step_leaves_the_states_as_they_were(tiny_hybrids, monkeypatch):
     """A pipelined Stepper builds the next step ahead (through the kernels); feeding another token rolls it back:
     the tokens and logits after that equal a decode that never built it, bit for bit."""
-    model, _ = moebench.load(hybrids["qwen3.5-moe-tiny"])
+    model, _ = moebench.load(tiny_hybrids["qwen3.5-moe-tiny"])
     fed, rolled = [101, 7, 55], []
     original = Session.rollback
     monkeypatch.setattr(Session, "rollback", lambda self, step: (rolled.append(step.position), original(self, step)))
@@ -461,10 +449,10 @@ def test_a_rolled_back_fused_step_leaves_the_states_as_they_were(hybrids, monkey
 
 
 @pytest.mark.parametrize("pipeline", [True, False])
-def test_a_stepper_interrupted_inside_a_fused_step_is_back_at_its_last_whole_step(hybrids, monkeypatch, pipeline):
+def test_a_stepper_interrupted_inside_a_fused_step_is_back_at_its_last_whole_step(tiny_hybrids, monkeypatch, pipeline):
     """An interrupt in layer 1's fused step (after layer 0's wrote its states) leaves every cache at the last whole
     step; resuming decodes what an uninterrupted decode does, bit for bit."""
-    model, _ = moebench.load(hybrids["qwen3-next-tiny"])
+    model, _ = moebench.load(tiny_hybrids["qwen3-next-tiny"])
     straight = Stepper(model, None, PROMPT, keep_logits=True, pipeline=pipeline, fused=True).run(12)
     stepper = Stepper(model, None, PROMPT, keep_logits=True, pipeline=pipeline, fused=True, max_tokens=12)
     stepper.prefill()
@@ -482,11 +470,4 @@ def test_a_stepper_interrupted_inside_a_fused_step_is_back_at_its_last_whole_ste
     with pytest.raises(KeyboardInterrupt):
         stepper.step()
     monkeypatch.setattr(linear_attention, "gated_delta_step", original)
-    position = len(stepper.trace.steps)
-    assert position == len(PROMPT) + 4
-    assert [c.offset for c in stepper.session.cache] == [position] * 4
-    while not stepper.done:
-        stepper.step()
-    assert stepper.trace.token_ids == straight.token_ids
-    for a, b in zip(stepper.trace.steps, straight.steps, strict=True):
-        assert np.array_equal(a.logits, b.logits), a.position
+    assert_back_at_and_resumes(stepper, straight, len(PROMPT) + 4)

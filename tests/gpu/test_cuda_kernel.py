@@ -313,6 +313,17 @@ def test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step(t
         assert not got[:, :, n:].any(), f"{name}: the kernels wrote past the tokens' slots"
 
 
+def _layer_caches(rng: np.random.Generator, heads: AttentionSpec, cap: int, block: int, cast) -> list[mx.array]:
+    """Keys and values of a three-layer cache (as in a StaticCache): `block` random, the other layers' NaN, so a
+    kernel reading outside its layer fails."""
+    caches = []
+    for _ in range(2):
+        c = np.full((3, heads.n_kv_heads, cap, heads.head_dim), np.nan)
+        c[block] = rng.standard_normal(c.shape[1:])
+        caches.append(cast(c))
+    return caches
+
+
 def _attention_truth(qkv: np.ndarray, bias: np.ndarray | None, p: int, keys: np.ndarray, values: np.ndarray,
                      heads: AttentionSpec, base: float, norms: tuple[np.ndarray, np.ndarray, float] | None = None,
                      inv_freq: np.ndarray | None = None, factor: float = 1.0,
@@ -379,13 +390,8 @@ def test_cuda_attention_kernel_matches_reference_and_truth(heads, bias, p, dtype
     b = cast(0.5 * rng.standard_normal(heads.width)) if bias else None
     weights = [cast(rng.uniform(0.5, 1.5, heads.head_dim)) for _ in range(2)]
     qk_norm = attention.QKNorm(*weights, 1e-6) if qknorm else None
-    block = p % 3  # the layer's block of a three-layer cache (as in a StaticCache); the others hold NaN
-    caches = []
-    for _ in range(2):
-        c = np.full((3, heads.n_kv_heads, cap, heads.head_dim), np.nan)
-        c[block] = rng.standard_normal(c.shape[1:])
-        caches.append(cast(c))
-    keys, values = caches
+    block = p % 3
+    keys, values = _layer_caches(rng, heads, cap, block, cast)
     inv, slots = rope_frequencies(heads.head_dim, base), mx.array([p, cap], dtype=mx.int32)
     out, k_new, v_new = attention.decode_attention("cuda", qkv, b, inv, slots, keys, values, heads, block,
                                                    qk_norm=qk_norm)
@@ -459,12 +465,7 @@ def test_cuda_attention_variants_match_reference_and_truth(heads, p, dtype, cap)
     else:
         inv_freq, factor = rope_frequencies(int(heads.head_dim * heads.rope_fraction), base), 1.0
     block = p % 3
-    caches = []
-    for _ in range(2):
-        c = np.full((3, heads.n_kv_heads, cap, heads.head_dim), np.nan)
-        c[block] = rng.standard_normal(c.shape[1:])
-        caches.append(cast(c))
-    keys, values = caches
+    keys, values = _layer_caches(rng, heads, cap, block, cast)
     slots = mx.array([p, cap], dtype=mx.int32)
     args = (qkv, b, inv_freq, slots, keys, values, heads, block)
     variants = dict(qk_norm=qk_norm, sinks=sinks, rope_scale=factor)

@@ -21,6 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import assert_back_at_and_resumes
 from hf_reference import max_error, session_matches
 from test_gated_delta import randomize
 
@@ -255,14 +256,7 @@ def test_interrupted_stepper_is_back_at_its_last_whole_step(hf, monkeypatch, whe
     with pytest.raises(KeyboardInterrupt):
         stepper.step()
     monkeypatch.setattr(type(target), method, original)
-    position = len(stepper.trace.steps)
-    assert position == PROMPT + 4
-    assert [c.offset for c in stepper.session.cache] == [position] * 4
-    while not stepper.done:
-        stepper.step()
-    assert stepper.trace.token_ids == straight.token_ids
-    for a, b in zip(stepper.trace.steps, straight.steps, strict=True):
-        assert np.array_equal(a.logits, b.logits), a.position
+    assert_back_at_and_resumes(stepper, straight, PROMPT + 4)
 
 
 # ---- bad checkpoints -------------------------------------------------------------------------------------
