@@ -47,10 +47,10 @@ def test_generate_json_reports_tokens_text_timings_and_dispatch(quantized_checkp
         assert layer["fused"] == {"reference": 5} and layer["fallback"] == 1
         assert list(layer["reasons"]) == ["13 tokens (the kernel runs single-token decode)"]
     assert {layer["fused"].get("reference") for layer in out["attention_dispatch"].values()} == {5}
-    assert out["decode_loop"] == "eager"  # the compiled step is the default only on CUDA
-    compiled = run_json(capsys, str(quantized_checkpoint), "--prompt", "Hello experts", "--max-tokens", "6",
-                        "--compiled", "on")
-    assert compiled["decode_loop"] == "compiled" and compiled["token_ids"] == out["token_ids"]
+    assert out["decode_loop"] == "compiled"  # the default on CUDA and the CPU (decode.loop.COMPILED_BY_DEFAULT)
+    eager = run_json(capsys, str(quantized_checkpoint), "--prompt", "Hello experts", "--max-tokens", "6",
+                     "--compiled", "off")
+    assert eager["decode_loop"] == "eager" and eager["token_ids"] == out["token_ids"]
 
 
 def test_fused_off_falls_back_and_says_why(quantized_checkpoint, capsys):

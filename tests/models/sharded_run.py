@@ -39,7 +39,7 @@ def decode(model, prompt: list[int], n: int, fused: bool) -> dict:
     trace = Stepper(model, None, prompt, record=True, fused=fused, max_tokens=n, keep_logits=True).run(n)
     steps = trace.prefill[-1:] + trace.generated
     with moebench.fused_moe(fused, model=model):
-        generated = moebench.generate(model, prompt, n).token_ids
+        generated = moebench.generate(model, prompt, n, compiled=False).token_ids
         compiled = moebench.generate(model, prompt, n, compiled=True).token_ids
     return {
         "tokens": trace.token_ids, "generate_tokens": generated, "compiled_tokens": compiled,

@@ -71,6 +71,18 @@ def test_profile_of_the_shipped_model_times_both_paths_and_counts_nodes(shipped)
     assert fallback["graph"]["by_primitive"].get("GatherQMM", 0) > 0  # gather_qmm runs the fallback's experts
 
 
+def test_profile_through_the_compiled_step_times_the_step_the_plan_fuses(shipped):
+    """--compiled on profiles moebench's arms through the compiled decode step: named as such, its dispatch the
+    fused plan's, its pipelined time measured."""
+    (arm,) = moebench_profile_arms(shipped, "on", "on")
+    records, failures = run_profile([arm], list(range(1, 9)), steps=2, gen_tokens=4, warmup=1)
+    assert failures == []
+    (record,) = records
+    assert record["name"] == f"moebench fused ({available_backend()}) compiled"
+    assert record["dispatch"]["path"] == available_backend() and record["dispatch"]["reasons"] == []
+    assert record["pipelined_ms_per_token"] > 0 and record["build_ms"]["median"] > 0
+
+
 def test_bad_settings_are_errors(shipped):
     arms = [ProfileArm("x", "moebench", shipped, False)]
     for steps, gen_tokens, warmup in ((0, 4, 1), (1, 1, 1), (1, 4, -1)):
