@@ -116,10 +116,11 @@ class Executor:
         mixer, weights = token_mixer(self.model.layers[i]), self.weights[i]
         base = tokens_decision(shape.tokens) if shape.tokens != 1 else None if settings.fused else SWITCHED_OFF
         reason = base.reason if base else attention_step_reason(mixer, weights)
-        if reason is None and not settings.attention_kernel:
-            reason = "the attention kernel switched off (KernelSettings.attention_kernel)"
-        # a linear layer's notes: none either way (the shard report names the linear heads a rank holds)
         linear = isinstance(mixer.spec, LinearAttentionSpec)
+        if reason is None and not settings.attention_kernel:
+            kernel = "gated delta" if linear else "attention"
+            reason = f"the {kernel} kernel switched off (KernelSettings.attention_kernel)"
+        # a linear layer's notes: none either way (the shard report names the linear heads a rank holds)
         note = None if linear else attention_note(mixer) if reason else attention_step_note(mixer)
         attn = Decision("fallback", reason, note) if reason else Decision(backend, note=note)
         attention_step = self._attention_step(mixer, weights, backend, shape) if attn.fused else None

@@ -49,8 +49,8 @@ def _env_int(name: str, low: int, high: int | None) -> int | None:
 class KernelSettings:
     """fused: run the fused decode kernels where they can; rows: output rows per threadgroup of the MoE
     kernels; max_dff: the expert-width cap above which the GPU MoE kernels decline (None: the backend's);
-    attention_kernel: False keeps the decode-attention kernel off while the MoE kernels run (to see what
-    each part of the fused path is worth)."""
+    attention_kernel: False keeps the token-mixing kernels (decode attention, gated delta) off while the MoE
+    kernels run (to see what each part of the fused path is worth)."""
 
     fused: bool = True
     rows: int = DEFAULT_ROWS

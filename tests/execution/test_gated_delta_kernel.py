@@ -41,6 +41,7 @@ from moebench.execution.linear_attention import (
     gated_delta_step,
     reference_gated_delta,
 )
+from moebench.execution.settings import KernelSettings
 from moebench.execution.steps import LinearAttentionKernel
 from moebench.execution.support import linear_attention_reason
 from moebench.inspect.record import Stepper
@@ -369,6 +370,10 @@ def test_fused_decode_equals_the_fallback_for_64_steps(tiny_hybrids, preset):
     assert [layer.attention.path for layer in plan.layers[:3]] == ["reference"] * 3
     assert all(isinstance(layer.attention_step, LinearAttentionKernel) for layer in plan.layers[:3])
     assert ex.plan_for(5, False).layers[0].attention.reason == "5 tokens (the kernel runs single-token decode)"
+    switched = ex.plan_for(1, False, KernelSettings(attention_kernel=False)).layers
+    assert [layer.attention.reason for layer in switched] == [
+        "the gated delta kernel switched off (KernelSettings.attention_kernel)"] * 3 + [
+        "the attention kernel switched off (KernelSettings.attention_kernel)"]
     runs = {}
     for fused in (True, False):
         with moebench.fused_moe(fused, model):
