@@ -5,18 +5,20 @@ Reports the platform; runs the fused kernel on this machine's backend (metal, cu
 Qwen1.5-MoE-A2.7B's expert shapes and the model's own, for every supported affine bits / group-size
 combination and each microscaled mode (mxfp4, nvfp4, mxfp8), with gpt-oss's expert variants (biases and the
 clamped SwiGLU) in each format, and with the shared expert inside the kernel pair; checks the router kernel
-(both scorings), the decode-attention kernel against the CPU reference; checks
-bitwise determinism; decodes the model greedily with the kernels on and off (bench's timing code) to
-check dispatch (MoE and attention), greedy parity and speed. Exits 1 when a check fails.
+(both scorings), the decode-attention kernel against the CPU reference (with each of the model's attention
+declarations: partial rotary, output gate, window, sinks, scaled rotary), a hybrid's Gated DeltaNet step kernel
+against the reference and a float64 truth; checks bitwise determinism; decodes the model greedily with the kernels
+on and off (bench's timing code) to check dispatch (MoE, attention and linear-attention layers), greedy parity and
+speed. Exits 1 when a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,16 +26,19 @@ import numpy as np
 
 from ..checkpoint.loader import default_model_path, load
 from ..checkpoint.weights import nonfinite_weights
-from ..execution import attention, moe, support
+from ..execution import attention, linear_attention, moe, support
 from ..execution.attention import rope_frequencies
 from ..execution.kernel import available_backend
+from ..execution.linear_attention import GatedDeltaWeights
 from ..execution.moe import ExpertVariant, SharedExpert
+from ..execution.steps import rotary
 from ..execution.support import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES, MICROSCALED
-from ..inspect.truth import e8m0, expert_outputs, f64, minifloat, nmax, nrms
+from ..inspect.truth import e8m0, expert_outputs, f64, gated_delta_f64, minifloat, nmax, nrms
 from ..models.args import FP_MODES, QuantizedParts
-from ..models.declare import SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, AttentionSpec
+from ..models.declare import PER_HEAD, SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, AttentionSpec, LinearAttentionSpec
 from ..models.gpt_oss import Experts as ClampedExperts
 from ..models.qwen2_moe import MLP
+from ..models.run import token_mixer
 from ..models.switch import SwitchGLU, weighted_sum
 from .bench import compare_traces, moebench_arms, platform_info, prompt_token_ids, reference_arm, run_arms, summary
 from .flags import at_least
@@ -47,11 +52,14 @@ DETERMINISM_RUNS = {"reference": 2}  # per backend, default 5: GPU runs are chea
 A27B_SHAPE = ("Qwen1.5-MoE-A2.7B experts", 2048, 1408, 4)  # name, D, Dff, K
 A27B_SHARED = 5632  # its shared expert's width
 ROUTER_TOLERANCE = 1e-5  # probabilities, scores and the sigmoid gate, router kernel vs CPU reference
-A27B_HEADS = (16, 16, 128)  # its attention: query heads, key/value heads, head_dim
-QWEN3_HEADS = (32, 4, 128)  # Qwen3-30B-A3B's, which normalises each head of q and k
+A27B_HEADS = AttentionSpec(16, 16, 128, qkv_bias=True)  # its attention: 16 heads of 128, q/k/v biases
+QWEN3_HEADS = AttentionSpec(32, 4, 128, qk_norm=PER_HEAD)  # Qwen3-30B-A3B's, which normalises each head of q and k
 # (position, cache slots): the first token, a block boundary of the kernel, deep in a short cache (one
 # threadgroup a head); in a long one (several a head, their partials joined), early and deep
 ATTENTION_CASES = ((0, 256), (8, 256), (200, 256), (600, 4352), (4000, 4352))
+GATED_DELTA_F32 = 1e-5  # gated delta step in float32: vs the float64 truth and vs the reference (a few ulps)
+GATED_DELTA_ROUNDED = 2e-2  # in bfloat16 / float16: the reference vs the truth (it rounds where the model rounds)
+GATED_DELTA_VS_REFERENCE = 2**-7  # in bfloat16 / float16: a kernel vs the reference on its device (flipped last bits)
 
 
 @dataclass(frozen=True)
@@ -341,60 +349,105 @@ def router_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
     return rows
 
 
+@dataclass(frozen=True, eq=False)
+class AttentionGeometry:
+    """An attention the kernel is checked at: its declaration (variants included), the rotation frequencies and
+    attention factor it turns q and k by, and its sink logits (None without)."""
+
+    heads: AttentionSpec
+    inv_freq: mx.array
+    rope_scale: float = 1.0
+    sinks: mx.array | None = None
+
+    def label(self) -> str:
+        """The geometry and every variant it declares, as a row names it."""
+        h, dims = self.heads, support.rotary_dims(self.heads)
+        variants = [("bias", h.qkv_bias), ("q/k norm", h.qk_norm == PER_HEAD),
+                    (f"rotary on {dims} of {h.head_dim} dims", dims != h.head_dim), ("output gate", h.output_gate),
+                    (f"window {h.window}", h.window is not None), ("sinks", self.sinks is not None),
+                    (f"scaled rotary (factor {self.rope_scale:.4g})", h.scaled_rope)]
+        return (f"attention {h.n_heads}x{h.head_dim} ({h.n_kv_heads} kv heads)" +
+                "".join(f" + {name}" for name, declared in variants if declared))
+
+    def cases(self) -> tuple[tuple[int, int], ...]:
+        """ATTENTION_CASES and, with a window, its last position and the first past it (in the shortest cache of
+        ATTENTION_CASES longer than the window)."""
+        w = self.heads.window
+        if w is None:
+            return ATTENTION_CASES
+        slots = next((s for _, s in ATTENTION_CASES if s > w), w + 1)
+        return tuple(sorted({*ATTENTION_CASES, (w - 1, slots), (w, slots)}))
+
+
+def attention_geometries(model) -> list[AttentionGeometry]:
+    """Qwen1.5-MoE-A2.7B's and Qwen3-30B-A3B's attention at the model's rope_theta, then each attention declaration
+    of the model's layers (linear ones have none) with the layer's own rotary (partial, or scaled with its attention
+    factor) and sinks, as steps.AttentionKernel hands them to the kernel: one geometry a declaration."""
+    theta = model.args.rope_theta
+    found = {h: AttentionGeometry(h, rope_frequencies(h.head_dim, theta)) for h in (A27B_HEADS, QWEN3_HEADS)}
+    for attn in map(token_mixer, model.layers):
+        if isinstance(attn.spec, AttentionSpec):
+            heads = replace(attn.spec, clip_qkv=None)  # the kernel is handed q, k and v clamped
+            found[heads] = AttentionGeometry(heads, *rotary(attn), attn.head_sinks() if heads.sinks else None)
+    return sorted(found.values(), key=lambda g: str(g.heads))
+
+
 def attention_parity(backend: str, model, seed: int = 0) -> list[dict]:
-    """The decode-attention kernel on `backend` against the CPU reference, at Qwen1.5-MoE-A2.7B's attention
-    (16 heads of 128, q/k/v bias), Qwen3-30B-A3B's (32 heads over 4 kv heads, the q/k norm) and the model's
-    own, at ATTENTION_CASES' positions of short and long caches; and its in-place cache write."""
-    a, dtype = model.args, model.dtype
-    own_norm = any("q_norm" in layer.self_attn for layer in model.layers)
-    geometries = {(AttentionSpec(*A27B_HEADS), True, False), (AttentionSpec(*QWEN3_HEADS), False, True),
-                  (AttentionSpec(a.num_attention_heads, a.num_key_value_heads, a.head_dim), a.qkv_bias, own_norm)}
+    """The decode-attention kernel on `backend` against the CPU reference, at attention_geometries' declarations
+    with random inputs, at each geometry's cases (positions of short and long caches; inside and past a window);
+    and its in-place cache write."""
     rows = []
-    for (heads, bias, qknorm), (position, slots) in itertools.product(sorted(geometries, key=str), ATTENTION_CASES):
-        row = {"case": f"attention {heads.n_heads}x{heads.head_dim} ({heads.n_kv_heads} kv heads)"
-               f"{' + bias' if bias else ''}{' + q/k norm' if qknorm else ''} at position {position} of {slots} "
-               f"({attention.splits(slots)} threadgroups a head)", "backend": backend}
-        if backend == "reference":
-            rows.append({**row, "status": "not applicable", "passed": True,
-                         "reason": "on a CPU the reference is the attention: nothing separate to compare"})
-            continue
-        reason = support.attention_reason(heads)
-        if reason:
-            rows.append({**row, "status": "declined", "reason": reason, "passed": True})
-            continue
-        keys = mx.random.split(mx.random.key(seed + position + heads.head_dim), 6)
-        cache_shape = (1, heads.n_kv_heads, slots, heads.head_dim)
-        qkv = mx.random.normal((1, 1, heads.width), key=keys[0]).astype(dtype)
-        b = mx.random.normal((heads.width,), key=keys[1]).astype(dtype) if bias else None
-        k_cache, v_cache = (mx.random.normal(cache_shape, key=k).astype(dtype) for k in keys[2:4])
-        qk_norm = attention.QKNorm(*(mx.random.uniform(0.5, 1.5, (heads.head_dim,), key=k).astype(dtype)
-                                     for k in keys[4:]), a.rms_norm_eps) if qknorm else None
-        args = (qkv, b, rope_frequencies(heads.head_dim, a.rope_theta), mx.array([position, slots], dtype=mx.int32),
-                k_cache, v_cache, heads)
-        try:
-            got = [f64(t) for t in attention.decode_attention(backend, *args, qk_norm=qk_norm)]
-            with mx.stream(mx.cpu):
-                want = [f64(t) for t in attention.decode_attention("reference", *args, qk_norm=qk_norm)]
-            in_place = writes_in_place(backend, *args, qk_norm)
-        except Exception as e:  # noqa: BLE001 -- reported as a failed row
-            rows.append({**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False})
-            continue
-        worst = max(nrms(g, w) for g, w in zip(got, want, strict=True))
-        rows.append({**row, "status": "ran", "vs_reference_nrms": worst, "in_place_write": in_place,
-                     "passed": worst < FUSED_NRMS and in_place})
+    for g in attention_geometries(model):
+        for position, slots in g.cases():
+            rows.append(attention_case(backend, g, position, slots, model.dtype, model.args.rms_norm_eps, seed))
     return rows
 
 
+def attention_case(backend: str, g: AttentionGeometry, position: int, slots: int, dtype: mx.Dtype, eps: float,
+                   seed: int) -> dict:
+    """One position of one geometry: the kernel vs the CPU reference (output, key, value) and its in-place write."""
+    heads = g.heads
+    row = {"case": f"{g.label()} at position {position} of {slots} "
+           f"({attention.splits(attention.attended(heads, slots))} threadgroups a head)", "backend": backend}
+    if backend == "reference":
+        return {**row, "status": "not applicable", "passed": True,
+                "reason": "on a CPU the reference is the attention: nothing separate to compare"}
+    reason = support.attention_reason(heads)
+    if reason:
+        return {**row, "status": "declined", "reason": reason, "passed": True}
+    keys = mx.random.split(mx.random.key(seed + position + heads.head_dim), 6)
+    width = attention.projection_width(heads)
+    cache_shape = (1, heads.n_kv_heads, slots, heads.head_dim)
+    qkv = mx.random.normal((1, 1, width), key=keys[0]).astype(dtype)
+    b = mx.random.normal((width,), key=keys[1]).astype(dtype) if heads.qkv_bias else None
+    k_cache, v_cache = (mx.random.normal(cache_shape, key=k).astype(dtype) for k in keys[2:4])
+    qk_norm = attention.QKNorm(*(mx.random.uniform(0.5, 1.5, (heads.head_dim,), key=k).astype(dtype)
+                                 for k in keys[4:]), eps) if heads.qk_norm == PER_HEAD else None
+    args = (qkv, b, g.inv_freq, mx.array([position, slots], dtype=mx.int32), k_cache, v_cache, heads)
+    variants = {"qk_norm": qk_norm, "sinks": None if g.sinks is None else g.sinks.astype(dtype),
+                "rope_scale": g.rope_scale}
+    try:
+        got = [f64(t) for t in attention.decode_attention(backend, *args, **variants)]
+        with mx.stream(mx.cpu):
+            want = [f64(t) for t in attention.decode_attention("reference", *args, **variants)]
+        in_place = writes_in_place(backend, *args, **variants)
+    except Exception as e:  # noqa: BLE001 -- reported as a failed row
+        return {**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False}
+    worst = max(nrms(g, w) for g, w in zip(got, want, strict=True))
+    return {**row, "status": "ran", "vs_reference_nrms": worst, "in_place_write": in_place,
+            "passed": worst < FUSED_NRMS and in_place}
+
+
 def writes_in_place(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
-                    keys: mx.array, values: mx.array, heads: AttentionSpec,
-                    qk_norm: attention.QKNorm | None = None) -> bool:
+                    keys: mx.array, values: mx.array, heads: AttentionSpec, **variants) -> bool:
     """Whether the kernel with `write` (as the compiled decode step runs it) stores the token's key and value
-    at its slot of the cache buffers, exactly as it outputs them, and changes nothing else there."""
+    at its slot of the cache buffers, exactly as it outputs them, and changes nothing else there. `variants`:
+    decode_attention's qk_norm, sinks and rope_scale."""
     caches = [keys + 0, values + 0]  # buffers of their own, for the kernel to write into
     mx.eval(caches)
     before = [f64(c) for c in caches]
     _, k_new, v_new = out = attention.decode_attention(backend, qkv, bias, inv_freq, slots, *caches, heads,
-                                                       write=True, qk_norm=qk_norm)
+                                                       write=True, **variants)
     mx.eval(out)
     position = int(slots[0].item())
     for cache, was, new in zip(caches, before, (k_new, v_new), strict=True):
@@ -402,6 +455,82 @@ def writes_in_place(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq
         if not np.array_equal(f64(cache), was):  # float64 holds every 16- and 32-bit value exactly
             return False
     return True
+
+
+def gated_delta_parity(backend: str, model, seed: int = 0) -> list[dict]:
+    """The gated delta step kernel on `backend` at the model's first linear-attention layer (its declaration and
+    weights, random inputs and states), in float32 and in the model's dtype; no rows without such a layer."""
+    linear = [(i, m) for i, m in enumerate(map(token_mixer, model.layers)) if isinstance(m.spec, LinearAttentionSpec)]
+    if not linear:
+        return []
+    layer, net = linear[0]
+    s = net.spec
+    label = (f"model layer {layer} gated delta step: {s.num_key_heads} key heads of {s.key_head_dim}, "
+             f"{s.num_value_heads} value heads of {s.value_head_dim}, {s.conv_kernel} taps")
+    weights = GatedDeltaWeights.of(net)
+    return [gated_delta_case(backend, label, s, weights, dtype, seed) for dtype in dict.fromkeys((mx.float32,
+                                                                                                model.dtype))]
+
+
+def gated_delta_inputs(spec: LinearAttentionSpec, dtype: mx.Dtype, seed: int) -> tuple[mx.array, ...]:
+    """One token's in-projections (qkv, z, b, a) and states that are not zero (conv, float32 delta), random."""
+    hv, taps = spec.num_value_heads, spec.conv_kernel
+    channels = 2 * spec.num_key_heads * spec.key_head_dim + hv * spec.value_head_dim
+    keys = iter(mx.random.split(mx.random.key(seed), 6))
+    shapes = ((1, 1, channels), (1, 1, hv, spec.value_head_dim), (1, 1, hv), (1, 1, hv), (1, taps - 1, channels))
+    inputs = [mx.random.normal(shape, key=next(keys)).astype(dtype) for shape in shapes]
+    state = 0.3 * mx.random.normal((1, hv, spec.value_head_dim, spec.key_head_dim), key=next(keys))
+    return (*inputs, state)
+
+
+def gated_delta_case(backend: str, label: str, spec: LinearAttentionSpec, weights: GatedDeltaWeights,
+                     dtype: mx.Dtype, seed: int) -> dict:
+    """The step on `backend` vs the float64 truth (output, delta state; the conv state moves on exactly), vs the
+    reference run on the same device (the GPU's stream: the CPU's bfloat16 SiLU rounds otherwise, see
+    moebench.execution.linear_attention), and determinism; in `dtype` (the layer's weights cast to it)."""
+    row = {"case": label, "backend": backend, "dtype": str(dtype).replace("mlx.core.", "")}
+    reason = support.linear_attention_reason(spec)
+    if reason:
+        return {**row, "status": "declined", "reason": reason, "passed": True}
+    w = GatedDeltaWeights(weights.conv.astype(dtype), weights.a_log.astype(mx.float32),
+                          weights.dt_bias.astype(dtype), weights.norm.astype(dtype), weights.eps)
+    inputs = gated_delta_inputs(spec, dtype, seed)
+    try:
+        runs = [linear_attention.gated_delta_step(backend, *inputs, w, spec) for _ in range(determinism_runs(backend))]
+        ref = runs[0] if backend == "reference" else linear_attention.gated_delta_step("reference", *inputs, w, spec)
+        mx.eval(runs, ref)
+    except Exception as e:  # noqa: BLE001 -- reported as a failed row
+        return {**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False}
+    truth_out, truth_conv, truth_state = gated_delta_f64(*inputs, w, spec)
+    out, conv, state = (f64(a) for a in runs[0])
+    row.update({"out_nrms": nrms(out.reshape(-1), truth_out), "state_nrms": nrms(state[0], truth_state),
+                "reference_nrms": max(nrms(f64(ref[0]).reshape(-1), truth_out), nrms(f64(ref[2])[0], truth_state)),
+                "vs_reference_nrms": None if backend == "reference" else
+                max(nrms(out, f64(ref[0])), nrms(state, f64(ref[2]))),
+                "conv_exact": bool(np.array_equal(conv[0], truth_conv)),
+                "deterministic": all(same_bits(a, b) for run in runs[1:] for a, b in zip(run, runs[0], strict=True))})
+    return {**row, "status": "ran", "passed": gated_delta_passed(row, dtype)}
+
+
+def gated_delta_passed(row: dict, dtype: mx.Dtype) -> bool:
+    """float32: the kernel within GATED_DELTA_F32 of the truth and of the reference. Rounded dtypes: the reference
+    within its rounding class of the truth, the kernel as near the truth as the reference is and within a carried
+    last bit of it (tests/gpu/test_cuda_gated_delta.py's bounds)."""
+    worst, vs_reference = max(row["out_nrms"], row["state_nrms"]), row["vs_reference_nrms"]
+    if dtype == mx.float32:
+        checks = [worst < GATED_DELTA_F32, vs_reference is None or vs_reference < GATED_DELTA_F32]
+    else:
+        checks = [row["reference_nrms"] < GATED_DELTA_ROUNDED, worst < 1.5 * row["reference_nrms"] + 1e-3,
+                  vs_reference is None or vs_reference < GATED_DELTA_VS_REFERENCE]
+    return all(checks) and row["conv_exact"] and row["deterministic"]
+
+
+def mixer_kinds(model) -> dict[str, int]:
+    """Layers per token mixing: 'attention' and each linear kind (a hybrid's Gated DeltaNet layers). The decode
+    checks count every one of them as an attention layer: fused when its kernel (decode attention, the gated delta
+    step) ran."""
+    kinds = ("attention" if isinstance(m.spec, AttentionSpec) else m.spec.kind for m in map(token_mixer, model.layers))
+    return dict(Counter(kinds))
 
 
 def decode_checks(model, prompt_tokens: int, gen_tokens: int, repeats: int, progress: bool) -> dict:
@@ -432,7 +561,7 @@ def decode_checks(model, prompt_tokens: int, gen_tokens: int, repeats: int, prog
     return {
         "backend": backend, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeats": repeats,
         "dispatch": {**d, "expected_fused": d["moe_layers"] * steps, "expected_fallback": expected_fallback,
-                     "passed": dispatch_ok, "attention_passed": attention_ok},
+                     "passed": dispatch_ok, "attention_passed": attention_ok, "mixers": mixer_kinds(model)},
         "greedy": {**greedy, "parity_class": parity_class, "passed": greedy_ok, "off_tokens": off.trace.token_ids,
                    "on_tokens": on.trace.token_ids},
         "deterministic": deterministic,
@@ -447,7 +576,8 @@ def decode_failures(decode: dict) -> list[str]:
     if not decode["dispatch"]["passed"]:
         failures.append("dispatch: the kernel did not run on every decode step")
     if not decode["dispatch"]["attention_passed"]:
-        failures.append("dispatch: the decode-attention kernel did not run on every decode step")
+        failures.append("dispatch: the token-mixing kernels (decode attention, gated delta step) did not run on every "
+                        "decode step of every layer")
     if not decode["greedy"]["passed"]:
         failures.append(f"greedy: {decode['greedy']['parity_class']} at a clear margin")
     if not decode["deterministic"]:
@@ -496,6 +626,7 @@ def report_text(record: dict) -> str:
         result = (f"nRMS {_fmt(r['vs_reference_nrms'])}{written}: {'pass' if r['passed'] else 'FAIL'}"
                   if r["status"] == "ran" else f"{r['status']}: {r['reason']}")
         lines.append(f"- {r['case']}: {result}")
+    lines.extend(gated_delta_lines(record["gated_delta"]))
     dec = record["decode"]
     if "error" in dec:
         lines.append(f"\ndecode: FAIL: {dec['error']}")
@@ -505,7 +636,8 @@ def report_text(record: dict) -> str:
                  f"({d['moe_layers']} MoE layers x {dec['gen_tokens'] - 1} decode steps), {d['fallback']} fallback "
                  f"(expected {d['expected_fallback']}: prefill); {'pass' if d['passed'] else 'FAIL'}")
     at = d["attention"]
-    lines.append(f"attention dispatch: {at['fused'].get(dec['backend'], 0)} fused ({at['layers']} layers x "
+    kinds = ", ".join(f"{n} {kind}" for kind, n in d["mixers"].items())
+    lines.append(f"attention dispatch: {at['fused'].get(dec['backend'], 0)} fused ({at['layers']} layers: {kinds}; x "
                  f"{dec['gen_tokens'] - 1} decode steps), {at['fallback']} fallback; "
                  f"{'pass' if d['attention_passed'] else 'FAIL'}")
     margin = "" if g["margin"] is None else f", reference margin {g['margin']:.3g} nats"
@@ -520,6 +652,24 @@ def report_text(record: dict) -> str:
                  f"{on['median']:.1f} ({on['min']:.1f}-{on['max']:.1f}) [{dec['backend']}] | {100 * s['gain']:+.1f}% | "
                  f"{g['parity_class']} |")
     return "\n".join([*lines, _verdict(record)])
+
+
+def gated_delta_lines(rows: list[dict]) -> list[str]:
+    """The gated delta rows of the text report (none without a linear-attention layer)."""
+    if not rows:
+        return []
+    lines = [f"\ngated delta step kernel vs the float64 truth and the reference (bounds: float32 nRMS < "
+             f"{GATED_DELTA_F32:g}; rounded dtypes: reference vs truth < {GATED_DELTA_ROUNDED:g}, kernel vs truth < "
+             f"1.5 x the reference's + 1e-3, vs reference < {GATED_DELTA_VS_REFERENCE:g})"]
+    for r in rows:
+        if r["status"] != "ran":
+            lines.append(f"- {r['case']} {r['dtype']} [{r['backend']}]: {r['status']}: {r['reason']}")
+            continue
+        lines.append(f"- {r['case']} {r['dtype']} [{r['backend']}]: output nRMS {_fmt(r['out_nrms'])}, state nRMS "
+                     f"{_fmt(r['state_nrms'])} (reference's {_fmt(r['reference_nrms'])}), vs reference "
+                     f"{_fmt(r['vs_reference_nrms'])}, conv state {'exact' if r['conv_exact'] else 'WRONG'}, "
+                     f"deterministic {'yes' if r['deterministic'] else 'NO'}: {'pass' if r['passed'] else 'FAIL'}")
+    return lines
 
 
 def _verdict(record: dict) -> str:
@@ -547,16 +697,19 @@ def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen
     parity.append(shared_expert_parity(backend, dtype))
     router = router_parity(backend, dtype)
     attention_rows = attention_parity(backend, model)
+    linear_rows = gated_delta_parity(backend, model)
     decode = decode_checks(model, prompt_tokens, gen_tokens, repeats, progress)
     failures = [f"parity {r['case']} bits {_format(r) if 'bits' in r else None} g{r.get('group_size')}"
                 for r in parity if not r["passed"]]
     failures += [f"parity {r['case']}" for r in router + attention_rows if not r["passed"]]
+    failures += [f"parity {r['case']} {r['dtype']}" for r in linear_rows if not r["passed"]]
     failures += decode_failures(decode)
     failures += [f"weights: NaN or Inf in {name}" for name in nonfinite]
     bits = model.load_info.bits.get("mlp.switch_mlp.gate_proj", "?")
     return {"schema": SCHEMA, "platform": platform_info(), "model": {"path": str(path), "name": path.name,
             "bits": bits}, "weights": weights, "parity": parity, "router": router, "attention": attention_rows,
-            "decode": decode, "failures": failures, "passed": not failures, "seconds": time.perf_counter() - start}
+            "gated_delta": linear_rows, "decode": decode, "failures": failures, "passed": not failures,
+            "seconds": time.perf_counter() - start}
 
 
 def register(sub: argparse._SubParsersAction) -> None:

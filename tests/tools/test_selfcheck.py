@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -10,8 +11,11 @@ import pytest
 import moebench
 from moebench.cli import main
 from moebench.execution import attention as attention_kernel
+from moebench.execution import linear_attention
 from moebench.execution import moe as fused_kernel
+from moebench.execution.linear_attention import GatedDeltaWeights
 from moebench.tools import selfcheck
+from moebench.tools.presets import write_random
 
 ARGS = ["--prompt-tokens", "3", "--gen-tokens", "4", "--repeats", "1", "--no-progress"]
 
@@ -195,3 +199,99 @@ def test_selfcheck_reads_every_weight_and_fails_on_a_nan(quantized_checkpoint, m
     assert main(["selfcheck", str(quantized_checkpoint), *ARGS]) == 1
     out = capsys.readouterr().out
     assert "weights: NaN or Inf in model.layers.0.self_attn.o_proj" in out and "FAIL" in out
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory) -> Path:
+    """Read-only: `moebench make-random DIR --preset gpt-oss-tiny --dtype float32`'s folder (a 4-position window
+    on layer 0, sinks and YaRN on both layers, mxfp4 experts)."""
+    return write_random(tmp_path_factory.mktemp("gpt-oss") / "ckpt", "gpt-oss-tiny", dtype="float32", seed=3,
+                        progress=False)
+
+
+def test_selfcheck_checks_a_hybrids_gated_delta_kernel_and_counts_its_linear_layers(tiny_hybrids, tmp_path,
+                                                                                    capsys):
+    out = tmp_path / "s.json"
+    assert main(["selfcheck", str(tiny_hybrids["qwen3-next-tiny"]), "--json", str(out), *ARGS]) == 0
+    text = capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["passed"] and record["failures"] == []
+    [row] = record["gated_delta"]  # float32 model: one dtype
+    assert row["case"].startswith("model layer 0 gated delta step: 2 key heads of 32, 4 value heads of 32")
+    assert row["status"] == "ran" and row["backend"] == "reference" and row["dtype"] == "float32" and row["passed"]
+    assert max(row["out_nrms"], row["state_nrms"]) < selfcheck.GATED_DELTA_F32 and row["vs_reference_nrms"] is None
+    assert row["conv_exact"] and row["deterministic"]
+    assert "gated delta step kernel vs the float64 truth" in text and "float32 [reference]: output nRMS" in text
+    gated = [r for r in record["attention"] if "output gate" in r["case"]]  # the full-attention layer's declaration
+    assert len(gated) == len(selfcheck.ATTENTION_CASES) and "rotary on 8 of 32 dims" in gated[0]["case"]
+    d = record["decode"]["dispatch"]
+    assert d["mixers"] == {"Gated DeltaNet linear attention": 3, "attention": 1}
+    assert d["attention_passed"] and d["attention"]["fused"] == {"reference": 4 * 3}  # every layer, 3 decode steps
+    assert "4 layers: 3 Gated DeltaNet linear attention, 1 attention; x 3 decode steps" in text
+
+
+def test_selfcheck_checks_gpt_oss_attention_variants(tiny_gpt_oss, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["selfcheck", str(tiny_gpt_oss), "--json", str(out), *ARGS]) == 0
+    record = json.loads(out.read_text())
+    assert record["passed"] and record["gated_delta"] == []
+    windowed = [r["case"] for r in record["attention"] if "window 4" in r["case"]]
+    assert all("+ bias + window 4 + sinks + scaled rotary (factor 1.347)" in c for c in windowed)
+    assert {c.split(" at ")[1] for c in windowed} >= {"position 3 of 256 (1 threadgroups a head)",
+                                                       "position 4 of 256 (1 threadgroups a head)",
+                                                       "position 4000 of 4352 (1 threadgroups a head)"}
+    assert "attention dispatch: 6 fused (2 layers: 2 attention; x 3 decode steps)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("error,passes", [(0.0, True), (1e-2, False)])
+def test_a_gpu_attention_kernel_with_variants_is_compared_with_the_cpu_reference(tiny_gpt_oss, tiny_hybrids,
+                                                                                  monkeypatch, error, passes):
+    seen = []
+
+    def as_if_cuda(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=False, qk_norm=None,
+                   sinks=None, rope_scale=1.0):
+        seen.append((heads, sinks is not None, rope_scale))
+        out, k, v = attention_kernel.reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads,
+                                                                 block, qk_norm, sinks, rope_scale)
+        if write:
+            keys[block, :, slots[0].item()] = k[0, :, 0]
+            values[block, :, slots[0].item()] = v[0, :, 0]
+        return out * (1 + error), k, v
+
+    monkeypatch.setattr(attention_kernel, "gpu_decode_attention", as_if_cuda)
+    for folder in (tiny_gpt_oss, tiny_hybrids["qwen3-next-tiny"]):
+        rows = selfcheck.attention_parity("cuda", moebench.load(folder)[0])
+        assert all(r["status"] == "ran" and r["passed"] == passes for r in rows)
+    declared = {(h.window, h.output_gate, has_sinks, scale != 1.0) for h, has_sinks, scale in seen}
+    assert {(4, False, True, True), (None, False, True, True), (None, True, False, False)} <= declared
+
+
+def _broken(real, error):
+    def step(backend, *args):
+        out, conv, state = real(backend, *args)
+        return out * (1 + error), conv, state
+
+    return step
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("error,passes", [(0.0, True), (5e-2, False)])
+def test_a_gpu_gated_delta_kernel_is_compared_with_the_reference_and_the_truth(tiny_hybrids, monkeypatch, dtype,
+                                                                               error, passes):
+    """The GPU kernel simulated by the reference, off by `error` (float32's bounds, then the rounded dtypes')."""
+    model = moebench.load(tiny_hybrids["qwen3.5-moe-tiny"])[0]
+    real = linear_attention.gated_delta_step
+    monkeypatch.setattr(linear_attention, "gpu_gated_delta",
+                        lambda backend, *args: _broken(real, error)("reference", *args))
+    net = model.layers[0].mixer
+    row = selfcheck.gated_delta_case("cuda", "case", net.spec, GatedDeltaWeights.of(net), dtype, seed=0)
+    assert row["status"] == "ran" and row["passed"] == passes and row["dtype"] == str(dtype).split(".")[-1]
+    assert row["vs_reference_nrms"] == pytest.approx(error, rel=0.2)  # bfloat16 rounds the 5% error
+
+
+def test_selfcheck_fails_when_the_gated_delta_step_is_wrong(tiny_hybrids, monkeypatch, capsys):
+    monkeypatch.setattr(linear_attention, "gated_delta_step", _broken(linear_attention.gated_delta_step, 1e-2))
+    assert main(["selfcheck", str(tiny_hybrids["qwen3-next-tiny"]), *ARGS]) == 1
+    text = capsys.readouterr().out
+    assert "float32 [reference]: output nRMS 1.00e-02" in text and ": FAIL" in text
+    assert "parity model layer 0 gated delta step" in text.splitlines()[-1]
