@@ -88,13 +88,12 @@ def attention_step_note(attn) -> str | None:
 
 def rotary(attn) -> tuple[mx.array, float]:
     """The layer's rotation frequencies [rotary_dims / 2] and the attention factor multiplying q and k: at
-    rope_theta and 1, or, where the layer declares scaled rotary, its own: the reciprocals of the wavelengths it
-    hands mx.fast.rope (`_rope_freqs`, kept out of its parameters by the underscore; mx.fast.rope turns by their
-    reciprocals too) and its `rope_factor`."""
+    rope_theta and 1, or, where the layer declares scaled rotary, its own (`scaled_frequencies()` and
+    `rope_factor`)."""
     spec = attn.spec
     if not spec.scaled_rope:
         return rope_frequencies(rotary_dims(spec), attn.rope_theta), 1.0
-    inv_freq = 1.0 / attn._rope_freqs.astype(mx.float32)
+    inv_freq = attn.scaled_frequencies()
     mx.eval(inv_freq)
     return inv_freq, float(attn.rope_factor)
 

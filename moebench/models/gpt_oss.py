@@ -105,6 +105,12 @@ class Attention(qwen2_moe.Attention):
     def spec(self) -> AttentionSpec:
         return replace(super().spec, window=self.window, sinks=True, scaled_rope=self._rope_freqs is not None)
 
+    def scaled_frequencies(self) -> mx.array:
+        """float32 [head_dim / 2]: the rotation speeds YaRN gives each pair of dims (the reciprocals of the
+        wavelengths handed to mx.fast.rope, which turns by their reciprocals too), for a layer declaring
+        scaled_rope."""
+        return 1.0 / self._rope_freqs.astype(mx.float32)
+
     def head_sinks(self) -> mx.array:
         """The sinks of the heads this process computes: all of them, or under tensor parallelism (o_proj a
         ColumnShard over this rank's heads) this rank's span; every rank loads the whole [n_heads] vector."""
