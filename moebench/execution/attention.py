@@ -35,8 +35,7 @@ import mlx.core as mx
 
 from ..errors import UnsupportedKernelConfig
 from ..models.declare import AttentionSpec
-from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend, run_compiled
-from .moe import float_bits
+from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend, float_bits, run_compiled
 from .support import attention_reason, rotary_dims
 
 ATTENTION = Stage("moebench_attn_decode", "attn_decode.body",

@@ -9,6 +9,7 @@ on any device: the test oracle and the CPU path.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from importlib import resources
@@ -119,3 +120,8 @@ class CheckedOnce:
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def float_bits(v: float) -> int:
+    """v's float32 bits as a signed int: how a float reaches a kernel (MLX's kernel templates take no floats)."""
+    return struct.unpack("<i", struct.pack("<f", v))[0]

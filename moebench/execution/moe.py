@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -31,7 +30,17 @@ from ..models.args import QuantizedParts
 from ..models.declare import CLAMPED_SWIGLU, SOFTMAX_THEN_TOPK, SWIGLU, TOPK_THEN_SOFTMAX
 from ..models.routing import route
 from ..models.switch import SwitchGLU, weighted_sum
-from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend, round_up, run_compiled
+from .kernel import (
+    GPU_BACKENDS,
+    LANES,
+    CheckedOnce,
+    Stage,
+    built_kernel,
+    check_backend,
+    float_bits,
+    round_up,
+    run_compiled,
+)
 from .support import ACTIVATIONS, parts_reason, shared_fold_reason
 from .weights import expert_biases
 
@@ -67,11 +76,6 @@ class ExpertVariant:
 
     biases: tuple[mx.array, mx.array, mx.array] | None = None
     clamp: tuple[float, float] | None = None
-
-
-def float_bits(v: float) -> int:
-    """v's float32 bits as a signed int: how limit and alpha reach the kernels (their templates take no floats)."""
-    return struct.unpack("<i", struct.pack("<f", v))[0]
 
 
 def _variant_signature(variant: ExpertVariant | None) -> tuple | None:

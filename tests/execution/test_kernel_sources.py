@@ -35,7 +35,7 @@ from moebench.execution.attention import (
     reference_decode_attention,
     rope_frequencies,
 )
-from moebench.execution.kernel import KERNEL_DIR, LANES, Stage, kernel_source
+from moebench.execution.kernel import KERNEL_DIR, LANES, Stage, float_bits, kernel_source
 from moebench.execution.moe import (
     DOWN,
     GATE_UP,
@@ -104,8 +104,8 @@ def _format(mode: str) -> dict[str, object]:
 # The declared variants off (SwiGLU without biases, softmax then top-k): what an instance takes unless told.
 VARIANTS_OFF = {"ACT": 0, "LIMIT": 0, "ALPHA": 0, "EBIAS": False, "TOPK_FIRST": False}
 CLAMP = (1.0, 1.702)  # a limit that bites on the test activations; gpt-oss's alpha
-_CLAMPED = {"ACT": moe.ACTIVATIONS.index(CLAMPED_SWIGLU), "LIMIT": moe.float_bits(CLAMP[0]),
-            "ALPHA": moe.float_bits(CLAMP[1])}
+_CLAMPED = {"ACT": moe.ACTIVATIONS.index(CLAMPED_SWIGLU), "LIMIT": float_bits(CLAMP[0]),
+            "ALPHA": float_bits(CLAMP[1])}
 
 
 def _instance(stage: Stage, flavor: str = "f32", **values) -> Instance:
@@ -206,7 +206,7 @@ def _attention_instance(shape: tuple[int, int, int], bias: bool, write: bool, fl
     out = FLAVORS[flavor]["T"] if splits == 1 else "float"  # the output, or the partials a second launch joins
     return _instance(ATTENTION, flavor, **dict(zip(("H", "KV", "HD"), shape, strict=True)), BIAS=bias, QKNORM=qknorm,
                      ROPE_DIMS=declared.rope_dims or shape[2],
-                     FACTOR=moe.float_bits(declared.factor) if declared.factor != 1.0 else 0, GATE=declared.gate,
+                     FACTOR=float_bits(declared.factor) if declared.factor != 1.0 else 0, GATE=declared.gate,
                      WINDOW=declared.window or 0, SINKS=declared.sinks, W=WARPS_PER_HEAD, S=splits, WRITE=write,
                      OT=out)
 
@@ -440,7 +440,7 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
     template = dict(launches[ATTENTION][1])
     assert template["WRITE"] is bool(dffs) and template["QKNORM"] is bool(dffs) and template["S"] == 1 + bool(dffs)
     assert (template["ROPE_DIMS"], template["FACTOR"], template["GATE"], template["WINDOW"], template["SINKS"]) == (
-        (16, moe.float_bits(1.5), True, 600, True) if dffs else (64, 0, False, 0, False))
+        (16, float_bits(1.5), True, 600, True) if dffs else (64, 0, False, 0, False))
     if dffs:
         assert dict(launches[COMBINE][1])["GATE"] is True
     output_rows = {GATE_UP: K * DFF + dffs, DOWN: DIN, ROUTER: 1,
