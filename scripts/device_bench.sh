@@ -24,7 +24,8 @@
 #            moebench kernels, carried) an earlier revision's fused and fallback arms too, and HEAD/snapshot per
 #            round; all on the same weights, interleaved; at most $BENCH_LIMIT seconds (default 360)
 # selfcheck  moebench selfcheck on that checkpoint, and on the shipped model when data/ has it
-# gputests   the CUDA-only tests (tests/gpu: kernel parity against the reference and a float64 truth)
+# gputests   the CUDA-only tests (tests/gpu: kernel parity against the reference and a float64 truth); $GPUTESTS
+#            names other pytest targets, $GPUTESTS_LIMIT the stage's seconds (default 240)
 # profile    moebench profile (one decode token after a $PROFILE_PROMPT-token prompt, default 64: build / eval ms,
 #            graph nodes by primitive), fused on and off and mlx-lm's model; also with the package in .snap/before
 #            (an earlier commit, when carried) for a before/after pair
@@ -107,7 +108,7 @@ EOF
 python3 -c 'import moebench.cli' || { echo "moebench does not import here; see above" >&2; exit 1; }
 
 if [[ " $stages " == *" gputests "* ]]; then
-  run_stage gputests 240 gputests.txt python3 -m pytest -q -s -o addopts="" -p no:cacheprovider tests/gpu
+  run_stage gputests "${GPUTESTS_LIMIT:-240}" gputests.txt python3 -m pytest -q -s -o addopts="" -p no:cacheprovider ${GPUTESTS:-tests/gpu}
 fi
 
 if [ -f "$CKPT.done" ]; then
