@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from conftest import HYBRID_PRESETS, assert_back_at_and_resumes
 from gpu.test_cuda_gated_delta import random_step_inputs
+from gpu_rounding import gpu_sigmoid
 
 import moebench
 from moebench.decode.loop import Session, generate, generate_tokens
@@ -252,14 +253,6 @@ def _run_shim(lib: ctypes.CDLL, inputs, weights: GatedDeltaWeights, spec: Linear
         return np.array(mx.array(x).view(mx.bfloat16).astype(mx.float32)) if x.dtype == np.uint16 else x
 
     return tuple(back(n) for n in GATED_DELTA.outputs)
-
-
-def gpu_sigmoid(x: mx.array) -> mx.array:
-    """mx.sigmoid as MLX computes it on Metal and CUDA: in x's dtype, exp(|x|), 1 + it, the quotient and 1 - it each
-    rounded to it (MLX's CPU rounds only the exp and the result, so in bfloat16 its sigmoid parts from theirs by a
-    unit of the last place in about one value in ten)."""
-    y = 1 / (1 + mx.exp(mx.abs(x)))
-    return mx.where(x < 0, y, 1 - y)
 
 
 def gpu_rounded_reference(monkeypatch, inputs, weights: GatedDeltaWeights, spec: LinearAttentionSpec):

@@ -17,6 +17,7 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
+from execution.gpu_rounding import gpu_rounded_attention
 
 from moebench.checkpoint.loader import load
 from moebench.decode.cache import make_cache
@@ -450,7 +451,11 @@ GPT_OSS_YARN = YarnScaling(factor=32.0, original_max_position_embeddings=4096, t
     (replace(GPT_OSS_HEADS, window=128), 4000, mx.float32, 4352)])
 def test_cuda_attention_variants_match_reference_and_truth(heads, p, dtype, cap):
     """The declared variants on CUDA against the CPU reference and the float64 truth, in the plain kernel's bounds;
-    with the in-place write storing the key and value it outputs."""
+    with the in-place write storing the key and value it outputs. The reference's output gate rounds as CUDA's
+    mx.sigmoid does (gpu_rounded_attention), as the kernel and the model on the GPU round it: in bfloat16 op by op.
+    MLX's CPU rounds it otherwise (only the exp and the result), which alone puts the gated bfloat16 outputs here
+    2.5e-3 to 2.8e-3 from the GPU's (nRMS), past the bound (the H200 found a kernel that rounded the sigmoid once
+    1.95e-3 from the CPU's reference)."""
     base = 10_000_000.0 if heads.output_gate else 150_000.0
     rng = np.random.default_rng(p + heads.head_dim + 7 * heads.output_gate)
     cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
@@ -471,7 +476,7 @@ def test_cuda_attention_variants_match_reference_and_truth(heads, p, dtype, cap)
     variants = dict(qk_norm=qk_norm, sinks=sinks, rope_scale=factor)
     out = attention.decode_attention("cuda", *args, **variants)
     with mx.stream(mx.cpu):
-        ref = attention.decode_attention("reference", *args, **variants)
+        ref = gpu_rounded_attention(*args, **variants)
         mx.eval(ref)
     buffers = [keys + 0, values + 0]
     mx.eval(buffers)
