@@ -22,7 +22,8 @@ Arithmetic, shared by every backend: the bias add is rounded to the activation d
 is; the q/k norm rounds where mx.fast.rms_norm does; q and k are rotated (rotate-half, as mx.fast.rope
 with traditional=False) in float32 and rounded to T, as rope's output is; scores and softmax in float32
 with the scale head_dim ** -0.5; the output is rounded to T once. The variants round where the unfused ops
-do: q and k times the attention factor in T; sigmoid(gate) in T, and the output times it in T again.
+do: q and k times the attention factor in T; sigmoid(gate) in T, op by op as on Metal and CUDA, and the output
+times it in T again.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 (independently of MLX), scales and biases upcast before the affine map (or, in the microscaled modes
 mxfp4, nvfp4 and mxfp8, codes and scales decoded from their formats' definitions), every product
 accumulated in float64; the declared variants (expert biases, the clamped SwiGLU) from their definitions
-too; and a Gated DeltaNet decode step from its definition. compare, selfcheck and the tests use it.
+too; and a decode-attention step and a Gated DeltaNet decode step from their definitions. compare, selfcheck
+and the tests use it.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import UnsupportedKernelConfig
+from ..execution.attention import QKNorm
 from ..execution.linear_attention import GatedDeltaWeights
 from ..execution.moe import ExpertVariant
 from ..models.args import QuantizedParts
-from ..models.declare import LinearAttentionSpec
+from ..models.declare import AttentionSpec, LinearAttentionSpec
 from ..models.gated_delta import L2_EPS
 
 
@@ -139,6 +141,47 @@ def gated_delta_f64(qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, conv_s
     normed = o / np.sqrt((o**2).mean(-1, keepdims=True) + weights.eps) * f64(weights.norm)
     gate = f64(z).reshape(hv, dv)
     return (gate / (1 + np.exp(-gate)) * normed).reshape(-1), window[1:], s
+
+
+def attention_f64(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
+                  values: mx.array, heads: AttentionSpec, block: int = 0, qk_norm: QKNorm | None = None,
+                  sinks: mx.array | None = None, rope_scale: float = 1.0) -> np.ndarray:
+    """One token's decode attention from its definition (the arguments as
+    moebench.execution.attention.decode_attention's), every step in float64 so that none of the kernel's or the
+    reference's roundings (the activation dtype's, float32's) is in it: the output [H * HD]. The stacked projection
+    plus its bias; each head of q and k RMS-normalised with `qk_norm`; q and k times `rope_scale`, then rotated
+    (rotate-half) on their first rotary dims at `inv_freq` (the rest passed through); the new token attends to itself
+    and the cached positions before it in block `block` (only the last `window` positions with one); `sinks` in the
+    softmax's denominators; with an output gate, each head's output times sigmoid of its gate rows."""
+    h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
+    p, rows, freqs = int(slots[0].item()), 2 * h if heads.output_gate else h, f64(inv_freq)
+    x = f64(qkv).reshape(-1) + (f64(bias) if bias is not None else 0.0)
+    queries = x[: rows * hd].reshape(h, -1, hd)  # per head its queries, then its gate rows
+    q, k, v = queries[:, 0], x[rows * hd : (rows + kv) * hd].reshape(kv, hd), x[(rows + kv) * hd :].reshape(kv, hd)
+    if qk_norm is not None:
+        q, k = (a / np.sqrt((a * a).mean(axis=-1, keepdims=True) + qk_norm.eps) * f64(w)
+                for a, w in ((q, qk_norm.q), (k, qk_norm.k)))
+    cos, sin, half = np.cos(p * freqs), np.sin(p * freqs), freqs.size
+
+    def rotate(a: np.ndarray) -> np.ndarray:
+        a = a * rope_scale
+        a1, a2 = a[..., :half], a[..., half : 2 * half]
+        return np.concatenate([a1 * cos - a2 * sin, a2 * cos + a1 * sin, a[..., 2 * half :]], axis=-1)
+
+    q, k = rotate(q), rotate(k)
+    oldest = 0 if heads.window is None else max(0, p + 1 - heads.window)
+    ks = np.concatenate([f64(keys[block, :, oldest:p]), k[:, None]], axis=1)  # [KV, attended, HD]
+    vs = np.concatenate([f64(values[block, :, oldest:p]), v[:, None]], axis=1)
+    group, sink = h // kv, None if sinks is None else f64(sinks)
+    out = np.empty((h, hd))
+    for i in range(h):
+        scores = ks[i // group] @ q[i] / np.sqrt(hd)
+        top = scores.max() if sink is None else max(scores.max(), sink[i])
+        w = np.exp(scores - top)
+        out[i] = w @ vs[i // group] / (w.sum() + (0.0 if sink is None else np.exp(sink[i] - top)))
+    if heads.output_gate:
+        out = out / (1 + np.exp(-queries[:, 1]))
+    return out.reshape(-1)
 
 
 def nrms(a: np.ndarray, ref: np.ndarray) -> float:

@@ -29,7 +29,7 @@ from moebench.execution.executor import executor, fused_moe
 from moebench.execution.kernel import available_backend
 from moebench.execution.moe import gpu_routed
 from moebench.execution.support import MICROSCALED
-from moebench.inspect.truth import expert_outputs, f64, nrms
+from moebench.inspect.truth import attention_f64, expert_outputs, f64, nrms
 from moebench.models.args import FP_MODES, QuantizedParts, YarnScaling
 from moebench.models.declare import SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, AttentionSpec
 from moebench.models.gpt_oss import yarn
@@ -325,47 +325,6 @@ def _layer_caches(rng: np.random.Generator, heads: AttentionSpec, cap: int, bloc
     return caches
 
 
-def _attention_truth(qkv: np.ndarray, bias: np.ndarray | None, p: int, keys: np.ndarray, values: np.ndarray,
-                     heads: AttentionSpec, base: float, norms: tuple[np.ndarray, np.ndarray, float] | None = None,
-                     inv_freq: np.ndarray | None = None, factor: float = 1.0,
-                     sinks: np.ndarray | None = None) -> np.ndarray:
-    """float64 attention of one token over positions 0..p (the new one rotated here, earlier ones cached), with
-    each head of q and k RMS-normalised first when `norms` gives (q weight, k weight, eps); and what `heads`
-    declares: rotary on the first int(head_dim * rope_fraction) dims (at `base`, or at `inv_freq` when given),
-    q and k times `factor` first, the last `window` positions only, `sinks` in the denominators, each head's output
-    times sigmoid of its gate rows (q_proj's rows per head: queries, then gate)."""
-    h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
-    rows, rd = (2 * h if heads.output_gate else h), int(hd * heads.rope_fraction)
-    x = qkv.astype(np.float64) + (bias.astype(np.float64) if bias is not None else 0.0)
-    queries = x[: rows * hd].reshape(h, -1, hd)
-    q, k, v = queries[:, 0], x[rows * hd : (rows + kv) * hd].reshape(kv, hd), x[(rows + kv) * hd :]
-    if norms is not None:
-        q, k = (a / np.sqrt((a * a).mean(axis=-1, keepdims=True) + norms[2]) * w
-                for a, w in zip((q, k), norms[:2], strict=True))
-    inv = base ** (-np.arange(0, rd, 2) / rd) if inv_freq is None else inv_freq.astype(np.float64)
-    c, s = np.cos(p * inv), np.sin(p * inv)
-
-    def rot(a):
-        a = a * factor
-        a1, a2 = a[..., : rd // 2], a[..., rd // 2 : rd]
-        return np.concatenate([a1 * c - a2 * s, a2 * c + a1 * s, a[..., rd:]], axis=-1)
-
-    q, k = rot(q), rot(k)
-    oldest = 0 if heads.window is None else max(0, p + 1 - heads.window)
-    ks = np.concatenate([keys[0, :, oldest:p].astype(np.float64), k[:, None]], axis=1)  # [KV, attended, HD]
-    vs = np.concatenate([values[0, :, oldest:p].astype(np.float64), v.reshape(kv, 1, hd)], axis=1)
-    group = h // kv
-    out = np.empty((h, hd))
-    for i in range(h):
-        sc = ks[i // group] @ q[i] / np.sqrt(hd)
-        top = sc.max() if sinks is None else max(sc.max(), sinks[i])
-        w = np.exp(sc - top)
-        out[i] = w @ vs[i // group] / (w.sum() + (0.0 if sinks is None else np.exp(sinks[i] - top)))
-    if heads.output_gate:
-        out = out / (1 + np.exp(-queries[:, 1]))
-    return out.reshape(-1)
-
-
 # (heads, bias, position, dtype, cache slots, q/k norm): A2.7B's MHA and Qwen3-30B-A3B's GQA (with its q/k norm),
 # one threadgroup a head (256 slots) and several (past SPLIT_POSITIONS: a 4352-slot cache is 9 a head)
 @pytest.mark.parametrize("heads,bias,p,dtype,cap,qknorm", [
@@ -404,9 +363,7 @@ def test_cuda_attention_kernel_matches_reference_and_truth(heads, bias, p, dtype
     written = attention.decode_attention("cuda", qkv, b, inv, slots, *buffers, heads, block, write=True,
                                          qk_norm=qk_norm)
     mx.eval(written)
-    norms = (f64(weights[0]), f64(weights[1]), 1e-6) if qknorm else None
-    truth = _attention_truth(f64(qkv).reshape(-1), None if b is None else f64(b), p, f64(keys[block : block + 1]),
-                             f64(values[block : block + 1]), heads, base, norms)
+    truth = attention_f64(qkv, b, inv, slots, keys, values, heads, block, qk_norm)
     got = {"cuda out vs truth": nrms(f64(out).reshape(-1), truth),
            "reference out vs truth": nrms(f64(ref[0]).reshape(-1), truth),
            "cuda vs reference out": nrms(f64(out), f64(ref[0])),
@@ -483,10 +440,7 @@ def test_cuda_attention_variants_match_reference_and_truth(heads, p, dtype, cap)
     written = attention.decode_attention("cuda", qkv, b, inv_freq, slots, *buffers, heads, block, write=True,
                                          **variants)
     mx.eval(written)
-    norms = (f64(weights[0]), f64(weights[1]), 1e-6) if qk_norm is not None else None
-    truth = _attention_truth(f64(qkv).reshape(-1), None if b is None else f64(b), p, f64(keys[block : block + 1]),
-                             f64(values[block : block + 1]), heads, base, norms, np.array(inv_freq), factor,
-                             None if sinks is None else f64(sinks))
+    truth = attention_f64(*args, **variants)
     got = {"cuda out vs truth": nrms(f64(out[0]).reshape(-1), truth),
            "reference out vs truth": nrms(f64(ref[0]).reshape(-1), truth),
            **{f"cuda vs reference {n}": nrms(f64(a), f64(r)) for n, a, r in zip(("out", "k_new", "v_new"), out, ref,

@@ -155,8 +155,8 @@ def test_a_gpu_router_kernel_is_compared_with_the_cpu_reference(monkeypatch, err
 
 # (output error, slot the emulated in-place write lands on past the token's, whether the rows pass)
 @pytest.mark.parametrize("error,shift,passes", [(0.0, 0, True), (1e-2, 0, False), (0.0, 1, False)])
-def test_a_gpu_attention_kernel_is_compared_with_the_cpu_reference(quantized_checkpoint, monkeypatch, error, shift,
-                                                                   passes):
+def test_a_gpu_attention_kernel_is_compared_with_the_reference_and_the_truth(quantized_checkpoint, monkeypatch, error,
+                                                                             shift, passes):
     def as_if_cuda(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=False, qk_norm=None,
                    sinks=None, rope_scale=1.0):
         out, k, v = attention_kernel.reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads,
@@ -172,6 +172,7 @@ def test_a_gpu_attention_kernel_is_compared_with_the_cpu_reference(quantized_che
     assert sum("q/k norm" in r["case"] for r in rows) == len(selfcheck.ATTENTION_CASES)  # Qwen3-30B-A3B's geometry
     assert any("9 threadgroups a head" in r["case"] for r in rows)
     assert all(r["passed"] == passes for r in rows)
+    assert all(r["out_nrms"] == pytest.approx(max(error, r["reference_nrms"]), rel=0.2) for r in rows)
 
 
 def test_the_shared_expert_case_fails_when_the_kernel_drops_the_shared_term(monkeypatch):
@@ -244,8 +245,9 @@ def test_selfcheck_checks_gpt_oss_attention_variants(tiny_gpt_oss, tmp_path, cap
 
 
 @pytest.mark.parametrize("error,passes", [(0.0, True), (1e-2, False)])
-def test_a_gpu_attention_kernel_with_variants_is_compared_with_the_cpu_reference(tiny_gpt_oss, tiny_hybrids,
-                                                                                  monkeypatch, error, passes):
+def test_a_gpu_attention_kernel_with_variants_is_compared_with_the_reference_and_the_truth(tiny_gpt_oss, tiny_hybrids,
+                                                                                            monkeypatch, error,
+                                                                                            passes):
     seen = []
 
     def as_if_cuda(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=False, qk_norm=None,
@@ -261,9 +263,26 @@ def test_a_gpu_attention_kernel_with_variants_is_compared_with_the_cpu_reference
     monkeypatch.setattr(attention_kernel, "gpu_decode_attention", as_if_cuda)
     for folder in (tiny_gpt_oss, tiny_hybrids["qwen3-next-tiny"]):
         rows = selfcheck.attention_parity("cuda", moebench.load(folder)[0])
-        assert all(r["status"] == "ran" and r["passed"] == passes for r in rows)
+        assert all(r["status"] == "ran" and r["passed"] == passes and r["dtype"] == "float32" for r in rows)
+        # the truth of every variant (gate and window included); float32 angles of position 4000 cost ~3e-5
+        assert all(r["reference_nrms"] < 1e-4 for r in rows)
     declared = {(h.window, h.output_gate, has_sinks, scale != 1.0) for h, has_sinks, scale in seen}
     assert {(4, False, True, True), (None, False, True, True), (None, True, False, False)} <= declared
+
+
+# (dtype, kernel vs truth, reference vs truth, kernel vs reference, in-place write exact, whether the row passes)
+@pytest.mark.parametrize("dtype,out,reference,vs_reference,written,passes", [
+    (mx.float32, 3e-4, 1e-6, 3e-4, True, True),
+    (mx.float32, 6e-4, 1e-6, 3e-4, True, False),  # far from the truth
+    (mx.float32, 3e-4, 1e-6, 6e-4, True, False),  # far from the reference
+    (mx.bfloat16, 5e-3, 4e-3, 3e-4, True, True),  # as near the truth as the reference rounding in bfloat16
+    (mx.bfloat16, 8e-3, 4e-3, 3e-4, True, False),  # farther from the truth than the reference is
+    (mx.bfloat16, 5e-3, 4e-3, 2e-3, True, False),  # the gate's sigmoid rounded otherwise than the reference's
+    (mx.bfloat16, 5e-3, 4e-3, 3e-4, False, False)], ids=str)
+def test_an_attention_row_passes_near_the_reference_and_as_near_the_truth(dtype, out, reference, vs_reference,
+                                                                          written, passes):
+    row = {"out_nrms": out, "reference_nrms": reference, "vs_reference_nrms": vs_reference, "in_place_write": written}
+    assert selfcheck.attention_passed(row, dtype) == passes
 
 
 def _broken(real, error):
