@@ -407,7 +407,7 @@ def attention_case(backend: str, g: AttentionGeometry, position: int, slots: int
                    seed: int) -> dict:
     """One position of one geometry in `dtype`: the kernel's output vs the float64 truth, the kernel (output, key,
     value) vs the reference run on the same device (the GPU's stream: the CPU's sigmoid rounds the output gate
-    otherwise, see tests/execution/gpu_rounding.py), and its in-place write."""
+    otherwise, see kernels/attn_decode.body), and its in-place write."""
     heads = g.heads
     row = {"case": f"{g.label()} at position {position} of {slots} "
            f"({attention.splits(attention.attended(heads, slots))} threadgroups a head)", "backend": backend,

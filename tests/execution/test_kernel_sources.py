@@ -24,7 +24,7 @@ from itertools import product
 import mlx.core as mx
 import numpy as np
 import pytest
-from gpu_rounding import gpu_rounded_attention
+from execution.gpu_rounding import gpu_rounded_attention
 
 from moebench.errors import UnsupportedKernelConfig
 from moebench.execution import attention, moe
