@@ -311,7 +311,9 @@ class GatedDeltaNet(nn.Module):
         if record is not None:
             record_linear(record, g, beta, state, z)
         if cache is not None:
-            cache.write(window[:, window.shape[1] - (lin.conv_kernel - 1) :], state, length)
+            # a copy: a slice would hold the whole window (a prefill chunk's projections) for as long as the cache
+            # keeps the state (mx.contiguous copies a slice of a much larger buffer)
+            cache.write(mx.contiguous(window[:, window.shape[1] - (lin.conv_kernel - 1) :]), state, length)
         out = self.norm(out.astype(x.dtype), z)
         return self.out_proj(out.reshape(batch, length, -1))
 

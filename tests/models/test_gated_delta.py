@@ -251,6 +251,21 @@ def test_prompt_in_chunks_equals_it_whole():
     assert np.abs(np.array(mx.concatenate(parts, axis=1)) - whole).max() <= 1e-5
 
 
+def test_the_kept_conv_state_does_not_hold_the_prompt():
+    """The conv state a long prompt leaves is its own few positions, not a view into the prompt's projections: a
+    kept state held the whole chunk's [q | k | v] per layer (2 GB of prefill memory at Qwen3.5-35B-A3B's size,
+    docs/benchmarks/issue41-qwen3.5-35b-a3b-h200-2026-12-03.md)."""
+    ours = our_layer("qwen3_5_moe", torch_layer("qwen3_5_moe", seed=5))
+    cache = LinearAttentionState(keep=2)
+    mx.eval(ours(mx.array(inputs(6, 4096)), cache), cache.state)
+    mx.clear_cache()
+    held = mx.get_active_memory()
+    window_bytes = 4096 * ours.linear.conv_dim * 4  # the prompt's projections, float32
+    cache.rewind_to(0)  # drops the state written by the prompt
+    mx.clear_cache()
+    assert held - mx.get_active_memory() < window_bytes / 8
+
+
 def test_rewind_then_step_equals_an_uninterrupted_run_exactly():
     """Steps queued ahead and rolled back (one, then two) leave outputs and states bit for bit as never taken."""
     ours = our_layer("qwen3_5_moe", torch_layer("qwen3_5_moe", seed=7))
