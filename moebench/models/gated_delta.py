@@ -311,9 +311,10 @@ class GatedDeltaNet(nn.Module):
         if record is not None:
             record_linear(record, g, beta, state, z)
         if cache is not None:
-            # a copy: a slice would hold the whole window (a prefill chunk's projections) for as long as the cache
-            # keeps the state (mx.contiguous copies a slice of a much larger buffer)
-            cache.write(mx.contiguous(window[:, window.shape[1] - (lin.conv_kernel - 1) :]), state, length)
+            conv = window[:, window.shape[1] - (lin.conv_kernel - 1) :]
+            if length > 1:  # a copy: a slice would hold the whole window (a prompt chunk's projections) for as long
+                conv = mx.contiguous(conv)  # as the cache keeps the state (contiguous copies a slice of a larger one)
+            cache.write(conv, state, length)
         out = self.norm(out.astype(x.dtype), z)
         return self.out_proj(out.reshape(batch, length, -1))
 

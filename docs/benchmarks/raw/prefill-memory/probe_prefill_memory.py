@@ -49,7 +49,7 @@ def hook_layers(layer_class, log: list) -> None:
     layer_class.__call__ = call
 
 
-def moebench_arm(path: str, ids: list[int], mode: str, dtype: str | None):
+def moebench_arm(path: str, ids: list[int], dtype: str | None):
     import moebench
     from moebench.decode.compiled import CompiledForward
     from moebench.execution.executor import executor
@@ -62,10 +62,10 @@ def moebench_arm(path: str, ids: list[int], mode: str, dtype: str | None):
         logits, _ = cf(mx.array(ids, dtype=mx.uint32), ex.settings)
         mx.eval(logits)
 
-    return model, run, type(model.layers[0]) if mode == "class" else None
+    return model, run, type(model.layers[0])
 
 
-def mlx_lm_arm(path: str, ids: list[int], mode: str, dtype: str | None):
+def mlx_lm_arm(path: str, ids: list[int], dtype: str | None):
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
@@ -75,7 +75,7 @@ def mlx_lm_arm(path: str, ids: list[int], mode: str, dtype: str | None):
         token, _ = next(generate_step(mx.array(ids, dtype=mx.uint32), model, max_tokens=1))
         mx.eval(token)
 
-    return model, run, type(model.layers[0]) if mode == "class" else None
+    return model, run, type(model.layers[0])
 
 
 def main() -> None:
@@ -90,7 +90,7 @@ def main() -> None:
     ids = [(i * 7919) % a.vocab + 1 for i in range(a.prompt)]
     report = {"prompt": a.prompt, "mlx": mx.__version__, "device": str(mx.default_device()), "arms": {}}
     for arm in a.arms.split(","):
-        model, run, layer_class = (moebench_arm if arm == "moebench" else mlx_lm_arm)(a.ckpt, ids, "class", a.dtype)
+        model, run, layer_class = (moebench_arm if arm == "moebench" else mlx_lm_arm)(a.ckpt, ids, a.dtype)
         weights = mx.get_active_memory() / GB
         run()  # warm-up (kernels compiled)
         whole, seconds = peak_of(run)
