@@ -99,13 +99,14 @@ class ExpertLoadMap:
         layers = max(load["layer"].nunique() for load in loads.values())
         fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=GAP_PX / panel_height(rows, layers),
                             subplot_titles=titles)
+        # No cells until the loads are drawn: plotly cannot draw a cell on a category axis without categories
         for row, _ in enumerate(self.names, start=1):
-            fig.add_trace(go.Heatmap(z=[[0.0]], coloraxis="coloraxis",
+            fig.add_trace(go.Heatmap(z=[], coloraxis="coloraxis",
                                      hovertemplate="layer %{y}<br>expert %{customdata}<br>share %{z:.3g}"
                                                    "<extra></extra>"),
                           row=row, col=1)
         if self.key:
-            fig.add_trace(go.Heatmap(z=[[0.0]], coloraxis="coloraxis2",
+            fig.add_trace(go.Heatmap(z=[], coloraxis="coloraxis2",
                                      hovertemplate=f"layer %{{y}}<br>expert %{{customdata}}<br>{self.key.title} "
                                                    "%{z:+.3g}<extra></extra>"),
                           row=rows, col=1)

@@ -117,7 +117,9 @@ class RouterView:
         fig = make_subplots(rows=1, cols=2, column_widths=[0.84, 0.16], shared_yaxes=True, horizontal_spacing=0.02,
                             subplot_titles=("router probability of each expert<br>(red boxes: the top-k it "
                                             "picked, #1 = highest)", "shared expert<br>gate (0..1)"))
-        fig.add_trace(go.Heatmap(z=[[0.0]], colorscale="Blues", zmin=0, zmax=zmax,
+        # No cells until a step is shown: plotly cannot draw a cell on a category axis that has no category yet
+        # (the browser throws "createImageData ... width is zero"), and a view may open before the first step.
+        fig.add_trace(go.Heatmap(z=[], colorscale="Blues", zmin=0, zmax=zmax,
                                  colorbar={"title": {"text": "router<br>prob"}, "x": 1.0, "xanchor": "left",
                                            "len": 0.9},
                                  hovertemplate="layer %{y}<br>expert %{customdata[0]}<br>probability %{z:.3f}"
@@ -127,7 +129,7 @@ class RouterView:
                                  marker={"symbol": "square-open", "size": 22, "color": "#d62728", "line": {"width": 3}},
                                  textfont={"size": 11}, textposition="middle center",
                                  hoverinfo="skip", showlegend=False), row=1, col=1)
-        fig.add_trace(go.Heatmap(z=[[0.0]], colorscale="Greens", zmin=0, zmax=1, showscale=False,
+        fig.add_trace(go.Heatmap(z=[], colorscale="Greens", zmin=0, zmax=1, showscale=False,
                                  texttemplate="%{z:.2f}",
                                  hovertemplate="layer %{y}<br>shared gate %{z:.3f}<extra></extra>"), row=1, col=2)
         fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="ablated (may not be picked)",

@@ -1,14 +1,22 @@
-"""Fixtures for the widget tests: a tiny random model (with and without a shared expert) and its traces."""
+"""Fixtures for the widget tests: a tiny random model (with and without a shared expert) and its traces, a tiny
+hybrid's trace, and the shipped model's routing drift against a router-swapped copy."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
+from widget_inputs import DRIFT_TEXTS, HYBRID_LAYER_TYPES
 
 import moebench
+from moebench.checkpoint.loader import SHIPPED_MODEL
+from moebench.inspect.drift import drift
 from moebench.inspect.record import Stepper
 from moebench.tools.corpus import Document
+from moebench.tools.presets import get_preset
 from moebench.tools.train import train_tokenizer
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
@@ -56,3 +64,39 @@ def restore_fused_switch():
     before = moebench.fused_moe_enabled()
     yield
     moebench.set_fused_moe(before)
+
+
+@pytest.fixture(scope="session")
+def hybrid_trace(tmp_path_factory):
+    """A tiny Qwen3-Next written by make-random whose layers are full, linear, linear, full (config layer_types)."""
+    config = {**get_preset("qwen3-next-tiny").config, "torch_dtype": "float32", "layer_types": HYBRID_LAYER_TYPES}
+    model, _ = moebench.load(write_random_checkpoint(tmp_path_factory.mktemp("hybrid") / "ckpt", config, seed=8,
+                                                     bits=4, layout="stacked"))
+    assert [layer.layer_type for layer in model.layers] == HYBRID_LAYER_TYPES
+    return Stepper(model, None, [4, 8, 15, 16], record=True).run(3)
+
+
+@pytest.fixture(scope="session")
+def shipped():
+    return moebench.load(SHIPPED_MODEL)
+
+
+@pytest.fixture(scope="session")
+def swapped(shipped, tmp_path_factory):
+    """(Drift of the shipped model against its swapped copy, the last layer, the two swapped experts)."""
+    model, tokenizer = shipped
+    prompts = [tokenizer.encode(t) for t in DRIFT_TEXTS]
+    itself = drift([model, model], prompts, names=["shipped", "same"])
+    last = itself.layers[-1]
+    ids = itself.routings["shipped"].ids[:, -1]
+    counts = np.bincount(ids[:, 0], minlength=model.args.num_experts)
+    pair = [int(np.argmax(counts)), int(np.argmin(np.bincount(ids.ravel(), minlength=model.args.num_experts)))]
+    folder = tmp_path_factory.mktemp("swapped") / "tiny-swapped"
+    shutil.copytree(SHIPPED_MODEL, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for part in ("weight", "scales", "biases"):  # the router is quantized: swap whole rows of each part
+        t = tensors[f"model.layers.{last}.mlp.gate.{part}"]
+        t[pair] = t[pair[::-1]]
+    save_file(tensors, str(folder / "model.safetensors"))
+    other, _ = moebench.load(folder)
+    return drift([model, other], prompts, names=["shipped", "swapped"]), last, pair

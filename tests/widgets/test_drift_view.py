@@ -7,15 +7,13 @@ controls make their variants into the folder given and hand the result to the vi
 from __future__ import annotations
 
 import re
-import shutil
 
 import numpy as np
 import pandas as pd
 import pytest
 from plotly_events import click
-from safetensors.numpy import load_file, save_file
+from widget_inputs import DRIFT_TEXTS
 
-import moebench
 from moebench.checkpoint.loader import SHIPPED_MODEL
 from moebench.errors import MoebenchError
 from moebench.inspect.drift import drift, teacher_force
@@ -23,35 +21,6 @@ from moebench.inspect.routing_files import Routing
 from moebench.tools.drift import source_digest
 from moebench.widgets import DriftControls, DriftView, ExportBar, ModelPicker
 from moebench.widgets.drift import TOP1_FLIP
-
-TEXTS = ["def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
-         "Now is the winter of our discontent made glorious summer by this sun of York."]
-
-
-@pytest.fixture(scope="module")
-def shipped():
-    return moebench.load(SHIPPED_MODEL)
-
-
-@pytest.fixture(scope="module")
-def swapped(shipped, tmp_path_factory):
-    """(Drift of the shipped model against its swapped copy, the last layer, the two swapped experts)."""
-    model, tokenizer = shipped
-    prompts = [tokenizer.encode(t) for t in TEXTS]
-    itself = drift([model, model], prompts, names=["shipped", "same"])
-    last = itself.layers[-1]
-    ids = itself.routings["shipped"].ids[:, -1]
-    counts = np.bincount(ids[:, 0], minlength=model.args.num_experts)
-    pair = [int(np.argmax(counts)), int(np.argmin(np.bincount(ids.ravel(), minlength=model.args.num_experts)))]
-    folder = tmp_path_factory.mktemp("swapped") / "tiny-swapped"
-    shutil.copytree(SHIPPED_MODEL, folder)
-    tensors = load_file(str(folder / "model.safetensors"))
-    for part in ("weight", "scales", "biases"):  # the router is quantized: swap whole rows of each part
-        t = tensors[f"model.layers.{last}.mlp.gate.{part}"]
-        t[pair] = t[pair[::-1]]
-    save_file(tensors, str(folder / "model.safetensors"))
-    other, _ = moebench.load(folder)
-    return drift([model, other], prompts, names=["shipped", "swapped"]), last, pair
 
 
 def test_the_map_is_coloured_exactly_where_the_router_was_changed(swapped):
@@ -146,7 +115,7 @@ def test_a_routing_file_without_logits_draws_its_flips_and_says_there_is_no_next
     """A server's routing (ids only) with the top-2 order swapped at one token and layer: that cell is a top-1 flip
     (no probabilities: it cannot be called a near-tie), the next-token panel says why it is empty."""
     model, tokenizer = shipped
-    prompts = [tokenizer.encode(TEXTS[0])]
+    prompts = [tokenizer.encode(DRIFT_TEXTS[0])]
     ids = teacher_force(model, prompts).ids.copy()
     ids[3, 1] = ids[3, 1][::-1]
     d = drift([(model, tokenizer), Routing(ids, tuple(sorted(model.moe_blocks())))], prompts, names=["m", "file"])
@@ -186,7 +155,7 @@ def test_the_controls_make_their_variants_where_told_and_feed_the_view(tmp_path)
         DriftControls(picker, ["8bit"], tokens=0, run_now=False)
     with pytest.raises(MoebenchError, match="chosen must be among"):
         DriftControls(picker, ["8bit"], chosen=["4bit"], run_now=False)
-    controls = DriftControls(picker, ["8bit", "fallback"], chosen=["fallback"], source="text", text=TEXTS[0],
+    controls = DriftControls(picker, ["8bit", "fallback"], chosen=["fallback"], source="text", text=DRIFT_TEXTS[0],
                              tokens=12, variants_dir=tmp_path)
     view = DriftView()
     controls.on_result(view.show)

@@ -1,27 +1,13 @@
 import re
 
 import numpy as np
-import pytest
 from byte_tokenizer import write_byte_tokenizer
 from nbrun import run_notebook
+from widget_inputs import HYBRID_LAYER_TYPES
 
-import moebench
-from moebench.inspect.record import Stepper
 from moebench.tools.presets import get_preset
 from moebench.tools.writer import write_random_checkpoint
 from moebench.widgets import MixingView, TokenStepper
-
-LAYER_TYPES = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
-
-
-@pytest.fixture(scope="module")
-def hybrid_trace(tmp_path_factory):
-    """A tiny Qwen3-Next written by make-random whose layers are full, linear, linear, full (config layer_types)."""
-    config = {**get_preset("qwen3-next-tiny").config, "torch_dtype": "float32", "layer_types": LAYER_TYPES}
-    model, _ = moebench.load(write_random_checkpoint(tmp_path_factory.mktemp("hybrid") / "ckpt", config, seed=8,
-                                                     bits=4, layout="stacked"))
-    assert [layer.layer_type for layer in model.layers] == LAYER_TYPES
-    return Stepper(model, None, [4, 8, 15, 16], record=True).run(3)
 
 
 def strip_kinds(view: MixingView) -> dict[int, str]:
@@ -34,10 +20,10 @@ def strip_kinds(view: MixingView) -> dict[int, str]:
 def test_the_strip_says_linear_for_exactly_the_linear_layers(hybrid_trace):
     view = MixingView()
     view.show(hybrid_trace.generated[1])
-    assert strip_kinds(view) == dict(enumerate(LAYER_TYPES))
+    assert strip_kinds(view) == dict(enumerate(HYBRID_LAYER_TYPES))
     assert view.widget.children[:2] == (view.strip, view.figure)
     for trace in view.figure.data:
-        assert list(trace.y) == [f"layer {i} · {kind.split('_')[0]}" for i, kind in enumerate(LAYER_TYPES)]
+        assert list(trace.y) == [f"layer {i} · {kind.split('_')[0]}" for i, kind in enumerate(HYBRID_LAYER_TYPES)]
 
 
 def test_the_panels_draw_the_recorded_values_and_leave_full_layers_blank_where_they_have_none(hybrid_trace):
@@ -45,7 +31,7 @@ def test_the_panels_draw_the_recorded_values_and_leave_full_layers_blank_where_t
     record = hybrid_trace.generated[2]
     view.show(record)
     panels = {trace.name: np.array(trace.z, dtype=float) for trace in view.figure.data}
-    for layer, kind in enumerate(LAYER_TYPES):
+    for layer, kind in enumerate(HYBRID_LAYER_TYPES):
         r = record.layers[layer]
         assert np.allclose(panels["output_gate"][layer], r.output_gate_means)
         for name in ("decay", "beta", "state_norm"):

@@ -1,0 +1,122 @@
+"""Every figure a view draws, opened in a browser at any point of its updates, draws them all without a
+JavaScript error (plotly.js in Chromium, the updates as the kernel sends them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from plotly_replay import PLOTLY_JS, FigureLog, replay_errors
+from test_loadmap import load
+
+from moebench.checkpoint.loader import SHIPPED_MODEL
+from moebench.inspect import trace_stats
+from moebench.inspect.compare import compare_decode, compare_step
+from moebench.inspect.record import Stepper
+from moebench.widgets.controls import ModelPicker, PromptControls
+from moebench.widgets.diff import DiffView
+from moebench.widgets.drift import DriftView
+from moebench.widgets.experts import ExpertView
+from moebench.widgets.intervene import InterventionPanel
+from moebench.widgets.loadmap import ExpertLoadMap
+from moebench.widgets.mixing import MixingView
+from moebench.widgets.router import RouterView
+from moebench.widgets.tps import TokensPerSecondChart
+
+CHROMIUM = Path("/usr/bin/chromium")
+playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+if not CHROMIUM.exists():
+    pytest.skip(f"{CHROMIUM} not found: install Debian's chromium (scripts/setup.sh does)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def page():
+    """A blank page with plotly.js, the version plotly's widget bundles (both come with the plotly package)."""
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                    args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page()
+        page.add_script_tag(path=str(PLOTLY_JS))
+        yield page
+        browser.close()
+
+
+def test_every_view_draws_its_first_state(page, monkeypatch):
+    log = FigureLog()
+    with log.record(monkeypatch):
+        for make in (RouterView, MixingView, DriftView, DiffView, TokensPerSecondChart, ExpertView):
+            make()
+        ExpertLoadMap({"a": load({0: {1: 0.5}}, 4), "b": load({0: {2: 0.5}}, 4)})
+    assert len(log.figures) == 7
+    assert replay_errors(page, log.figures) == []
+
+
+def test_the_router_view_stepping_blanking_and_reordering(page, monkeypatch, trace):
+    log = FigureLog()
+    with log.record(monkeypatch):
+        view = RouterView()
+        view.blank("nothing yet")
+        view.scale_to(trace.generated)
+        for record in trace.generated[:2]:
+            view.show(record)
+        view.order.value = "usage"
+        view.blank("again nothing")
+        view.show(trace.generated[-1])
+    assert len(log.figures[0]["updates"]) >= 6
+    assert replay_errors(page, log.figures) == []
+
+
+def test_the_intervention_panel_as_notebook_05_drives_it(page, monkeypatch, tiny):
+    """The baseline alone (the intervened view blank), then an ablation (its crosses), a forced set and a gate
+    scale, and an earlier result picked again: CI once caught the intervened view opening on its first, empty
+    state and plotly throwing at the next update."""
+    log = FigureLog()
+    with log.record(monkeypatch):
+        picker = ModelPicker([str(SHIPPED_MODEL)])
+        picker._open["tiny"] = tiny
+        picker.dropdown.options = [str(SHIPPED_MODEL), "tiny"]
+        picker.dropdown.value = "tiny"
+        panel = InterventionPanel(PromptControls(picker, "def add(a, b):", tokens=4, keep_logits=True))
+        panel.ablate.value = [3]
+        panel.run()
+        panel.ablate.value, panel.force.value = [], [6, 7]
+        panel.run()
+        panel.force.value, panel.gate_scale.value = [], 0.25
+        panel.run()
+        panel.shown.value = 0
+    assert len(log.figures) == 3 and all(figure["updates"] for figure in log.figures)
+    assert replay_errors(page, log.figures) == []
+
+
+def test_the_comparison_expert_speed_and_load_views_as_they_are_driven(page, monkeypatch, tiny, trace):
+    model, tokenizer = tiny
+    log = FigureLog()
+    with log.record(monkeypatch):
+        diff = DiffView()
+        diff.show_step(compare_step(model, trace.generated[1]))
+        diff.show_decode(compare_decode(model, "hello", 3, tokenizer))
+        experts = ExpertView(model, tokenizer, top=3)
+        experts.show(trace.generated[1])
+        experts.layer.value = sorted(trace.generated[1].layers)[-1]
+        chart = TokensPerSecondChart(window=8, redraw_hz=0)
+        for position in range(12):
+            chart.add(position, 0.01 + position / 1000, recording=position % 3 == 0, fused=position < 6)
+        chart.mark(6, "fused OFF")
+        prose = Stepper(model, tokenizer, "The quick brown fox", record=True).run(1)
+        loads = ExpertLoadMap({"code": trace_stats.load(trace), "prose": trace_stats.load(prose)})
+        loads.order.value = "difference"
+    assert len(log.figures) == 4 and all(figure["updates"] for figure in log.figures)
+    assert replay_errors(page, log.figures) == []
+
+
+def test_the_mixing_view_on_a_hybrid_and_the_drift_map(page, monkeypatch, hybrid_trace, swapped):
+    log = FigureLog()
+    with log.record(monkeypatch):
+        mixing = MixingView()
+        for record in hybrid_trace.generated:
+            mixing.show(record)
+        view = DriftView()
+        view.show(swapped[0])
+        view.select(0, swapped[1])
+    assert len(log.figures) == 2 and all(figure["updates"] for figure in log.figures)
+    assert replay_errors(page, log.figures) == []
