@@ -43,6 +43,11 @@ def static_logits(executor: Executor, tokens: mx.array, cache: StaticCache, plan
     """Next-token logits [vocab] of one sequence's `tokens` at the cache's position; their keys and values
     and the recurrent states after them written."""
     logits = executor.forward(tokens.reshape(1, -1), cache.layers(), plan)[0]
+    if cache.position.known:
+        # A prompt chunk after the first attended over the slots before it, read from the buffers: with those
+        # reads done first, the commit's update of the buffers reuses them; built on top of the reads, it copied
+        # both whole buffers (the whole cache again at the peak of every later chunk).
+        mx.eval(logits)
     cache.commit()
     return logits
 

@@ -96,3 +96,31 @@ def test_each_call_schedules_the_previous_call_first(quantized_checkpoint, monke
     second = forward(mx.array([4], dtype=mx.uint32), ex.settings)[0]
     forward(mx.array([5], dtype=mx.uint32), ex.settings)
     assert len(scheduled) == 2 and scheduled[0][0] is first and scheduled[1][0] is second
+
+
+def test_a_chunked_prompt_holds_the_cache_once(tmp_path, monkeypatch):
+    """Each prompt chunk after the first attends over the slots before it, read from the cache's buffers; its
+    commit must then update the buffers where they are, not copy them: the prefill's peak beyond the model and the
+    cache stays well under one more cache (a copy of both buffers at every later chunk added a whole cache)."""
+    import gc
+
+    from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
+
+    # many key/value heads over many layers: the cache outweighs a chunk's activations (72 MB at 2048 positions)
+    config = qwen2_moe_config(num_hidden_layers=16, hidden_size=256, num_attention_heads=8, num_key_value_heads=8,
+                              torch_dtype="float32")
+    model, _ = moebench.load(write_random_checkpoint(tmp_path / "ckpt", config, seed=1, bits=4))
+    monkeypatch.setattr("moebench.decode.compiled.PREFILL_CHUNK", 256)
+    ex = executor(model)
+    n = 2048
+    fast = CompiledForward(ex, n + 1)
+    cache = 2 * fast.cache.keys.nbytes
+    mx.eval(fast.cache.arrays())
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    logits, _ = fast(mx.arange(n, dtype=mx.uint32) % config["vocab_size"], ex.settings)
+    mx.eval(logits, fast.cache.arrays())
+    beyond = mx.get_peak_memory() - before
+    assert beyond < 0.6 * cache, f"{beyond / 1e6:.0f} MB beyond the model and its {cache / 1e6:.0f} MB cache"
