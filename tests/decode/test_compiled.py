@@ -106,7 +106,7 @@ def test_a_chunked_prompt_holds_the_cache_once(tmp_path, monkeypatch):
 
     from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
-    # many key/value heads over many layers: the cache outweighs a chunk's activations (72 MB at 2048 positions)
+    # many key/value heads over many layers: the cache outweighs a chunk's activations
     config = qwen2_moe_config(num_hidden_layers=16, hidden_size=256, num_attention_heads=8, num_key_value_heads=8,
                               torch_dtype="float32")
     model, _ = moebench.load(write_random_checkpoint(tmp_path / "ckpt", config, seed=1, bits=4))

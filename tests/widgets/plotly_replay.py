@@ -2,7 +2,7 @@
 
 A view of a figure may open at any point of the figure's updates (JupyterLab renders an output when it gets to
 it, and the kernel may have sent some updates by then): it draws the state it is given, then applies each
-later update as it comes. `FigureLog` keeps, for every LiveFigure made while it is on, the first state and each
+later update as it comes. `recording` keeps, for every LiveFigure made inside it, the first state and each
 update message as the kernel sends it; `replay_errors` draws every figure from every point of its log, applies
 the rest, and returns what plotly threw.
 """
@@ -75,32 +75,28 @@ def as_json(value):
     return json.loads(json.dumps(value, default=_plain))
 
 
-class FigureLog:
-    """The first state and the update messages of every LiveFigure made inside `record()`."""
+@contextmanager
+def recording(monkeypatch):
+    """Yields a list that gets, for every LiveFigure made inside the block, its first state and every update
+    message the kernel sends it afterwards."""
+    figures: list[dict] = []
+    made = LiveFigure.__init__
 
-    def __init__(self):
-        self.figures: list[dict] = []
+    def init(figure, *args, **kwargs):
+        made(figure, *args, **kwargs)
+        entry = {"name": f"figure {len(figures)}", "data": as_json(figure._widget_data),
+                 "layout": as_json(figure._widget_layout), "updates": []}
+        figures.append(entry)
 
-    @contextmanager
-    def record(self, monkeypatch):
-        made = LiveFigure.__init__
-        log = self
+        def sent(change):
+            if change["new"] is not None:
+                entry["updates"].append([change["name"], as_json(change["new"])])
 
-        def init(figure, *args, **kwargs):
-            made(figure, *args, **kwargs)
-            entry = {"name": f"figure {len(log.figures)}", "data": as_json(figure._widget_data),
-                     "layout": as_json(figure._widget_layout), "updates": []}
-            log.figures.append(entry)
+        figure.observe(sent, names=list(UPDATES))
 
-            def sent(change):
-                if change["new"] is not None:
-                    entry["updates"].append([change["name"], as_json(change["new"])])
-
-            figure.observe(sent, names=list(UPDATES))
-
-        with monkeypatch.context() as patch:
-            patch.setattr(LiveFigure, "__init__", init)
-            yield self
+    with monkeypatch.context() as patch:
+        patch.setattr(LiveFigure, "__init__", init)
+        yield figures
 
 
 def replay_errors(page, figures: list[dict]) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from plotly_replay import PLOTLY_JS, FigureLog, replay_errors
+from plotly_replay import PLOTLY_JS, recording, replay_errors
 from test_loadmap import load
 
 from moebench.checkpoint.loader import SHIPPED_MODEL
@@ -42,18 +42,16 @@ def page():
 
 
 def test_every_view_draws_its_first_state(page, monkeypatch):
-    log = FigureLog()
-    with log.record(monkeypatch):
+    with recording(monkeypatch) as figures:
         for make in (RouterView, MixingView, DriftView, DiffView, TokensPerSecondChart, ExpertView):
             make()
         ExpertLoadMap({"a": load({0: {1: 0.5}}, 4), "b": load({0: {2: 0.5}}, 4)})
-    assert len(log.figures) == 7
-    assert replay_errors(page, log.figures) == []
+    assert len(figures) == 7
+    assert replay_errors(page, figures) == []
 
 
 def test_the_router_view_stepping_blanking_and_reordering(page, monkeypatch, trace):
-    log = FigureLog()
-    with log.record(monkeypatch):
+    with recording(monkeypatch) as figures:
         view = RouterView()
         view.blank("nothing yet")
         view.scale_to(trace.generated)
@@ -62,16 +60,15 @@ def test_the_router_view_stepping_blanking_and_reordering(page, monkeypatch, tra
         view.order.value = "usage"
         view.blank("again nothing")
         view.show(trace.generated[-1])
-    assert len(log.figures[0]["updates"]) >= 6
-    assert replay_errors(page, log.figures) == []
+    assert len(figures[0]["updates"]) >= 6
+    assert replay_errors(page, figures) == []
 
 
 def test_the_intervention_panel_as_notebook_05_drives_it(page, monkeypatch, tiny):
     """The baseline alone (the intervened view blank), then an ablation (its crosses), a forced set and a gate
     scale, and an earlier result picked again: CI once caught the intervened view opening on its first, empty
     state and plotly throwing at the next update."""
-    log = FigureLog()
-    with log.record(monkeypatch):
+    with recording(monkeypatch) as figures:
         picker = ModelPicker([str(SHIPPED_MODEL)])
         picker._open["tiny"] = tiny
         picker.dropdown.options = [str(SHIPPED_MODEL), "tiny"]
@@ -84,14 +81,13 @@ def test_the_intervention_panel_as_notebook_05_drives_it(page, monkeypatch, tiny
         panel.force.value, panel.gate_scale.value = [], 0.25
         panel.run()
         panel.shown.value = 0
-    assert len(log.figures) == 3 and all(figure["updates"] for figure in log.figures)
-    assert replay_errors(page, log.figures) == []
+    assert len(figures) == 3 and all(figure["updates"] for figure in figures)
+    assert replay_errors(page, figures) == []
 
 
 def test_the_comparison_expert_speed_and_load_views_as_they_are_driven(page, monkeypatch, tiny, trace):
     model, tokenizer = tiny
-    log = FigureLog()
-    with log.record(monkeypatch):
+    with recording(monkeypatch) as figures:
         diff = DiffView()
         diff.show_step(compare_step(model, trace.generated[1]))
         diff.show_decode(compare_decode(model, "hello", 3, tokenizer))
@@ -105,18 +101,17 @@ def test_the_comparison_expert_speed_and_load_views_as_they_are_driven(page, mon
         prose = Stepper(model, tokenizer, "The quick brown fox", record=True).run(1)
         loads = ExpertLoadMap({"code": trace_stats.load(trace), "prose": trace_stats.load(prose)})
         loads.order.value = "difference"
-    assert len(log.figures) == 4 and all(figure["updates"] for figure in log.figures)
-    assert replay_errors(page, log.figures) == []
+    assert len(figures) == 4 and all(figure["updates"] for figure in figures)
+    assert replay_errors(page, figures) == []
 
 
 def test_the_mixing_view_on_a_hybrid_and_the_drift_map(page, monkeypatch, hybrid_trace, swapped):
-    log = FigureLog()
-    with log.record(monkeypatch):
+    with recording(monkeypatch) as figures:
         mixing = MixingView()
         for record in hybrid_trace.generated:
             mixing.show(record)
         view = DriftView()
         view.show(swapped[0])
         view.select(0, swapped[1])
-    assert len(log.figures) == 2 and all(figure["updates"] for figure in log.figures)
-    assert replay_errors(page, log.figures) == []
+    assert len(figures) == 2 and all(figure["updates"] for figure in figures)
+    assert replay_errors(page, figures) == []
