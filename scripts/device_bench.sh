@@ -19,7 +19,7 @@
 #            when an earlier call on this machine wrote them (always made when missing)
 # bench      moebench bench: $PROMPTS-token prompt (default 64; several, e.g. PROMPTS="64 2048 4096": one model
 #            load, each length a full bench, a table per length), $GEN generated tokens (default 128), $REPEATS repeats;
-#            moebench fused on and off, each eager and through the compiled decode step; mlx-lm generate_step
+#            moebench fused on and off ($FUSED=on: fused only), each eager and through the compiled decode step; mlx-lm generate_step
 #            and mlx-lm's model under moebench's loop; with SNAPSHOT=DIR (e.g. .snap/before: git archive REV
 #            moebench kernels, carried) an earlier revision's fused and fallback arms too, and HEAD/snapshot per
 #            round; all on the same weights, interleaved; at most $BENCH_LIMIT seconds (default 360)
@@ -153,7 +153,7 @@ fi
 if [[ " $stages " == *" bench "* ]]; then
   # $PROMPTS unquoted: one --prompt-tokens argument per length
   run_stage bench "$BENCH_LIMIT" "bench-$PRESET.txt" \
-    python3 -m moebench.cli bench "$CKPT" --prompt-tokens $PROMPTS --gen-tokens "$GEN" --repeats "$REPEATS" --fused both \
+    python3 -m moebench.cli bench "$CKPT" --prompt-tokens $PROMPTS --gen-tokens "$GEN" --repeats "$REPEATS" --fused "${FUSED:-both}" \
     --compiled "${COMPILED:-both}" --compare mlx-lm ${SNAPSHOT:+--snapshot "$SNAPSHOT"} --json "$OUT/bench-$PRESET.json"
 fi
 

@@ -55,18 +55,18 @@ class QKNorm:
     eps: float
 
 
-# Warps a query head's positions are split over within a threadgroup
-# (docs/benchmarks/attention-split-h200-2026-12-01.md).
+# Warps a threadgroup's positions are split over (docs/benchmarks/attention-split-h200-2026-12-01.md).
 WARPS_PER_HEAD = 8
-# Threadgroups that share a head's positions: one per SPLIT_POSITIONS slots of the cache, at most
-# MAX_SPLITS (a long context is walked by many threadgroups at once, then their partials are joined).
-SPLIT_POSITIONS = 512
-MAX_SPLITS = 32
+# Threadgroups that share a key/value head's positions (its query heads' partials then joined): enough for
+# THREADGROUPS in all (about two per SM of an H200, so a long context is walked by the whole GPU), but none
+# with fewer than SPLIT_POSITIONS slots of the cache (each split's partials cost a write and a read).
+SPLIT_POSITIONS = 128
+THREADGROUPS = 256
 
 
-def splits(capacity: int) -> int:
-    """Threadgroups per query head for cache buffers of `capacity` slots (1: no partials to join)."""
-    return max(1, min(MAX_SPLITS, -(-capacity // SPLIT_POSITIONS)))
+def splits(capacity: int, kv_heads: int) -> int:
+    """Threadgroups per key/value head for cache buffers of `capacity` slots (1: no partials to join)."""
+    return max(1, min(-(-THREADGROUPS // kv_heads), -(-capacity // SPLIT_POSITIONS)))
 
 
 def attended(heads: AttentionSpec, capacity: int) -> int:
@@ -180,12 +180,12 @@ def gpu_decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv
                          keys: mx.array, values: mx.array, heads: AttentionSpec, block: int = 0, write: bool = False,
                          qk_norm: QKNorm | None = None, sinks: mx.array | None = None,
                          rope_scale: float = 1.0) -> tuple[mx.array, mx.array, mx.array]:
-    """The kernel on `backend` (see decode_attention), with `splits` threadgroups a head for the positions it
-    attends to and, past one, the launch that joins their partials (with an output gate, each head's
-    sigmoid(gate) follows the partials)."""
+    """The kernel on `backend` (see decode_attention), with `splits` threadgroups a key/value head for the
+    positions it attends to and, past one, the launch that joins their partials (with an output gate, each
+    head's sigmoid(gate) follows the partials)."""
     h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
     lead = tuple(qkv.shape[:-1])
-    s = splits(attended(heads, keys.shape[2]))
+    s = splits(attended(heads, keys.shape[2]), kv)
     norms = (qk_norm.q, qk_norm.k, eps_array(qk_norm.eps)) if qk_norm is not None else (qkv, qkv, inv_freq)
     out_dtype = qkv.dtype if s == 1 else mx.float32
     parts = h * s * (hd + 2) + (h * hd if heads.output_gate else 0)
@@ -197,7 +197,7 @@ def gpu_decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv
                   ("FACTOR", float_bits(rope_scale) if rope_scale != 1.0 else 0), ("GATE", heads.output_gate),
                   ("WINDOW", heads.window or 0), ("SINKS", sinks is not None), ("W", WARPS_PER_HEAD), ("S", s),
                   ("WRITE", write)],
-        grid=(LANES, h * s * WARPS_PER_HEAD, 1), threadgroup=(LANES, WARPS_PER_HEAD, 1),
+        grid=(LANES, kv * s * WARPS_PER_HEAD, 1), threadgroup=(LANES, WARPS_PER_HEAD, 1),
         output_shapes=[(*lead, h * hd) if s == 1 else (parts,), (1, kv, 1, hd), (1, kv, 1, hd)],
         output_dtypes=[out_dtype, qkv.dtype, qkv.dtype],
     )

@@ -410,7 +410,8 @@ def attention_case(backend: str, g: AttentionGeometry, position: int, slots: int
     otherwise, see kernels/attn_decode.body), and its in-place write."""
     heads = g.heads
     row = {"case": f"{g.label()} at position {position} of {slots} "
-           f"({attention.splits(attention.attended(heads, slots))} threadgroups a head)", "backend": backend,
+           f"({attention.splits(attention.attended(heads, slots), heads.n_kv_heads)} "
+           "threadgroups a key/value head)", "backend": backend,
            "dtype": str(dtype).replace("mlx.core.", "")}
     if backend == "reference":
         return {**row, "status": "not applicable", "passed": True,

@@ -150,8 +150,11 @@ def test_support_reasons_and_splits():
     assert "rotary on 0 of 32 dims" in attention_reason(AttentionSpec(4, 4, 32, rope_fraction=0.01))
     assert "clamped at 8 after the per-head norm" in attention_reason(AttentionSpec(4, 4, 64, clip_qkv=8.0,
                                                                                     qk_norm=PER_HEAD))
-    assert splits(1) == splits(attention.SPLIT_POSITIONS) == 1  # a short cache: one threadgroup a head, no join
-    assert splits(attention.SPLIT_POSITIONS + 1) == 2 and splits(10**7) == attention.MAX_SPLITS
+    # a short cache: one threadgroup a key/value head, no join; a long one: about THREADGROUPS in all
+    assert splits(1, 4) == splits(attention.SPLIT_POSITIONS, 4) == 1
+    assert splits(attention.SPLIT_POSITIONS + 1, 4) == 2
+    assert splits(10**7, 4) * 4 == splits(10**7, 16) * 16 == attention.THREADGROUPS
+    assert splits(10**7, 3) * 3 >= attention.THREADGROUPS > (splits(10**7, 3) - 1) * 3
 
 
 @pytest.mark.parametrize("heads", [AttentionSpec(4, 2, 64), AttentionSpec(8, 8, 32)])

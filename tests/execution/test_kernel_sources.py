@@ -58,7 +58,8 @@ DFFS = 640  # shared expert width: a multiple of every group size and of 16, unl
 ROUTER_SHAPES = ((4, 2), (60, 4), (128, 8))  # (E, K): logits in `constant`, E % 32 != 0, E % 32 == 0
 # (H, KV, HD): MHA at Qwen1.5-MoE-A2.7B's shape, GQA with 2 dims a lane, MQA with 8; HD 96 and 32 put a
 # dim's rotate-half partner in lane ^ 16
-ATTENTION_SHAPES = ((16, 16, 128), (8, 2, 64), (4, 1, 256), (6, 2, 96), (2, 1, 32))
+# (H, KV, HD): among them 16 query heads a key/value head, where a warp's block is 4 keys
+ATTENTION_SHAPES = ((16, 16, 128), (8, 2, 64), (4, 1, 256), (6, 2, 96), (2, 1, 32), (16, 1, 32))
 CAP = 80  # cache slots of the attention runs: past one round of the warps' blocks (8 warps x 8 keys)
 
 _SHAPE = [("int", n) for n in ("E", "K", "DIN", "DFF", "DFFS", "GS")]
@@ -174,7 +175,7 @@ def _launcher(stage: Stage, inst: Instance) -> str:
     """extern "C" entry for ctypes: the stage's buffers in input-then-output order, over `rows` simdgroups."""
     buffers = [f"static_cast<{'const ' * (n in stage.inputs)}{_param_type(stage, n, inst)}*>(buf[{i}])"
                for i, n in enumerate(stage.inputs + stage.outputs)]
-    if stage is ATTENTION:  # threadgroups of W simdgroups, one per query head
+    if stage is ATTENTION:  # threadgroups of W simdgroups, one per key/value head and split
         launch = f"mb_shim_launch_threadgroups(rows / {inst['W']}, {inst['W']}, "
     else:
         launch = "mb_shim_launch(rows, 1, "
@@ -422,7 +423,7 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
     declared = Declared(rope_dims=16, factor=1.5, gate=True, window=600, sinks=True) if dffs else PLAIN
     heads = declared.heads((8, 2, 64))
     qkv = mx.array(rng.standard_normal((1, attention.projection_width(heads))).astype(np.float32), dtype=mx.bfloat16)
-    capacity = SPLIT_POSITIONS + 1 if dffs else CAP  # with dffs: two threadgroups a head, and the launch joining them
+    capacity = SPLIT_POSITIONS + 1 if dffs else CAP  # with dffs: two threadgroups a key/value head, and the join
     cache = mx.zeros((1, 2, capacity, 64), mx.bfloat16)
     norm = mx.ones((64,), mx.bfloat16)
     attention.gpu_decode_attention("metal", qkv, qkv[0] if dffs else None,
@@ -451,7 +452,7 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
     if dffs:
         assert dict(launches[COMBINE][1])["GATE"] is True
     output_rows = {GATE_UP: K * DFF + dffs, DOWN: DIN, ROUTER: 1,
-                   ATTENTION: heads.n_heads * template["S"] * WARPS_PER_HEAD, COMBINE: heads.n_heads}
+                   ATTENTION: heads.n_kv_heads * template["S"] * WARPS_PER_HEAD, COMBINE: heads.n_heads}
     group_rows = {GATE_UP: rows, DOWN: rows, ROUTER: 1, ATTENTION: WARPS_PER_HEAD, COMBINE: 1}
     for stage, (_, _, _, grid, threadgroup) in launches.items():
         assert tuple(threadgroup) == (LANES, group_rows[stage], 1), stage.name
@@ -698,7 +699,7 @@ def _run_attention(lib: ctypes.CDLL, shape: tuple[int, int, int], bias: bool, wr
         heads.n_heads * splits * (heads.head_dim + 2) + heads.n_heads * heads.head_dim * declared.gate
     outputs = {n: _output(out_size if n == "out" else heads.n_kv_heads * heads.head_dim,
                           _param_type(ATTENTION, n, instance)) for n in ATTENTION.outputs}
-    rows = (heads.n_heads * splits + 1) * WARPS_PER_HEAD  # one padding threadgroup past the heads: it writes nothing
+    rows = (heads.n_kv_heads * splits + 1) * WARPS_PER_HEAD  # a padding threadgroup past the heads writes nothing
     host = {n: _kernel_side(a) for n, a in (("qkv", qkv), ("bias", qkv_bias if bias else qkv),
                                             ("q_norm", norms[0] if qknorm else qkv),
                                             ("k_norm", norms[1] if qknorm else qkv),
@@ -745,7 +746,8 @@ def _cuda_unit() -> str:
              "#include <cuda/std/limits>\n#define inf cuda::std::numeric_limits<float>::infinity()", header,
              "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;"]
     qwen = {"E": 60, "K": 4, "DIN": 2048, "DFF": 1408}
-    attention = ((16, 16, 128), (32, 4, 128), (12, 4, 96))  # Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B, partner lane ^ 16
+    # Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B, partner lane ^ 16, Qwen3-235B-A22B (4 keys a block)
+    attention = ((16, 16, 128), (32, 4, 128), (12, 4, 96), (64, 4, 128))
     for n, (stage, inst) in enumerate(_compile_instances(("bf16",), qwen, 5632, ((60, 4),), attention)):
         _, source = kernel_source("cuda", stage)
         params = [f"const {CUDA_TYPES[_param_type(stage, i, inst)]}* {i}" for i in stage.inputs]

@@ -325,8 +325,9 @@ def _layer_caches(rng: np.random.Generator, heads: AttentionSpec, cap: int, bloc
     return caches
 
 
-# (heads, bias, position, dtype, cache slots, q/k norm): A2.7B's MHA and Qwen3-30B-A3B's GQA (with its q/k norm),
-# one threadgroup a head (256 slots) and several (past SPLIT_POSITIONS: a 4352-slot cache is 9 a head)
+# (heads, bias, position, dtype, cache slots, q/k norm): A2.7B's MHA, Qwen3-30B-A3B's GQA (with its q/k norm) and
+# Qwen3-235B-A22B's 16 query heads a key/value head (4 keys a block), one threadgroup a key/value head and several
+# (past SPLIT_POSITIONS: a 4352-slot cache is 16 a head of A2.7B's, 34 of Qwen3-30B-A3B's 16384-slot one 64)
 @pytest.mark.parametrize("heads,bias,p,dtype,cap,qknorm", [
     (AttentionSpec(16, 16, 128), True, 0, mx.bfloat16, 256, False),
     (AttentionSpec(16, 16, 128), True, 9, mx.bfloat16, 256, False),
@@ -341,7 +342,10 @@ def _layer_caches(rng: np.random.Generator, heads: AttentionSpec, cap: int, bloc
     (AttentionSpec(16, 16, 128), True, 4000, mx.bfloat16, 4352, False),
     (AttentionSpec(16, 16, 128), True, 600, mx.bfloat16, 4352, False),
     (AttentionSpec(16, 16, 128), True, 3000, mx.float32, 3072, False),
-    (AttentionSpec(32, 4, 128), False, 1500, mx.float32, 2048, True)])
+    (AttentionSpec(32, 4, 128), False, 1500, mx.float32, 2048, True),
+    (AttentionSpec(32, 4, 128), False, 16000, mx.bfloat16, 16384, True),
+    (AttentionSpec(64, 4, 128), False, 3000, mx.bfloat16, 3072, True),
+    (AttentionSpec(64, 4, 128), False, 77, mx.float32, 256, True)])
 def test_cuda_attention_kernel_matches_reference_and_truth(heads, bias, p, dtype, cap, qknorm):
     base = 1_000_000.0
     rng = np.random.default_rng(p + heads.head_dim)
@@ -371,7 +375,9 @@ def test_cuda_attention_kernel_matches_reference_and_truth(heads, bias, p, dtype
            "cuda vs reference v_new": nrms(f64(v_new), f64(ref[2])),
            **{f"cuda vs reference {n} (write)": nrms(f64(a), f64(r))
               for n, a, r in zip(("out", "k_new", "v_new"), written, ref, strict=True)}}
-    print(f"\nattention {heads} bias {bias} P {p} of {cap} ({attention.splits(cap)} a head) q/k norm {qknorm} "
+    print(f"\nattention {heads} bias {bias} P {p} of {cap} "
+          f"({attention.splits(cap, heads.n_kv_heads)} a key/value head) "
+          f"q/k norm {qknorm} "
           f"block {block} {dtype}: " +
           ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
     assert max(v for k, v in got.items() if k.startswith("cuda vs")) < 5e-4
@@ -447,7 +453,8 @@ def test_cuda_attention_variants_match_reference_and_truth(heads, p, dtype, cap)
                                                                                   strict=True)},
            **{f"cuda vs reference {n} (write)": nrms(f64(a), f64(r))
               for n, a, r in zip(("out", "k_new", "v_new"), written, ref, strict=True)}}
-    print(f"\nattention variants {heads} P {p} of {cap} ({attention.splits(attention.attended(heads, cap))} a head) "
+    print(f"\nattention variants {heads} P {p} of {cap} "
+          f"({attention.splits(attention.attended(heads, cap), heads.n_kv_heads)} a key/value head) "
           f"{dtype}: " + ", ".join(f"{k} nRMS {v:.2e}" for k, v in got.items()))
     assert max(v for k, v in got.items() if k.startswith("cuda vs")) < 5e-4
     if dtype == mx.float32:

@@ -170,7 +170,7 @@ def test_a_gpu_attention_kernel_is_compared_with_the_reference_and_the_truth(qua
     rows = selfcheck.attention_parity("cuda", moebench.load(quantized_checkpoint)[0])
     assert len(rows) == 3 * len(selfcheck.ATTENTION_CASES) and all(r["status"] == "ran" for r in rows)
     assert sum("q/k norm" in r["case"] for r in rows) == len(selfcheck.ATTENTION_CASES)  # Qwen3-30B-A3B's geometry
-    assert any("9 threadgroups a head" in r["case"] for r in rows)
+    assert any("16 threadgroups a key/value head" in r["case"] for r in rows)
     assert all(r["passed"] == passes for r in rows)
     assert all(r["out_nrms"] == pytest.approx(max(error, r["reference_nrms"]), rel=0.2) for r in rows)
 
@@ -238,9 +238,9 @@ def test_selfcheck_checks_gpt_oss_attention_variants(tiny_gpt_oss, tmp_path, cap
     assert record["passed"] and record["gated_delta"] == []
     windowed = [r["case"] for r in record["attention"] if "window 4" in r["case"]]
     assert all("+ bias + window 4 + sinks + scaled rotary (factor 1.347)" in c for c in windowed)
-    assert {c.split(" at ")[1] for c in windowed} >= {"position 3 of 256 (1 threadgroups a head)",
-                                                       "position 4 of 256 (1 threadgroups a head)",
-                                                       "position 4000 of 4352 (1 threadgroups a head)"}
+    assert {c.split(" at ")[1] for c in windowed} >= {"position 3 of 256 (1 threadgroups a key/value head)",
+                                                       "position 4 of 256 (1 threadgroups a key/value head)",
+                                                       "position 4000 of 4352 (1 threadgroups a key/value head)"}
     assert "attention dispatch: 6 fused (2 layers: 2 attention; x 3 decode steps)" in capsys.readouterr().out
 
 
