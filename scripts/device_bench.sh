@@ -34,6 +34,9 @@
 # timeline   generate's host work and GPU kernels on one clock: GPU idle time per token and what the host does
 #            meanwhile (scripts/device_diag.py timeline), with a Chrome trace (timeline-*-trace.json.gz) and its
 #            kernels and CUDA calls per token (timeline-*-per-token.txt, device_diag.py TRACE trace)
+# attnbench  decode attention alone (scripts/attention_bench.py): this revision's kernel, .snap/before's when carried,
+#            and MLX's scaled_dot_product_attention at Qwen3-30B-A3B's and A2.7B's shapes, $ATTN_CONTEXTS positions
+#            (default 2048 4096 16384 32768); needs no checkpoint
 # MOEBENCH_DEVICE_CKPT defaults to /root/moebench-$PRESET-4bit-g64-$DTYPE (4bit-g64 is $MODE when MODE is not
 # affine; -$LAYOUT when given); outputs are named
 # by $PRESET.
@@ -116,7 +119,13 @@ if [[ " $stages " == *" gputests "* ]]; then
   run_stage gputests "${GPUTESTS_LIMIT:-240}" gputests.txt python3 -m pytest -q -s -o addopts="" -p no:cacheprovider ${GPUTESTS:-tests/gpu}
 fi
 
-if [ -f "$CKPT.done" ]; then
+if [[ " $stages " == *" attnbench "* ]]; then
+  run_stage attnbench "${ATTN_LIMIT:-240}" attnbench.txt python3 scripts/attention_bench.py \
+    $([ -d .snap/before/moebench ] && echo --snapshot .snap/before) --contexts ${ATTN_CONTEXTS:-2048 4096 16384 32768}
+fi
+if [ "$stages" = attnbench ] || [ "$stages" = "gputests attnbench" ]; then
+  stages=""  # nothing below needs a checkpoint
+elif [ -f "$CKPT.done" ]; then
   log "reusing $CKPT (written by an earlier call on this machine)"
 else  # every later stage needs the checkpoint: make it whether or not 'make' was asked for
   rm -rf "$CKPT"
