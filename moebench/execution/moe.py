@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from ..errors import ConfigError, UnsupportedKernelConfig
 from ..models.args import QuantizedParts
-from ..models.declare import CLAMPED_SWIGLU, SOFTMAX_THEN_TOPK, SWIGLU, TOPK_THEN_SOFTMAX
+from ..models.declare import CLAMPED_SWIGLU, SOFTMAX_THEN_TOPK, SWIGLU, TOPK_THEN_SOFTMAX, MoeSpec
 from ..models.routing import route
 from ..models.switch import SwitchGLU, weighted_sum
 from .kernel import (
@@ -297,7 +297,8 @@ def reference_select(logits: mx.array, num_experts: int, top_k: int, norm_topk_p
     TOPK_THEN_SOFTMAX the top-k logits scored by the softmax over those k (the numbers route gives as the
     renormalised top-k probabilities), `probs` the softmax over all experts, as route records it."""
     lf = logits.astype(mx.float32)
-    probs, inds, scores = route(lf[..., :num_experts], top_k, norm_topk_prob, ordered=True)
+    spec = MoeSpec(num_experts, top_k, renormalize=norm_topk_prob)
+    probs, inds, scores = route(lf[..., :num_experts], spec, ordered=True)
     if scoring == TOPK_THEN_SOFTMAX:
         inds = mx.argsort(-lf[..., :num_experts], axis=-1)[..., :top_k].astype(mx.uint32)
         scores = mx.softmax(mx.take_along_axis(lf, inds, axis=-1), axis=-1, precise=True)

@@ -206,7 +206,7 @@ class MoeKernel:
                 gate = b.shared_sigmoid_gate(xn).astype(mx.float32)
         else:
             logits = b.gate(xn)
-            probs, inds, scores = route(logits, b.top_k, b.norm_topk_prob, intervention)
+            probs, inds, scores = route(logits, b.spec, intervention)
             gate = b.shared_sigmoid_gate(xn).astype(mx.float32) if shared_on else None
         if not shared_on:
             gate = None

@@ -13,7 +13,11 @@ from dataclasses import dataclass
 # How router logits become the routed experts' scores.
 SOFTMAX_THEN_TOPK = "softmax over all experts, then top-k"
 TOPK_THEN_SOFTMAX = "top-k logits, then softmax over those k"
-SCORINGS = (SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX)
+# GLM-4.x MoE and DeepSeek-V3: each expert's score is sigmoid(logit); the experts are chosen by score + a learned
+# selection bias (only among the best `topk_group` of `n_group` groups, a group ranked by its two best biased
+# scores) and weighted by their unbiased scores.
+SIGMOID_GROUPED = "sigmoid scores, top-k of score + selection bias within the best groups"
+SCORINGS = (SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, SIGMOID_GROUPED)
 
 # How a shared expert joins the routed sum.
 SIGMOID_GATED = "sigmoid-gated shared expert"
@@ -31,8 +35,10 @@ QK_NORMS = (None, PER_HEAD, WHOLE_PROJECTION)
 @dataclass(frozen=True)
 class MoeSpec:
     """One sparse MoE block: `num_experts` routed experts of which `top_k` run per token, scored by `scoring`
-    (renormalised to sum to one when `renormalize`), the router with or without a bias, an optional shared
-    expert joined as `shared`, and the experts' activation and whether they carry biases."""
+    (renormalised to sum to one when `renormalize`, then times `routed_scaling`), the router with or without a
+    bias, an optional shared expert joined as `shared`, and the experts' activation and whether they carry biases.
+    With SIGMOID_GROUPED: a learned `selection_bias` that chooses the experts but does not weigh them, and the
+    experts in `n_group` equal groups of which the best `topk_group` are chosen from."""
 
     num_experts: int
     top_k: int
@@ -42,10 +48,24 @@ class MoeSpec:
     shared: str | None = None
     activation: str = SWIGLU
     expert_bias: bool = False
+    selection_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if self.scoring not in SCORINGS:
             raise ValueError(f"MoeSpec.scoring {self.scoring!r} is not one of {SCORINGS}")
+        if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"MoeSpec: {self.num_experts} experts in {self.n_group} groups, the best "
+                             f"{self.topk_group} kept: the groups must divide the experts and keep at least one")
+        if self.n_group > 1 and self.scoring != SIGMOID_GROUPED:
+            raise ValueError(f"MoeSpec: expert groups are chosen only with {SIGMOID_GROUPED!r} scoring")
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError(f"MoeSpec: a group is ranked by its two best experts, {self.n_group} groups of "
+                             f"{self.num_experts} experts leave one a group")
+        if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+            raise ValueError(f"MoeSpec: the best {self.topk_group} groups hold fewer experts than top-{self.top_k}")
 
 
 @dataclass(frozen=True)

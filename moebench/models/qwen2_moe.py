@@ -166,7 +166,7 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.gate(x)
-        probs, inds, scores = route(logits, self.top_k, self.norm_topk_prob, self._intervention)
+        probs, inds, scores = route(logits, self.spec, self._intervention)
         expert_out = self.switch_mlp(x, inds)
         out = routed = weighted_sum(expert_out, scores)
         shared = gate = None

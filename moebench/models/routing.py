@@ -1,7 +1,9 @@
 """Router top-k selection, shared by every MoE family, and the per-layer interventions it honours.
 
-Softmax runs in float32 over all experts; the top-k come back unordered (argpartition, as mlx-lm
-does) and are renormalised only when the family asks for it. Interventions change the selection
+The router's probabilities are the softmax over all experts in float32 (or, for the sigmoid-scored
+families, each expert's sigmoid, the experts chosen by score plus a selection bias within the best groups);
+the top-k come back unordered (argpartition, as mlx-lm does) and are renormalised only when the family asks
+for it. Interventions change the selection
 for the rest of a decode and are cleared by setting the block's intervention back to None.
 """
 
@@ -15,6 +17,7 @@ from numbers import Integral, Real
 import mlx.core as mx
 
 from ..errors import MoebenchError
+from .declare import SIGMOID_GROUPED, MoeSpec
 
 
 class InterventionError(MoebenchError, ValueError):
@@ -99,29 +102,51 @@ def _expert_ids(name: str, value: object) -> tuple[int, ...]:
 
 
 def route(
-    router_logits: mx.array, top_k: int, norm_topk_prob: bool, intervention: Intervention | None = None,
-    ordered: bool = False,
+    router_logits: mx.array, spec: MoeSpec, intervention: Intervention | None = None, ordered: bool = False,
+    selection_bias: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """router logits [..., E] -> (probabilities [..., E] f32, expert ids [..., K] uint32, scores [..., K] f32);
-    the ids in no particular order (argpartition, as mlx-lm), or highest probability first when `ordered`."""
+    """router logits [..., E] -> (probabilities [..., E] f32, expert ids [..., K] uint32, scores [..., K] f32) for
+    a block declaring `spec`; the ids in no particular order (argpartition, as mlx-lm), or highest first when
+    `ordered`. The probabilities are the softmax over all experts, or with SIGMOID_GROUPED each expert's sigmoid
+    (`selection_bias` [E] added only to choose). The scores are the chosen probabilities, renormalised when the
+    block renormalises, times its routed_scaling. An ablated expert is never chosen (with SIGMOID_GROUPED the
+    groups are ranked before the ablation); force_experts chooses, the scores are computed as for a choice."""
     logits = router_logits.astype(mx.float32)
-    probs = mx.softmax(logits, axis=-1, precise=True)
-    select_from = probs
+    sigmoid = spec.scoring == SIGMOID_GROUPED
+    probs = mx.sigmoid(logits) if sigmoid else mx.softmax(logits, axis=-1, precise=True)
+    select_from = choice_scores(probs, spec, selection_bias) if sigmoid else probs
     if intervention is not None and intervention.ablate:
         mask = mx.zeros((probs.shape[-1],), dtype=mx.bool_)
         mask[list(intervention.ablate)] = True
-        if intervention.renormalize_ablation:
-            probs = mx.softmax(mx.where(mask, -mx.inf, logits), axis=-1, precise=True)
-        select_from = mx.where(mask, -1.0, probs)
+        if intervention.renormalize_ablation and not sigmoid:  # a sigmoid score does not depend on the others
+            probs = select_from = mx.softmax(mx.where(mask, -mx.inf, logits), axis=-1, precise=True)
+        select_from = mx.where(mask, -mx.inf, select_from)
     if intervention is not None and intervention.force_experts is not None:
         ids = mx.array(intervention.force_experts, dtype=mx.uint32)
         inds = mx.broadcast_to(ids, (*probs.shape[:-1], ids.size))
     else:
-        k = intervention.top_k if intervention is not None and intervention.top_k else top_k
+        k = intervention.top_k if intervention is not None and intervention.top_k else spec.top_k
         # Selection is discrete: stop_gradient so autodiff (training) flows through the scores only.
         order = mx.argsort(-select_from, axis=-1) if ordered else mx.argpartition(-select_from, kth=k - 1, axis=-1)
         inds = mx.stop_gradient(order[..., :k].astype(mx.uint32))
     scores = mx.take_along_axis(probs, inds, axis=-1)
-    if norm_topk_prob:
+    if spec.renormalize:
         scores = scores / scores.sum(axis=-1, keepdims=True)
+    if spec.routed_scaling != 1.0:
+        scores = scores * spec.routed_scaling
     return probs, inds, scores
+
+
+def choice_scores(probs: mx.array, spec: MoeSpec, selection_bias: mx.array | None) -> mx.array:
+    """What SIGMOID_GROUPED chooses the top-k of: each expert's score plus its selection bias, and, with groups,
+    0 for every expert outside the best `topk_group` groups (a group ranked by the sum of its two best biased
+    scores), as transformers and mlx-lm compute it."""
+    chosen = probs if selection_bias is None else probs + selection_bias.astype(mx.float32)
+    dropped = spec.n_group - spec.topk_group
+    if not dropped:
+        return chosen
+    groups = chosen.reshape(*chosen.shape[:-1], spec.n_group, -1)
+    ranks = mx.topk(groups, 2, axis=-1).sum(axis=-1, keepdims=True)  # [..., n_group, 1]
+    worst = mx.argpartition(ranks, kth=dropped - 1, axis=-2)[..., :dropped, :]
+    groups = mx.put_along_axis(groups, mx.stop_gradient(worst), mx.array(0.0), axis=-2)
+    return groups.reshape(chosen.shape)

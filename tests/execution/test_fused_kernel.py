@@ -25,7 +25,7 @@ from moebench.execution.support import MICROSCALED
 from moebench.execution.weights import expert_biases
 from moebench.inspect.truth import expert_outputs, f64, nrms
 from moebench.models.args import FP_MODES, QuantizedParts
-from moebench.models.declare import TOPK_THEN_SOFTMAX
+from moebench.models.declare import TOPK_THEN_SOFTMAX, MoeSpec
 from moebench.models.gpt_oss import Experts
 from moebench.models.routing import route
 from moebench.models.switch import BiasedSwitchLinear, SwitchGLU, weighted_sum
@@ -255,7 +255,8 @@ def test_top_k_then_softmax_routing_matches_the_float64_truth_and_what_route_rec
         assert np.array(inds)[0].tolist() == want.tolist()
         e = np.exp(l64[want] - l64[want].max())
         assert np.abs(np.array(scores)[0] - e / e.sum()).max() < 1e-6
-        route_probs, route_ids, route_scores = route(logits, k, True, ordered=True)
+        spec = MoeSpec(n_exp, k, TOPK_THEN_SOFTMAX, renormalize=True)
+        route_probs, route_ids, route_scores = route(logits, spec, ordered=True)
         assert np.array_equal(np.array(probs), np.array(route_probs))
         assert np.array(route_ids).tolist() == np.array(inds).tolist()
         assert np.abs(np.array(route_scores) - np.array(scores)).max() < 1e-6
