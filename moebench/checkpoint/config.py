@@ -35,7 +35,8 @@ def model_args(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
     model_type = cfg.get("model_type", "qwen2_moe")
     if not isinstance(model_type, str):
         raise ConfigError(f"{source}: field 'model_type' must be a string, got {model_type!r}")
-    cfg = {**cfg, **family(model_type, source).config_fields(cfg)}
+    declared = family(model_type, source)
+    cfg = {**cfg, **declared.config_fields(cfg)}
 
     def need(key: str) -> Any:
         if key not in cfg or cfg[key] is None:
@@ -81,17 +82,15 @@ def model_args(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
     if head_dim % 2:
         raise ConfigError(f"{source}: field 'head_dim' must be even for rotary embeddings, got {head_dim}")
 
-    module = family(model_type, source)
     rope_theta, rope_scaling = cfg.get("rope_theta"), None
     for key in ("rope_parameters", "rope_scaling"):  # transformers 5 / 4 names of the RoPE settings
         rope = cfg.get(key)
         if not isinstance(rope, dict):
             continue
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        supported = getattr(module, "ROPE_TYPES", ("default",))
-        if rope_type not in supported:
+        if rope_type not in declared.rope_types:
             raise ConfigError(f"{source}: field {key!r}: rope_type {rope_type!r} is not supported for {model_type} "
-                              f"(supported: {list(supported)})")
+                              f"(supported: {list(declared.rope_types)})")
         if rope_type == "yarn" and rope_scaling is None:
             rope_scaling = _yarn(rope, f"{source}: field {key!r}")
         if rope_theta is None:
@@ -111,7 +110,7 @@ def model_args(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
         raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})")
     layers = integer("num_hidden_layers", need("num_hidden_layers"))
     layer_types = optional("layer_types", [])
-    kinds = getattr(module, "LAYER_TYPES", ("full_attention",))
+    kinds = declared.layer_types
     if not isinstance(layer_types, list) or (layer_types and len(layer_types) != layers) or \
             not all(t in kinds for t in layer_types):
         raise ConfigError(f"{source}: field 'layer_types' must list one of {list(kinds)} for each of the {layers} "
@@ -120,8 +119,7 @@ def model_args(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
     if "sliding_attention" in layer_types:
         window = integer("sliding_window", need("sliding_window"))
     limits = {key: None if cfg.get(key) is None else number(key, cfg[key]) for key in ("swiglu_limit", "swiglu_alpha")}
-    own = getattr(module, "model_fields", None)  # fields of ModelArgs only this family has, checked by it
-    family_fields = own(cfg, source) if own is not None else {}
+    family_fields = declared.own_fields(cfg, source)  # fields of ModelArgs only this family has, checked by it
     mlp_only = optional("mlp_only_layers", [])
     if not isinstance(mlp_only, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only

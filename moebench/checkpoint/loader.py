@@ -20,17 +20,12 @@ from ..models.args import ModelArgs
 from ..models.layers import QuantizedWeight
 from ..models.sharding import shard_experts, shard_heads, shard_mlps
 from ..units import byte_size
-from . import gpt_oss_layouts, qwen3_next_layouts
 from .config import GENERATION_CONFIG, GenerationConfig, read_model_args
 from .files import TensorStore, is_present
 from .tokenizer import Tokenizer
 from .weights import load_weights
 
 ACTIVATION_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-# Families whose published checkpoints name or shape tensors unlike moebench's modules: the renaming, per model_type
-STORED_LAYOUTS = {"gpt_oss": gpt_oss_layouts.to_moebench_names,
-                  **dict.fromkeys(("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"),
-                                  qwen3_next_layouts.to_moebench_names)}
 SHIPPED_MODEL = Path(str(resources.files("moebench") / "shipped" / "tiny-qwen2-moe"))  # data/, in the wheel too
 ENV_MODEL = "MOEBENCH_MODEL"
 
@@ -169,10 +164,11 @@ def load(path: str | Path | None = None, dtype: mx.Dtype | None = None, progress
     args = read_model_args(folder / "config.json")
     _check_eos_ids(args, folder)
     store = TensorStore(folder, progress=progress)
-    if args.model_type in STORED_LAYOUTS:
-        args = STORED_LAYOUTS[args.model_type](store, args)
+    declared = family(args.model_type, str(folder / "config.json"))
+    if declared.stored_layout is not None:  # the family's published names and shapes, as its modules hold them
+        args = declared.stored_layout(store, args)
     _check_layer_count(args, store, folder)
-    model = family(args.model_type, str(folder / "config.json")).Model(args)
+    model = declared.model(args)
     if shard is not None:
         if not isinstance(shard, mx.distributed.Group):
             raise ConfigError(f"load: shard must be an mx.distributed.Group or None, got {type(shard).__name__}")

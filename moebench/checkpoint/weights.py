@@ -418,5 +418,5 @@ def checkpoint_tensors(model: nn.Module, layout: str = "per-expert") -> Iterator
 def tensor_shapes(args: ModelArgs, layout: str = "per-expert") -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor of a float checkpoint of `args`, with its shape, in file order (checkpoint_tensors of the
     model built from args: its placeholders are never computed)."""
-    model = family(args.model_type).Model(args)
+    model = family(args.model_type).model(args)
     return [(name, tuple(value.shape)) for name, value in checkpoint_tensors(model, layout)]

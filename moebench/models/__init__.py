@@ -1,20 +1,29 @@
-"""Model families, chosen by config.json's model_type: one module per family (qwen2_moe, qwen3_moe, olmoe,
-gpt_oss, qwen3_next), imported when a checkpoint of that family is opened. Qwen3.5 MoE (its multimodal folder's
-model_type and its text_config's) is qwen3_next's module."""
+"""Model families, chosen by config.json's model_type. Each family is one module that declares itself in a
+Family value (its FAMILY: moebench.models.family); registering a family is naming its module here."""
 
 from __future__ import annotations
 
+import functools
 import importlib
-from types import ModuleType
 
 from ..errors import ConfigError
+from .family import Family
 
-FAMILIES = ("gpt_oss", "olmoe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next")
-MODULE_OF = {"qwen3_5_moe": "qwen3_next", "qwen3_5_moe_text": "qwen3_next"}  # model_types sharing a module
+FAMILY_MODULES = ("qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_next")
 
 
-def family(model_type: str, source: str = "config.json") -> ModuleType:
-    """The family module for a model_type, or a ConfigError listing the supported ones."""
-    if model_type not in FAMILIES:
-        raise ConfigError(f"{source}: model_type {model_type!r} is not supported (supported: {sorted(FAMILIES)})")
-    return importlib.import_module(f".{MODULE_OF.get(model_type, model_type)}", __name__)
+@functools.cache
+def families() -> dict[str, Family]:
+    """model_type -> its Family, over every registered family module."""
+    found: dict[str, Family] = {}
+    for name in FAMILY_MODULES:
+        declared = importlib.import_module(f".{name}", __name__).FAMILY
+        found.update(dict.fromkeys(declared.model_types, declared))
+    return found
+
+
+def family(model_type: str, source: str = "config.json") -> Family:
+    """The Family of a model_type, or a ConfigError listing the supported ones."""
+    if model_type not in families():
+        raise ConfigError(f"{source}: model_type {model_type!r} is not supported (supported: {sorted(families())})")
+    return families()[model_type]

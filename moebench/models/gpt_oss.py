@@ -27,6 +27,8 @@ from ..errors import ConfigError
 from . import qwen2_moe
 from .args import ModelArgs, YarnScaling
 from .declare import CLAMPED_SWIGLU, TOPK_THEN_SOFTMAX, AttentionSpec, MoeSpec
+from .family import Family, Preset
+from .gpt_oss_layouts import to_moebench_names
 from .layers import ColumnShard, Linear
 from .switch import BiasedSwitchLinear, ExpertShard, SwitchGLU
 
@@ -215,3 +217,34 @@ class Model(qwen2_moe.Model):
                 raise ConfigError(f"gpt_oss config makes layer {i} a dense MLP layer; every gpt-oss layer is MoE")
             layer.self_attn = Attention(args, args.sliding_window if kind == SLIDING else None)
             layer.mlp = SparseMoeBlock(args)
+
+
+# openai/gpt-oss-20b's config.json: experts of width `intermediate_size` (2880, D too) with biases and the clamped
+# SwiGLU, router with a bias (top-4 logits then softmax), 64 query / 8 kv heads of 64 with biases and sinks, a
+# 128-position window on every other layer (sliding first), YaRN rotary (factor 32 over 4096, not truncated).
+# make-random writes it as mlx-lm's convert and the published MLX conversions do (writer.gpt_oss_mlx_lm_tensors):
+# mlp.router in 8 bits, experts stacked at mlp.experts.* in mxfp4, the rest at the affine bits asked for
+GPT_OSS_20B = {
+    "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880,
+    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+    "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02,
+    "router_aux_loss_coef": 0.9, "output_router_logits": False, "use_cache": True, "eos_token_id": 200002,
+    "pad_token_id": 199999, "torch_dtype": "bfloat16",
+}
+FAMILY = Family(("gpt_oss",), Model, config_fields, layer_types=LAYER_TYPES, rope_types=ROPE_TYPES,
+                stored_layout=to_moebench_names, presets=(
+    Preset("gpt-oss-20b", "gpt-oss-20b: 24 layers, D 2880, 64 query heads over 8 kv heads of 64 with sinks, a "
+           "128-position window on alternate layers, 32 experts top-4 of width 2880 with biases and the clamped "
+           "SwiGLU, vocab 201088 (20.9B parameters, 4.2B active with the embeddings)", GPT_OSS_20B),
+    Preset("gpt-oss-tiny", "the gpt_oss family at the tiny preset's size: 2 layers (windowed, then full), D 128, "
+           "GQA 4/2 of 32 with sinks, window 4, 8 experts top-2 of width 128, vocab 256", {
+               **GPT_OSS_20B, "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128,
+               "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 4,
+               "layer_types": ["sliding_attention", "full_attention"], "eos_token_id": None, "pad_token_id": None}),
+))

@@ -23,6 +23,7 @@ from ..errors import DecodeError
 from . import hooks
 from .args import ModelArgs
 from .declare import SIGMOID_GATED, AttentionSpec, MoeSpec
+from .family import Family, Preset
 from .hooks import Record
 from .layers import Embedding, Linear, RMSNorm
 from .routing import Intervention, InterventionError, route
@@ -265,3 +266,43 @@ class Model(nn.Module):
 
     def moe_blocks(self) -> dict[int, SparseMoeBlock]:
         return {i: layer.mlp for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoeBlock)}
+
+
+# A tiny config of every field the family computes with (tests and the `tiny` preset build on it).
+TINY_CONFIG = {
+    "model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 256, "hidden_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
+    "moe_intermediate_size": 128, "shared_expert_intermediate_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
+    "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "qkv_bias": True, "hidden_act": "silu",
+}
+
+QWEN15_MOE_A27B = dict(
+    TINY_CONFIG,
+    vocab_size=151936, hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+    intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
+    num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True, max_position_embeddings=8192,
+    bos_token_id=151643, eos_token_id=151643, torch_dtype="bfloat16", use_sliding_window=False,
+    sliding_window=32768, max_window_layers=21, attention_dropout=0.0, router_aux_loss_coef=0.001,
+)
+QWEN2_57B_A14B = {**QWEN15_MOE_A27B, "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+                  "num_key_value_heads": 4, "intermediate_size": 18944, "moe_intermediate_size": 2560,
+                  "shared_expert_intermediate_size": 20480, "num_experts": 64, "num_experts_per_tok": 8,
+                  "max_position_embeddings": 32768, "max_window_layers": 28}
+# Qwen1.5-MoE's MLX conversions (mlx-community's) keep the experts one by one (experts.{i})
+FAMILY = Family(("qwen2_moe",), Model, config_fields, expert_layout="per-expert", presets=(
+    Preset("qwen1.5-moe-a2.7b", "Qwen1.5-MoE-A2.7B: 24 layers, D 2048, 60 experts top-4 of width 1408, shared "
+           "expert 5632, vocab 151936 (14.3B parameters, 2.7B active; ~8 GB at 4-bit)", QWEN15_MOE_A27B),
+    Preset("qwen1.5-moe-a2.7b-2l", "Qwen1.5-MoE-A2.7B's widths and vocabulary with 2 layers: real per-layer "
+           "shapes on a CPU", {**QWEN15_MOE_A27B, "num_hidden_layers": 2}),
+    Preset("qwen2-57b-a14b", "Qwen2-57B-A14B: 28 layers, D 3584, 28 query heads over 4 kv heads, 64 experts top-8 "
+           "of width 2560, shared expert 20480 (~32 GB at 4-bit)", QWEN2_57B_A14B),
+    Preset("small", "a small Qwen2-MoE for quick runs: 4 layers, D 256, GQA 4/2, 16 experts top-4 of width 256, "
+           "shared expert 512, vocab 8192", dict(
+               TINY_CONFIG, vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=512, moe_intermediate_size=256,
+               shared_expert_intermediate_size=512, num_experts=16, num_experts_per_tok=4)),
+    Preset("tiny", "the tests' shape (TINY_CONFIG): 2 layers, D 128, 8 experts top-2, vocab 256",
+           TINY_CONFIG),
+))

@@ -30,9 +30,11 @@ from ..errors import ConfigError
 from . import hooks, qwen2_moe, qwen3_moe
 from .args import ModelArgs
 from .declare import AttentionSpec
+from .family import Family, Preset
 from .gated_delta import FUSED_QKVZ, SPLIT_QKV_Z_B_A, GatedDeltaNet, LinearAttentionArgs
 from .hooks import Record
 from .layers import Embedding, Linear, RMSNorm
+from .qwen3_next_layouts import to_moebench_names
 from .run import MODULES, LayerRun
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -238,3 +240,50 @@ class Model(qwen2_moe.Model):
         self.model = HybridModel(args, hybrid)
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, args.vocab_size)
+
+
+# Qwen/Qwen3-Next-80B-A3B-Instruct's config.json (transformers' Qwen3NextConfig defaults but for experts 512 top-10,
+# rope_theta 1e7, 262144 positions): 48 hybrid layers, every 4th full attention (16 query / 2 kv heads of 256, an
+# output gate, rotary on a quarter of each head), the others Gated DeltaNet (16 key / 32 value heads of 128, conv 4);
+# every layer a MoE block of 512 experts top-10 of width 512 plus a shared expert of 512
+QWEN3_NEXT_80B_A3B = {
+    "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+    "num_hidden_layers": 48, "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2,
+    "head_dim": 256, "intermediate_size": 5120, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "num_experts": 512, "num_experts_per_tok": 10, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rope_theta": 10000000.0,
+    "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "bos_token_id": 151643,
+    "eos_token_id": 151645, "torch_dtype": "bfloat16",
+}
+# Qwen/Qwen3.5-35B-A3B's text model (its text_config, transformers' Qwen3_5MoeTextConfig defaults but rope_theta 1e7
+# and 262144 positions), flat as mlx-lm reads it: 40 hybrid layers as Qwen3-Next's, 256 experts top-8 of width 512
+# plus a shared expert of 512, vocab 248320; its Gated DeltaNet projections stored apart (in_proj_qkv, _z, _b, _a);
+# the rotary settings inside rope_parameters (the only place mlx-lm's qwen3_5 reads them; its mrope sections give a
+# text token one position in every section)
+QWEN3_5_35B_A3B = {
+    **{k: v for k, v in QWEN3_NEXT_80B_A3B.items() if k not in (
+        "intermediate_size", "bos_token_id", "eos_token_id", "rope_theta", "partial_rotary_factor")},
+    "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"], "vocab_size": 248320,
+    "num_hidden_layers": 40, "num_experts": 256, "num_experts_per_tok": 8,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+HYBRID_TINY = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, intermediate_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                   num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=4096, bos_token_id=None,
+                   eos_token_id=None)
+FAMILY = Family(("qwen3_next", *QWEN3_5), Model, config_fields, model_fields, layer_types=LAYER_TYPES,
+                stored_layout=to_moebench_names, presets=(
+    Preset("qwen3-next-80b-a3b", "Qwen3-Next-80B-A3B: 48 layers (3 of 4 Gated DeltaNet, every 4th gated full "
+           "attention), D 2048, 512 experts top-10 of width 512, shared expert 512, vocab 151936", QWEN3_NEXT_80B_A3B),
+    Preset("qwen3.5-35b-a3b", "Qwen3.5-35B-A3B's text model: 40 layers (3 of 4 Gated DeltaNet, every 4th gated full "
+           "attention), D 2048, 256 experts top-8 of width 512, shared expert 512, vocab 248320", QWEN3_5_35B_A3B),
+    Preset("qwen3-next-tiny", "the qwen3_next family at the tiny preset's size: 4 layers (3 Gated DeltaNet, then "
+           "gated full attention), D 128, GQA 4/2 of 32, 8 experts top-2 of width 128, shared expert 128, vocab 256",
+           {**QWEN3_NEXT_80B_A3B, **HYBRID_TINY}),
+    Preset("qwen3.5-moe-tiny", "the qwen3_5_moe family at the tiny preset's size: as qwen3-next-tiny, its linear "
+           "projections stored apart", {**QWEN3_5_35B_A3B, **HYBRID_TINY}),
+))

@@ -17,7 +17,7 @@ from numbers import Integral, Real
 import mlx.core as mx
 
 from ..errors import MoebenchError
-from .declare import SIGMOID_GROUPED, MoeSpec
+from .declare import SIGMOID_GROUPED, TOPK_THEN_SOFTMAX, MoeSpec
 
 
 class InterventionError(MoebenchError, ValueError):
@@ -130,7 +130,7 @@ def route(
         order = mx.argsort(-select_from, axis=-1) if ordered else mx.argpartition(-select_from, kth=k - 1, axis=-1)
         inds = mx.stop_gradient(order[..., :k].astype(mx.uint32))
     scores = mx.take_along_axis(probs, inds, axis=-1)
-    if spec.renormalize:
+    if spec.renormalize or spec.scoring == TOPK_THEN_SOFTMAX:  # the softmax over the k: the k renormalised
         scores = scores / scores.sum(axis=-1, keepdims=True)
     if spec.routed_scaling != 1.0:
         scores = scores * spec.routed_scaling

@@ -16,6 +16,7 @@ import numpy as np
 from ..checkpoint.config import model_args
 from ..checkpoint.weights import LAYOUTS, stacked_name, tensor_shapes
 from ..decode.sampling import check_seed
+from ..models import qwen2_moe
 from ..models.args import ModelArgs
 from ..models.switch import PROJECTIONS
 
@@ -142,31 +143,8 @@ def save_checkpoint(
 
 
 def qwen2_moe_config(**overrides) -> dict:
-    """An HF-style qwen2_moe config.json dict (small defaults, every computation field present)."""
-    cfg = {
-        "model_type": "qwen2_moe",
-        "architectures": ["Qwen2MoeForCausalLM"],
-        "vocab_size": 256,
-        "hidden_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 256,
-        "moe_intermediate_size": 128,
-        "shared_expert_intermediate_size": 256,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": False,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "qkv_bias": True,
-        "hidden_act": "silu",
-    }
-    cfg.update(overrides)
-    return cfg
+    """An HF-style qwen2_moe config.json dict (the family's tiny config, every computation field present)."""
+    return {**qwen2_moe.TINY_CONFIG, **overrides}
 
 
 def write_random_checkpoint(

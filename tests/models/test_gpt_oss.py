@@ -325,9 +325,9 @@ def test_each_rank_of_the_hub_layout_holds_its_experts_rows(hub_folder):
     every part, biases included, equal to the whole model's. The two-process decode is tests/models/test_sharding."""
     from moebench.checkpoint.config import read_model_args
     from moebench.checkpoint.files import TensorStore
-    from moebench.checkpoint.gpt_oss_layouts import to_moebench_names
     from moebench.checkpoint.weights import load_weights
     from moebench.models import family
+    from moebench.models.gpt_oss_layouts import to_moebench_names
     from moebench.models.sharding import shard_experts
 
     class Ranks:  # an mx.distributed group as rank `rank` of two sees it (loading makes no collective call)
@@ -337,7 +337,7 @@ def test_each_rank_of_the_hub_layout_holds_its_experts_rows(hub_folder):
     def loaded(group):
         store = TensorStore(hub_folder)
         args = to_moebench_names(store, read_model_args(hub_folder / "config.json"))
-        model = family("gpt_oss").Model(args)
+        model = family("gpt_oss").model(args)
         if group is not None:
             shard_experts(model, group)
         load_weights(model, store, mx.float32, args.quantization)

@@ -19,7 +19,7 @@ from sharded_run import RECORDED
 
 from moebench.checkpoint.config import read_model_args
 from moebench.checkpoint.files import TensorStore
-from moebench.checkpoint.loader import SHIPPED_MODEL, STORED_LAYOUTS, load
+from moebench.checkpoint.loader import SHIPPED_MODEL, load
 from moebench.checkpoint.weights import load_weights
 from moebench.errors import CheckpointError, ConfigError, MoebenchError
 from moebench.models import family
@@ -135,7 +135,7 @@ def test_expert_spans_cover_every_expert_once(total, size):
 
 
 def test_a_rank_left_without_experts_is_a_config_error():
-    model = family("qwen2_moe").Model(read_model_args(SHIPPED_MODEL / "config.json"))
+    model = family("qwen2_moe").model(read_model_args(SHIPPED_MODEL / "config.json"))
     ranks = SHIPPED_EXPERTS + 4
     with pytest.raises(ConfigError, match=f"{ranks} ranks for layer 0's {SHIPPED_EXPERTS} experts: rank 0 would hold "
                                           "none"):
@@ -150,9 +150,9 @@ def test_load_takes_only_an_mx_distributed_group():
 def _loaded(folder: Path, group: Ranks | None, tensor: bool = False):
     args = read_model_args(folder / "config.json")
     store = TensorStore(folder)
-    if args.model_type in STORED_LAYOUTS:  # gpt-oss's names, as load renames them
-        args = STORED_LAYOUTS[args.model_type](store, args)
-    model = family(args.model_type).Model(args)
+    if family(args.model_type).stored_layout is not None:  # gpt-oss's names, as load renames them
+        args = family(args.model_type).stored_layout(store, args)
+    model = family(args.model_type).model(args)
     if group is not None:
         shard_experts(model, group)
         if tensor:
@@ -312,14 +312,14 @@ def test_hybrid_heads_that_do_not_split_evenly_are_a_config_error_naming_the_lay
     args = read_model_args(qwen3_5 / "config.json")  # linear attention: 2 key heads; full attention: 4 and 2
     with pytest.raises(ConfigError, match=r"layer 0's linear attention's 2 key heads \(serving 4 value heads\) do "
                                           "not split evenly over 4 ranks"):
-        shard_heads(family(args.model_type).Model(args), Ranks(0, 4))
+        shard_heads(family(args.model_type).model(args), Ranks(0, 4))
     wide = dataclasses.replace(args, linear_num_key_heads=4, linear_num_value_heads=4)  # linear layers split
     with pytest.raises(ConfigError, match="layer 3's 4 query and 2 key/value heads do not split evenly over 4 ranks"):
-        shard_heads(family(args.model_type).Model(wide), Ranks(0, 4))
+        shard_heads(family(args.model_type).model(wide), Ranks(0, 4))
 
 
 def test_heads_that_do_not_split_evenly_are_a_config_error():
-    model = family("qwen2_moe").Model(read_model_args(SHIPPED_MODEL / "config.json"))  # 4 heads, 2 key/value
+    model = family("qwen2_moe").model(read_model_args(SHIPPED_MODEL / "config.json"))  # 4 heads, 2 key/value
     with pytest.raises(ConfigError, match="layer 0's 4 query and 2 key/value heads do not split evenly over 4 ranks"):
         shard_heads(model, Ranks(0, 4))
 
@@ -351,7 +351,7 @@ def test_each_rank_loads_exactly_its_share_of_every_mlp(model, qwen3_stacked):
 
 
 def test_an_mlp_width_that_does_not_split_evenly_is_a_config_error():
-    model = family("qwen2_moe").Model(read_model_args(SHIPPED_MODEL / "config.json"))
+    model = family("qwen2_moe").model(read_model_args(SHIPPED_MODEL / "config.json"))
     with pytest.raises(ConfigError, match="layer 0's shared expert of width 128 does not split evenly over 3 ranks"):
         shard_mlps(model, Ranks(0, 3))
 

@@ -62,7 +62,7 @@ def test_shared_expert_controls_are_off_for_a_model_without_one(panel):
 
     assert not panel.shared.disabled and not panel.gate_scale.disabled
     config = {**get_preset("gpt-oss-tiny").config, "num_local_experts": 32, "num_experts_per_tok": 4}
-    panel._configure(family("gpt_oss").Model(model_args(config)))
+    panel._configure(family("gpt_oss").model(model_args(config)))
     assert panel.shared.disabled and panel.gate_scale.disabled
     assert panel.shared.description == "no shared expert in this model"
     assert "expert ids 0-31" in panel.hint.value and (panel.top_k.max, panel.top_k.value) == (32, 4)

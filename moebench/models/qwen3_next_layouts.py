@@ -23,8 +23,8 @@ from dataclasses import replace
 import mlx.core as mx
 
 from ..errors import CheckpointError
-from ..models.args import ModelArgs
-from .files import TensorStore
+from .args import ModelArgs
+from .family import StoredTensors
 
 # stored prefix -> moebench's (Qwen3.5's text model in transformers' and in mlx-lm's folders)
 PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -35,7 +35,7 @@ OFFSET_NORMS = re.compile(r"^model\.(layers\.\d+\.(input_layernorm|post_attentio
 CONV = re.compile(r"^model\.layers\.\d+\.linear_attn\.conv1d\.weight$")
 
 
-def to_moebench_names(store: TensorStore, args: ModelArgs) -> ModelArgs:
+def to_moebench_names(store: StoredTensors, args: ModelArgs) -> ModelArgs:
     """Rename every tensor of `store` into moebench's names, leave out the vision tower and the MTP head (counted in
     store.skipped), and for transformers' layout turn the conv weights to [C, K, 1] and add 1 to the offset norms;
     a tensor of the wrong shape or type is a CheckpointError naming it. Returns `args` with the per-module
@@ -67,7 +67,7 @@ def _renamed(name: str) -> str:
     return name
 
 
-def _replace(store: TensorStore, name: str, ndim: int, change) -> None:
+def _replace(store: StoredTensors, name: str, ndim: int, change) -> None:
     """`name` replaced by change(its value), once checked to be a float tensor of `ndim` axes."""
     where, value = store.where(name), store.take(name)
     if value.ndim != ndim or not mx.issubdtype(value.dtype, mx.floating):

@@ -21,15 +21,15 @@ from dataclasses import replace
 import mlx.core as mx
 
 from ..errors import CheckpointError
-from ..models.args import ModelArgs
-from .files import TensorStore
+from .args import ModelArgs
+from .family import StoredTensors
 
 EXPERTS = re.compile(r"^(?P<block>model\.layers\.\d+\.mlp)\.experts\.(?P<rest>[a-z_].*)$")  # not experts.{i}
 ROUTER = re.compile(r"^(?P<block>model\.layers\.\d+\.mlp)\.router\.(?P<part>\w+)$")
 MLX_LM = re.compile(r"^(?:gate|up|down)_proj\.\w+$")
 
 
-def to_moebench_names(store: TensorStore, args: ModelArgs) -> ModelArgs:
+def to_moebench_names(store: StoredTensors, args: ModelArgs) -> ModelArgs:
     """Rename (and for the transformers and hub layouts split and reorient) every gpt-oss router and expert tensor
     of `store` into moebench's names; a tensor of the wrong shape or type is a CheckpointError naming it. Returns
     `args` with the per-module quantization entries (mlx-lm keeps the router at 8 bits) under the same names."""
@@ -59,7 +59,7 @@ def _module_name(path: str) -> str:
 
 
 
-def _fused_experts(store: TensorStore, block: str, stored: dict[str, str]) -> None:
+def _fused_experts(store: StoredTensors, block: str, stored: dict[str, str]) -> None:
     """One block's transformers or hub expert tensors -> switch_mlp's gate, up and down."""
     out = f"{block}.switch_mlp"
     known = {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias", "gate_up_proj_blocks",
@@ -93,11 +93,11 @@ def _fused_experts(store: TensorStore, block: str, stored: dict[str, str]) -> No
             store.put(f"{out}.up_proj.{part}", up, where)
 
 
-def _missing(store: TensorStore, name: str) -> str:
+def _missing(store: StoredTensors, name: str) -> str:
     raise CheckpointError(f"{store.folder}: missing tensor {name}")
 
 
-def _float(store: TensorStore, name: str, ndim: int) -> mx.array:
+def _float(store: StoredTensors, name: str, ndim: int) -> mx.array:
     value = store.take(name)
     if value.ndim != ndim or not mx.issubdtype(value.dtype, mx.floating):
         raise CheckpointError(f"{store.where(name)}: {name} is {value.dtype} {tuple(value.shape)}, expected a "
@@ -105,7 +105,7 @@ def _float(store: TensorStore, name: str, ndim: int) -> mx.array:
     return value
 
 
-def _uint8(store: TensorStore, name: str, ndim: int) -> mx.array:
+def _uint8(store: StoredTensors, name: str, ndim: int) -> mx.array:
     value = store.take(name)
     if value.ndim != ndim or value.dtype != mx.uint8:
         raise CheckpointError(f"{store.where(name)}: {name} is {value.dtype} {tuple(value.shape)}, expected uint8 of "
@@ -113,7 +113,7 @@ def _uint8(store: TensorStore, name: str, ndim: int) -> mx.array:
     return value
 
 
-def _blocks(store: TensorStore, name: str) -> mx.array:
+def _blocks(store: StoredTensors, name: str) -> mx.array:
     """Hub mxfp4 blocks uint8 [E, rows, groups, 16] -> MLX's packed words uint32 [E, rows, groups * 4]."""
     value = _uint8(store, name, 4)
     if value.shape[-1] != 16:
