@@ -148,11 +148,12 @@ def _load_tree(tree: nn.Module, prefix: str, store: TensorStore, dtype: mx.Dtype
             narrow_tensors(store, path, keys, held.total, held.spans)
         if isinstance(module, RMSNorm):
             load_norm(store, path, module, dtype)
-        elif not isinstance(module, QuantizedWeight):
-            kept = getattr(module, "float32_params", ())  # held in float32 whatever the activations' dtype
-            for key in own_arrays(module):
+            continue
+        kept = getattr(module, "float32_params", ())  # held in float32 whatever the activations' dtype
+        for key in own_arrays(module):  # a linear layer's arrays beside its matrix too (a router's selection bias)
+            if not isinstance(module, QuantizedWeight) or key not in (*PARTS, "bias"):
                 load_array(store, f"{path}.{key}", module, key, mx.float32 if key in kept else dtype)
-        elif isinstance(module, ColumnShard):
+        if isinstance(module, ColumnShard):
             load_columns(store, path, module, dtype, quantization)
         elif isinstance(module, QuantizedWeight):
             if isinstance(module, RowShard):

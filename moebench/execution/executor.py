@@ -127,8 +127,8 @@ class Executor:
         block = weights.block
         if block is None:
             return LayerPlan(attn, None, attention_step)
-        reason = base.reason if base else support.moe_reason(block.spec, block.switch_mlp.quantized_parts(), backend,
-                                                             settings.max_dff)
+        experts = block.parts().experts.quantized_parts()
+        reason = base.reason if base else support.moe_reason(block.spec, experts, backend, settings.max_dff)
         if reason:
             return LayerPlan(attn, Decision("fallback", reason, block_note(block)), attention_step)
         return LayerPlan(attn, Decision(backend, note=moe_note(block, weights)), attention_step,

@@ -23,11 +23,24 @@ import mlx.core as mx
 
 from ..decode.state import empty_state
 from ..models import hooks
-from ..models.declare import CLAMPED_SWIGLU, PER_HEAD, WHOLE_PROJECTION, LinearAttentionSpec
+from ..models.declare import (
+    CLAMPED_SWIGLU,
+    PER_HEAD,
+    SIGMOID_GATED,
+    SOFTMAX_THEN_TOPK,
+    TOPK_THEN_SOFTMAX,
+    WHOLE_PROJECTION,
+    AttentionParts,
+    AttentionSpec,
+    LatentAttentionSpec,
+    LinearAttentionSpec,
+    MoeBlock,
+    MoeParts,
+)
 from ..models.gated_delta import gates, record_linear
 from ..models.hooks import Record
 from ..models.layers import ColumnShard
-from ..models.routing import route
+from ..models.routing import recorded_choice, route
 from ..models.run import token_mixer
 from ..models.sharding import attention_note, block_note
 from ..models.switch import ExpertShard, weighted_sum
@@ -38,6 +51,9 @@ from .support import attention_reason, linear_attention_reason, rotary_dims
 from .weights import Derived, FusedWeights, RowStack
 
 ROUTE_NOTE = "routing by moebench.models.routing.route (an intervention is set), not the router kernel"
+# The scorings the router kernel computes; a block scored otherwise routes by moebench.models.routing.route
+ROUTER_KERNEL_SCORINGS = (SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX)
+SCORING_NOTE = "routing by moebench.models.routing.route ({}: not a router kernel variant), not the router kernel"
 
 
 class LayerWeights:
@@ -46,23 +62,23 @@ class LayerWeights:
     the memory of one; none for a linear-attention layer), the router's rows stacked with the shared expert gate's,
     and the experts' quantized parts; each rebuilt when a weight is replaced."""
 
-    def __init__(self, layer, block=None):
+    def __init__(self, layer, block: MoeBlock | None = None):
         """`block`: the layer's MoE block (the model's moe_blocks()), None for a dense MLP layer."""
         attn = token_mixer(layer)
-        spec = attn.spec
         self.block = block
         self.has_shared = block is not None and block.spec.shared is not None  # decided once, read every step
         self.qkv = None
-        if not isinstance(spec, LinearAttentionSpec):
-            self.qkv = RowStack(attn.q_proj, attn.k_proj, attn.v_proj)
+        if isinstance(attn.spec, AttentionSpec):
+            parts = attn.parts()
+            self.qkv = RowStack(parts.q_proj, parts.k_proj, parts.v_proj)
             self.qkv.share_storage()
-        self.router = RowStack(block.gate, block.shared_expert_gate) if self.has_shared else None
+        gated = block is not None and block.spec.shared == SIGMOID_GATED
+        self.router = RowStack(block.parts().router, block.parts().shared_gate) if gated else None
         self.experts = Derived(FusedWeights.build) if block is not None else None
 
-    def fused(self, block) -> FusedWeights:
-        e = block.switch_mlp
-        shared = (block.shared_expert.gate_proj, block.shared_expert.up_proj, block.shared_expert.down_proj) \
-            if self.has_shared else ()
+    def fused(self, parts: MoeParts) -> FusedWeights:
+        e, s = parts.experts, parts.shared
+        shared = (s.gate_proj, s.up_proj, s.down_proj) if self.has_shared else ()
         return self.experts.get(e.gate_proj, e.up_proj, e.down_proj, *shared)
 
 
@@ -72,11 +88,15 @@ def attention_step_reason(attn, weights: LayerWeights) -> str | None:
     spec = attn.spec
     if isinstance(spec, LinearAttentionSpec):
         return linear_attention_reason(spec)
+    if isinstance(spec, LatentAttentionSpec):
+        return LATENT_REASON
     if weights.qkv.get() is None:
         return "q, k and v are stored differently (no stacked projection for the kernel)"
     return attention_reason(spec)
 
 
+LATENT_REASON = ("multi-head latent attention (the decode-attention kernel reads keys and values of one width per "
+                 "head; the latent step runs as MLX ops)")
 PROJECTION_NORM_NOTE = "q and k normed over the whole projection by MLX ops before the kernel (it sees one head)"
 
 
@@ -86,16 +106,15 @@ def attention_step_note(attn) -> str | None:
     return "; ".join(n for n in notes if n) or None
 
 
-def rotary(attn) -> tuple[mx.array, float]:
+def rotary(spec: AttentionSpec, parts: AttentionParts) -> tuple[mx.array, float]:
     """The layer's rotation frequencies [rotary_dims / 2] and the attention factor multiplying q and k: at
-    rope_theta and 1, or, where the layer declares scaled rotary, its own (`scaled_frequencies()` and
-    `rope_factor`)."""
-    spec = attn.spec
+    rope_theta and 1, or, where the layer declares scaled rotary, its own (the parts' scaled_frequencies and
+    rope_factor)."""
     if not spec.scaled_rope:
-        return rope_frequencies(rotary_dims(spec), attn.rope_theta), 1.0
-    inv_freq = attn.scaled_frequencies()
+        return rope_frequencies(rotary_dims(spec), parts.rope_theta), 1.0
+    inv_freq = parts.scaled_frequencies
     mx.eval(inv_freq)
-    return inv_freq, float(attn.rope_factor)
+    return inv_freq, float(parts.rope_factor)
 
 
 class AttentionKernel:
@@ -107,12 +126,12 @@ class AttentionKernel:
     family has one (the kernel is handed the declaration without the clamp, as it sees them clamped)."""
 
     def __init__(self, attn, weights: LayerWeights, backend: str, write: bool):
-        self.o_proj, self.qkv, self.backend, self.write = attn.o_proj, weights.qkv, backend, write
-        spec = attn.spec
+        spec, parts = attn.spec, attn.parts()
+        self.o_proj, self.qkv, self.backend, self.write = parts.o_proj, weights.qkv, backend, write
         self.heads, self.clip = replace(spec, clip_qkv=None), spec.clip_qkv
-        self.inv_freq, self.rope_scale = rotary(attn)
-        self.sinks = attn.head_sinks() if spec.sinks else None
-        self.norms = (attn.q_norm, attn.k_norm) if self.heads.qk_norm is not None else None
+        self.inv_freq, self.rope_scale = rotary(spec, parts)
+        self.sinks = parts.sinks if spec.sinks else None
+        self.norms = (parts.q_norm, parts.k_norm) if self.heads.qk_norm is not None else None
 
     def __call__(self, xn: mx.array, cache, record: Record | None = None) -> mx.array:
         """`record`: the layer's `mixer` record (a recorded step), where the output gate is recorded."""
@@ -180,36 +199,38 @@ class MoeKernel:
     residual + block(xn). The block's declared variants ride along: its scoring (the router kernel's), its
     experts' biases and clamped SwiGLU (the pair's); a router bias is in the logits the router kernel reads."""
 
-    def __init__(self, block, weights: LayerWeights, backend: str, rows: int):
+    def __init__(self, block: MoeBlock, weights: LayerWeights, backend: str, rows: int):
         self.block, self.weights, self.backend, self.rows = block, weights, backend, rows
-        self.shard = block.switch_mlp if isinstance(block.switch_mlp, ExpertShard) else None
-        spec = block.spec
-        self.split_shared = spec.shared is not None and isinstance(block.shared_expert.down_proj, ColumnShard)
-        self.scoring = spec.scoring
-        self.clamp = moe.expert_clamp(block.switch_mlp) if spec.activation == CLAMPED_SWIGLU else None
+        spec, parts = block.spec, block.parts()
+        self.shard = parts.experts if isinstance(parts.experts, ExpertShard) else None
+        self.split_shared = spec.shared is not None and isinstance(parts.shared.down_proj, ColumnShard)
+        self.clamp = moe.expert_clamp(parts.experts) if spec.activation == CLAMPED_SWIGLU else None
 
     def __call__(self, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
         b, recording = self.block, record is not None
         shape = xn.shape
         if recording:  # one token as [1, D]: the same launches, the recorded parts [1, ...] like the fallback's
             xn, residual = xn.reshape(1, -1), residual.reshape(1, -1)
-        w = self.weights.fused(b)
+        spec, parts = b.spec, b.parts()
+        w = self.weights.fused(parts)
         shared_on, intervention = b.shared_on, b.intervention
-        if intervention is None:
+        gate = None
+        if intervention is None and spec.scoring in ROUTER_KERNEL_SCORINGS:
             stacked = self.weights.router.get() if self.weights.router is not None else None
-            logits = (stacked or b.gate)(xn)
-            probs, inds, scores, gate = moe.select(self.backend, logits, b.num_experts, b.top_k, b.norm_topk_prob,
-                                                   stacked is not None, self.scoring)
+            logits = (stacked or parts.router)(xn)
+            probs, inds, scores, gate = moe.select(self.backend, logits, spec.num_experts, spec.top_k,
+                                                   spec.renormalize, stacked is not None, spec.scoring)
             if stacked is not None:
-                logits = logits[..., : b.num_experts] if recording else None
-            elif shared_on:
-                gate = b.shared_sigmoid_gate(xn).astype(mx.float32)
+                logits = logits[..., : spec.num_experts] if recording else None
+            else:
+                gate = None
         else:
-            logits = b.gate(xn)
-            probs, inds, scores = route(logits, b.spec, intervention)
-            gate = b.shared_sigmoid_gate(xn).astype(mx.float32) if shared_on else None
+            logits = parts.router(xn)
+            probs, inds, scores = route(logits, spec, intervention, selection_bias=parts.selection_bias)
         if not shared_on:
             gate = None
+        elif gate is None:
+            gate = b.shared_scale(xn).astype(mx.float32)
         folded = moe.SharedExpert(*w.shared, gate) if shared_on and w.shared is not None else None
         beside = shared_on and folded is None  # the shared expert beside the kernels (the plan's note says why)
         slots, weights, once = inds, scores, True
@@ -226,13 +247,14 @@ class MoeKernel:
             out = mx.distributed.all_sum(out, group=self.shard.group)
         block_out = None
         if beside:
-            shared = b.shared_expert(xn)
+            shared = parts.shared(xn)
             out = block_out = out + gate.astype(out.dtype) * shared
             out = residual + out
         if recording:
             weighted, mixed = run_compiled(recorded_mix, (xn.dtype,), expert_out, scores, shared, gate)
             hooks.record_moe(record, logits, probs, inds, scores, expert_out, weighted, shared, gate,
-                             mixed if block_out is None else block_out)
+                             mixed if block_out is None else block_out,
+                             recorded_choice(probs, spec, parts.selection_bias))
             out = out.reshape(shape)
         return out
 
@@ -265,9 +287,11 @@ def recorded_mix(expert_out: mx.array, scores: mx.array, shared: mx.array | None
 def moe_note(block, weights: LayerWeights) -> str | None:
     """What a fused MoE block runs beside the kernels, and why (None: nothing)."""
     notes = []
-    shared_note = weights.fused(block).shared_note
+    shared_note = weights.fused(block.parts()).shared_note
     if shared_note:
         notes.append(f"shared expert beside the kernels: {shared_note}")
+    if block.spec.scoring not in ROUTER_KERNEL_SCORINGS:
+        notes.append(SCORING_NOTE.format(block.spec.scoring))
     if (sharded := block_note(block)) is not None:
         notes.append(sharded)
     if block.intervention is not None:

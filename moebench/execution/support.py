@@ -16,7 +16,7 @@ from ..models.declare import (
     GATED_DELTA,
     PER_HEAD,
     SCORINGS,
-    SIGMOID_GATED,
+    SHARED_JOINS,
     SWIGLU,
     AttentionSpec,
     LinearAttentionSpec,
@@ -42,8 +42,8 @@ def moe_declaration_reason(spec: MoeSpec) -> str | None:
         return f"routing by {spec.scoring} (the router kernel takes {' or '.join(SCORINGS)})"
     if spec.activation not in ACTIVATIONS:
         return f"expert activation {spec.activation} (the kernels compute {' or '.join(ACTIVATIONS)})"
-    if spec.shared not in (None, SIGMOID_GATED):
-        return f"a shared expert joined as {spec.shared} (the kernels take a {SIGMOID_GATED})"
+    if spec.shared not in (None, *SHARED_JOINS):  # a gate of 1 joins an ADDED shared expert
+        return f"a shared expert joined as {spec.shared} (the kernels take a {' or '.join(SHARED_JOINS)})"
     if spec.shared is not None and spec.activation != SWIGLU:
         return f"a shared expert beside {spec.activation} experts (kernel A would apply it to the shared expert)"
     return None

@@ -165,6 +165,7 @@ class LayerRecord:
     beta: np.ndarray | None = None
     state_norm: np.ndarray | None = None
     output_gate: np.ndarray | None = None
+    choice_scores: np.ndarray | None = None  # a selection-biased router's (hooks.CHOICE_SCORES), None elsewhere
 
     @property
     def output_gate_means(self) -> np.ndarray | None:

@@ -116,6 +116,7 @@ class ModelArgs:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     partial_rotary_factor: float = 1.0  # the fraction of each attention head that is rotated
+    family_args: object = None  # what only one family computes with, in its own declared type (its own_fields)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Qwen2-MoE's rule: MoE unless listed as MLP-only, and only every `decoder_sparse_step`-th layer."""

@@ -1,14 +1,21 @@
-"""What a block declares it computes: the vocabulary the execution layer decides from.
+"""What a block declares it computes: the vocabulary the execution layer decides from, and the parts it reads.
 
 A family's MoE block and attention each carry a `spec` built from these words; the execution layer
 (moebench.execution.support) reads the spec, never the family, to decide whether a fused kernel can run
 the block and why not. A new family that computes something new adds a word here (and, if a kernel
-learns it, a rule in moebench.execution.support).
+learns it, a rule in moebench.execution.support). What a fused step reads of a block (its projections,
+norms, rotary, sinks, router, experts, shared expert) the block hands over as one typed value, its `parts()`
+(AttentionParts, MoeParts), and a MoE block's behaviour the step needs is the MoeBlock protocol: the
+execution layer never reaches into a family's modules by attribute name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
 
 # How router logits become the routed experts' scores.
 SOFTMAX_THEN_TOPK = "softmax over all experts, then top-k"
@@ -21,6 +28,8 @@ SCORINGS = (SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, SIGMOID_GROUPED)
 
 # How a shared expert joins the routed sum.
 SIGMOID_GATED = "sigmoid-gated shared expert"
+ADDED = "shared expert added as it is"
+SHARED_JOINS = (SIGMOID_GATED, ADDED)
 
 # The experts' activation.
 SWIGLU = "swiglu"
@@ -56,6 +65,8 @@ class MoeSpec:
     def __post_init__(self) -> None:
         if self.scoring not in SCORINGS:
             raise ValueError(f"MoeSpec.scoring {self.scoring!r} is not one of {SCORINGS}")
+        if self.shared not in (None, *SHARED_JOINS):
+            raise ValueError(f"MoeSpec.shared {self.shared!r} is not None or one of {SHARED_JOINS}")
         if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"MoeSpec: {self.num_experts} experts in {self.n_group} groups, the best "
                              f"{self.topk_group} kept: the groups must divide the experts and keep at least one")
@@ -114,3 +125,67 @@ class LinearAttentionSpec:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+
+
+@dataclass(frozen=True)
+class LatentAttentionSpec:
+    """Multi-head latent attention (DeepSeek-V3, Kimi-K2): q through a low-rank `q_lora_rank` projection (None: a
+    full q_proj), keys and values from a compressed latent of `kv_lora_rank` plus one rotary key of
+    `qk_rope_head_dim` shared by every head; each head's query and key are `qk_nope_head_dim` unrotated dims and
+    the rotary ones, its value `v_head_dim`. The cache holds the latent and the rotary key."""
+
+    n_heads: int
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class AttentionParts:
+    """The modules and values a fused attention step reads: the q/k/v and output projections, the q/k norms where
+    the layer declares them, its rotary (plain at `rope_theta`, or a declared scaled rotary's own
+    `scaled_frequencies` [rotary dims / 2] and the `rope_factor` multiplying q and k) and its sinks (the heads this
+    process holds), where declared."""
+
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    o_proj: nn.Module
+    rope_theta: float
+    q_norm: nn.Module | None = None
+    k_norm: nn.Module | None = None
+    scaled_frequencies: mx.array | None = None
+    rope_factor: float = 1.0
+    sinks: mx.array | None = None
+
+
+@dataclass(frozen=True)
+class MoeParts:
+    """The modules a fused MoE step reads: the router (logits [.., E], its bias included), the routed experts (a
+    SwitchGLU or this process's share of one), a SIGMOID_GROUPED router's selection bias [E], and the shared
+    expert (gate_proj, up_proj, down_proj) with, when SIGMOID_GATED, its gate's Linear [1, D]."""
+
+    router: nn.Module
+    experts: nn.Module
+    selection_bias: mx.array | None = None
+    shared: nn.Module | None = None
+    shared_gate: nn.Module | None = None
+
+
+class MoeBlock(Protocol):
+    """What the execution layer asks of a MoE block beyond its parts: its declaration, the intervention set on it,
+    whether the shared expert takes part and by what factor it joins the routed sum."""
+
+    spec: MoeSpec
+    intervention: object
+
+    def parts(self) -> MoeParts: ...
+
+    @property
+    def shared_on(self) -> bool: ...
+
+    def shared_scale(self, x: mx.array) -> mx.array:
+        """[.., 1]: sigmoid(x W_sg) for a SIGMOID_GATED shared expert, 1 for an ADDED one, times an intervention's
+        shared_gate_scale."""

@@ -58,6 +58,8 @@ class Family:
     stored_layout: renames and reshapes the tensors of its published folders into its modules' names (None:
         stored as the modules name them); returns the args with quantization entries renamed alike.
     expert_layout: how its MLX conversions store the routed experts ('stacked' or 'per-expert').
+    unquantized: tensor name endings its MLX conversions keep float (mlx-lm quantizes only its Linear layers, and
+        some families' routers are none), which make-random keeps float too.
     presets: its named shapes.
     """
 
@@ -69,6 +71,7 @@ class Family:
     rope_types: tuple[str, ...] = ("default",)
     stored_layout: Callable[[StoredTensors, ModelArgs], ModelArgs] | None = None
     expert_layout: str = "stacked"
+    unquantized: tuple[str, ...] = ()
     presets: tuple[Preset, ...] = ()
 
     @property

@@ -26,7 +26,7 @@ import mlx.core as mx
 from ..errors import ConfigError
 from . import qwen2_moe
 from .args import ModelArgs, YarnScaling
-from .declare import CLAMPED_SWIGLU, TOPK_THEN_SOFTMAX, AttentionSpec, MoeSpec
+from .declare import CLAMPED_SWIGLU, TOPK_THEN_SOFTMAX, AttentionParts, AttentionSpec, MoeSpec
 from .family import Family, Preset
 from .gpt_oss_layouts import to_moebench_names
 from .layers import ColumnShard, Linear
@@ -107,11 +107,13 @@ class Attention(qwen2_moe.Attention):
     def spec(self) -> AttentionSpec:
         return replace(super().spec, window=self.window, sinks=True, scaled_rope=self._rope_freqs is not None)
 
-    def scaled_frequencies(self) -> mx.array:
-        """float32 [head_dim / 2]: the rotation speeds YaRN gives each pair of dims (the reciprocals of the
-        wavelengths handed to mx.fast.rope, which turns by their reciprocals too), for a layer declaring
-        scaled_rope."""
-        return 1.0 / self._rope_freqs.astype(mx.float32)
+    def parts(self) -> AttentionParts:
+        """The projections, the sinks of the heads this process computes and, with YaRN, its rotation speeds (the
+        reciprocals of the wavelengths handed to mx.fast.rope, which turns by their reciprocals too) and attention
+        factor."""
+        scaled = None if self._rope_freqs is None else 1.0 / self._rope_freqs.astype(mx.float32)
+        return replace(super().parts(), scaled_frequencies=scaled, rope_factor=self.rope_factor,
+                       sinks=self.head_sinks())
 
     def head_sinks(self) -> mx.array:
         """The sinks of the heads this process computes: all of them, or under tensor parallelism (o_proj a

@@ -15,6 +15,9 @@ MoE block, then the value's own name. Stable: notebooks, widgets and exported fi
     layers.{l}.moe.shared_out    shared expert output, ungated              [L, D]
     layers.{l}.moe.shared_gate   sigmoid gate of the shared expert          [L, 1]
     layers.{l}.moe.block_out     routed_out + shared_gate * shared_out      [L, D]
+    layers.{l}.moe.choice_scores what a selection-biased router chose by:     [L, E]
+                                 router_probs + the selection bias, -inf outside the groups kept (before any
+                                 intervention; SIGMOID_GROUPED routers only, None elsewhere)
     layers.{l}.moe.path          which path the block ran (moebench.execution.plan.Decision)
     layers.{l}.attn_path         which path the layer's attention ran (Decision; decode steps only)
     layers.{l}.mixer_kind        the layer's token mixing, 'linear_attention' or 'full_attention' (hybrids only:
@@ -49,6 +52,7 @@ TOPK_IDS, TOPK_SCORES = "topk_ids", "topk_scores"
 EXPERT_OUT, ROUTED_OUT = "expert_out", "routed_out"
 SHARED_OUT, SHARED_GATE = "shared_out", "shared_gate"
 BLOCK_OUT, PATH = "block_out", "path"
+CHOICE_SCORES = "choice_scores"
 ATTN_PATH = "attn_path"
 MOE = "moe"  # the MoE block's place inside its layer
 MIXER_KIND = "mixer_kind"
@@ -58,7 +62,7 @@ MIXER_HOOKS = (DECAY, BETA, STATE_NORM, OUTPUT_GATE)
 
 # What a MoE block records, in this order (record_moe's arguments).
 MOE_PARTS = (ROUTER_LOGITS, ROUTER_PROBS, TOPK_IDS, TOPK_SCORES, EXPERT_OUT, ROUTED_OUT, SHARED_OUT, SHARED_GATE,
-             BLOCK_OUT)
+             BLOCK_OUT, CHOICE_SCORES)
 MOE_HOOKS = (*MOE_PARTS, PATH)
 RESID_HOOKS = (RESID_PRE, RESID_MID, RESID_POST)
 

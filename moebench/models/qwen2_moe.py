@@ -22,11 +22,11 @@ import mlx.nn as nn
 from ..errors import DecodeError
 from . import hooks
 from .args import ModelArgs
-from .declare import SIGMOID_GATED, AttentionSpec, MoeSpec
+from .declare import SIGMOID_GATED, AttentionParts, AttentionSpec, MoeParts, MoeSpec
 from .family import Family, Preset
 from .hooks import Record
 from .layers import Embedding, Linear, RMSNorm
-from .routing import Intervention, InterventionError, route
+from .routing import Intervention, InterventionError, recorded_choice, route
 from .run import MODULES, LayerRun
 from .switch import SwitchGLU, swiglu, weighted_sum
 
@@ -57,6 +57,11 @@ class Attention(nn.Module):
         """What this layer computes, for the execution layer (the heads this process holds)."""
         return AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, qkv_bias="bias" in self.q_proj,
                              qk_norm=self.qk_norm)
+
+    def parts(self) -> AttentionParts:
+        """What a fused step reads of this layer (moebench.models.declare)."""
+        norms = (self.q_norm, self.k_norm) if self.qk_norm is not None else (None, None)
+        return AttentionParts(self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.rope_theta, *norms)
 
     def heads(self, q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """[B, L, heads * hd] projections -> [B, heads, L, hd] (a family that normalises q and k does it here)."""
@@ -151,40 +156,50 @@ class SparseMoeBlock(nn.Module):
         return MoeSpec(self.num_experts, self.top_k, renormalize=self.norm_topk_prob,
                        shared=SIGMOID_GATED if "shared_expert" in self else None)
 
+    def parts(self) -> MoeParts:
+        """What a fused step reads of this block (moebench.models.declare)."""
+        if "shared_expert" not in self:
+            return MoeParts(self.gate, self.switch_mlp)
+        return MoeParts(self.gate, self.switch_mlp, shared=self.shared_expert, shared_gate=self.shared_expert_gate)
+
     @property
     def shared_on(self) -> bool:
         """Whether the shared expert takes part (the family has one and no intervention switched it off)."""
-        return "shared_expert" in self and (self._intervention is None or self._intervention.shared_expert)
+        return self.spec.shared is not None and (self._intervention is None or self._intervention.shared_expert)
 
-    def shared_sigmoid_gate(self, x: mx.array) -> mx.array:
-        """sigmoid(x W_sg^T), scaled by an intervention's shared_gate_scale."""
-        gate = mx.sigmoid(self.shared_expert_gate(x))
+    def shared_scale(self, x: mx.array) -> mx.array:
+        """The factor the shared expert joins the routed sum by: sigmoid(x W_sg^T) (1 for a shared expert added as
+        it is), times an intervention's shared_gate_scale."""
+        gate = mx.sigmoid(self.shared_expert_gate(x)) if self.spec.shared == SIGMOID_GATED else \
+            mx.ones((*x.shape[:-1], 1), x.dtype)
         if self._intervention is not None and self._intervention.shared_gate_scale != 1.0:
             gate = gate * self._intervention.shared_gate_scale
         return gate
 
     def __call__(self, x: mx.array, record: Record | None = None) -> mx.array:
-        shape = x.shape
+        shape, parts = x.shape, self.parts()
         x = x.reshape(-1, shape[-1])
-        logits = self.gate(x)
-        probs, inds, scores = route(logits, self.spec, self._intervention)
-        expert_out = self.switch_mlp(x, inds)
+        logits = parts.router(x)
+        probs, inds, scores = route(logits, self.spec, self._intervention, selection_bias=parts.selection_bias)
+        expert_out = parts.experts(x, inds)
         out = routed = weighted_sum(expert_out, scores)
         shared = gate = None
         if self.shared_on:
-            shared, gate = self.shared_expert(x), self.shared_sigmoid_gate(x)
+            shared, gate = parts.shared(x), self.shared_scale(x)
             out = out + gate * shared
         if record is not None:
-            hooks.record_moe(record, logits, probs, inds, scores, expert_out, routed, shared, gate, out)
+            hooks.record_moe(record, logits, probs, inds, scores, expert_out, routed, shared, gate, out,
+                             recorded_choice(probs, self.spec, parts.selection_bias))
         return out.reshape(shape)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, attention: type[Attention] = Attention):
+    def __init__(self, args: ModelArgs, layer: int, attention: type[Attention] = Attention,
+                 block: type[SparseMoeBlock] = SparseMoeBlock):
         super().__init__()
         self.self_attn = attention(args)
         self.is_moe = args.is_moe_layer(layer)
-        self.mlp = SparseMoeBlock(args) if self.is_moe else MLP(args.hidden_size, args.intermediate_size)
+        self.mlp = block(args) if self.is_moe else MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -203,10 +218,11 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen2MoeModel(nn.Module):
-    def __init__(self, args: ModelArgs, attention: type[Attention] = Attention):
+    def __init__(self, args: ModelArgs, attention: type[Attention] = Attention,
+                 block: type[SparseMoeBlock] = SparseMoeBlock, layer: type[DecoderLayer] = DecoderLayer):
         super().__init__()
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, i, attention) for i in range(args.num_hidden_layers)]
+        self.layers = [layer(args, i, attention, block) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def __call__(self, tokens: mx.array, cache=None, record: Record | None = None,
@@ -241,10 +257,12 @@ def check_token_ids(tokens: mx.array, vocab: int) -> None:
 class Model(nn.Module):
     """tokens [B, L] -> logits [B, L, vocab]; with a cache (moebench.decode.cache) it continues a sequence."""
 
-    def __init__(self, args: ModelArgs, attention: type[Attention] = Attention):
+    def __init__(self, args: ModelArgs, attention: type[Attention] = Attention,
+                 block: type[SparseMoeBlock] = SparseMoeBlock, layer: type[DecoderLayer] = DecoderLayer):
+        """A family passes its own attention, MoE block and decoder layer where they differ from these."""
         super().__init__()
         self.args = args
-        self.model = Qwen2MoeModel(args, attention)
+        self.model = Qwen2MoeModel(args, attention, block, layer)
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, args.vocab_size)
 

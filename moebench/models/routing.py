@@ -139,8 +139,9 @@ def route(
 
 def choice_scores(probs: mx.array, spec: MoeSpec, selection_bias: mx.array | None) -> mx.array:
     """What SIGMOID_GROUPED chooses the top-k of: each expert's score plus its selection bias, and, with groups,
-    0 for every expert outside the best `topk_group` groups (a group ranked by the sum of its two best biased
-    scores), as transformers and mlx-lm compute it."""
+    -inf for every expert outside the best `topk_group` groups (a group ranked by the sum of its two best biased
+    scores), as transformers and DeepSeek's own code compute it (mlx-lm writes 0 there: the same choice while the
+    kept groups' biased scores are positive)."""
     chosen = probs if selection_bias is None else probs + selection_bias.astype(mx.float32)
     dropped = spec.n_group - spec.topk_group
     if not dropped:
@@ -148,5 +149,10 @@ def choice_scores(probs: mx.array, spec: MoeSpec, selection_bias: mx.array | Non
     groups = chosen.reshape(*chosen.shape[:-1], spec.n_group, -1)
     ranks = mx.topk(groups, 2, axis=-1).sum(axis=-1, keepdims=True)  # [..., n_group, 1]
     worst = mx.argpartition(ranks, kth=dropped - 1, axis=-2)[..., :dropped, :]
-    groups = mx.put_along_axis(groups, mx.stop_gradient(worst), mx.array(0.0), axis=-2)
+    groups = mx.put_along_axis(groups, mx.stop_gradient(worst), mx.array(-mx.inf), axis=-2)
     return groups.reshape(chosen.shape)
+
+
+def recorded_choice(probs: mx.array, spec: MoeSpec, selection_bias: mx.array | None) -> mx.array | None:
+    """What a recorded step keeps of a SIGMOID_GROUPED router's choice (hooks' choice_scores); None otherwise."""
+    return choice_scores(probs, spec, selection_bias) if spec.scoring == SIGMOID_GROUPED else None

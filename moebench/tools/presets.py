@@ -113,7 +113,9 @@ def write_random(
         quantized = gpt_oss_mlx_lm_tensors(tensors, args, group_size, bits)
         config["quantization"] = gpt_oss_quantization(args, group_size, bits)
     else:
-        quantized = quantize_tensors(tensors, group_size, bits, layout, args.num_experts, mode=mode)
+        kept = family(args.model_type).unquantized
+        quantized = quantize_tensors(tensors, group_size, bits, layout, args.num_experts, mode=mode,
+                                     skip=lambda name: name.endswith(kept) if kept else False)
         config["quantization"] = {"group_size": group_size, "bits": bits, "mode": mode}
     config["quantization_config"] = config["quantization"]
     return save_checkpoint(out, config, quantized, shard_bytes=int(shard_gb * 1e9))

@@ -388,7 +388,8 @@ def attention_geometries(model) -> list[AttentionGeometry]:
     for attn in map(token_mixer, model.layers):
         if isinstance(attn.spec, AttentionSpec):
             heads = replace(attn.spec, clip_qkv=None)  # the kernel is handed q, k and v clamped
-            found[heads] = AttentionGeometry(heads, *rotary(attn), attn.head_sinks() if heads.sinks else None)
+            parts = attn.parts()
+            found[heads] = AttentionGeometry(heads, *rotary(attn.spec, parts), parts.sinks if heads.sinks else None)
     return sorted(found.values(), key=lambda g: str(g.heads))
 
 

@@ -88,16 +88,16 @@ def test_the_experts_parts_the_kernels_read_follow_replaced_weights(quantized_ch
     ex = executor(model)
     block, weights = model.layers[0].mlp, ex.weights[0]
     experts = block.switch_mlp
-    first = weights.fused(block)
-    assert weights.fused(block) is first and first.experts[2].scales is experts.down_proj.scales
+    first = weights.fused(block.parts())
+    assert weights.fused(block.parts()) is first and first.experts[2].scales is experts.down_proj.scales
     step = ex.plan(1, make_cache(len(model.layers))).layers[0].moe_step
     x = mx.random.normal((1, 1, model.args.hidden_size), key=KEY)
     residual = mx.zeros_like(x)
     before = np.array(step(x, residual, None))
     experts.down_proj.scales = experts.down_proj.scales * 2
-    again = weights.fused(block)
+    again = weights.fused(block.parts())
     assert again is not first and again.experts[2].scales is experts.down_proj.scales
-    assert weights.fused(block) is again
+    assert weights.fused(block.parts()) is again
     after = np.array(step(x, residual, None))
     assert not np.allclose(after, before, rtol=1e-3, atol=1e-3)
     assert np.allclose(after, np.array(block(x)), rtol=1e-4, atol=1e-4)  # the fallback on the new weights

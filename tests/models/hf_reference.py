@@ -9,7 +9,8 @@ import numpy as np
 
 
 def save_hf_checkpoint(folder: Path, config_cls, model_cls, config: dict, seed: int = 0) -> Path:
-    """Build `model_cls(config_cls(**config))` with weights of useful size (std 1/sqrt(fan_in)) and save_pretrained."""
+    """Build `model_cls(config_cls(**config))` with weights of useful size (std 1/sqrt(fan_in)), a router's selection
+    bias (a buffer, zero at init) random too, and save_pretrained."""
     import torch
 
     cfg = {k: v for k, v in config.items() if k not in ("model_type", "architectures")}
@@ -23,6 +24,9 @@ def save_hf_checkpoint(folder: Path, config_cls, model_cls, config: dict, seed: 
                 p.copy_(0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # large enough to change which experts are chosen
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(folder)
     return folder
 

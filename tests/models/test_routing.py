@@ -109,7 +109,7 @@ def grouped_reference(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int
         choice = (row + bias).reshape(n_group, -1)
         group_rank = np.sort(choice, axis=-1)[:, -2:].sum(axis=-1)
         keep = np.argsort(-group_rank, kind="stable")[:topk_group]
-        masked = np.zeros_like(choice)
+        masked = np.full_like(choice, -np.inf)
         masked[keep] = choice[keep]
         top = np.argsort(-masked.reshape(-1), kind="stable")[:k]
         w = row[top] / (row[top].sum() if norm else 1.0) * scale

@@ -1,0 +1,73 @@
+"""The Mixtral family against transformers' MixtralForCausalLM on tiny float32 folders it saved itself (its
+per-expert w1 / w3 / w2 under block_sparse_moe) and mlx-lm's mixtral on the folders `mlx_lm.convert` writes from
+them; the fused kernels on every decode step of the quantized ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from byte_tokenizer import write_byte_tokenizer
+from family_parity import convert, fused_on_every_decode_step, matches_mlx_lm, matches_transformers, prompt
+from hf_reference import save_hf_checkpoint
+
+import moebench
+
+pytest.importorskip("torch", reason="the float folders are written by transformers (dev dependency torch)")
+pytest.importorskip("mlx_lm", reason="the quantized folders are written and checked by mlx-lm")
+
+BASE = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5,
+            max_position_embeddings=256, rope_theta=1e6, tie_word_embeddings=False, sliding_window=None,
+            eos_token_id=None, bos_token_id=None)
+RECIPES = {"4bit": dict(q_bits=4, q_group_size=64), "6bit": dict(q_bits=6, q_group_size=64),
+           "3bit": dict(q_bits=3, q_group_size=64), "mixed_3_6": dict(quant_predicate="mixed_3_6", q_group_size=64)}
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> Path:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    folder = save_hf_checkpoint(tmp_path_factory.mktemp("mixtral") / "hf", MixtralConfig, MixtralForCausalLM, BASE)
+    write_byte_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, hf_folder):
+    made: dict[str, Path] = {}
+
+    def get(recipe: str) -> Path:
+        if recipe not in made:
+            made[recipe] = convert(hf_folder, tmp_path_factory.mktemp(f"mixtral-{recipe}") / "mlx", RECIPES[recipe])
+        return made[recipe]
+
+    return get
+
+
+def test_the_hub_layout_loads_and_computes_transformers_logits(hf_folder):
+    from transformers import MixtralForCausalLM
+
+    names = json.loads((hf_folder / "model.safetensors.index.json").read_text())["weight_map"] \
+        if (hf_folder / "model.safetensors.index.json").exists() else None
+    model, _ = moebench.load(hf_folder)
+    assert model.args.model_type == "mixtral" and sorted(model.moe_blocks()) == [0, 1]
+    assert names is None or any(".block_sparse_moe.experts.0.w1." in n for n in names)
+    matches_transformers(hf_folder, MixtralForCausalLM, prompt(0, BASE["vocab_size"]))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_converted_folders_match_mlx_lm_and_run_fused(converted, recipe):
+    folder = converted(recipe)
+    ids = prompt(1, BASE["vocab_size"])
+    matches_mlx_lm(folder, ids)
+    fused_on_every_decode_step(folder, ids)
+
+
+def test_make_random_writes_what_mlx_lm_loads(tmp_path):
+    """make-random's tiny Mixtral is mlx-lm's layout: mlx-lm loads it and computes moebench's logits."""
+    from moebench.tools.presets import write_random
+
+    folder = write_random(tmp_path / "m", "mixtral-tiny", bits=4, group_size=64, dtype="float32", progress=False)
+    matches_mlx_lm(folder, prompt(2, BASE["vocab_size"]), steps=4)
