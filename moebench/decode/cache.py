@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from ..errors import DeviceMemoryError
 from ..models.args import ModelArgs
-from ..models.declare import LinearAttentionSpec
+from ..models.declare import AttentionSpec, LatentAttentionSpec, LinearAttentionSpec
 from ..models.run import token_mixer
 from .state import LinearAttentionState, state_shapes
 
@@ -56,13 +56,22 @@ def linear_layers(model) -> list[LinearAttentionSpec]:
     return [spec for spec in specs if isinstance(spec, LinearAttentionSpec)]
 
 
+def cache_widths(spec: AttentionSpec | LatentAttentionSpec) -> tuple[int, int, int]:
+    """(heads, key width, value width) of what an attention layer declaring `spec` caches a position: its
+    key/value heads' keys and values (the heads this process holds), or multi-head latent attention's compressed
+    latent and its rotary key."""
+    if isinstance(spec, LatentAttentionSpec):
+        return 1, spec.kv_lora_rank, spec.qk_rope_head_dim
+    return spec.n_kv_heads, spec.head_dim, spec.head_dim
+
+
 def kv_cache_bytes(model, positions: int) -> int:
-    """Every attention layer's keys and values for `positions` positions (a linear-attention layer keeps none): the
-    key/value heads this process holds (a rank of a model with its attention sharded holds its own), in the
-    model's dtype."""
-    mixers = [token_mixer(layer) for layer in model.layers]
-    per_position = sum(m.n_kv_heads * m.head_dim for m in mixers if not isinstance(m.spec, LinearAttentionSpec))
-    return 2 * per_position * positions * model.dtype.size
+    """Every attention layer's keys and values for `positions` positions (a linear-attention layer keeps none), as
+    cache_widths says, in the model's dtype."""
+    specs = [token_mixer(layer).spec for layer in model.layers]
+    per_position = sum(h * (k + v) for h, k, v in (cache_widths(s) for s in specs
+                                                   if not isinstance(s, LinearAttentionSpec)))
+    return per_position * positions * model.dtype.size
 
 
 def linear_state_bytes(model, keep: int) -> int:
@@ -234,10 +243,11 @@ class StaticCache:
     @classmethod
     def empty(cls, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype: mx.Dtype,
               blocks: tuple[int | None, ...] | None = None,
-              states: list[LinearAttentionState] | None = None) -> StaticCache:
-        zeros = mx.zeros((layers, kv_heads, capacity, head_dim), dtype)
-        return cls(zeros, mx.zeros_like(zeros), StepPosition.at(mx.array(0, dtype=mx.int32), capacity), blocks,
-                   states)
+              states: list[LinearAttentionState] | None = None, value_dim: int | None = None) -> StaticCache:
+        """Zeroed buffers; the values `value_dim` wide when they differ from the keys (MLA's rotary key)."""
+        keys = mx.zeros((layers, kv_heads, capacity, head_dim), dtype)
+        values = mx.zeros((layers, kv_heads, capacity, value_dim or head_dim), dtype)
+        return cls(keys, values, StepPosition.at(mx.array(0, dtype=mx.int32), capacity), blocks, states)
 
     @classmethod
     def for_model(cls, model, capacity: int, keep: int) -> StaticCache:
@@ -247,9 +257,9 @@ class StaticCache:
         linear = [isinstance(token_mixer(layer).spec, LinearAttentionSpec) for layer in model.layers]
         attending = [token_mixer(layer) for layer, lin in zip(model.layers, linear, strict=True) if not lin]
         blocks = tuple(None if lin else linear[:i].count(False) for i, lin in enumerate(linear))
-        heads, head_dim = (attending[0].n_kv_heads, attending[0].head_dim) if attending else (1, 1)
-        return cls.empty(len(attending), heads, capacity, head_dim, model.dtype, blocks,
-                         [LinearAttentionState(keep) for lin in linear if lin])
+        heads, key_dim, value_dim = cache_widths(attending[0].spec) if attending else (1, 1, 1)
+        return cls.empty(len(attending), heads, capacity, key_dim, model.dtype, blocks,
+                         [LinearAttentionState(keep) for lin in linear if lin], value_dim)
 
     @property
     def capacity(self) -> int:

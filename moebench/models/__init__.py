@@ -9,7 +9,7 @@ import importlib
 from ..errors import ConfigError
 from .family import Family
 
-FAMILY_MODULES = ("qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_next", "mixtral", "glm4_moe")
+FAMILY_MODULES = ("qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_next", "mixtral", "glm4_moe", "deepseek_v3")
 
 
 @functools.cache

@@ -158,7 +158,7 @@ class Router(Linear):
 
 class SparseMoeBlock(qwen2_moe.SparseMoeBlock):
     """The grouped sigmoid router with its selection bias, the routed experts, and shared experts added as they
-    are."""
+    are (GLM's and DeepSeek-V3's: their family_args carry the router's settings as `router`)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__(replace(args, shared_expert_intermediate_size=0))

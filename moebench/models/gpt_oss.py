@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any
 
@@ -25,11 +24,12 @@ import mlx.core as mx
 
 from ..errors import ConfigError
 from . import qwen2_moe
-from .args import ModelArgs, YarnScaling
+from .args import ModelArgs
 from .declare import CLAMPED_SWIGLU, TOPK_THEN_SOFTMAX, AttentionParts, AttentionSpec, MoeSpec
 from .family import Family, Preset
 from .gpt_oss_layouts import to_moebench_names
 from .layers import ColumnShard, Linear
+from .rotary import yarn
 from .switch import BiasedSwitchLinear, ExpertShard, SwitchGLU
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -57,36 +57,6 @@ def config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("layer_types") is None and isinstance(cfg.get("num_hidden_layers"), int):
         fields["layer_types"] = [SLIDING if i % 2 == 0 else FULL for i in range(cfg["num_hidden_layers"])]
     return fields
-
-
-def yarn(head_dim: int, theta: float, scaling: YarnScaling) -> tuple[mx.array, float]:
-    """YaRN's inverse frequencies [head_dim / 2] and attention factor, as transformers computes them: each
-    frequency between theta's and theta's divided by `factor`, blended by a ramp over the dimensions whose
-    wavelength lies between `beta_fast` and `beta_slow` rotations of the original context."""
-
-    def correction_dim(rotations: float) -> float:
-        original = scaling.original_max_position_embeddings
-        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
-    if scaling.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = mx.clip((mx.arange(head_dim // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
-    extrapolated = 1.0 / theta ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)
-    interpolated = extrapolated / scaling.factor
-    inv_freq = interpolated * ramp + extrapolated * (1 - ramp)
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    factor = scaling.attention_factor
-    if factor is None:
-        factor = mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim) \
-            if scaling.mscale and scaling.mscale_all_dim else mscale(scaling.factor)
-    return inv_freq, factor
 
 
 class Attention(qwen2_moe.Attention):

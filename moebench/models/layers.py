@@ -114,6 +114,21 @@ class ColumnShard(Linear):
         return y
 
 
+class HeadLinear(QuantizedWeight):
+    """One linear map a head, W [H, out, in], float or quantized: x [.., H, L, in] -> x W_h^T [.., H, L, out], or
+    with `transpose` False x [.., H, L, out] -> x W_h [.., H, L, in] (multi-head latent attention's absorbed key
+    and value projections)."""
+
+    def __init__(self, in_features: int, out_features: int, heads: int):
+        super().__init__((heads, out_features, in_features))
+
+    def __call__(self, x: mx.array, transpose: bool = True) -> mx.array:
+        if self.mode is None:
+            return x @ (self["weight"].swapaxes(-1, -2) if transpose else self["weight"])
+        return mx.quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), transpose=transpose,
+                                   group_size=self.group_size, bits=self.bits, mode=self.mode)
+
+
 class Embedding(QuantizedWeight):
     """Token embedding [vocab, dims]; also the tied output projection."""
 

@@ -33,6 +33,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..errors import ConfigError
+from .declare import LatentAttentionSpec
 from .gated_delta import FUSED_QKVZ, DepthwiseConv1d, GatedDeltaNet, LinearAttentionArgs
 from .layers import ColumnShard, Linear, RowShard
 from .run import token_mixer
@@ -90,6 +91,9 @@ def shard_heads(model, group: mx.distributed.Group) -> None:
         mixer = token_mixer(layer)
         if isinstance(mixer, GatedDeltaNet):
             shard_linear_attention(i, mixer, group)
+        elif isinstance(mixer.spec, LatentAttentionSpec):
+            raise ConfigError(f"shard: layer {i}'s multi-head latent attention is not split over ranks ({TENSOR_MODE} "
+                              "splits query and key/value heads; shard the experts alone)")
         else:
             shard_attention(i, mixer, group)
 
@@ -202,9 +206,10 @@ def attention_note(mixer) -> str | None:
         return (f"key heads {_heads(out.first // per_key, out.shape[1] // per_key, out.total // per_key, dv)}, "
                 f"value heads {_heads(out.first, out.shape[1], out.total, dv)} on rank {out.group.rank()} of "
                 f"{out.group.size()} (the other ranks' by all_sum)")
-    out, hd, k = mixer.o_proj, mixer.head_dim, mixer.k_proj
+    out = mixer.o_proj
     if not isinstance(out, ColumnShard):
         return None
+    hd, k = mixer.head_dim, mixer.k_proj
     return (f"query heads {_heads(out.first, out.shape[1], out.total, hd)}, key/value heads "
             f"{_heads(k.first, k.shape[0], k.total, hd)} on rank {out.group.rank()} of {out.group.size()} (the other "
             "ranks' by all_sum)")

@@ -32,7 +32,7 @@ from moebench.execution.support import MICROSCALED
 from moebench.inspect.truth import attention_f64, expert_outputs, f64, nrms
 from moebench.models.args import FP_MODES, QuantizedParts, YarnScaling
 from moebench.models.declare import SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, AttentionSpec
-from moebench.models.gpt_oss import yarn
+from moebench.models.rotary import yarn
 from moebench.models.switch import SwitchGLU, weighted_sum
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 

@@ -12,7 +12,7 @@ from moebench.execution.support import rotary_dims
 from moebench.inspect.truth import attention_f64, dequantize_f64, expert_outputs, f64, nmax, nrms
 from moebench.models.args import QuantizedParts, YarnScaling
 from moebench.models.declare import PER_HEAD, AttentionSpec
-from moebench.models.gpt_oss import yarn
+from moebench.models.rotary import yarn
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])

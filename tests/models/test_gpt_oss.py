@@ -38,7 +38,7 @@ from moebench.decode.loop import generate
 from moebench.inspect.record import Recorder, decode
 from moebench.models import hooks
 from moebench.models.args import YarnScaling
-from moebench.models.gpt_oss import yarn
+from moebench.models.rotary import yarn
 
 pytest.importorskip("torch", reason="the float folders are written by transformers (dev dependency torch)")
 pytest.importorskip("mlx_lm", reason="the converted folders are written and checked by mlx-lm")
