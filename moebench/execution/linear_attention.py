@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedKernelConfig
-from ..models.declare import LinearAttentionSpec
+from ..models.declare import LinearAttentionParts, LinearAttentionSpec
 from ..models.gated_delta import L2_EPS, delta_step, gates, normalize_qk, per_value_head
 from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend, run_compiled
 from .support import linear_attention_reason
@@ -53,9 +53,9 @@ class GatedDeltaWeights:
     eps: float
 
     @classmethod
-    def of(cls, net) -> GatedDeltaWeights:
-        """The arrays of a GatedDeltaNet as they are now (a replaced weight is read at the next step)."""
-        return cls(net.conv1d["weight"], net["A_log"], net["dt_bias"], net.norm["weight"], net.norm.eps)
+    def of(cls, parts: LinearAttentionParts) -> GatedDeltaWeights:
+        """The arrays a layer's parts hold now (a replaced weight is read at the next step)."""
+        return cls(parts.conv, parts.a_log, parts.dt_bias, parts.norm, parts.eps)
 
 
 def _expect(name: str, a: mx.array, shape: tuple[int, ...], dtype: mx.Dtype) -> None:

@@ -180,18 +180,18 @@ class LinearAttentionKernel:
         self.net, self.backend, self.spec = net, backend, net.spec
 
     def __call__(self, xn: mx.array, cache, record: Record | None = None) -> mx.array:
-        net = self.net
-        qkv, z, b, a = net.project(xn)
+        parts = self.net.parts()
+        qkv, z, b, a = parts.project(xn)
         conv, delta = cache.conv, cache.delta
         if conv is None:  # before the first position
             conv, delta = empty_state(self.spec, qkv.dtype)
-        weights = linear_attention.GatedDeltaWeights.of(net)
+        weights = linear_attention.GatedDeltaWeights.of(parts)
         out, conv, delta = linear_attention.gated_delta_step(self.backend, qkv, z, b, a, conv, delta, weights,
                                                              self.spec)
         if record is not None:
             record_linear(record, *gates(a, b, weights.a_log, weights.dt_bias), delta, z)
         cache.write(conv, delta, 1)
-        return net.out_proj(out)
+        return parts.out_proj(out)
 
 
 class MoeKernel:

@@ -77,16 +77,16 @@ def compare_step(model, step: StepRecord, layers: list[int] | None = None, dtype
         x = m.layers[layer].post_attention_layernorm(mx.array(rec.resid_mid)[None].astype(act))
         ids = mx.array(rec.topk_ids.astype(np.uint32))[None]
         scores = mx.array(rec.topk_scores.astype(np.float32))[None]
-        reason = support.moe_reason(block.spec, block.switch_mlp.quantized_parts(), backend,
-                                    executor(m).settings.max_dff)
+        experts = block.parts().experts
+        reason = support.moe_reason(block.spec, experts.quantized_parts(), backend, executor(m).settings.max_dff)
         if reason:
             raise UnsupportedKernelConfig(f"layer {layer}: the fused kernel declines: {reason}")
         outputs = {}
         for name, path in (("fused", backend), ("fallback", "fallback")):
-            routed, per_expert = moe.routed_experts(path, block.switch_mlp, x, ids, scores)
+            routed, per_expert = moe.routed_experts(path, experts, x, ids, scores)
             outputs[name] = (f64(routed[0]), f64(per_expert[0]), path)
         s64 = rec.topk_scores.astype(np.float64)
-        truth = expert_outputs(_parts(block.switch_mlp), f64(x[0]), rec.topk_ids, moe.expert_variant(block.switch_mlp))
+        truth = expert_outputs(_parts(experts), f64(x[0]), rec.topk_ids, moe.expert_variant(experts))
         shared = _shared_outputs(m, layer, x, ids, scores, backend)
         outputs["truth"] = ((s64[:, None] * truth).sum(axis=0), truth, "numpy float64")
         for a, b in PAIRS:
@@ -116,12 +116,12 @@ def _parts(module) -> list:
 def _shared_outputs(model, layer: int, x: mx.array, ids: mx.array, scores: mx.array, backend: str) -> dict | None:
     """The shared expert's unweighted output [D] three ways: inside the fused kernel pair (or beside it,
     as the fused path runs it when it cannot fold), as the fallback's MLP, and in float64."""
-    block = model.moe_blocks()[layer]
-    if "shared_expert" not in block:
+    parts = model.moe_blocks()[layer].parts()
+    if parts.shared is None:
         return None
-    mlp = block.shared_expert
+    mlp = parts.shared
     fallback = f64(mlp(x)[0])
-    w = executor(model).weights[layer].fused(block)
+    w = executor(model).weights[layer].fused(parts)
     fused = fallback
     if w.shared is not None:
         unit_gate = mx.ones((*x.shape[:-1], 1), mx.float32)  # the output is unweighted: the gate does not enter it

@@ -11,6 +11,7 @@ execution layer never reaches into a family's modules by attribute name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -172,6 +173,21 @@ class MoeParts:
     selection_bias: mx.array | None = None
     shared: nn.Module | None = None
     shared_gate: nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class LinearAttentionParts:
+    """What a fused linear-attention step reads: the layer's in-projections (a call x -> qkv, z, b, a), its
+    out-projection, the convolution's weight [C, KC, 1] (MLX's layout), A_log [Hv] (float32), dt_bias [Hv] and the
+    gated norm's weight [Dv] and eps."""
+
+    project: Callable[[mx.array], tuple[mx.array, mx.array, mx.array, mx.array]]
+    out_proj: nn.Module
+    conv: mx.array
+    a_log: mx.array
+    dt_bias: mx.array
+    norm: mx.array
+    eps: float
 
 
 class MoeBlock(Protocol):

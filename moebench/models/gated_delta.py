@@ -32,7 +32,7 @@ import mlx.nn as nn
 from ..errors import ConfigError
 from . import hooks
 from .args import ModelArgs
-from .declare import GATED_DELTA, LinearAttentionSpec
+from .declare import GATED_DELTA, LinearAttentionParts, LinearAttentionSpec
 from .hooks import Record
 from .layers import Linear
 
@@ -276,6 +276,11 @@ class GatedDeltaNet(nn.Module):
         lin = self.linear
         return LinearAttentionSpec(GATED_DELTA, lin.num_key_heads, lin.num_value_heads, lin.key_head_dim,
                                    lin.value_head_dim, lin.conv_kernel)
+
+    def parts(self) -> LinearAttentionParts:
+        """What a fused step reads of this layer (moebench.models.declare), as the arrays are now."""
+        return LinearAttentionParts(self.project, self.out_proj, self.conv1d["weight"], self["A_log"],
+                                    self["dt_bias"], self.norm["weight"], self.norm.eps)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """x [B, L, D] -> ([q | k | v] [B, L, conv_dim], z [B, L, Hv, Dv], b [B, L, Hv], a [B, L, Hv])."""

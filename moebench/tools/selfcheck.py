@@ -255,10 +255,11 @@ def model_weights_parity(backend: str, model, seed: int = 0) -> list[dict]:
     if not blocks:
         return []
     layer, block = next(iter(blocks.items()))
-    parts = block.switch_mlp.quantized_parts()
+    experts = block.parts().experts
+    parts = experts.quantized_parts()
     if support.parts_reason(*parts) is not None:
         return [{"case": f"model layer {layer} experts", "status": "declined", "passed": True,
-                 "reason": support.moe_reason(block.spec, block.switch_mlp.quantized_parts(), backend)}]
+                 "reason": support.moe_reason(block.spec, parts, backend)}]
     key_x, key_s = mx.random.split(mx.random.key(seed), 2)
     d, e, k = model.args.hidden_size, model.args.num_experts, model.args.num_experts_per_tok
     dtype = parts[0].scales.dtype if parts[0].mode == "affine" else model.dtype  # microscaled scales are uint8
@@ -266,7 +267,7 @@ def model_weights_parity(backend: str, model, seed: int = 0) -> list[dict]:
     probs = mx.softmax(mx.random.normal((e,), key=key_s), precise=True)
     indices = mx.array(np.random.default_rng(seed).permutation(e)[:k], dtype=mx.uint32)
     return [parity_case(backend, f"model layer {layer} experts", x, indices, probs[indices], *parts,
-                        experts=block.switch_mlp)]
+                        experts=experts)]
 
 
 def shared_expert_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> dict:
@@ -481,7 +482,7 @@ def gated_delta_parity(backend: str, model, seed: int = 0) -> list[dict]:
     s = net.spec
     label = (f"model layer {layer} gated delta step: {s.num_key_heads} key heads of {s.key_head_dim}, "
              f"{s.num_value_heads} value heads of {s.value_head_dim}, {s.conv_kernel} taps")
-    weights = GatedDeltaWeights.of(net)
+    weights = GatedDeltaWeights.of(net.parts())
     return [gated_delta_case(backend, label, s, weights, dtype, seed) for dtype in dict.fromkeys((mx.float32,
                                                                                                 model.dtype))]
 

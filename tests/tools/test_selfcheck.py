@@ -303,7 +303,7 @@ def test_a_gpu_gated_delta_kernel_is_compared_with_the_reference_and_the_truth(t
     monkeypatch.setattr(linear_attention, "gpu_gated_delta",
                         lambda backend, *args: _broken(real, error)("reference", *args))
     net = model.layers[0].mixer
-    row = selfcheck.gated_delta_case("cuda", "case", net.spec, GatedDeltaWeights.of(net), dtype, seed=0)
+    row = selfcheck.gated_delta_case("cuda", "case", net.spec, GatedDeltaWeights.of(net.parts()), dtype, seed=0)
     assert row["status"] == "ran" and row["passed"] == passes and row["dtype"] == str(dtype).split(".")[-1]
     assert row["vs_reference_nrms"] == pytest.approx(error, rel=0.2)  # bfloat16 rounds the 5% error
 
