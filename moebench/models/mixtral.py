@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from ..errors import ConfigError
@@ -25,11 +26,12 @@ PROJECTION = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 
 
 def config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Mixtral's config.json in the fields every family reads."""
+    """Mixtral's config.json in the fields every family reads: every layer MoE, no shared expert."""
     if cfg.get("sliding_window") is not None:
         raise ConfigError(f"config.json: field 'sliding_window' is {cfg['sliding_window']!r}; Mixtral with a sliding "
                           "window is not supported (the published Mixtral models set none)")
-    return {"moe_intermediate_size": cfg.get("intermediate_size"), "qkv_bias": False, "norm_topk_prob": True}
+    return {"moe_intermediate_size": cfg.get("intermediate_size"), "qkv_bias": False, "norm_topk_prob": True,
+            "shared_expert_intermediate_size": 0, "mlp_only_layers": [], "decoder_sparse_step": 1}
 
 
 def hub_names(store: StoredTensors, args: ModelArgs) -> ModelArgs:
@@ -64,13 +66,6 @@ class DecoderLayer(qwen2_moe.DecoderLayer):
         super().__setattr__("block_sparse_moe" if key == "mlp" else key, value)
 
 
-class Model(qwen2_moe.Model):
-    def __init__(self, args: ModelArgs):
-        if args.shared_expert_intermediate_size or args.mlp_only_layers or args.decoder_sparse_step != 1:
-            raise ConfigError("mixtral config: every Mixtral layer is a MoE layer without a shared expert")
-        super().__init__(args, block=SparseMoeBlock, layer=DecoderLayer)
-
-
 # mistralai/Mixtral-8x7B-v0.1's config.json
 MIXTRAL_8X7B = {
     "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
@@ -79,12 +74,12 @@ MIXTRAL_8X7B = {
     "max_position_embeddings": 32768, "sliding_window": None, "tie_word_embeddings": False, "hidden_act": "silu",
     "router_aux_loss_coef": 0.02, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
 }
+Model = partial(qwen2_moe.Model, block=SparseMoeBlock, layer=DecoderLayer)
 FAMILY = Family(("mixtral",), Model, config_fields, stored_layout=hub_names, presets=(
     Preset("mixtral-8x7b", "Mixtral-8x7B: 32 layers, D 4096, 32 query heads over 8 kv heads, 8 experts top-2 of "
            "width 14336, vocab 32000 (46.7B parameters, 12.9B active; ~26 GB at 4-bit)", MIXTRAL_8X7B),
     Preset("mixtral-tiny", "the mixtral family at the tiny preset's size: 2 layers, D 128, GQA 4/2, 8 experts top-2 "
-           "of width 128, vocab 256", {
-               **MIXTRAL_8X7B, "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-               "max_position_embeddings": 4096, "bos_token_id": None, "eos_token_id": None}),
+           "of width 128, vocab 256", {**MIXTRAL_8X7B, "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+                                       "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+                                       "bos_token_id": None, "eos_token_id": None}),
 ))
