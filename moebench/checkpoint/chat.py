@@ -86,13 +86,15 @@ class ChatTemplate:
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True, **variables: Any) -> str:
         """The prompt text. `variables` reach the template as transformers passes them: the tokenizer's special
         tokens (bos_token, eos_token, ...), `tools` (JSON schemas) and `documents`, and switches such as Qwen3's
-        `enable_thinking` (a bool, or one of the words MOEBENCH_FUSED_MOE takes; None leaves it to the template).
-        Every value is JSON data, copied. The render runs under the budget of the module docstring."""
+        `enable_thinking` (a bool, or one of the words MOEBENCH_FUSED_MOE takes; None leaves it to the template:
+        it is not passed). Every value is JSON data, copied. The render runs under the module docstring's budget."""
         import jinja2
 
         template = _compile(self.text, self.source)
         if "enable_thinking" in variables:
-            variables["enable_thinking"] = _thinking_switch(variables["enable_thinking"])
+            switch = _thinking_switch(variables.pop("enable_thinking"))
+            if switch is not None:  # None is no choice: not passed, as GLM's template takes a None for off
+                variables["enable_thinking"] = switch
         variables = {"tools": None, "documents": None,
                      **{k: _plain(v, f"template variable {k!r}") for k, v in variables.items()},
                      "messages": _plain_messages(messages), "add_generation_prompt": add_generation_prompt}

@@ -225,6 +225,14 @@ def test_what_the_glm_template_renders(chats):
                            "</tool_response><|assistant|>")
 
 
+def test_enable_thinking_none_leaves_glm_its_default(chats):
+    """enable_thinking=None is no choice in moebench (Qwen3's template takes a None so too); GLM's asks only whether
+    the switch is defined and falsy, so a None passed on would switch thinking off: moebench does not pass it."""
+    folder, _, tok = chats["glm4_moe"]
+    assert prompt_ids(QUESTION, tok, enable_thinking=None) == transformers_ids(folder, QUESTION, {})
+    assert prompt_ids(QUESTION, tok, enable_thinking=None) != prompt_ids(QUESTION, tok, enable_thinking=False)
+
+
 def test_what_the_deepseek_template_renders(chats):
     """bos, the system prompt, closed turns; after tool outputs the model goes on without a new turn."""
     _, _, tok = chats["deepseek_v3"]
