@@ -321,6 +321,30 @@ def test_grouped_routing_matches_the_float64_truth_and_route(n_exp, k, n_group, 
                                                    strict=True)) < 1e-6 * scaling
 
 
+@pytest.mark.parametrize("preset", ["glm4-moe-tiny", "deepseek-v3-tiny"])
+def test_the_router_kernel_chooses_for_glm_and_deepseek_blocks_as_route_does(tmp_path, preset):
+    """A GLM-4.x MoE and a DeepSeek-V3 block's router (4 groups, the best 2 kept, its stored selection bias), given
+    to the router kernel as a decode step gives it (GroupedChoice.of(spec, parts.selection_bias)): the experts route
+    chooses, each with route's weight, and route's probabilities."""
+    from moebench.tools.presets import write_random
+
+    model, _ = load(write_random(tmp_path / preset, preset, bits=4, group_size=64, dtype="float32", seed=3,
+                                 progress=False))
+    rng = np.random.default_rng(5)
+    for block in model.moe_blocks().values():
+        spec, parts = block.spec, block.parts()
+        assert spec.scoring == SIGMOID_GROUPED and spec.n_group > spec.topk_group and parts.selection_bias is not None
+        logits = parts.router(mx.array(rng.standard_normal((1, model.args.hidden_size)).astype(np.float32)))
+        probs, inds, scores, _ = moe.select("reference", logits, spec.num_experts, spec.top_k, spec.renormalize, False,
+                                            spec.scoring, moe.GroupedChoice.of(spec, parts.selection_bias))
+        route_probs, route_ids, route_scores = route(logits, spec, selection_bias=parts.selection_bias)
+        assert np.array_equal(np.array(probs), np.array(route_probs))
+        by_id = dict(zip(np.array(route_ids)[0].tolist(), np.array(route_scores)[0].tolist(), strict=True))
+        assert set(by_id) == set(np.array(inds)[0].tolist())
+        assert max(abs(by_id[i] - w) for i, w in zip(np.array(inds)[0].tolist(), np.array(scores)[0].tolist(),
+                                                       strict=True)) < 1e-6 * spec.routed_scaling
+
+
 def test_router_calls_the_kernel_cannot_take_raise_named_errors():
     """The grouped choice goes with SIGMOID_GROUPED and no other scoring, with a selection bias of [E] floats and
     groups the router kernel ranks; on the reference and on a GPU backend alike, before any launch."""
