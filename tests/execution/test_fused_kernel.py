@@ -274,15 +274,15 @@ def grouped_route_f64(logits: np.ndarray, bias: np.ndarray, top_k: int, n_group:
                       scaling: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """SIGMOID_GROUPED from its definition in float64 (transformers' DeepseekV3 / Glm4Moe routing): sigmoid scores;
     choice values score + bias; groups ranked by their two best choice values, the best `keep` kept and the others'
-    choice values 0; the top-k choice values (highest first, the lower id on a tie); weights the unbiased scores,
-    renormalised when asked, times the scaling. -> (scores [E], ids [K], weights [K])."""
+    experts out of the choice; the top-k choice values (highest first, the lower id on a tie); weights the unbiased
+    scores, renormalised when asked, times the scaling. -> (scores [E], ids [K], weights [K])."""
     scores = 1.0 / (1.0 + np.exp(-logits))
     choice = scores + bias
     groups = choice.reshape(n_group, -1)
     ranks = np.sort(groups, axis=-1)[:, -2:].sum(axis=-1)
     kept = np.zeros(n_group, bool)
     kept[np.argsort(-ranks, kind="stable")[:keep]] = True
-    choice = np.where(kept[:, None], groups, 0.0).reshape(-1)
+    choice = np.where(kept[:, None], groups, -np.inf).reshape(-1)
     ids = np.argsort(-choice, kind="stable")[:top_k]
     weights = scores[ids] / (scores[ids].sum() if renormalize else 1.0)
     return scores, ids, weights * scaling

@@ -301,8 +301,8 @@ _ROUTER_RUN_CASES = [(60, 4, True, True, SOFTMAX_THEN_TOPK), (60, 8, False, True
 # groups of 15 experts (across lanes); 8 groups of 8; logits and bias in `constant`
 GROUPED_ROUTERS = [(384, 8, 1, 1, 2.827), (256, 8, 8, 4, 2.5), (160, 8, 1, 1, 2.5), (128, 8, 1, 1, 1.0),
                    (60, 4, 4, 2, 1.5), (64, 6, 8, 2, 1.0), (4, 1, 2, 1, 1.0)]
-# (router, NORM, SHARED, the selection bias's mean, None: no bias); a mean of -1 puts every kept expert's choice
-# value below the dropped groups' 0, so the top-k are dropped experts, lowest ids first
+# (router, NORM, SHARED, the selection bias's mean, None: no bias); a mean of -1 puts most choice values below 0,
+# where mlx-lm's 0 for the dropped groups' experts would choose them: route() and the kernel leave those out
 _GROUPED_RUN_CASES = [(GROUPED_ROUTERS[0], True, False, 0.0), (GROUPED_ROUTERS[1], True, False, 0.0),
                       (GROUPED_ROUTERS[2], True, True, 0.0), (GROUPED_ROUTERS[3], True, False, 0.0),
                       (GROUPED_ROUTERS[4], False, True, None), (GROUPED_ROUTERS[5], True, False, -1.0),
