@@ -2,6 +2,8 @@
 // MB_DEV is Metal's `device` address space; CUDA has one global space, so it is empty here.
 #define MB_DEV
 #define MB_FN __device__ __forceinline__
+// Metal's `thread` address space: CUDA names none.
+#define MB_THREAD
 // Memory one block shares (declared in the kernel body).
 #define MB_SHARED __shared__
 

@@ -3,6 +3,8 @@
 // when the attribute's name appears in the kernel *source*, not in its header.
 #define MB_DEV device
 #define MB_FN inline
+// A thread's own memory (Metal's `thread` address space; CUDA names none).
+#define MB_THREAD thread
 // Memory one threadgroup shares (declared in the kernel body).
 #define MB_SHARED threadgroup
 

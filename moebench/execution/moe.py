@@ -1,18 +1,20 @@
 """The fused single-token decode-MoE arithmetic: router top-k, routed experts and the shared expert.
 
-All backends share one arithmetic: dequantize in float32 with float32 scales and biases (affine) or the
-microscaled modes' codes and uint8 scales decoded exactly (mxfp4, nvfp4, mxfp8), accumulate in
-float32, the activation in float32, float32 unweighted outputs per routed expert y [K, D] and of the shared
-expert ys [D]; the combine sum_k score_k * y_k + sigmoid_gate * ys (+ the residual) runs in float32 and
-casts once to the activation dtype.
+All backends share one arithmetic: dequantize in float32 with float32 scales and biases (affine, at 2, 3, 4, 5, 6
+or 8 bits, gate, up and down each at its own width, one group size of 32, 64 or 128) or the microscaled modes'
+codes and uint8 scales decoded exactly (mxfp4, nvfp4, mxfp8), accumulate in float32, the activation in float32,
+float32 unweighted outputs per routed expert y [K, D] and of the shared expert ys [D]; the combine
+sum_k score_k * y_k + sigmoid_gate * ys (+ the residual) runs in float32 and casts once to the activation dtype.
 
-Declared variants (ExpertVariant, and the router's scoring): experts with biases (gate and up [E, Dff] added
-to the float32 dot before the activation, down [E, D] to each y_k; taken in the activation dtype), the clamped
-SwiGLU (gpt-oss) in place of SwiGLU, and the router scoring the top-k logits by the softmax over those k.
-Families without them run the kernels' plain instances (template constants off, placeholders unread).
+Declared variants (ExpertVariant, and the router's scoring with its GroupedChoice): experts with biases (gate and
+up [E, Dff] added to the float32 dot before the activation, down [E, D] to each y_k; taken in the activation
+dtype), the clamped SwiGLU (gpt-oss) in place of SwiGLU; the router scoring the top-k logits by the softmax over
+those k (gpt-oss), or scoring each expert by its sigmoid and choosing the top-k of score + a selection bias within
+the best groups, weighted by the unbiased scores times a scaling (GLM-4.x MoE, DeepSeek-V3, Kimi-K2). Families
+without them run the kernels' plain instances (template constants off, placeholders unread).
 
-The GPU path of one MoE layer is three launches: the router kernel (softmax, top-k and the shared
-expert's sigmoid gate from one row of logits), kernel A (gate and up of every routed slot and of the
+The GPU path of one MoE layer is three launches: the router kernel (softmax or sigmoid scores, top-k and the
+shared expert's sigmoid gate from one row of logits), kernel A (gate and up of every routed slot and of the
 shared expert in one pass over x, the activation) writing act [K * Dff + Dffs] in float32, and kernel B
 (down of every slot and of the shared expert, and the combine) writing y, ys and the output.
 """
@@ -27,7 +29,14 @@ import mlx.core as mx
 
 from ..errors import ConfigError, UnsupportedKernelConfig
 from ..models.args import QuantizedParts
-from ..models.declare import CLAMPED_SWIGLU, SOFTMAX_THEN_TOPK, SWIGLU, TOPK_THEN_SOFTMAX, MoeSpec
+from ..models.declare import (
+    CLAMPED_SWIGLU,
+    SIGMOID_GROUPED,
+    SOFTMAX_THEN_TOPK,
+    SWIGLU,
+    TOPK_THEN_SOFTMAX,
+    MoeSpec,
+)
 from ..models.routing import route
 from ..models.switch import SwitchGLU, weighted_sum
 from .kernel import (
@@ -41,10 +50,10 @@ from .kernel import (
     round_up,
     run_compiled,
 )
-from .support import ACTIVATIONS, parts_reason, shared_fold_reason
+from .support import ACTIVATIONS, ROUTER_SCORINGS, parts_reason, router_reason, shared_fold_reason
 from .weights import expert_biases
 
-ROUTER = Stage("moebench_moe_router", "moe_router.body", ("logits",), ("probs", "inds", "scores", "sgate"))
+ROUTER = Stage("moebench_moe_router", "moe_router.body", ("logits", "bias"), ("probs", "inds", "scores", "sgate"))
 GATE_UP = Stage("moebench_moe_gate_up", "moe_gate_up.body",
                 ("x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
                  "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b", "gate_eb", "up_eb"), ("act",))
@@ -127,6 +136,9 @@ def _check_pair(x: mx.array, indices: mx.array, scores: mx.array, gate: Quantize
     for p in parts:
         groups = p.in_features // p.group_size
         biases = p.scales if p.biases is None else p.biases  # the microscaled modes have none
+        if p.weight.shape[-1] * 32 != p.in_features * p.bits or p.in_features % p.group_size:
+            raise UnsupportedKernelConfig(f"packed rows of {p.weight.shape[-1]} words do not hold whole groups of "
+                                          f"{p.group_size} {p.bits}-bit values")
         if p.scales.shape != (*p.weight.shape[:-1], groups) or biases.shape != p.scales.shape:
             raise UnsupportedKernelConfig(f"scales {tuple(p.scales.shape)} and biases {_shape(p.biases)} do not fit "
                                           f"packed weights {tuple(p.weight.shape)} at group size {p.group_size}")
@@ -196,7 +208,7 @@ class PairLaunch:
 
 @functools.lru_cache(maxsize=64)
 def _pair_launch(lead: tuple, x_dtype: mx.Dtype, scale_dtype: mx.Dtype, scores_dtype: mx.Dtype,
-                 e: int, k: int, d: int, dff: int, dffs: int, gs: int, bits: int, down_bits: int, resid: bool,
+                 e: int, k: int, d: int, dff: int, dffs: int, gs: int, bits: tuple[int, int, int], resid: bool,
                  rows: int, mode: str, biased: bool, clamp: tuple[float, float] | None) -> PairLaunch:
     shape = [("E", e), ("K", k), ("DIN", d), ("DFF", dff), ("DFFS", dffs), ("GS", gs)]
     mode_id = ("MODE", KERNEL_MODES.index(mode))
@@ -204,10 +216,10 @@ def _pair_launch(lead: tuple, x_dtype: mx.Dtype, scale_dtype: mx.Dtype, scores_d
     activation = [("ACT", ACTIVATIONS.index(SWIGLU if clamp is None else CLAMPED_SWIGLU)), ("LIMIT", limit),
                   ("ALPHA", alpha)]
     return PairLaunch(
-        gate_up_template=[("T", x_dtype), ("ST", scale_dtype), *shape, ("BITS", bits), mode_id, *activation,
-                          ("EBIAS", biased)],
+        gate_up_template=[("T", x_dtype), ("ST", scale_dtype), *shape, ("GATE_BITS", bits[0]), ("UP_BITS", bits[1]),
+                          mode_id, *activation, ("EBIAS", biased)],
         gate_up_grid=(LANES, round_up(k * dff + dffs, rows), 1),
-        down_template=[("T", x_dtype), ("ST", scale_dtype), ("S", scores_dtype), *shape, ("BITS", down_bits),
+        down_template=[("T", x_dtype), ("ST", scale_dtype), ("S", scores_dtype), *shape, ("BITS", bits[2]),
                        ("RESID", resid), mode_id, ("EBIAS", biased)],
         down_grid=(LANES, round_up(d, rows), 1),
         threadgroup=(LANES, rows, 1),
@@ -231,8 +243,8 @@ def gpu_routed(
     biases = variant.biases if variant is not None else None
     launch = _pair_launch(tuple(x.shape[:-1]), x.dtype, gate.scales.dtype, scores.dtype,
                           gate.weight.shape[0], indices.shape[-1], gate.in_features, gate.out_features,
-                          shared.gate.out_features if shared is not None else 0, gate.group_size, gate.bits,
-                          down.bits, residual is not None, rows, gate.mode, biases is not None,
+                          shared.gate.out_features if shared is not None else 0, gate.group_size,
+                          (gate.bits, up.bits, down.bits), residual is not None, rows, gate.mode, biases is not None,
                           variant.clamp if variant is not None else None)
     indices = indices.astype(mx.uint32)
     st = gate.scales.dtype  # scales and biases of every projection in one dtype (a no-op cast in practice)
@@ -266,39 +278,91 @@ def _scales_biases(p: QuantizedParts, dtype: mx.Dtype) -> tuple[mx.array, mx.arr
     return scales, scales if p.biases is None else p.biases.astype(dtype)
 
 
-def _check_select(logits: mx.array, num_experts: int, top_k: int, gate_row: bool) -> None:
+@dataclass(frozen=True)
+class GroupedChoice:
+    """How a SIGMOID_GROUPED router chooses, as the router kernel takes it (the block's MoeSpec declares the
+    numbers): the selection bias [E] added to the sigmoid scores only to choose (None: none), the experts in
+    `n_group` equal groups of which the best `topk_group` are chosen from, the chosen experts' weights times
+    `routed_scaling`."""
+
+    selection_bias: mx.array | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
+
+    @classmethod
+    def of(cls, spec: MoeSpec, selection_bias: mx.array | None) -> GroupedChoice:
+        """The choice a block declaring `spec` makes, with its selection bias [E] (None when it declares none)."""
+        return cls(selection_bias, spec.n_group, spec.topk_group, spec.routed_scaling)
+
+    def spec(self, num_experts: int, top_k: int, renormalize: bool) -> MoeSpec:
+        """The block declaration routing.route computes this choice for."""
+        return MoeSpec(num_experts, top_k, SIGMOID_GROUPED, renormalize, selection_bias=self.selection_bias is not None,
+                       n_group=self.n_group, topk_group=self.topk_group, routed_scaling=self.routed_scaling)
+
+    @property
+    def numbers(self) -> tuple[int, int, float]:
+        return self.n_group, self.topk_group, self.routed_scaling
+
+
+def _check_select(logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool, gate_row: bool, scoring: str,
+                  grouped: GroupedChoice | None) -> None:
     lead = tuple(logits.shape[:-1])
     if logits.shape[-1:] != (num_experts + gate_row,) or any(n != 1 for n in lead) or not 1 <= top_k <= num_experts:
         raise UnsupportedKernelConfig(f"router logits {tuple(logits.shape)} with top-{top_k}: expected one token's "
                                       f"{num_experts + gate_row} logits and 1 <= top_k <= {num_experts}")
+    if (scoring == SIGMOID_GROUPED) != (grouped is not None):
+        raise UnsupportedKernelConfig(f"routing by {scoring} {'without' if grouped is None else 'with'} a "
+                                      f"GroupedChoice: {SIGMOID_GROUPED} takes one, the other scorings none")
+    bias = grouped.selection_bias if grouped is not None else None
+    if bias is not None and (bias.shape != (num_experts,) or not mx.issubdtype(bias.dtype, mx.floating)):
+        raise UnsupportedKernelConfig(f"selection bias {tuple(bias.shape)} {bias.dtype}: expected ({num_experts},) "
+                                      f"floating point")
+    try:
+        spec = MoeSpec(num_experts, top_k, scoring, norm_topk_prob) if grouped is None else \
+            grouped.spec(num_experts, top_k, norm_topk_prob)
+    except ValueError as e:
+        raise UnsupportedKernelConfig(str(e)) from e
+    if (reason := router_reason(spec)) is not None:
+        raise UnsupportedKernelConfig(f"the router kernel cannot route this block: {reason}")
 
 
 check_select = CheckedOnce(_check_select)
 
 
 def gpu_select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
-               gate_row: bool, scoring: str = SOFTMAX_THEN_TOPK) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """The router kernel on `backend` (see select)."""
+               gate_row: bool, scoring: str = SOFTMAX_THEN_TOPK, grouped: GroupedChoice | None = None
+               ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The router kernel on `backend` (see select). Without a selection bias the logits stand in for it (unread)."""
     lead = tuple(logits.shape[:-1])
+    bias = grouped.selection_bias if grouped is not None else None
+    n_group, topk_group, scaling = grouped.numbers if grouped is not None else (1, 1, 1.0)
     return tuple(built_kernel(backend, ROUTER)(
-        inputs=[logits],
-        template=[("LT", logits.dtype), ("E", num_experts), ("K", top_k), ("NORM", norm_topk_prob),
-                  ("SHARED", gate_row), ("TOPK_FIRST", scoring == TOPK_THEN_SOFTMAX)],
+        inputs=[logits, logits if bias is None else bias],
+        template=[("LT", logits.dtype), ("BT", logits.dtype if bias is None else bias.dtype), ("E", num_experts),
+                  ("K", top_k), ("NORM", norm_topk_prob), ("SHARED", gate_row),
+                  ("SCORING", ROUTER_SCORINGS.index(scoring)), ("GROUPS", n_group), ("KEEP", topk_group),
+                  ("SCALE", float_bits(scaling)), ("BIAS", bias is not None)],
         grid=(LANES, 1, 1), threadgroup=(LANES, 1, 1),
         output_shapes=[(*lead, num_experts), (*lead, top_k), (*lead, top_k), (*lead, 1)],
         output_dtypes=[mx.float32, mx.uint32, mx.float32, mx.float32],
     ))
 
 
-def reference_select(logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
-                     gate_row: bool, scoring: str = SOFTMAX_THEN_TOPK) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+def reference_select(logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool, gate_row: bool,
+                     scoring: str = SOFTMAX_THEN_TOPK, grouped: GroupedChoice | None = None
+                     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """The router kernel's arithmetic: moebench's router (models.routing.route) with the selection ordered
-    highest probability first, as the kernel returns it, and the shared expert's sigmoid gate. For
-    TOPK_THEN_SOFTMAX the top-k logits scored by the softmax over those k (the numbers route gives as the
-    renormalised top-k probabilities), `probs` the softmax over all experts, as route records it."""
+    highest first, as the kernel returns it, and the shared expert's sigmoid gate. For TOPK_THEN_SOFTMAX the
+    top-k logits scored by the softmax over those k (the numbers route gives as the renormalised top-k
+    probabilities), `probs` the softmax over all experts, as route records it; for SIGMOID_GROUPED route's
+    choice by `grouped`, `probs` the sigmoid scores."""
     lf = logits.astype(mx.float32)
-    spec = MoeSpec(num_experts, top_k, renormalize=norm_topk_prob)
-    probs, inds, scores = route(lf[..., :num_experts], spec, ordered=True)
+    if scoring == SIGMOID_GROUPED:
+        spec, bias = grouped.spec(num_experts, top_k, norm_topk_prob), grouped.selection_bias
+    else:
+        spec, bias = MoeSpec(num_experts, top_k, renormalize=norm_topk_prob), None
+    probs, inds, scores = route(lf[..., :num_experts], spec, ordered=True, selection_bias=bias)
     if scoring == TOPK_THEN_SOFTMAX:
         inds = mx.argsort(-lf[..., :num_experts], axis=-1)[..., :top_k].astype(mx.uint32)
         scores = mx.softmax(mx.take_along_axis(lf, inds, axis=-1), axis=-1, precise=True)
@@ -306,18 +370,32 @@ def reference_select(logits: mx.array, num_experts: int, top_k: int, norm_topk_p
     return probs, inds, scores, sgate
 
 
+def _traced_select(logits: mx.array, bias: mx.array | None, num_experts: int, top_k: int, norm_topk_prob: bool,
+                   gate_row: bool, scoring: str, numbers: tuple[int, int, float] | None
+                   ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """reference_select with the GroupedChoice given as its bias and its numbers (run_compiled takes arrays)."""
+    grouped = GroupedChoice(bias, *numbers) if numbers is not None else None
+    return reference_select(logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
+
+
 def select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
-           gate_row: bool, scoring: str = SOFTMAX_THEN_TOPK) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+           gate_row: bool, scoring: str = SOFTMAX_THEN_TOPK, grouped: GroupedChoice | None = None
+           ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """One token's router selection on `backend`: logits [..., E (+1)] -> (probs [..., E] f32, ids [..., K]
-    uint32, scores [..., K] f32, shared sigmoid gate [..., 1] f32, 0 without `gate_row`), the leading axes
-    all 1 and kept. `gate_row`: the last logit is the shared expert gate's. `scoring`: the block's declared
-    scoring (moebench.models.declare); with TOPK_THEN_SOFTMAX `norm_topk_prob` is unread (the scores sum to
-    one)."""
+    uint32 highest first, scores [..., K] f32, shared sigmoid gate [..., 1] f32, 0 without `gate_row`), the
+    leading axes all 1 and kept. `gate_row`: the last logit is the shared expert gate's. `scoring`: the block's
+    declared scoring (moebench.models.declare); with TOPK_THEN_SOFTMAX `norm_topk_prob` is unread (the scores
+    sum to one); SIGMOID_GROUPED takes `grouped` (GroupedChoice.of(spec, selection_bias)), the ids ordered by
+    score + selection bias, `norm_topk_prob` the block's `renormalize`."""
     check_backend(backend)
-    check_select((tuple(logits.shape), num_experts, top_k, gate_row), logits, num_experts, top_k, gate_row)
+    signature = (tuple(logits.shape), num_experts, top_k, norm_topk_prob, gate_row, scoring,
+                 grouped is not None and (_signature(grouped.selection_bias), grouped.numbers))
+    check_select(signature, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
     if backend in GPU_BACKENDS:
-        return gpu_select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring)
-    return run_compiled(reference_select, (num_experts, top_k, norm_topk_prob, gate_row, scoring), logits)
+        return gpu_select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
+    return run_compiled(_traced_select, (num_experts, top_k, norm_topk_prob, gate_row, scoring,
+                                         grouped.numbers if grouped is not None else None),
+                        logits, grouped.selection_bias if grouped is not None else None)
 
 
 def matmul_f32(p: QuantizedParts, v: mx.array, indices: mx.array | None = None) -> mx.array:

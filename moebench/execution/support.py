@@ -4,6 +4,12 @@ The plan (moebench.execution.executor) asks these before choosing a kernel and r
 declines; the kernels' own input checks (moebench.execution.moe, .attention) ask the same rules again
 before a launch, so a direct call with inputs the plan would have declined is refused with the same words.
 A block is judged by its declaration (moebench.models.declare) and its stored weights, never by its family.
+
+What runs now: the kernel pair reads affine experts with biases at 2, 3, 4, 5, 6 and 8 bits (gate, up and down
+each at its own width) at one group size of 32, 64 or 128, and mxfp4, nvfp4 and mxfp8 experts; the router kernel
+computes each scoring a block declares (softmax then top-k, top-k then softmax, and the sigmoid scores chosen
+with a selection bias among up to MAX_GROUPS groups, scaled); expert biases and the clamped SwiGLU are pair
+variants. What still declines, and why, is in the rules below.
 """
 
 from __future__ import annotations
@@ -15,31 +21,49 @@ from ..models.declare import (
     CLAMPED_SWIGLU,
     GATED_DELTA,
     PER_HEAD,
-    SCORINGS,
     SHARED_JOINS,
+    SIGMOID_GROUPED,
+    SOFTMAX_THEN_TOPK,
     SWIGLU,
+    TOPK_THEN_SOFTMAX,
     AttentionSpec,
     LinearAttentionSpec,
     MoeSpec,
 )
 from .kernel import LANES
 
+# The scorings the router kernel computes (its SCORING template constant numbers them in this order).
+ROUTER_SCORINGS = (SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, SIGMOID_GROUPED)
+MAX_GROUPS = 32  # expert groups the router kernel ranks (its kept groups are the bits of one word)
 # The experts' activations kernel A computes (its ACT template constant numbers them in this order).
 ACTIVATIONS = (SWIGLU, CLAMPED_SWIGLU)
-GATE_UP_BITS = (4, 8)
-DOWN_BITS = (4, 6, 8)
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # every affine width MLX writes but 1; gate, up and down each at its own
 GROUP_SIZES = (32, 64, 128)
 # The microscaled modes the pair reads: MLX's fixed (group size, bits) each, no biases, uint8 scales.
 MICROSCALED = tuple(sorted(FP_MODES))
 DEFAULT_MAX_DFF = {"metal": 4096, "cuda": 8192}  # expert width above which the GPU kernel lost to gather_qmm
 
 
+def router_reason(spec: MoeSpec) -> str | None:
+    """Why the router kernel cannot route a block declaring `spec`, or None. Every scoring is a router-kernel
+    variant; SIGMOID_GROUPED's selection bias, groups and scaling are its inputs and template constants."""
+    if spec.scoring not in ROUTER_SCORINGS:
+        return f"routing by {spec.scoring} (the router kernel takes {' or '.join(ROUTER_SCORINGS)})"
+    if spec.scoring == SIGMOID_GROUPED and spec.n_group > MAX_GROUPS:
+        return f"{spec.n_group} expert groups (the router kernel ranks up to {MAX_GROUPS})"
+    if spec.scoring != SIGMOID_GROUPED and spec.routed_scaling != 1.0:
+        return f"scores scaled by {spec.routed_scaling:g} after {spec.scoring} (the router kernel scales only " \
+               f"{SIGMOID_GROUPED})"
+    return None
+
+
 def moe_declaration_reason(spec: MoeSpec) -> str | None:
-    """Why the router kernel and the kernel pair cannot compute what this block declares, or None. Both scorings
-    are router-kernel variants; a router bias is inside the logits the router kernel reads; expert biases and the
-    clamped SwiGLU are kernel-pair variants (a shared expert with biases runs beside the pair: shared_fold_reason)."""
-    if spec.scoring not in SCORINGS:
-        return f"routing by {spec.scoring} (the router kernel takes {' or '.join(SCORINGS)})"
+    """Why the router kernel and the kernel pair cannot compute what this block declares, or None. The scorings
+    are router-kernel variants (router_reason); a router bias is inside the logits the router kernel reads; expert
+    biases and the clamped SwiGLU are kernel-pair variants (a shared expert with biases runs beside the pair:
+    shared_fold_reason)."""
+    if (reason := router_reason(spec)) is not None:
+        return reason
     if spec.activation not in ACTIVATIONS:
         return f"expert activation {spec.activation} (the kernels compute {' or '.join(ACTIVATIONS)})"
     if spec.shared not in (None, *SHARED_JOINS):  # a gate of 1 joins an ADDED shared expert
@@ -63,19 +87,14 @@ def parts_reason(gate: QuantizedParts | None, up: QuantizedParts | None, down: Q
         return f"quantization mode {gate.mode} (the kernels read affine, {', '.join(MICROSCALED)})"
     if any(p.biases is None for p in parts):
         return "affine without biases"
-    if gate.bits != up.bits:
-        return f"gate bits {gate.bits} != up bits {up.bits}"
-    if gate.bits not in GATE_UP_BITS:
-        return f"gate/up bits {gate.bits} not in {GATE_UP_BITS}"
-    if down.bits not in DOWN_BITS:
-        return f"down bits {down.bits} not in {DOWN_BITS}"
+    for name, p in zip(("gate", "up", "down"), parts, strict=True):
+        if p.bits not in AFFINE_BITS:
+            return f"{name} bits {p.bits} not in {AFFINE_BITS}"
     sizes = {p.group_size for p in parts}
     if len(sizes) != 1:
         return f"group sizes differ {sorted(sizes)}"
     if gate.group_size not in GROUP_SIZES:
         return f"group size {gate.group_size} not in {GROUP_SIZES}"
-    if down.bits == 6 and gate.out_features % 16:
-        return f"6-bit down needs Dff % 16 == 0 (Dff {gate.out_features})"
     return None
 
 

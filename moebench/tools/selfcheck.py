@@ -19,6 +19,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
+from itertools import product
 from pathlib import Path
 
 import mlx.core as mx
@@ -32,10 +33,17 @@ from ..execution.kernel import available_backend
 from ..execution.linear_attention import GatedDeltaWeights
 from ..execution.moe import ExpertVariant, SharedExpert
 from ..execution.steps import rotary
-from ..execution.support import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES, MICROSCALED
+from ..execution.support import AFFINE_BITS, GROUP_SIZES, MICROSCALED
 from ..inspect.truth import attention_f64, e8m0, expert_outputs, f64, gated_delta_f64, minifloat, nmax, nrms
 from ..models.args import FP_MODES, QuantizedParts
-from ..models.declare import PER_HEAD, SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, AttentionSpec, LinearAttentionSpec
+from ..models.declare import (
+    PER_HEAD,
+    SIGMOID_GROUPED,
+    SOFTMAX_THEN_TOPK,
+    TOPK_THEN_SOFTMAX,
+    AttentionSpec,
+    LinearAttentionSpec,
+)
 from ..models.gpt_oss import Experts as ClampedExperts
 from ..models.qwen2_moe import MLP
 from ..models.run import token_mixer
@@ -185,13 +193,19 @@ def _measure(backend: str, experts: SwitchGLU, x: mx.array, indices: mx.array, s
     return row
 
 
-# x, router, every affine expert stack, the microscaled ones
-KEYS_PER_SHAPE = 2 + len(GROUP_SIZES) * (2 * len(GATE_UP_BITS) + len(DOWN_BITS)) + 3 * len(MICROSCALED)
+def parity_widths(group_size: int) -> list[tuple[int, int]]:
+    """The (gate/up bits, down bits) checked at a group size: every pair of affine widths at 64, each width for all
+    three projections at the others."""
+    return list(product(AFFINE_BITS, AFFINE_BITS)) if group_size == 64 else [(b, b) for b in AFFINE_BITS]
+
+
+# x, router, every affine expert stack (gate, up and down at each width and group size), the microscaled ones
+KEYS_PER_SHAPE = 2 + len(GROUP_SIZES) * 3 * len(AFFINE_BITS) + 3 * len(MICROSCALED)
 
 
 def kernel_parity(backend: str, shapes: list[Shape], dtype: mx.Dtype, seed: int = 0) -> list[dict]:
-    """Every supported affine bits / group-size combination and each microscaled mode at each shape, with random
-    quantized experts."""
+    """Every supported affine width and group size (parity_widths) and each microscaled mode at each shape, with
+    random quantized experts."""
     rows = []
     for shape in shapes:
         keys = iter(mx.random.split(mx.random.key(seed), KEYS_PER_SHAPE))
@@ -206,11 +220,11 @@ def kernel_parity(backend: str, shapes: list[Shape], dtype: mx.Dtype, seed: int 
                              "reason": f"D {d} or Dff {f} is not a multiple of the group size"})
                 continue
             gate_up = {bits: (random_parts(next(keys), e, f, d, bits, gs, dtype),
-                              random_parts(next(keys), e, f, d, bits, gs, dtype)) for bits in GATE_UP_BITS}
-            for down_bits in DOWN_BITS:
-                down = random_parts(next(keys), e, d, f, down_bits, gs, dtype)
-                for gate, up in gate_up.values():
-                    rows.append(parity_case(backend, label, x, indices, probs[indices], gate, up, down))
+                              random_parts(next(keys), e, f, d, bits, gs, dtype)) for bits in AFFINE_BITS}
+            down = {bits: random_parts(next(keys), e, d, f, bits, gs, dtype) for bits in AFFINE_BITS}
+            for gate_up_bits, down_bits in parity_widths(gs):
+                rows.append(parity_case(backend, label, x, indices, probs[indices], *gate_up[gate_up_bits],
+                                        down[down_bits]))
         for mode in MICROSCALED:
             parts = [random_microscaled_parts(next(keys), e, o, i, mode) for o, i in ((f, d), (f, d), (d, f))]
             rows.append(parity_case(backend, label, x, indices, probs[indices], *parts))
@@ -218,6 +232,7 @@ def kernel_parity(backend: str, shapes: list[Shape], dtype: mx.Dtype, seed: int 
 
 
 GPT_OSS_CLAMP = (1.0, 1.702)  # gpt-oss's alpha; a limit that bites on random_parts' activations (gpt-oss's is 7.0)
+VARIANT_BITS = (4, 8)  # the affine widths gpt-oss's expert variants are checked at (their arithmetic is width-blind)
 
 
 def clamped_experts(gate: QuantizedParts, up: QuantizedParts, down: QuantizedParts,
@@ -237,13 +252,13 @@ def variant_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
     4-bit and 8-bit g64, each microscaled mode), at Qwen1.5-MoE-A2.7B's expert shapes with random weights."""
     name, d, f, k = A27B_SHAPE
     label = f"{name} + biases + clamped SwiGLU (limit {GPT_OSS_CLAMP[0]:g}, alpha {GPT_OSS_CLAMP[1]:g})"
-    keys = iter(mx.random.split(mx.random.key(seed + 2), 6 + 3 * (len(GATE_UP_BITS) + len(MICROSCALED))))
+    keys = iter(mx.random.split(mx.random.key(seed + 2), 6 + 3 * (len(VARIANT_BITS) + len(MICROSCALED))))
     x = mx.random.normal((d,), key=next(keys)).astype(dtype)
     scores = mx.softmax(mx.random.normal((k,), key=next(keys)), precise=True)
     indices = mx.array(np.random.default_rng(seed).permutation(k + 1)[:k], dtype=mx.uint32)
     biases = tuple(mx.random.normal((k + 1, n), key=next(keys)).astype(dtype) for n in (f, f, d))
     shapes = ((f, d), (f, d), (d, f))
-    stacks = [[random_parts(next(keys), k + 1, o, i, bits, 64, dtype) for o, i in shapes] for bits in GATE_UP_BITS]
+    stacks = [[random_parts(next(keys), k + 1, o, i, bits, 64, dtype) for o, i in shapes] for bits in VARIANT_BITS]
     stacks += [[random_microscaled_parts(next(keys), k + 1, o, i, mode) for o, i in shapes] for mode in MICROSCALED]
     return [parity_case(backend, label, x, indices, scores, *parts, experts=clamped_experts(*parts, biases))
             for parts in stacks]
@@ -317,29 +332,47 @@ def shared_expert_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> dict:
     return {**row, "fused_y_nrms": None, "status": "ran", "passed": all(checks)}
 
 
-# (E, K, renormalise, shared gate row, scoring): Qwen1.5-MoE-A2.7B's, Qwen3-30B-A3B's, gpt-oss-20b's and -120b's
-ROUTER_CASES = ((60, 4, False, True, SOFTMAX_THEN_TOPK), (128, 8, True, False, SOFTMAX_THEN_TOPK),
-                (32, 4, True, False, TOPK_THEN_SOFTMAX), (128, 4, True, False, TOPK_THEN_SOFTMAX))
+# (E, K, renormalise, shared gate row, scoring, SIGMOID_GROUPED's (groups, kept groups, scaling)):
+# Qwen1.5-MoE-A2.7B's, Qwen3-30B-A3B's, gpt-oss-20b's and -120b's, Kimi-K2's, DeepSeek-V3's, GLM-4.5's, GLM-4.5-Air's
+ROUTER_CASES = ((60, 4, False, True, SOFTMAX_THEN_TOPK, None), (128, 8, True, False, SOFTMAX_THEN_TOPK, None),
+                (32, 4, True, False, TOPK_THEN_SOFTMAX, None), (128, 4, True, False, TOPK_THEN_SOFTMAX, None),
+                (384, 8, True, False, SIGMOID_GROUPED, (1, 1, 2.827)),
+                (256, 8, True, False, SIGMOID_GROUPED, (8, 4, 2.5)),
+                (160, 8, True, False, SIGMOID_GROUPED, (1, 1, 2.5)),
+                (128, 8, True, False, SIGMOID_GROUPED, (1, 1, 1.0)))
+
+
+def router_label(n_exp: int, top_k: int, norm: bool, gate_row: bool, scoring: str,
+                 groups: tuple[int, int, float] | None) -> str:
+    if scoring == SIGMOID_GROUPED:
+        n_group, keep, scale = groups
+        scored = f" sigmoid + selection bias, best {keep} of {n_group} groups, x{scale:g}"
+    else:
+        scored = " top-k logits then softmax" if scoring == TOPK_THEN_SOFTMAX else ""
+    return (f"router E{n_exp} top-{top_k}{scored}" + (" renormalised" if norm and scoring != TOPK_THEN_SOFTMAX else "")
+            + (" + shared gate" if gate_row else ""))
 
 
 def router_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
-    """The router kernel (softmax, top-k by either scoring, shared sigmoid gate) on `backend` against the CPU
-    reference."""
+    """The router kernel (softmax or sigmoid scores, top-k by each scoring, shared sigmoid gate) on `backend` against
+    the CPU reference; a SIGMOID_GROUPED router with a random selection bias."""
     rows = []
-    for n_exp, top_k, norm, gate_row, scoring in ROUTER_CASES:
-        topk_first = scoring == TOPK_THEN_SOFTMAX
-        row = {"case": f"router E{n_exp} top-{top_k}" + (" top-k logits then softmax" if topk_first else "") +
-               (" renormalised" if norm and not topk_first else "") + (" + shared gate" if gate_row else ""),
-               "backend": backend}
+    for n_exp, top_k, norm, gate_row, scoring, groups in ROUTER_CASES:
+        row = {"case": router_label(n_exp, top_k, norm, gate_row, scoring, groups), "backend": backend}
         if backend == "reference":
             rows.append({**row, "status": "not applicable", "passed": True,
                          "reason": "on a CPU the reference is the router: nothing separate to compare"})
             continue
-        logits = mx.random.normal((1, n_exp + gate_row), key=mx.random.key(seed + n_exp)).astype(dtype)
+        key_logits, key_bias = mx.random.split(mx.random.key(seed + n_exp))
+        logits = mx.random.normal((1, n_exp + gate_row), key=key_logits).astype(dtype)
+        grouped = None
+        if groups is not None:
+            grouped = moe.GroupedChoice(0.3 * mx.random.normal((n_exp,), key=key_bias), *groups)
         try:
-            got = [np.array(a) for a in moe.select(backend, logits, n_exp, top_k, norm, gate_row, scoring)]
+            got = [np.array(a) for a in moe.select(backend, logits, n_exp, top_k, norm, gate_row, scoring, grouped)]
             with mx.stream(mx.cpu):
-                want = [np.array(a) for a in moe.reference_select(logits, n_exp, top_k, norm, gate_row, scoring)]
+                want = [np.array(a) for a in moe.reference_select(logits, n_exp, top_k, norm, gate_row, scoring,
+                                                                  grouped)]
         except Exception as e:  # noqa: BLE001 -- reported as a failed row
             rows.append({**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False})
             continue

@@ -136,3 +136,33 @@ def test_recipes_write_what_the_issue_names(converted):
     assert model.load_info.bits["mlp.switch_mlp.up_proj"] == "4-bit g32 mxfp4"
     float_down = moebench.load(converted("qwen3_moe", "affine-4bit-g128"), dtype=mx.float32)[0]
     assert float_down.load_info.bits["mlp.switch_mlp.down_proj"] == "float float32"
+
+
+# mlx_lm.convert's recipes whose experts the fused pair once declined: 2, 3, 5 and 6 bits, and the mixed recipes
+# (gate and up at the low width; down at the high width on the first and last eighth of the layers and every third
+# between, so the second of two layers, and at the low one elsewhere)
+FUSED_RECIPES = ["affine-2bit-g64", "affine-3bit-g64", "affine-5bit-g64", "affine-6bit-g64", "mixed_3_6",
+                 "mixed_3_6-g32", "mixed_2_6"]
+
+
+@pytest.mark.parametrize("recipe", FUSED_RECIPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_experts_run_the_fused_kernels_on_every_decode_step(converted, family, recipe):
+    """Every MoE layer of the converted folder runs the fused kernels on each decode step (the CPU's `reference`
+    backend); the prefill is the only step that falls back. The mixed recipes' layers store down at two widths."""
+    folder = converted(family, recipe)
+    model, _ = moebench.load(folder, dtype=mx.float32)
+    widths = {layer: tuple(p.bits for p in block.switch_mlp.quantized_parts())
+              for layer, block in model.moe_blocks().items()}
+    if recipe.startswith("mixed"):
+        low = int(recipe.split("_")[1])
+        assert widths == {0: (low, low, low), 1: (low, low, 6)}, widths
+    else:
+        bits = int(recipe.split("-")[1].removesuffix("bit"))
+        assert set(widths.values()) == {(bits, bits, bits)}, widths
+    with moebench.fused_moe(True, model):
+        moebench.generate(model, TOKENS[:4], max_tokens=9)
+    counts = moebench.dispatch(model)["moe"]
+    assert sorted(counts) == sorted(widths)
+    for layer, d in counts.items():
+        assert d["fused"] == {"reference": 8} and d["fallback"] == 1, (layer, d)

@@ -47,10 +47,8 @@ DECLINES = {
     "float experts": lambda: SwitchGLU(128, 64, 4),
     "quantization modes differ ['affine', 'mxfp4']": lambda: SwitchGLU.from_parts(
         _parts(64, 128, 4, 32, "mxfp4"), _parts(64, 128, 4, 32, "mxfp4", seed=1), _parts(128, 64, 4, 64, seed=2)),
-    "gate bits 4 != up bits 8": lambda: _experts(up=(8, 64)),
-    "gate/up bits 3 not in": lambda: _experts(gate=(3, 64), up=(3, 64)),
-    "gate/up bits 2 not in": lambda: _experts(gate=(2, 64), up=(2, 64)),
-    "down bits 3 not in": lambda: _experts(down=(3, 64)),
+    "gate bits 1 not in (2, 3, 4, 5, 6, 8)": lambda: _experts(gate=(1, 64)),
+    "down bits 1 not in": lambda: _experts(down=(1, 64)),
     "group sizes differ": lambda: _experts(down=(4, 32)),
 }
 
@@ -75,12 +73,13 @@ def test_affine_without_biases_declines():
     assert support.experts_reason(experts.quantized_parts(), "reference") == "affine without biases"
 
 
-def test_six_bit_down_needs_dff_divisible_by_16():
-    """MLX group sizes keep real Dff a multiple of 32; a gate of 40 rows stands in for a shape the 6-bit
-    byte addressing could not handle."""
-    experts = SwitchGLU.from_parts(_parts(40, 128, 4), _parts(40, 128, 4, seed=1), _parts(128, 64, 6, seed=2))
-    assert support.experts_reason(experts.quantized_parts(), "cuda") == "6-bit down needs Dff % 16 == 0 (Dff 40)"
-    assert support.experts_reason(_experts(down=(6, 64)).quantized_parts(), "cuda") is None
+@pytest.mark.parametrize("gate,up,down", [(3, 3, 6), (2, 2, 5), (5, 5, 3), (6, 6, 6), (4, 8, 6), (3, 4, 2)])
+def test_every_affine_width_runs_fused_gate_up_and_down_each_at_its_own(gate, up, down):
+    """2, 3, 4, 5, 6 and 8 bits, as mlx-lm's recipes write them (mixed_3_6: gate and up at 3, down at 3 or 6) and
+    with gate and up apart; a 6-bit down at any Dff its group size allows."""
+    experts = _experts(dff=96, gate=(gate, 32), up=(up, 32), down=(down, 32))
+    for backend in ("reference", "cuda", "metal"):
+        assert support.experts_reason(experts.quantized_parts(), backend) is None
 
 
 def test_dff_above_the_gpu_cap_declines():

@@ -9,6 +9,7 @@ import gc
 import inspect
 import math
 import weakref
+from itertools import product
 
 import mlx.core as mx
 import numpy as np
@@ -21,22 +22,24 @@ from moebench.execution import moe
 from moebench.execution.executor import fused_moe
 from moebench.execution.kernel import LANES
 from moebench.execution.settings import ENV_ROWS
-from moebench.execution.support import MICROSCALED
+from moebench.execution.support import AFFINE_BITS, GROUP_SIZES, MICROSCALED
 from moebench.execution.weights import expert_biases
 from moebench.inspect.truth import expert_outputs, f64, nrms
 from moebench.models.args import FP_MODES, QuantizedParts
-from moebench.models.declare import TOPK_THEN_SOFTMAX, MoeSpec
+from moebench.models.declare import SIGMOID_GROUPED, TOPK_THEN_SOFTMAX, MoeSpec
 from moebench.models.gpt_oss import Experts
 from moebench.models.routing import route
 from moebench.models.switch import BiasedSwitchLinear, SwitchGLU, weighted_sum
 
 
-def make_experts(n_exp: int, d: int, dff: int, bits: tuple[int, int] = (4, 4), group: int = 64, seed: int = 0,
+def make_experts(n_exp: int, d: int, dff: int, bits: tuple[int, ...] = (4, 4), group: int = 64, seed: int = 0,
                  scale_dtype: mx.Dtype = mx.float32) -> tuple[QuantizedParts, QuantizedParts, QuantizedParts]:
-    """Random gate/up [E, Dff, D] and down [E, D, Dff] experts, affine-quantized."""
+    """Random gate/up [E, Dff, D] and down [E, D, Dff] experts, affine-quantized at `bits` (gate and up, down) or
+    (gate, up, down)."""
     rng = np.random.default_rng(seed)
     parts = []
-    for b, (o, i) in zip((bits[0], bits[0], bits[1]), ((dff, d), (dff, d), (d, dff)), strict=True):
+    widths = bits if len(bits) == 3 else (bits[0], bits[0], bits[1])
+    for b, (o, i) in zip(widths, ((dff, d), (dff, d), (d, dff)), strict=True):
         w = mx.array((rng.standard_normal((n_exp, o, i)) / np.sqrt(i)).astype(np.float32))
         q, s, bias = mx.quantize(w, group_size=group, bits=b)
         parts.append(QuantizedParts(q, s.astype(scale_dtype), bias.astype(scale_dtype), group, b, "affine"))
@@ -67,10 +70,14 @@ def routing(n_exp: int, k: int, seed: int) -> tuple[list[int], np.ndarray]:
     return [int(i) for i in rng.choice(n_exp, k, replace=False)], rng.dirichlet(np.ones(k)).astype(np.float32)
 
 
-@pytest.mark.parametrize("bits", [(4, 4), (8, 8), (4, 8), (4, 6)])
-@pytest.mark.parametrize("group", [32, 64, 128])
+# (gate/up bits, down bits) at every affine width, and gate, up and down at three widths of their own
+WIDTHS = [*product(AFFINE_BITS, AFFINE_BITS), (3, 4, 6), (8, 2, 5), (6, 3, 3)]
+
+
+@pytest.mark.parametrize("bits", WIDTHS, ids=str)
+@pytest.mark.parametrize("group", GROUP_SIZES)
 def test_reference_matches_the_float64_truth_on_small_shapes(bits, group):
-    parts = make_experts(6, 256, 128, bits, group, seed=group + bits[1])
+    parts = make_experts(6, 256, 128, bits, group, seed=group + 10 * bits[0] + bits[-1])
     ids, scores = routing(6, 3, seed=group)
     x = mx.array(np.random.default_rng(1).standard_normal(256).astype(np.float32))
     out, y, ys = moe.routed("reference", x, mx.array(ids, dtype=mx.uint32), mx.array(scores), *parts)
@@ -84,7 +91,8 @@ REAL_EXPERT_SHAPES = {"qwen1.5-moe-a2.7b": (2048, 1408, 4), "qwen3-30b-a3b": (20
 
 
 @pytest.mark.parametrize("model", sorted(REAL_EXPERT_SHAPES))
-@pytest.mark.parametrize("bits,group", [((4, 4), 64), ((8, 8), 128), ((4, 4), 32)])
+@pytest.mark.parametrize("bits,group", [((4, 4), 64), ((8, 8), 128), ((4, 4), 32), ((3, 6), 64), ((3, 3), 64),
+                                        ((5, 5), 32), ((2, 6), 128), ((6, 6), 64)])
 def test_reference_matches_the_float64_truth_at_real_expert_shapes(model, bits, group):
     """Qwen1.5-MoE-A2.7B (top-4) and Qwen3-30B-A3B (top-8) experts, with 10 experts per stack to stay fast."""
     d, dff, k = REAL_EXPERT_SHAPES[model]
@@ -262,6 +270,101 @@ def test_top_k_then_softmax_routing_matches_the_float64_truth_and_what_route_rec
         assert np.abs(np.array(route_scores) - np.array(scores)).max() < 1e-6
 
 
+def grouped_route_f64(logits: np.ndarray, bias: np.ndarray, top_k: int, n_group: int, keep: int, renormalize: bool,
+                      scaling: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """SIGMOID_GROUPED from its definition in float64 (transformers' DeepseekV3 / Glm4Moe routing): sigmoid scores;
+    choice values score + bias; groups ranked by their two best choice values, the best `keep` kept and the others'
+    experts out of the choice; the top-k choice values (highest first, the lower id on a tie); weights the unbiased
+    scores, renormalised when asked, times the scaling. -> (scores [E], ids [K], weights [K])."""
+    scores = 1.0 / (1.0 + np.exp(-logits))
+    choice = scores + bias
+    groups = choice.reshape(n_group, -1)
+    ranks = np.sort(groups, axis=-1)[:, -2:].sum(axis=-1)
+    kept = np.zeros(n_group, bool)
+    kept[np.argsort(-ranks, kind="stable")[:keep]] = True
+    choice = np.where(kept[:, None], groups, -np.inf).reshape(-1)
+    ids = np.argsort(-choice, kind="stable")[:top_k]
+    weights = scores[ids] / (scores[ids].sum() if renormalize else 1.0)
+    return scores, ids, weights * scaling
+
+
+# (E, K, groups, kept groups, scaling, renormalise): Kimi-K2's, DeepSeek-V3's, GLM-4.5's and GLM-4.5-Air's routers,
+# and one not renormalised
+GROUPED_ROUTERS = [(384, 8, 1, 1, 2.827, True), (256, 8, 8, 4, 2.5, True), (160, 8, 1, 1, 2.5, True),
+                   (128, 8, 1, 1, 1.0, True), (64, 6, 8, 2, 1.5, False)]
+
+
+@pytest.mark.parametrize("n_exp,k,n_group,keep,scaling,norm", GROUPED_ROUTERS)
+def test_grouped_routing_matches_the_float64_truth_and_route(n_exp, k, n_group, keep, scaling, norm):
+    """The router kernel's SIGMOID_GROUPED arithmetic (the reference backend) against its float64 definition (ids in
+    order, scores and weights within float32 rounding) and against what route records for the fallback (the same
+    experts, each with the same weight)."""
+    rng = np.random.default_rng(n_exp + n_group)
+    logits = rng.standard_normal((1, n_exp)).astype(np.float32)
+    bias = (0.3 * rng.standard_normal(n_exp)).astype(np.float32)
+    grouped = moe.GroupedChoice(mx.array(bias), n_group, keep, scaling)
+    probs, inds, scores, gate = moe.select("reference", mx.array(logits), n_exp, k, norm, False, SIGMOID_GROUPED,
+                                           grouped)
+    want_probs, want_ids, want_weights = grouped_route_f64(logits[0].astype(np.float64), bias.astype(np.float64), k,
+                                                           n_group, keep, norm, scaling)
+    assert np.array(inds)[0].tolist() == want_ids.tolist()
+    assert np.abs(np.array(probs)[0] - want_probs).max() < 1e-6
+    assert np.abs(np.array(scores)[0] - want_weights).max() < 1e-6 * scaling
+    assert np.array(gate).tolist() == [[0.0]]
+    spec = MoeSpec(n_exp, k, SIGMOID_GROUPED, norm, selection_bias=True, n_group=n_group, topk_group=keep,
+                   routed_scaling=scaling)
+    route_probs, route_ids, route_scores = route(mx.array(logits), spec, selection_bias=mx.array(bias))
+    assert np.array_equal(np.array(route_probs), np.array(probs))
+    by_id = dict(zip(np.array(route_ids)[0].tolist(), np.array(route_scores)[0].tolist(), strict=True))
+    assert set(by_id) == set(np.array(inds)[0].tolist())
+    assert max(abs(by_id[i] - w) for i, w in zip(np.array(inds)[0].tolist(), np.array(scores)[0].tolist(),
+                                                   strict=True)) < 1e-6 * scaling
+
+
+@pytest.mark.parametrize("preset", ["glm4-moe-tiny", "deepseek-v3-tiny"])
+def test_the_router_kernel_chooses_for_glm_and_deepseek_blocks_as_route_does(tmp_path, preset):
+    """A GLM-4.x MoE and a DeepSeek-V3 block's router (4 groups, the best 2 kept, its stored selection bias), given
+    to the router kernel as a decode step gives it (GroupedChoice.of(spec, parts.selection_bias)): the experts route
+    chooses, each with route's weight, and route's probabilities."""
+    from moebench.tools.presets import write_random
+
+    model, _ = load(write_random(tmp_path / preset, preset, bits=4, group_size=64, dtype="float32", seed=3,
+                                 progress=False))
+    rng = np.random.default_rng(5)
+    for block in model.moe_blocks().values():
+        spec, parts = block.spec, block.parts()
+        assert spec.scoring == SIGMOID_GROUPED and spec.n_group > spec.topk_group and parts.selection_bias is not None
+        logits = parts.router(mx.array(rng.standard_normal((1, model.args.hidden_size)).astype(np.float32)))
+        probs, inds, scores, _ = moe.select("reference", logits, spec.num_experts, spec.top_k, spec.renormalize, False,
+                                            spec.scoring, moe.GroupedChoice.of(spec, parts.selection_bias))
+        route_probs, route_ids, route_scores = route(logits, spec, selection_bias=parts.selection_bias)
+        assert np.array_equal(np.array(probs), np.array(route_probs))
+        by_id = dict(zip(np.array(route_ids)[0].tolist(), np.array(route_scores)[0].tolist(), strict=True))
+        assert set(by_id) == set(np.array(inds)[0].tolist())
+        assert max(abs(by_id[i] - w) for i, w in zip(np.array(inds)[0].tolist(), np.array(scores)[0].tolist(),
+                                                       strict=True)) < 1e-6 * spec.routed_scaling
+
+
+def test_router_calls_the_kernel_cannot_take_raise_named_errors():
+    """The grouped choice goes with SIGMOID_GROUPED and no other scoring, with a selection bias of [E] floats and
+    groups the router kernel ranks; on the reference and on a GPU backend alike, before any launch."""
+    logits = mx.zeros((1, 128))
+    bias = mx.zeros((128,))
+    bad = {
+        "without a GroupedChoice": (SIGMOID_GROUPED, None),
+        "with a GroupedChoice": (TOPK_THEN_SOFTMAX, moe.GroupedChoice(bias)),
+        r"selection bias \(127,\)": (SIGMOID_GROUPED, moe.GroupedChoice(bias[:127])),
+        "selection bias .*int32": (SIGMOID_GROUPED, moe.GroupedChoice(bias.astype(mx.int32))),
+        "groups must divide the experts": (SIGMOID_GROUPED, moe.GroupedChoice(bias, 5, 1)),
+        "64 expert groups .*ranks up to 32": (SIGMOID_GROUPED, moe.GroupedChoice(bias, 64, 2)),
+    }
+    moe.select("reference", logits, 128, 4, True, False, SIGMOID_GROUPED, moe.GroupedChoice(bias, 8, 2, 2.5))
+    for message, (scoring, grouped) in bad.items():
+        for backend in ("reference", "metal"):
+            with pytest.raises(UnsupportedKernelConfig, match=message):
+                moe.select(backend, logits, 128, 4, True, False, scoring, grouped)
+
+
 def test_shared_expert_and_residual_inside_the_pair_match_the_truth():
     """out = residual + sum_k s_k y_k + gate * ys, with the unweighted ys handed back; leading axes kept."""
     parts = make_experts(6, 256, 128, seed=13)
@@ -313,8 +416,10 @@ def _bad_calls(parts):
     gate = mx.array([0.5])
     g = parts[0]
     short_scales = QuantizedParts(g.weight, g.scales[..., :1], g.biases[..., :1], g.group_size, g.bits, g.mode)
-    two_bit = [QuantizedParts(*mx.quantize(mx.zeros(shape), group_size=64, bits=2), 64, 2, "affine")
+    one_bit = [QuantizedParts(*mx.quantize(mx.zeros(shape), group_size=64, bits=1), 64, 1, "affine")
                for shape in ((4, 64, 128), (4, 64, 128), (4, 128, 64))]
+    # 4-bit down rows read as 3-bit: 8 words are 64 values of 4 bits, 85.3 of 3
+    misread = QuantizedParts(*mx.quantize(mx.zeros((4, 128, 64)), group_size=64, bits=4), 64, 3, "affine")
     return {
         None: (x, idx, sc, *parts, moe.SharedExpert(*one, gate), x),
         "one token": (mx.zeros((2, 128)), idx, sc, *parts),
@@ -325,7 +430,8 @@ def _bad_calls(parts):
         "shared expert gate is": (x, idx, sc, *parts, moe.SharedExpert(*parts, gate)),  # stacks, not one expert
         "shared expert gate has shape": (x, idx, sc, *parts, moe.SharedExpert(*one, gate[None])),
         "do not fit packed weights": (x, idx, sc, short_scales, parts[1], parts[2]),  # reads out of bounds
-        "gate/up bits 2 not in": (x, idx, sc, *two_bit),
+        "gate bits 1 not in": (x, idx, sc, *one_bit),
+        "packed rows of 8 words do not hold whole groups of 64 3-bit values": (x, idx, sc, *parts[:2], misread),
     }
 
 

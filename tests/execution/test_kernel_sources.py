@@ -47,10 +47,16 @@ from moebench.execution.moe import (
     reference_select,
     routed,
 )
-from moebench.execution.support import DOWN_BITS, GATE_UP_BITS, GROUP_SIZES, MICROSCALED
-from moebench.inspect.truth import nrms
+from moebench.execution.support import AFFINE_BITS, GROUP_SIZES, MICROSCALED, ROUTER_SCORINGS
+from moebench.inspect.truth import expert_outputs, nrms
 from moebench.models.args import FP_MODES, QuantizedParts
-from moebench.models.declare import CLAMPED_SWIGLU, SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, AttentionSpec
+from moebench.models.declare import (
+    CLAMPED_SWIGLU,
+    SIGMOID_GROUPED,
+    SOFTMAX_THEN_TOPK,
+    TOPK_THEN_SOFTMAX,
+    AttentionSpec,
+)
 
 EXPERTS = {"E": 4, "K": 3, "DIN": 256, "DFF": 128}  # DFF divides by every group size and by 16 (6-bit)
 E, K, DIN, DFF = EXPERTS.values()
@@ -65,10 +71,10 @@ CAP = 80  # cache slots of the attention runs: past one round of the warps' bloc
 _SHAPE = [("int", n) for n in ("E", "K", "DIN", "DFF", "DFFS", "GS")]
 # Template parameters in the order the wrappers pass them (MLX emits `template <...>` in that order).
 TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
-    ROUTER: [("typename", "LT"), ("int", "E"), ("int", "K"), ("bool", "NORM"), ("bool", "SHARED"),
-             ("bool", "TOPK_FIRST")],
-    GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "BITS"), ("int", "MODE"), ("int", "ACT"),
-              ("int", "LIMIT"), ("int", "ALPHA"), ("bool", "EBIAS")],
+    ROUTER: [("typename", "LT"), ("typename", "BT"), ("int", "E"), ("int", "K"), ("bool", "NORM"), ("bool", "SHARED"),
+             ("int", "SCORING"), ("int", "GROUPS"), ("int", "KEEP"), ("int", "SCALE"), ("bool", "BIAS")],
+    GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "GATE_BITS"), ("int", "UP_BITS"), ("int", "MODE"),
+              ("int", "ACT"), ("int", "LIMIT"), ("int", "ALPHA"), ("bool", "EBIAS")],
     DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID"),
            ("int", "MODE"), ("bool", "EBIAS")],
     ATTENTION: [("typename", "T"), ("typename", "OT"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS"),
@@ -78,7 +84,7 @@ TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
 }
 # Element type of each kernel parameter: a C type or a template type name; uint32_t when not listed.
 PARAM_TYPES: dict[Stage, dict[str, str]] = {
-    ROUTER: {"logits": "LT", "probs": "float", "scores": "float", "sgate": "float"},
+    ROUTER: {"logits": "LT", "bias": "BT", "probs": "float", "scores": "float", "sgate": "float"},
     GATE_UP: {"x": "T", "act": "float", "gate_eb": "T", "up_eb": "T",
               **{f"{p}_{q}": "ST" for p in ("gate", "up", "sgate", "sup") for q in "sb"}},
     DOWN: {"scores": "S", "act": "float", "sgate": "float", "y": "float", "ys": "float", "out": "T", "resid": "T",
@@ -87,8 +93,8 @@ PARAM_TYPES: dict[Stage, dict[str, str]] = {
                 "block": "int", "eps": "float", "out": "OT"},
     COMBINE: {"parts": "float", "out": "T"},
 }
-FLAVORS = {"f32": {"T": "float", "ST": "float", "S": "float", "LT": "float"},
-           "bf16": {"T": "bfloat16_t", "ST": "bfloat16_t", "S": "float", "LT": "bfloat16_t"}}
+FLAVORS = {"f32": {"T": "float", "ST": "float", "S": "float", "LT": "float", "BT": "float"},
+           "bf16": {"T": "bfloat16_t", "ST": "bfloat16_t", "S": "float", "LT": "bfloat16_t", "BT": "bfloat16_t"}}
 MX_TYPES = {mx.float32: "float", mx.bfloat16: "bfloat16_t", mx.uint32: "uint32_t", mx.int32: "int", mx.uint8: "uint8_t"}
 NP_TYPES = {"float": np.float32, "uint32_t": np.uint32, "int": np.int32, "bfloat16_t": np.uint16,  # bf16: bits
             "uint8_t": np.uint8}
@@ -105,7 +111,8 @@ def _format(mode: str) -> dict[str, object]:
 
 
 # The declared variants off (SwiGLU without biases, softmax then top-k): what an instance takes unless told.
-VARIANTS_OFF = {"ACT": 0, "LIMIT": 0, "ALPHA": 0, "EBIAS": False, "TOPK_FIRST": False}
+VARIANTS_OFF = {"ACT": 0, "LIMIT": 0, "ALPHA": 0, "EBIAS": False, "SCORING": 0, "GROUPS": 1, "KEEP": 1,
+                "SCALE": float_bits(1.0), "BIAS": False}
 CLAMP = (1.0, 1.702)  # a limit that bites on the test activations; gpt-oss's alpha
 _CLAMPED = {"ACT": moe.ACTIVATIONS.index(CLAMPED_SWIGLU), "LIMIT": float_bits(CLAMP[0]),
             "ALPHA": float_bits(CLAMP[1])}
@@ -134,8 +141,8 @@ def _param_type(stage: Stage, name: str, inst: Instance) -> str:
 
 def _constant_inputs(stage: Stage, inst: Instance) -> tuple[str, ...]:
     """The inputs MLX's metal_kernel puts in `constant` (under 8 elements) at this instance's shapes."""
-    if stage is ROUTER:
-        sizes = {"logits": inst["E"] + inst["SHARED"]}
+    if stage is ROUTER:  # without a selection bias the logits stand in for it
+        sizes = {"logits": inst["E"] + inst["SHARED"], "bias": inst["E"] + (not inst["BIAS"] and inst["SHARED"])}
     elif stage is ATTENTION:  # [P, CAP], [block], eps [1] (inv_freq stands in without the q/k norm), inv_freq
         half = inst["ROPE_DIMS"] // 2  # [ROPE_DIMS / 2], sinks [H] (qkv stands in without them); the others hold
         sizes = {"pos": 2, "block": 1, "eps": 1 if inst["QKNORM"] else half, "inv_freq": half,  # >= HD >= 32
@@ -239,22 +246,26 @@ GATED_RUNS = [run for run in DECLARED_RUNS if run[3].gate]
 
 
 def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shapes, attention_shapes):
-    """(stage, instance) for every supported combination at these shapes."""
-    formats = [("affine", bits, group) for bits, group in product(DOWN_BITS, GROUP_SIZES)]
+    """(stage, instance) for every supported combination at these shapes (gate and up at one width; mixed widths
+    and the routers' variants compile in the run instances)."""
+    formats = [("affine", bits, group) for bits, group in product(AFFINE_BITS, GROUP_SIZES)]
     formats += [(mode, FP_MODES[mode][1], FP_MODES[mode][0]) for mode in MICROSCALED]
     for flavor in flavors:
         for (mode, bits, group), width in product(formats, (0, dffs)):
-            if bits in GATE_UP_BITS:
-                yield GATE_UP, _instance(GATE_UP, flavor, **experts, DFFS=width, GS=group, BITS=bits, **_format(mode))
-                if not width:  # the variants: biases, the clamp (never beside a shared expert), both
-                    for variant in ({"EBIAS": True}, _CLAMPED, {**_CLAMPED, "EBIAS": True}):
-                        yield GATE_UP, _instance(GATE_UP, flavor, **experts, DFFS=0, GS=group, BITS=bits,
-                                                 **_format(mode), **variant)
+            widths = {"GATE_BITS": bits, "UP_BITS": bits}
+            yield GATE_UP, _instance(GATE_UP, flavor, **experts, DFFS=width, GS=group, **widths, **_format(mode))
+            if not width:  # the variants: biases, the clamp (never beside a shared expert), both
+                for variant in ({"EBIAS": True}, _CLAMPED, {**_CLAMPED, "EBIAS": True}):
+                    yield GATE_UP, _instance(GATE_UP, flavor, **experts, DFFS=0, GS=group, **widths, **_format(mode),
+                                             **variant)
             for resid, ebias in product((False, True), (False, True)):
                 yield DOWN, _instance(DOWN, flavor, **experts, DFFS=width, GS=group, BITS=bits, RESID=resid,
                                       EBIAS=ebias, **_format(mode))
-        for (n_exp, top_k), norm, shared, first in product(router_shapes, (True, False), (True, False), (False, True)):
-            yield ROUTER, _instance(ROUTER, flavor, E=n_exp, K=top_k, NORM=norm, SHARED=shared, TOPK_FIRST=first)
+        for (n_exp, top_k), norm, shared, scoring in product(router_shapes, (True, False), (True, False),
+                                                             (SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX)):
+            yield ROUTER, _router_instance(n_exp, top_k, norm, shared, scoring, flavor=flavor)
+        for router, norm, shared, bias in product(GROUPED_ROUTERS, (True, False), (True, False), (True, False)):
+            yield ROUTER, _router_instance(*router[:2], norm, shared, SIGMOID_GROUPED, router[2:], bias, flavor)
         for shape, (bias, write, qknorm, splits) in product(attention_shapes, ATTENTION_VARIANTS):
             yield ATTENTION, _attention_instance(shape, bias, write, flavor, qknorm, splits)
         for shape in attention_shapes:
@@ -264,33 +275,64 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
             yield COMBINE, _combine_instance(shape, 3, flavor, declared.gate)
 
 
-# (mode, gate bits, down bits, group): affine, and each microscaled mode at MLX's fixed bits and group size
-_RUN_CASES = [("affine", 4, 4, 32), ("affine", 8, 8, 64), ("affine", 4, 6, 128), ("affine", 8, 6, 32),
-              ("affine", 4, 8, 128), *((mode, FP_MODES[mode][1], FP_MODES[mode][1], FP_MODES[mode][0])
-                                       for mode in MICROSCALED)]
-_ROUTER_RUN_CASES = [(60, 4, True, True, False), (60, 8, False, True, False), (128, 8, True, False, False),
-                     (128, 4, False, False, False), (4, 2, True, True, False), (32, 4, False, False, True),
-                     (128, 4, True, False, True), (60, 8, False, True, True)]  # (E, K, NORM, SHARED, TOPK_FIRST)
+def _router_instance(n_exp: int, top_k: int, norm: bool, shared: bool, scoring: str = SOFTMAX_THEN_TOPK,
+                     groups: tuple[int, int, float] = (1, 1, 1.0), bias: bool = False, flavor: str = "f32") -> Instance:
+    """The router kernel by `scoring`; with SIGMOID_GROUPED its (groups, kept groups, scaling) and selection bias."""
+    n_group, keep, scale = groups
+    return _instance(ROUTER, flavor, E=n_exp, K=top_k, NORM=norm, SHARED=shared,
+                     SCORING=ROUTER_SCORINGS.index(scoring), GROUPS=n_group, KEEP=keep, SCALE=float_bits(scale),
+                     BIAS=bias)
+
+
+# (mode, gate bits, up bits, down bits, group): every affine width at gate/up and at down (group 64), run as the
+# plain pair; then, run with the shared expert and every expert variant too, each group size at a few widths, gate
+# and up at different widths, and each microscaled mode at MLX's fixed bits and group size
+_WIDTH_GRID = [("affine", g, g, d, 64) for g, d in product(AFFINE_BITS, AFFINE_BITS)]
+_FEATURE_CASES = [("affine", 4, 4, 4, 32), ("affine", 8, 8, 8, 64), ("affine", 4, 4, 6, 128), ("affine", 8, 8, 6, 32),
+                  ("affine", 4, 4, 8, 128), ("affine", 3, 3, 6, 32), ("affine", 5, 5, 3, 128), ("affine", 2, 2, 6, 128),
+                  ("affine", 3, 4, 6, 64), ("affine", 8, 2, 5, 32),
+                  *((mode, FP_MODES[mode][1], FP_MODES[mode][1], FP_MODES[mode][1], FP_MODES[mode][0])
+                    for mode in MICROSCALED)]
+_ROUTER_RUN_CASES = [(60, 4, True, True, SOFTMAX_THEN_TOPK), (60, 8, False, True, SOFTMAX_THEN_TOPK),
+                     (128, 8, True, False, SOFTMAX_THEN_TOPK), (128, 4, False, False, SOFTMAX_THEN_TOPK),
+                     (4, 2, True, True, SOFTMAX_THEN_TOPK), (32, 4, False, False, TOPK_THEN_SOFTMAX),
+                     (128, 4, True, False, TOPK_THEN_SOFTMAX), (60, 8, False, True, TOPK_THEN_SOFTMAX)]
+# SIGMOID_GROUPED routers (E, K, groups, kept groups, scaling): Kimi-K2's, DeepSeek-V3's, GLM-4.5's, GLM-4.5-Air's;
+# groups of 15 experts (across lanes); 8 groups of 8; logits and bias in `constant`
+GROUPED_ROUTERS = [(384, 8, 1, 1, 2.827), (256, 8, 8, 4, 2.5), (160, 8, 1, 1, 2.5), (128, 8, 1, 1, 1.0),
+                   (60, 4, 4, 2, 1.5), (64, 6, 8, 2, 1.0), (4, 1, 2, 1, 1.0)]
+# (router, NORM, SHARED, the selection bias's mean, None: no bias); a mean of -1 puts most choice values below 0,
+# where mlx-lm's 0 for the dropped groups' experts would choose them: route() and the kernel leave those out
+_GROUPED_RUN_CASES = [(GROUPED_ROUTERS[0], True, False, 0.0), (GROUPED_ROUTERS[1], True, False, 0.0),
+                      (GROUPED_ROUTERS[2], True, True, 0.0), (GROUPED_ROUTERS[3], True, False, 0.0),
+                      (GROUPED_ROUTERS[4], False, True, None), (GROUPED_ROUTERS[5], True, False, -1.0),
+                      (GROUPED_ROUTERS[6], False, True, 0.0)]
 # Expert variants run on the CPU, each format: (biases, clamped)
 _VARIANT_RUNS = [(True, False), (False, True), (True, True)]
+# (shared expert width, expert biases, clamped SwiGLU): the plain pair with and without the shared expert, and
+# each expert variant (never beside a shared expert)
+_PAIR_RUNS = [(0, False, False), (DFFS, False, False), *((0, *variant) for variant in _VARIANT_RUNS)]
+_EXPERT_RUNS = [(*case, 0, False, False) for case in _WIDTH_GRID if case not in _FEATURE_CASES] + [
+    (*case, *run) for case, run in product(_FEATURE_CASES, _PAIR_RUNS)]
 
 
-def _routed_instances(mode: str, gate_bits: int, down_bits: int, group: int, dffs: int, biases: bool = False,
-                      clamped: bool = False) -> tuple[Instance, Instance]:
+def _routed_instances(mode: str, gate_bits: int, up_bits: int, down_bits: int, group: int, dffs: int,
+                      biases: bool = False, clamped: bool = False) -> tuple[Instance, Instance]:
     """Kernels A and B; B adds the residual stream in the shared-expert cases (both flags run on the CPU)."""
     variant = {**(_CLAMPED if clamped else {}), "EBIAS": biases}
-    return (_instance(GATE_UP, **EXPERTS, DFFS=dffs, GS=group, BITS=gate_bits, **_format(mode), **variant),
+    return (_instance(GATE_UP, **EXPERTS, DFFS=dffs, GS=group, GATE_BITS=gate_bits, UP_BITS=up_bits, **_format(mode),
+                      **variant),
             _instance(DOWN, **EXPERTS, DFFS=dffs, GS=group, BITS=down_bits, RESID=dffs > 0, EBIAS=biases,
                       **_format(mode)))
 
 
 def _run_instances():
-    for case, dffs in product(_RUN_CASES, (0, DFFS)):
-        yield from zip((GATE_UP, DOWN), _routed_instances(*case, dffs), strict=True)
-    for case, variant in product(_RUN_CASES, _VARIANT_RUNS):
-        yield from zip((GATE_UP, DOWN), _routed_instances(*case, 0, *variant), strict=True)
-    for n_exp, top_k, norm, shared, first in _ROUTER_RUN_CASES:
-        yield ROUTER, _instance(ROUTER, E=n_exp, K=top_k, NORM=norm, SHARED=shared, TOPK_FIRST=first)
+    for run in _EXPERT_RUNS:
+        yield from zip((GATE_UP, DOWN), _routed_instances(*run), strict=True)
+    for n_exp, top_k, norm, shared, scoring in _ROUTER_RUN_CASES:
+        yield ROUTER, _router_instance(n_exp, top_k, norm, shared, scoring)
+    for router, norm, shared, mean in _GROUPED_RUN_CASES:
+        yield ROUTER, _router_instance(*router[:2], norm, shared, SIGMOID_GROUPED, router[2:], mean is not None)
     for shape, (bias, write, qknorm, splits) in product(ATTENTION_SHAPES, ATTENTION_VARIANTS):
         yield ATTENTION, _attention_instance(shape, bias, write, qknorm=qknorm, splits=splits)
     for shape in ATTENTION_SHAPES:
@@ -377,16 +419,20 @@ def _quantized(rng: np.random.Generator, shape: tuple[int, ...], bits: int, grou
 
 
 def _experts(
-    rng: np.random.Generator, gate_bits: int, down_bits: int, group: int, dffs: int, dtype: mx.Dtype = mx.float32,
+    rng: np.random.Generator, bits: tuple[int, int, int], group: int, dffs: int, dtype: mx.Dtype = mx.float32,
     mode: str = "affine",
 ) -> tuple[QuantizedParts, QuantizedParts, QuantizedParts, SharedExpert | None]:
-    """Routed gate, up, down [E, out, in] and, with `dffs`, a shared expert [dffs, DIN] / [DIN, dffs]."""
-    gate, up = (_quantized(rng, (E, DFF, DIN), gate_bits, group, dtype, mode) for _ in range(2))
-    down = _quantized(rng, (E, DIN, DFF), down_bits, group, dtype, mode)
+    """Routed gate, up, down [E, out, in] at `bits` (gate, up, down) and, with `dffs`, a shared expert [dffs, DIN] /
+    [DIN, dffs] stored as they are."""
+    shapes = ((DFF, DIN), (DFF, DIN), (DIN, DFF))
+    gate, up, down = (_quantized(rng, (E, *shape), b, group, dtype, mode)
+                      for shape, b in zip(shapes, bits, strict=True))
     shared = None
     if dffs:
-        shared = SharedExpert(*(_quantized(rng, (dffs, DIN), gate_bits, group, dtype, mode) for _ in range(2)),
-                              _quantized(rng, (DIN, dffs), down_bits, group, dtype, mode), mx.array([0.7], mx.float32))
+        shapes = ((dffs, DIN), (dffs, DIN), (DIN, dffs))
+        shared = SharedExpert(*(_quantized(rng, shape, b, group, dtype, mode) for shape, b in zip(shapes, bits,
+                                                                                                 strict=True)),
+                              mx.array([0.7], mx.float32))
     return gate, up, down, shared
 
 
@@ -396,19 +442,19 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
     """Template order, element types and `constant` inputs as the real launches would have MLX write them, and
     the launch geometry the shim emulates: threadgroups of 32-lane simdgroups, the rows asked for in each,
     and a grid that covers every output row with less than one threadgroup of padding."""
-    launches = {}
+    launches = {}  # stage -> its launches
 
     def built(backend, stage):
         def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
-            launches[stage] = inputs, template, output_dtypes, grid, threadgroup
+            launches.setdefault(stage, []).append((inputs, template, output_dtypes, grid, threadgroup))
             return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes, strict=True)]
         return launch
 
     monkeypatch.setattr(moe, "built_kernel", built)
     monkeypatch.setattr(attention, "built_kernel", built)
     rng = np.random.default_rng(dffs)
-    fmt = ("affine", 4, 6, 64) if mode == "affine" else (mode, FP_MODES[mode][1], FP_MODES[mode][1], FP_MODES[mode][0])
-    gate, up, down, shared = _experts(rng, *fmt[1:], dffs, mx.bfloat16, mode)
+    bits, group = ((3, 5, 6), 64) if mode == "affine" else ((FP_MODES[mode][1],) * 3, FP_MODES[mode][0])
+    gate, up, down, shared = _experts(rng, bits, group, dffs, mx.bfloat16, mode)
     x = mx.array(rng.standard_normal(DIN).astype(np.float32), dtype=mx.bfloat16)
     rows = 5  # a count that divides none of the row counts: the grid must round up
     # without a shared expert: every declared variant (expert biases, the clamp, top-k then softmax)
@@ -416,8 +462,11 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
                                                   CLAMP)
     moe.gpu_routed("metal", x, mx.array([2, 0, 3]), mx.array([0.5, 0.3, 0.2]), gate, up, down, shared,
                    x if dffs else None, rows=rows, variant=variant)
-    moe.gpu_select("metal", mx.zeros((1, 4 + bool(dffs)), mx.bfloat16), 4, 2, True, bool(dffs),
-                   SOFTMAX_THEN_TOPK if dffs else TOPK_THEN_SOFTMAX)
+    logits = mx.zeros((1, 4 + bool(dffs)), mx.bfloat16)
+    moe.gpu_select("metal", logits, 4, 2, True, bool(dffs), SOFTMAX_THEN_TOPK if dffs else TOPK_THEN_SOFTMAX)
+    # the grouped router, with a float32 selection bias (without dffs) or none
+    grouped = moe.GroupedChoice(None if dffs else mx.zeros((4,), mx.float32), 2, 1, 2.5)
+    moe.gpu_select("metal", logits, 4, 2, True, bool(dffs), SIGMOID_GROUPED, grouped)
     # with dffs every option and declared variant (a quarter of each head rotated, the output gate, a window wider
     # than the cache, sinks, the rotary factor)
     declared = Declared(rope_dims=16, factor=1.5, gate=True, window=600, sinks=True) if dffs else PLAIN
@@ -432,29 +481,34 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
                                    qk_norm=QKNorm(norm, norm, 1e-6) if dffs else None,
                                    sinks=mx.zeros((8,), mx.bfloat16) if dffs else None, rope_scale=declared.factor)
     assert set(launches) == {ROUTER, GATE_UP, DOWN, ATTENTION} | ({COMBINE} if dffs else set())
-    assert dict(launches[GATE_UP][1])["MODE"] == dict(launches[DOWN][1])["MODE"] == KERNEL_MODES.index(mode)
-    expected = VARIANTS_OFF if dffs else {**_CLAMPED, "EBIAS": True, "TOPK_FIRST": True}
+    gate_up, down_t = (dict(launches[stage][0][1]) for stage in (GATE_UP, DOWN))
+    assert gate_up["MODE"] == down_t["MODE"] == KERNEL_MODES.index(mode)
+    assert (gate_up["GATE_BITS"], gate_up["UP_BITS"], down_t["BITS"]) == bits
+    expected = VARIANTS_OFF if dffs else {**VARIANTS_OFF, **_CLAMPED, "EBIAS": True, "SCORING": 1}
     for stage in (ROUTER, GATE_UP, DOWN):
-        template = dict(launches[stage][1])
+        template = dict(launches[stage][0][1])
         assert {n: template[n] for n in VARIANTS_OFF if n in template} == \
             {n: v for n, v in expected.items() if n in template}, stage.name
-    for stage, (inputs, template, output_dtypes, _, _) in launches.items():
+    template = dict(launches[ROUTER][1][1])
+    assert (template["SCORING"], template["GROUPS"], template["KEEP"], template["SCALE"], template["BIAS"]) == \
+        (ROUTER_SCORINGS.index(SIGMOID_GROUPED), 2, 1, float_bits(2.5), not dffs)
+    for stage, (inputs, template, output_dtypes, _, _) in ((s, run) for s, runs in launches.items() for run in runs):
         assert [(_template_kind(v), n) for n, v in template] == TEMPLATE_PARAMS[stage], stage.name
         inst = {n: MX_TYPES[v] if isinstance(v, mx.Dtype) else v for n, v in template}
         assert [MX_TYPES[a.dtype] for a in inputs] == [_param_type(stage, n, inst) for n in stage.inputs]
         assert [MX_TYPES[d] for d in output_dtypes] == [_param_type(stage, n, inst) for n in stage.outputs]
         small = tuple(n for n, a in zip(stage.inputs, inputs, strict=True) if a.size < 8)
         assert _constant_inputs(stage, inst) == small, stage.name
-    template = dict(launches[ATTENTION][1])
+    template = dict(launches[ATTENTION][0][1])
     assert template["WRITE"] is bool(dffs) and template["QKNORM"] is bool(dffs) and template["S"] == 1 + bool(dffs)
     assert (template["ROPE_DIMS"], template["FACTOR"], template["GATE"], template["WINDOW"], template["SINKS"]) == (
         (16, float_bits(1.5), True, 600, True) if dffs else (64, 0, False, 0, False))
     if dffs:
-        assert dict(launches[COMBINE][1])["GATE"] is True
+        assert dict(launches[COMBINE][0][1])["GATE"] is True
     output_rows = {GATE_UP: K * DFF + dffs, DOWN: DIN, ROUTER: 1,
                    ATTENTION: heads.n_kv_heads * template["S"] * WARPS_PER_HEAD, COMBINE: heads.n_heads}
     group_rows = {GATE_UP: rows, DOWN: rows, ROUTER: 1, ATTENTION: WARPS_PER_HEAD, COMBINE: 1}
-    for stage, (_, _, _, grid, threadgroup) in launches.items():
+    for stage, (_, _, _, grid, threadgroup) in ((s, run) for s, runs in launches.items() for run in runs):
         assert tuple(threadgroup) == (LANES, group_rows[stage], 1), stage.name
         assert grid[0] == LANES and grid[2] == 1 and grid[1] % threadgroup[1] == 0, stage.name
         assert 0 <= grid[1] - output_rows[stage] < threadgroup[1], f"{stage.name}: grid {grid}"
@@ -502,32 +556,28 @@ def _padded(rows: int) -> int:
     return -(-rows // 5) * 5  # a threadgroup of 5 rows: the padding rows past the end must write nothing
 
 
-# (shared expert width, expert biases, clamped SwiGLU): the plain pair with and without the shared expert, and
-# each expert variant (never beside a shared expert)
-_PAIR_RUNS = [(0, False, False), (DFFS, False, False), *((0, *variant) for variant in _VARIANT_RUNS)]
-
-
-@pytest.mark.parametrize("dffs,biased,clamped", _PAIR_RUNS)
-@pytest.mark.parametrize("mode,gate_bits,down_bits,group", _RUN_CASES)
-def test_shimmed_expert_kernels_match_the_reference_on_cpu(shim_library, mode, gate_bits, down_bits, group, dffs,
-                                                           biased, clamped):
-    rng = np.random.default_rng(gate_bits * 100 + down_bits * 10 + group + dffs + 2 * biased + clamped)
-    gate, up, down, shared = _experts(rng, gate_bits, down_bits, group, dffs, mode=mode)
+@pytest.mark.parametrize("mode,gate_bits,up_bits,down_bits,group,dffs,biased,clamped", _EXPERT_RUNS)
+def test_shimmed_expert_kernels_match_the_reference_on_cpu(shim_library, mode, gate_bits, up_bits, down_bits, group,
+                                                           dffs, biased, clamped):
+    """The Metal twins against the CPU reference within float32 rounding, and their unweighted outputs against the
+    float64 truth within the bound the reference meets (moebench.inspect.truth)."""
+    rng = np.random.default_rng(gate_bits * 1000 + up_bits * 100 + down_bits * 10 + group + dffs + 2 * biased + clamped)
+    gate, up, down, shared = _experts(rng, (gate_bits, up_bits, down_bits), group, dffs, mode=mode)
     x = rng.standard_normal(DIN).astype(np.float32)
     idx = np.array([2, 0, 3], dtype=np.uint32)
     scores = np.array([0.5, 0.3, 0.2], dtype=np.float32)
     resid = rng.standard_normal(DIN).astype(np.float32) if dffs else None
     biases = tuple(rng.standard_normal((E, n)).astype(np.float32) for n in (DFF, DFF, DIN)) if biased else None
     variant = moe.ExpertVariant(biases and tuple(map(mx.array, biases)), CLAMP if clamped else None)
-    truth_out, truth_y, truth_ys = routed("reference", mx.array(x), mx.array(idx), mx.array(scores), gate, up, down,
-                                         shared, None if resid is None else mx.array(resid), variant=variant)
+    ref_out, ref_y, ref_ys = routed("reference", mx.array(x), mx.array(idx), mx.array(scores), gate, up, down, shared,
+                                    None if resid is None else mx.array(resid), variant=variant)
     # as gpu_routed passes them: without a shared expert the routed arrays stand in for its (unread) inputs,
     # without biases x (kernel A) and the residual or x (kernel B)
     s_gate, s_up, s_down = (shared.gate, shared.up, shared.down) if shared else (gate, up, down)
     sgate = np.array(shared.sigmoid_gate) if shared else scores
     resid_in = x if resid is None else resid
     gate_eb, up_eb, down_eb = biases if biases else (x, x, resid_in)
-    a_inst, b_inst = _routed_instances(mode, gate_bits, down_bits, group, dffs, biased, clamped)
+    a_inst, b_inst = _routed_instances(mode, gate_bits, up_bits, down_bits, group, dffs, biased, clamped)
 
     act = _output(K * DFF + dffs)
     _launch(shim_library, GATE_UP, a_inst, _padded(K * DFF + dffs), {
@@ -538,15 +588,32 @@ def test_shimmed_expert_kernels_match_the_reference_on_cpu(shim_library, mode, g
         "indices": idx, "scores": scores, **_host("down", down), "act": _written(act, "act"),
         **_host("sdown", s_down), "sgate": sgate, "resid": resid_in, "down_eb": down_eb, **outputs})
 
-    checks = {"y": (_written(outputs["y"], "y").reshape(K, DIN), truth_y), "out": (_written(outputs["out"], "out"),
-                                                                                   truth_out)}
+    y = _written(outputs["y"], "y").reshape(K, DIN)
+    checks = {"y": (y, ref_y), "out": (_written(outputs["out"], "out"), ref_out)}
+    truths = {"y": (y, expert_outputs([gate, up, down], x, idx, variant))}
     if dffs:
-        checks["ys"] = _written(outputs["ys"], "ys"), truth_ys
+        checks["ys"] = _written(outputs["ys"], "ys"), ref_ys
+        truths["ys"] = checks["ys"][0], expert_outputs([shared.gate, shared.up, shared.down], x)
     else:
         assert _unwritten(outputs["ys"]).all(), "ys must not be written without a shared expert"
     for name, (got, want) in checks.items():
         error = nrms(got, np.array(want))
         assert error < 1e-5, f"{name}: shimmed kernels vs reference nRMS {error:.2e}"
+    for name, (got, want) in truths.items():
+        error = nrms(got, want)
+        assert error < 5e-4, f"{name}: shimmed kernels vs float64 truth nRMS {error:.2e}"
+
+
+def _down_alone(lib: ctypes.CDLL, part: QuantizedParts, idx: np.ndarray, act: np.ndarray) -> np.ndarray:
+    """Kernel B alone on down experts `part` for slots `idx` against activations `act` [K, DFF] (no shared expert,
+    no residual, scores of 1): the unweighted outputs y [K, DIN]."""
+    outputs = {"y": _output(K * DIN), "ys": _output(DIN), "out": _output(DIN)}
+    scores = np.ones(K, np.float32)
+    bits = (part.bits,) * 3
+    _launch(lib, DOWN, _routed_instances(part.mode, *bits, part.group_size, 0)[1], _padded(DIN), {
+        "indices": idx, "scores": scores, **_host("down", part), "act": act.reshape(-1), **_host("sdown", part),
+        "sgate": scores, "resid": np.zeros(DIN, np.float32), "down_eb": np.zeros(DIN, np.float32), **outputs})
+    return _written(outputs["y"], "y").reshape(K, DIN)
 
 
 @pytest.mark.parametrize("mode", MICROSCALED)
@@ -571,50 +638,98 @@ def test_shimmed_kernels_decode_codes_and_scales_exactly_as_mlx(shim_library, mo
     with np.errstate(invalid="ignore"):  # 0 * inf: NaN, as in the kernel
         want = np.einsum("khf,kf->kh", weights[idx], act.astype(np.float64))
     part = QuantizedParts(mx.array(words), mx.array(scales), None, group, bits, mode)
-    outputs = {"y": _output(K * DIN), "ys": _output(DIN), "out": _output(DIN)}
-    scores = np.ones(K, np.float32)
-    _launch(shim_library, DOWN, _routed_instances(mode, bits, bits, group, 0)[1], _padded(DIN), {
-        "indices": idx, "scores": scores, **_host("down", part), "act": act.reshape(-1), **_host("sdown", part),
-        "sgate": scores, "resid": np.zeros(DIN, np.float32), "down_eb": np.zeros(DIN, np.float32), **outputs})
-    got = _written(outputs["y"], "y").reshape(K, DIN).astype(np.float64)
+    got = _down_alone(shim_library, part, idx, act).astype(np.float64)
     assert np.isnan(want).any() and (want[np.isfinite(want)] != 0).sum() > K * DIN // 2  # the cases are live
     bad = ~((got == want) | (np.isnan(got) & np.isnan(want)))
     assert not bad.any(), f"{bad.sum()} weights decoded differently, e.g. {got[bad][:4]} vs {want[bad][:4]}"
 
 
-def _run_router(lib: ctypes.CDLL, logits: np.ndarray, n_exp: int, top_k: int, norm: bool, shared: bool,
-                topk_first: bool = False):
-    """(probs, inds, scores, sgate) of the shimmed router kernel on one token's float32 logits."""
-    outputs = {"probs": _output(n_exp), "inds": _output(top_k, "uint32_t"), "scores": _output(top_k),
+def _run_router(lib: ctypes.CDLL, inst: Instance, logits: np.ndarray, bias: np.ndarray | None = None):
+    """(probs, inds, scores, sgate) of the shimmed router instance on one token's float32 logits (and selection
+    bias; without one the logits stand in for it, as gpu_select passes them)."""
+    outputs = {"probs": _output(inst["E"]), "inds": _output(inst["K"], "uint32_t"), "scores": _output(inst["K"]),
                "sgate": _output(1)}
-    _launch(lib, ROUTER, _instance(ROUTER, E=n_exp, K=top_k, NORM=norm, SHARED=shared, TOPK_FIRST=topk_first), 1,
-            {"logits": logits, **outputs})
+    _launch(lib, ROUTER, inst, 1, {"logits": logits, "bias": logits if bias is None else bias, **outputs})
     return tuple(_written(outputs[n], n) for n in ROUTER.outputs)
 
 
-@pytest.mark.parametrize("n_exp,top_k,norm,shared,topk_first", _ROUTER_RUN_CASES)
-def test_shimmed_router_matches_the_reference_on_cpu(shim_library, n_exp, top_k, norm, shared, topk_first):
-    """Both scorings: the top-k by probability (renormalised or not), or the top-k logits scored by the softmax
-    over them (which the renormalised top-k probabilities equal); probs the softmax over all experts either way."""
+@pytest.mark.parametrize("n_exp,top_k,norm,shared,scoring", _ROUTER_RUN_CASES)
+def test_shimmed_router_matches_the_reference_on_cpu(shim_library, n_exp, top_k, norm, shared, scoring):
+    """Both softmax scorings: the top-k by probability (renormalised or not), or the top-k logits scored by the
+    softmax over them (which the renormalised top-k probabilities equal); probs the softmax over all experts either
+    way."""
     logits = 2 * np.random.default_rng(n_exp * 10 + top_k).standard_normal(n_exp + shared).astype(np.float32)
-    probs, inds, scores, sgate = _run_router(shim_library, logits, n_exp, top_k, norm, shared, topk_first)
-    scoring = TOPK_THEN_SOFTMAX if topk_first else SOFTMAX_THEN_TOPK
+    probs, inds, scores, sgate = _run_router(shim_library, _router_instance(n_exp, top_k, norm, shared, scoring),
+                                             logits)
     ref_probs, ref_inds, ref_scores, ref_sgate = (np.array(a) for a in reference_select(
         mx.array(logits), n_exp, top_k, norm, shared, scoring))
     assert np.abs(probs - ref_probs).max() < 1e-6
     assert set(inds.tolist()) == set(ref_inds.tolist())
     assert np.all(np.diff(scores) <= 0), f"scores not highest first: {scores}"
     assert np.abs(scores - ref_scores).max() < 1e-6
-    picked = probs[inds] / (probs[inds].sum() if norm or topk_first else 1.0)
+    picked = probs[inds] / (probs[inds].sum() if norm or scoring == TOPK_THEN_SOFTMAX else 1.0)
     assert np.abs(scores - picked).max() < 1e-6, "scores do not belong to their expert ids"
     assert abs(sgate[0] - ref_sgate[0]) < 1e-6
+
+
+@pytest.mark.parametrize("router,norm,shared,mean", _GROUPED_RUN_CASES, ids=str)
+def test_shimmed_grouped_router_matches_the_reference_on_cpu(shim_library, router, norm, shared, mean):
+    """SIGMOID_GROUPED at Kimi-K2's, DeepSeek-V3's, GLM-4.5's and GLM-4.5-Air's shapes and more: probs the sigmoid
+    scores; the experts in route's order (score + selection bias, highest first, within the best groups); scored by
+    their unbiased scores (renormalised or not) times the scaling; the bias or the groups change the choice."""
+    n_exp, top_k, n_group, keep, scale = router
+    rng = np.random.default_rng(n_exp * 10 + top_k)
+    logits = rng.standard_normal(n_exp + shared).astype(np.float32)
+    bias = None if mean is None else (mean + 0.3 * rng.standard_normal(n_exp)).astype(np.float32)
+    inst = _router_instance(n_exp, top_k, norm, shared, SIGMOID_GROUPED, router[2:], bias is not None)
+    probs, inds, scores, sgate = _run_router(shim_library, inst, logits, bias)
+    grouped = moe.GroupedChoice(None if bias is None else mx.array(bias), n_group, keep, scale)
+    ref_probs, ref_inds, ref_scores, ref_sgate = (np.array(a) for a in reference_select(
+        mx.array(logits), n_exp, top_k, norm, shared, SIGMOID_GROUPED, grouped))
+    assert np.abs(probs - ref_probs).max() < 1e-6
+    assert inds.tolist() == ref_inds.tolist(), f"{inds} vs the reference's {ref_inds}"
+    assert np.abs(scores - ref_scores).max() < 1e-6 * scale
+    picked = probs[inds] / (probs[inds].sum() if norm else 1.0) * scale
+    assert np.abs(scores - picked).max() < 1e-6 * scale, "scores do not belong to their expert ids"
+    assert abs(sgate[0] - ref_sgate[0]) < 1e-6
+    plain = moe.GroupedChoice(None, 1, 1, scale)
+    unbiased = np.array(reference_select(mx.array(logits), n_exp, top_k, norm, shared, SIGMOID_GROUPED, plain)[1])
+    assert set(inds.tolist()) != set(unbiased.tolist()), "neither the bias nor the groups changed the choice"
+
+
+@pytest.mark.parametrize("bits", AFFINE_BITS)
+def test_shimmed_kernels_unpack_every_affine_width_as_mlx_packs_it(shim_library, bits):
+    """Kernel B on rows of known codes (read with scale 1 and bias 0) against activations that weigh
+    `per` consecutive values by powers of 2^bits, so each output spells those codes exactly: a unit at the row's
+    start, the next (its codes straddling words or bytes at 3, 5 and 6 bits) and the row's last, which between them
+    cover every position of a unit; the first window holds every code value at each of its positions."""
+    per = 24 // bits  # codes an exact float32 sum spells
+    rng = np.random.default_rng(bits)
+    codes = rng.integers(0, 2**bits, (E, DIN, DFF))
+    codes[..., ::32] = 0  # every group of 32 (and so of 64) holds the lowest and the highest code: exact levels
+    codes[..., 1::32] = 2**bits - 1
+    codes[:, :2**bits, 2:2 + per] = np.arange(2**bits)[:, None]  # every code at every position of a window
+    q, s, b = mx.quantize(mx.array(codes.astype(np.float32)), group_size=64, bits=bits)
+    assert np.array_equal(np.array(mx.dequantize(q, s, b, group_size=64, bits=bits)), codes)
+    s, b = mx.ones_like(s), mx.zeros_like(b)  # MLX stores the codes or their mirror 2^bits - 1 - code: its own unpack
+    codes = np.array(mx.dequantize(q, s, b, group_size=64, bits=bits)).astype(np.int64)  # tells which
+    starts = [2, 2 + per, DFF - per]
+    act = np.zeros((K, DFF), np.float32)
+    for k, start in enumerate(starts):
+        act[k, start:start + per] = float(2**bits) ** np.arange(per)
+    idx = np.array([3, 0, 2], np.uint32)
+    got = _down_alone(shim_library, QuantizedParts(q, s, b, 64, bits, "affine"), idx, act).astype(np.int64)
+    for k, start in enumerate(starts):
+        spelled = (got[k][:, None] >> (bits * np.arange(per))) & (2**bits - 1)
+        want = codes[idx[k], :, start:start + per]
+        assert np.array_equal(spelled, want), f"slot {k}: values {start}..{start + per - 1} unpacked wrong"
 
 
 def test_shimmed_router_breaks_ties_towards_the_lower_expert_id(shim_library):
     logits = np.random.default_rng(0).uniform(-1.0, 0.0, 61).astype(np.float32)
     logits[[3, 40]] = 3.0  # a tie across lanes (3 and 8)
     logits[[37, 5]] = 2.0  # a tie within lane 5
-    _, inds, scores, _ = _run_router(shim_library, logits, 60, 4, True, True)
+    _, inds, scores, _ = _run_router(shim_library, _router_instance(60, 4, True, True), logits)
     assert inds.tolist() == [3, 40, 5, 37]
     assert scores[0] == scores[1] and scores[2] == scores[3]
 

@@ -1,4 +1,5 @@
-"""The CUDA kernels (router, the pair with and without the shared expert in affine, mxfp4, nvfp4 and mxfp8,
+"""The CUDA kernels (router, with the sigmoid-scored, selection-biased, grouped variant; the pair with and without
+the shared expert in affine at 2, 3, 4, 5, 6 and 8 bits, gate, up and down each at its own, in mxfp4, nvfp4 and mxfp8,
 gpt-oss's declared variants: expert biases, the clamped SwiGLU, top-k logits then softmax; decode attention with
 and without its in-place cache write, and its declared variants: the hybrids' partial rotary and output gate,
 gpt-oss's window, sinks and YaRN) against the CPU reference and the float64 truth (moebench.inspect.truth), at
@@ -31,7 +32,7 @@ from moebench.execution.moe import gpu_routed
 from moebench.execution.support import MICROSCALED
 from moebench.inspect.truth import attention_f64, expert_outputs, f64, nrms
 from moebench.models.args import FP_MODES, QuantizedParts, YarnScaling
-from moebench.models.declare import SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, AttentionSpec
+from moebench.models.declare import SIGMOID_GROUPED, SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, AttentionSpec
 from moebench.models.rotary import yarn
 from moebench.models.switch import SwitchGLU, weighted_sum
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
@@ -43,14 +44,16 @@ E, K, D, DFF, DFFS = 60, 4, 2048, 1408, 5632
 ROWS = (1, 2, 3, 5, 8, 16, 32)
 
 
-def _experts(bits: tuple[int, int], group: int, seed: int, n_exp: int | None = E,
+def _experts(bits: tuple[int, ...], group: int, seed: int, n_exp: int | None = E,
              dff: int = DFF, mode: str = "affine", d: int = D) -> tuple[QuantizedParts, ...]:
-    """Routed experts [E, out, in], or with n_exp None one shared expert's matrices [out, in]; in a microscaled
-    `mode` at its own bits and group size (`bits` and `group` unused), uint8 scales and no biases."""
+    """Routed experts [E, out, in], or with n_exp None one shared expert's matrices [out, in], at `bits` (gate and
+    up, down) or (gate, up, down); in a microscaled `mode` at its own bits and group size (`bits` and `group`
+    unused), uint8 scales and no biases."""
     mx.random.seed(seed)
     out = []
     lead = (n_exp,) if n_exp is not None else ()
-    for b, (o, i) in zip((bits[0], bits[0], bits[1]), ((dff, d), (dff, d), (d, dff)), strict=True):
+    widths = bits if len(bits) == 3 else (bits[0], bits[0], bits[1])
+    for b, (o, i) in zip(widths, ((dff, d), (dff, d), (d, dff)), strict=True):
         w = mx.random.normal((*lead, o, i)) / np.sqrt(i)
         if mode != "affine":
             group_size, fp_bits = FP_MODES[mode]
@@ -82,13 +85,19 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 
 # (mode, bits, group): affine, and each microscaled mode (its bits and group size are MLX's)
+# (mode, bits, group): affine, and each microscaled mode (its bits and group size are MLX's). Affine at 2, 3, 5 and 6
+# bits as mlx-lm's recipes write them (mixed_3_6: gate and up at 3, down at 3 or 6; mixed_2_6), at each group size,
+# and gate, up and down each at a width of its own
 FORMATS = [("affine", (4, 4), 64), ("affine", (4, 4), 32), ("affine", (4, 4), 128), ("affine", (8, 8), 64),
-           ("affine", (4, 8), 64), ("affine", (4, 6), 64), *((mode, (0, 0), 0) for mode in MICROSCALED)]
+           ("affine", (4, 8), 64), ("affine", (4, 6), 64), ("affine", (2, 2), 64), ("affine", (3, 3), 64),
+           ("affine", (5, 5), 64), ("affine", (6, 6), 64), ("affine", (3, 6), 64), ("affine", (2, 6), 32),
+           ("affine", (5, 3), 128), ("affine", (3, 4, 6), 64), ("affine", (8, 2, 5), 32),
+           *((mode, (0, 0), 0) for mode in MICROSCALED)]
 
 
 @pytest.mark.parametrize("mode,bits,group", FORMATS)
 def test_cuda_kernel_matches_reference_and_truth(mode, bits, group):
-    parts = _experts(bits, group, seed=bits[0] * 10 + bits[1] + group + len(mode), mode=mode)
+    parts = _experts(bits, group, seed=bits[0] * 10 + bits[-1] + group + len(mode) + len(bits), mode=mode)
     rng = np.random.default_rng(group)
     x = mx.array(rng.standard_normal(D).astype(np.float32)).astype(mx.bfloat16)
     ids = [int(i) for i in rng.choice(E, K, replace=False)]
@@ -114,7 +123,8 @@ def test_cuda_kernel_matches_reference_and_truth(mode, bits, group):
     assert got["cuda out"] <= got["fallback out"]
 
 
-@pytest.mark.parametrize("mode,bits", [("affine", (4, 4)), ("affine", (8, 8)), ("affine", (4, 6)),
+@pytest.mark.parametrize("mode,bits", [("affine", (4, 4)), ("affine", (8, 8)), ("affine", (4, 6)), ("affine", (3, 6)),
+                                       ("affine", (5, 5)), ("affine", (2, 3, 6)),
                                        *((mode, (0, 0)) for mode in MICROSCALED)])
 def test_cuda_kernel_with_the_shared_expert_matches_reference_and_truth(mode, bits):
     parts = _experts(bits, 64, seed=21, mode=mode)
@@ -203,6 +213,34 @@ def test_cuda_router_kernel_matches_the_reference(n_exp, k, norm, gate_row, scor
     assert np.abs(scores - r_scores).max() < 1e-6 and np.abs(sgate - r_sgate).max() < 1e-6
 
 
+# (E, K, groups, kept groups, scaling, renormalise, shared gate row, selection bias): Kimi-K2's, DeepSeek-V3's,
+# GLM-4.5's and GLM-4.5-Air's routers; groups of 15 experts with a shared gate row and no bias, not renormalised
+GROUPED_ROUTERS = [(384, 8, 1, 1, 2.827, True, False, True), (256, 8, 8, 4, 2.5, True, False, True),
+                   (160, 8, 1, 1, 2.5, True, True, True), (128, 8, 1, 1, 1.0, True, False, True),
+                   (60, 4, 4, 2, 1.5, False, True, False)]
+
+
+@pytest.mark.parametrize("n_exp,k,n_group,keep,scaling,norm,gate_row,biased", GROUPED_ROUTERS)
+def test_cuda_grouped_router_kernel_matches_the_reference(n_exp, k, n_group, keep, scaling, norm, gate_row, biased):
+    """SIGMOID_GROUPED on CUDA (bfloat16 logits, a float32 selection bias as checkpoints store it) against the CPU
+    reference: the sigmoid scores, the experts in the same order, their weights within float32 rounding."""
+    rng = np.random.default_rng(n_exp + n_group)
+    logits = mx.array(rng.standard_normal((1, n_exp + gate_row)).astype(np.float32)).astype(mx.bfloat16)
+    bias = mx.array((0.3 * rng.standard_normal(n_exp)).astype(np.float32)) if biased else None
+    grouped = moe.GroupedChoice(bias, n_group, keep, scaling)
+    got = moe.select("cuda", logits, n_exp, k, norm, gate_row, SIGMOID_GROUPED, grouped)
+    with mx.stream(mx.cpu):
+        ref = moe.reference_select(logits, n_exp, k, norm, gate_row, SIGMOID_GROUPED, grouped)
+        mx.eval(ref)
+    probs, inds, scores, sgate = (np.array(a) for a in got)
+    r_probs, r_inds, r_scores, r_sgate = (np.array(a) for a in ref)
+    print(f"\ngrouped router E{n_exp} top-{k} {keep}/{n_group} groups x{scaling}: ids {inds[0].tolist()}, max |score "
+          f"diff| {np.abs(scores - r_scores).max():.2e}")
+    assert np.abs(probs - r_probs).max() < 1e-6
+    assert list(inds[0]) == list(r_inds[0]), f"top-{k} {inds} vs reference {r_inds}"
+    assert np.abs(scores - r_scores).max() < 1e-6 * scaling and np.abs(sgate - r_sgate).max() < 1e-6
+
+
 @pytest.mark.parametrize("mode", ("affine", *MICROSCALED))
 def test_cuda_kernels_are_deterministic_and_independent_of_rows(mode):
     parts = _experts((4, 4), 64, seed=7, mode=mode)
@@ -222,11 +260,11 @@ def test_cuda_kernels_are_deterministic_and_independent_of_rows(mode):
     print(f"\nbitwise identical over 10 repeats and rows {ROWS}")
 
 
-@pytest.mark.parametrize("mode", ("affine", *MICROSCALED))
+@pytest.mark.parametrize("mode", ("affine", *MICROSCALED, "2bit", "3bit", "5bit", "6bit", "mixed_3_6"))
 def test_decode_on_cuda_runs_the_kernels_every_step(tmp_path, mode):
     """Every decode step of every layer runs the CUDA attention and MoE kernels with the switch on (the
     compiled step, CUDA's default), none with it off; the prefill is the only other step. The microscaled
-    checkpoints are mlx_lm.convert's of a float one."""
+    checkpoints and the 2-, 3-, 5-, 6-bit and mixed_3_6 ones are mlx_lm.convert's of a float one."""
     cfg = qwen2_moe_config(num_hidden_layers=3)
     if mode == "affine":
         folder = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=3, bits=4, group_size=64, dtype=mx.bfloat16)

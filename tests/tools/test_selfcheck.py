@@ -40,7 +40,8 @@ def test_selfcheck_passes_and_reports_the_reference_backend_honestly(quantized_c
     combos = {(r["case"], r["mode"], r["bits"], r["group_size"]) for r in ran}
     # every supported affine bits / group-size combination and each microscaled mode at both shapes, the model's
     # own experts, the shared expert
-    assert len(combos) == 2 * (3 * 2 * 3 + 3) + 1 + 1 + 5  # and gpt-oss's biased, clamped experts in each format
+    # (every pair of affine widths at group 64, each width at 32 and 128, the microscaled modes)
+    assert len(combos) == 2 * (6 * 6 + 2 * 6 + 3) + 1 + 1 + 5  # and gpt-oss's biased, clamped experts in each format
     assert {(r["mode"], r["bits"], r["group_size"]) for r in ran if r["mode"] != "affine"} == {
         ("mxfp4", "4/4/4", 32), ("nvfp4", "4/4/4", 16), ("mxfp8", "8/8/8", 32)}
     assert "| mxfp4 4/4/4 | 32 |" in text and "| nvfp4 4/4/4 | 16 |" in text and "| mxfp8 8/8/8 | 32 |" in text
@@ -62,7 +63,7 @@ def test_the_model_shape_is_checked_once_when_it_is_the_reference_shape(quantize
     assert {r["case"] for r in record["parity"]} == {
         "same as the model D128 Dff128 K2", "model layer 0 experts", "same as the model + shared expert Dffs 192",
         "same as the model + biases + clamped SwiGLU (limit 1, alpha 1.702)"}
-    assert len(record["parity"]) == 18 + 3 + 1 + 1 + 5 and record["passed"]
+    assert len(record["parity"]) == 6 * 6 + 2 * 6 + 3 + 1 + 1 + 5 and record["passed"]
 
 
 def test_selfcheck_exits_nonzero_when_the_kernel_is_wrong(quantized_checkpoint, tmp_path, monkeypatch, capsys):
