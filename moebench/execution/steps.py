@@ -27,8 +27,7 @@ from ..models.declare import (
     CLAMPED_SWIGLU,
     PER_HEAD,
     SIGMOID_GATED,
-    SOFTMAX_THEN_TOPK,
-    TOPK_THEN_SOFTMAX,
+    SIGMOID_GROUPED,
     WHOLE_PROJECTION,
     AttentionParts,
     AttentionSpec,
@@ -51,9 +50,6 @@ from .support import attention_reason, linear_attention_reason, rotary_dims
 from .weights import Derived, FusedWeights, RowStack
 
 ROUTE_NOTE = "routing by moebench.models.routing.route (an intervention is set), not the router kernel"
-# The scorings the router kernel computes; a block scored otherwise routes by moebench.models.routing.route
-ROUTER_KERNEL_SCORINGS = (SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX)
-SCORING_NOTE = "routing by moebench.models.routing.route ({}: not a router kernel variant), not the router kernel"
 
 
 class LayerWeights:
@@ -205,6 +201,7 @@ class MoeKernel:
         self.shard = parts.experts if isinstance(parts.experts, ExpertShard) else None
         self.split_shared = spec.shared is not None and isinstance(parts.shared.down_proj, ColumnShard)
         self.clamp = moe.expert_clamp(parts.experts) if spec.activation == CLAMPED_SWIGLU else None
+        self.grouped = spec.scoring == SIGMOID_GROUPED  # the router kernel's selection-biased variant
 
     def __call__(self, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
         b, recording = self.block, record is not None
@@ -215,11 +212,12 @@ class MoeKernel:
         w = self.weights.fused(parts)
         shared_on, intervention = b.shared_on, b.intervention
         gate = None
-        if intervention is None and spec.scoring in ROUTER_KERNEL_SCORINGS:
+        if intervention is None:
             stacked = self.weights.router.get() if self.weights.router is not None else None
             logits = (stacked or parts.router)(xn)
+            grouped = moe.GroupedChoice.of(spec, parts.selection_bias) if self.grouped else None
             probs, inds, scores, gate = moe.select(self.backend, logits, spec.num_experts, spec.top_k,
-                                                   spec.renormalize, stacked is not None, spec.scoring)
+                                                   spec.renormalize, stacked is not None, spec.scoring, grouped)
             if stacked is not None:
                 logits = logits[..., : spec.num_experts] if recording else None
             else:
@@ -290,8 +288,6 @@ def moe_note(block, weights: LayerWeights) -> str | None:
     shared_note = weights.fused(block.parts()).shared_note
     if shared_note:
         notes.append(f"shared expert beside the kernels: {shared_note}")
-    if block.spec.scoring not in ROUTER_KERNEL_SCORINGS:
-        notes.append(SCORING_NOTE.format(block.spec.scoring))
     if (sharded := block_note(block)) is not None:
         notes.append(sharded)
     if block.intervention is not None:
