@@ -438,8 +438,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens each arm decodes greedily (at least 2: decode speed counts those after the first)")
     p.add_argument("--repeats", type=at_least(1), default=3,
                    help="timed rounds, arms interleaved, after one untimed warm-up each; the table gives median "
-                        "[min-max] over them and warns when the arms' ranges overlap (default %(default)s; 5+ to rank close "
-                        "arms)")
+                        "[min-max] over them and warns when the arms' ranges overlap (default %(default)s; 5+ to rank "
+                        "close arms)")
     p.add_argument("--fused", choices=("on", "off", "both"), default="both",
                    help="moebench arms with the fused kernels (on), the fallback (off) or both")
     p.add_argument("--compiled", choices=("on", "off", "both", "auto"), default="auto",
