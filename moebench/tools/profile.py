@@ -15,8 +15,11 @@ Decode speed (bench) is one number; this splits it per token, to tell Python-bou
 
 On CPU the mx.fast ops (rms_norm, rope, scaled_dot_product_attention) decompose into several primitives at
 graph build, whereas on a GPU each is one node, so node counts compare arms on the same device only.
-A GPU custom kernel (mx.fast.metal_kernel / cuda_kernel) is one 'CustomKernel' node; should the dot export
-raise for some primitive, the arm records the error text instead of its counts.
+A GPU custom kernel (mx.fast.metal_kernel / cuda_kernel) is one 'CustomKernel' node; should MLX's dot export
+refuse some primitive, the arm records MLX's error text instead of its counts.
+
+moebench's eager arms decode over the caches the decode loop makes (decode.cache.layer_caches: a hybrid's
+linear-attention layers get their recurrent state), so every family profiles as it decodes.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..checkpoint.loader import default_model_path, load
-from ..decode.cache import make_cache
+from ..decode.cache import layer_caches
 from ..decode.compiled import CompiledForward
 from ..decode.loop import generate
 from ..errors import MoebenchError
@@ -74,7 +77,7 @@ def graph_nodes(*outputs: mx.array) -> dict:
     buffer = io.StringIO()
     try:
         mx.export_to_dot(buffer, *outputs)
-    except Exception as e:  # reported, not raised: the timings of the arm still stand
+    except (RuntimeError, ValueError) as e:  # MLX refusing a primitive: reported, the arm's timings still stand
         return {"total": None, "by_primitive": {}, "error": f"{type(e).__name__}: {e}"}
     counts = count_primitives(buffer.getvalue())
     ordered = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
@@ -95,10 +98,10 @@ def compiled_greedy_step(model, capacity: int) -> Step:
 
 
 def greedy_step(model) -> Step:
-    """A greedy one-step function over a fresh KV cache: moebench's model through its executor (each step's
-    plan counted), or mlx-lm's."""
+    """A greedy one-step function over fresh caches: moebench's model over the decode loop's (layer_caches; nothing
+    is rolled back here) through its executor (each step's plan counted), or mlx-lm's over its own."""
     if hasattr(model, "moe_blocks"):
-        cache, ex = make_cache(len(model.layers)), executor(model)
+        cache, ex = layer_caches(model, keep=1), executor(model)
 
         def step(ids: mx.array) -> mx.array:
             plan = ex.plan(ids.size, cache)
@@ -189,7 +192,8 @@ def moebench_profile_arms(model, fused: str, compiled: str = "off") -> list[Prof
 
 def run_profile(arms: list[ProfileArm], prompt_ids: list[int], steps: int, gen_tokens: int,
                 warmup: int = 3) -> tuple[list[dict], list[dict]]:
-    """(arm records, failures): an arm that raises (say, a GPU kernel that does not build) is reported."""
+    """(arm records, failures): an arm that meets a named moebench condition (a MoebenchError: a backend this MLX
+    build lacks, more memory than the device has) is reported as failed; anything else raises."""
     if steps < 1:
         raise MoebenchError(f"--steps {steps}: need at least 1")
     if warmup < 0:
@@ -200,7 +204,7 @@ def run_profile(arms: list[ProfileArm], prompt_ids: list[int], steps: int, gen_t
     for arm in arms:
         try:
             records.append(profile_arm(arm, prompt_ids, steps, gen_tokens, warmup))
-        except Exception as e:
+        except MoebenchError as e:
             failures.append({"arm": arm.name, "reason": f"{type(e).__name__}: {e}"})
             print(f"arm {arm.name} failed: {type(e).__name__}: {e}", file=sys.stderr)
     return records, failures

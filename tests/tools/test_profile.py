@@ -9,7 +9,7 @@ import pytest
 
 from moebench.checkpoint.loader import load
 from moebench.cli import main
-from moebench.errors import MoebenchError
+from moebench.errors import DeviceMemoryError, MoebenchError
 from moebench.execution.executor import fused_moe_enabled
 from moebench.execution.kernel import available_backend
 from moebench.tools import profile
@@ -81,6 +81,40 @@ def test_profile_through_the_compiled_step_times_the_step_the_plan_fuses(shipped
     assert record["name"] == f"moebench fused ({available_backend()}) compiled"
     assert record["dispatch"]["path"] == available_backend() and record["dispatch"]["reasons"] == []
     assert record["pipelined_ms_per_token"] > 0 and record["build_ms"]["median"] > 0
+
+
+@pytest.mark.parametrize("compiled", ["off", "on"])
+def test_profile_of_a_hybrid_runs_its_linear_attention_layers_eager_and_compiled(tiny_hybrids, compiled):
+    """The default eager arms over the decode loop's caches (a hybrid's Gated DeltaNet layers carry their recurrent
+    state), and the compiled step: every arm profiles, its token mixing fused on every layer."""
+    for folder in tiny_hybrids.values():
+        model, _ = load(folder)
+        records, failures = run_profile(moebench_profile_arms(model, "both", compiled), list(range(1, 9)), steps=2,
+                                        gen_tokens=4, warmup=1)
+        assert failures == [] and len(records) == 2
+        fused = records[0]
+        assert fused["dispatch"]["attention"] == {"path": available_backend(), "reasons": [], "layers": 4}
+        assert fused["graph"]["error"] is None and fused["pipelined_ms_per_token"] > 0
+
+
+def test_a_named_condition_fails_its_arm_and_anything_else_raises(shipped, monkeypatch):
+    """A MoebenchError (a backend or memory this machine lacks) is reported as the arm's failure; any other
+    exception is a bug and raises, never a 'failed' arm."""
+    arms = [ProfileArm("x", "moebench", shipped, False)]
+
+    def out_of_memory(*args, **kwargs):
+        raise DeviceMemoryError("a decode needs more than the device has")
+
+    monkeypatch.setattr(profile, "profile_arm", out_of_memory)
+    assert run_profile(arms, [1, 2], 1, 2, 0) == ([], [{"arm": "x", "reason": "DeviceMemoryError: a decode needs "
+                                                                               "more than the device has"}])
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'KVCache' object has no attribute 'conv'")
+
+    monkeypatch.setattr(profile, "profile_arm", broken)
+    with pytest.raises(AttributeError, match="conv"):
+        run_profile(arms, [1, 2], 1, 2, 0)
 
 
 def test_bad_settings_are_errors(shipped):
