@@ -263,3 +263,21 @@ def test_a_json_file_that_cannot_be_written_is_named_before_the_command_runs(flo
     captured = capsys.readouterr()
     assert captured.err.strip() == f"moebench: error: --json {target}: cannot write a file there"
     assert "loaded" not in captured.out
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "no config"])
+def test_a_bad_moebench_model_is_named_by_the_variable(tmp_path, monkeypatch, capsys, kind):
+    """A command given no folder reads MOEBENCH_MODEL: a folder there that is no checkpoint names the variable."""
+    folder = tmp_path / kind.replace(" ", "-")
+    if kind == "file":
+        folder.write_text("not a folder")
+    elif kind == "no config":
+        folder.mkdir()
+    monkeypatch.setenv("MOEBENCH_MODEL", os.pathsep.join([str(folder), str(tmp_path)]))
+    why = {"missing": "does not exist", "file": "is not a folder", "no config": "holds no config.json"}[kind]
+    for argv in (["generate", "--prompt", "hi"], ["profile"], ["bench", "--no-progress"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"moebench: error: MOEBENCH_MODEL='{folder}{os.pathsep}{tmp_path}': {folder} {why}")
+    with pytest.raises(moebench.ConfigError, match="MOEBENCH_MODEL"):
+        moebench.load()
