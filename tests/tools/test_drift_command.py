@@ -14,11 +14,11 @@ import pandas as pd
 import pytest
 
 import moebench
+from moebench.checkpoint.loader import SHIPPED_MODEL
 from moebench.cli import main
 from moebench.errors import MoebenchError
 from moebench.inspect.drift import teacher_force
 from moebench.inspect.routing_files import write_routing
-from moebench.checkpoint.loader import SHIPPED_MODEL
 from moebench.tools import drift
 from moebench.tools.corpus import DEFAULT_CACHE
 from moebench.tools.drift import DIGESTS, make_variant, read_prompts, source_digest
