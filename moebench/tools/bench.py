@@ -29,7 +29,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from tqdm.auto import tqdm
 
 from ..checkpoint.loader import default_model_path, load, model_bytes
 from ..decode.loop import COMPILED_BY_DEFAULT, STEPS_AHEAD, GenerationResult, compiled_by_default, generate_tokens
@@ -41,6 +40,7 @@ from ..models.sharding import MODES, TENSOR_MODE, init_group, report
 from .bench_table import format_header, format_length, overlapping_arms
 from .flags import SEED, at_least
 from .json_option import add_json_option, check_json_target, to_stdout, write_json
+from .progress import Progress
 
 SCHEMA = "moebench.tools.bench/2"  # /2: a block per prompt length (lengths[]); weights and own peak per arm
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -144,7 +144,7 @@ def run_arms(arms: list[Arm], prompt_ids: list[int], gen_tokens: int, repeats: i
         raise MoebenchError(f"--gen-tokens {gen_tokens}: need at least 2 (decode speed counts tokens after the first)")
     if repeats < 1:
         raise MoebenchError(f"--repeats {repeats}: need at least 1")
-    bar = tqdm(total=len(arms) * (repeats + 1), unit="run", desc=desc, disable=not progress, file=sys.stderr)
+    bar = Progress(total=len(arms) * (repeats + 1), unit="run", desc=desc, disable=not progress)
     results, failures = [], []
     for arm in arms:
         bar.set_postfix_str(f"warm-up {arm.name}")

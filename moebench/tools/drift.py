@@ -34,6 +34,8 @@ from ..inspect.drift import TIE_MARGIN, Variant, as_variant, drift, transformers
 from .corpus import DEFAULT_CACHE, DOMAINS
 from .flags import at_least, finite
 from .json_option import add_json_option, check_json_target, to_stdout, write_json
+from .progress import Progress
+from .text_table import WIDTH
 
 AFFINE = re.compile(r"^([2-8])-?bit$")
 MIXED = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")  # mlx_lm.convert's QUANT_RECIPES
@@ -99,9 +101,9 @@ def _mlx_lm_convert():
 
 def make_variant(source: Path, recipe: str, out_dir: Path) -> Path:
     """`source` converted by `recipe` into out_dir/<source name>-<digest>-<recipe> (source_digest, remembered in
-    out_dir), reused when a folder of that digest and recipe is there under any name. mlx-lm makes every recipe from float weights (a quantized source is dequantized first, the
-    float variant); without it moebench's writer makes 2bit..8bit from a float folder, and anything else is an error
-    naming the recipe asked for."""
+    out_dir), reused when a folder of that digest and recipe is there under any name. mlx-lm makes every recipe from
+    float weights (a quantized source is dequantized first, the float variant); without it moebench's writer makes
+    2bit..8bit from a float folder, and anything else is an error naming the recipe asked for."""
     recipe = recipe_name(recipe)
     if not is_recipe(recipe):
         raise MoebenchError(f"unknown recipe {recipe!r}: 2bit..8bit, {', '.join(MIXED)}, {', '.join(FP_MODES)} "
@@ -211,11 +213,9 @@ def _split(spec: str) -> tuple[str, bool | None]:
 def build_variants(specs: list[str], variants_dir: Path) -> list[Variant | None]:
     """The command line's variant words as Variants, made and loaded in order under a progress bar; None stands
     for 'transformers' (its routing needs the prompts: transformers_routing)."""
-    from tqdm import tqdm
-
     first = Path(_split(specs[0])[0])
     arms: list[Variant | None] = []
-    with tqdm(specs, desc="variants", unit="variant", file=sys.stderr) as bar:  # closed, its line ended, on an error
+    with Progress(specs, desc="variants", unit="variant") as bar:  # closed, its line ended, on an error
         for spec in bar:
             word, fused = _split(spec)
             if word == "transformers":
@@ -288,7 +288,7 @@ def _run(a: argparse.Namespace) -> int:
                             "made_seconds": made, "by_layer": table.to_dict(orient="records")})
     if not to_stdout(a.json):
         print(result)
-        print(table.to_string(index=False))
+        print(table.to_string(index=False, line_width=WIDTH))
         print(f"[{len(result.tokens)} tokens through {len(arms)} variants in {seconds:.1f} s; variants made/loaded "
               f"in {made:.1f} s]", file=sys.stderr)
     return 0

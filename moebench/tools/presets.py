@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from tqdm.auto import tqdm
 
 from ..checkpoint.config import model_args
 from ..checkpoint.weights import LAYOUTS, tensor_shapes
@@ -26,6 +25,7 @@ from ..errors import ConfigError
 from ..models.args import AFFINE_BITS, AFFINE_GROUP_SIZES, FP_MODES
 from .byte_tokenizer import write_byte_tokenizer
 from .flags import SEED, finite, finite_number
+from .progress import Progress
 from .writer import (
     gpt_oss_mlx_lm_tensors,
     gpt_oss_quantization,
@@ -265,7 +265,7 @@ def write_random(
     config = {**p.config, "torch_dtype": dtype}
     args = model_args(config, source=f"preset {preset}")
     count = len(tensor_shapes(args))
-    tensors = tqdm(random_tensors(args, seed, DTYPES[dtype], generator), total=count, unit="tensor",
+    tensors = Progress(random_tensors(args, seed, DTYPES[dtype], generator), total=count, unit="tensor",
                    desc=f"make-random {preset}", disable=not progress, mininterval=2.0)
     if gpt_oss:
         quantized = gpt_oss_mlx_lm_tensors(tensors, args, group_size, bits)

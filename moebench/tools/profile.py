@@ -46,9 +46,10 @@ from ..errors import MoebenchError
 from ..execution.executor import executor, fused_moe
 from ..execution.kernel import available_backend
 from .bench import mlx_lm_model, platform_info, prompt_token_ids, summary
-from .bench_table import markdown_table
 from .flags import SEED, at_least
 from .json_option import add_json_option, check_json_target, to_stdout, write_json
+from .progress import Progress
+from .text_table import markdown_table, wrapped
 
 SCHEMA = "moebench.tools.profile/1"
 TOP_PRIMITIVES = 15  # rows of the primitive table (the JSON keeps every count)
@@ -191,9 +192,10 @@ def moebench_profile_arms(model, fused: str, compiled: str = "off") -> list[Prof
 
 
 def run_profile(arms: list[ProfileArm], prompt_ids: list[int], steps: int, gen_tokens: int,
-                warmup: int = 3) -> tuple[list[dict], list[dict]]:
-    """(arm records, failures): an arm that meets a named moebench condition (a MoebenchError: a backend this MLX
-    build lacks, more memory than the device has) is reported as failed; anything else raises."""
+                warmup: int = 3, progress: bool = True) -> tuple[list[dict], list[dict]]:
+    """(arm records, failures), arm by arm under a bar on stderr (`progress`): an arm that meets a named moebench
+    condition (a MoebenchError: a backend this MLX build lacks, more memory than the device has) is reported as
+    failed; anything else raises."""
     if steps < 1:
         raise MoebenchError(f"--steps {steps}: need at least 1")
     if warmup < 0:
@@ -201,12 +203,14 @@ def run_profile(arms: list[ProfileArm], prompt_ids: list[int], steps: int, gen_t
     if gen_tokens < 2:
         raise MoebenchError(f"--gen-tokens {gen_tokens}: need at least 2 (decode speed counts tokens after the first)")
     records, failures = [], []
-    for arm in arms:
-        try:
-            records.append(profile_arm(arm, prompt_ids, steps, gen_tokens, warmup))
-        except MoebenchError as e:
-            failures.append({"arm": arm.name, "reason": f"{type(e).__name__}: {e}"})
-            print(f"arm {arm.name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+    with Progress(arms, desc="profile", unit="arm", disable=not progress) as bar:  # its line ended on an error
+        for arm in bar:
+            bar.set_postfix_str(arm.name)
+            try:
+                records.append(profile_arm(arm, prompt_ids, steps, gen_tokens, warmup))
+            except MoebenchError as e:
+                failures.append({"arm": arm.name, "reason": f"{type(e).__name__}: {e}"})
+                print(f"arm {arm.name} failed: {type(e).__name__}: {e}", file=sys.stderr)
     return records, failures
 
 
@@ -263,7 +267,8 @@ def format_table(record: dict) -> str:
         tail.append("note: on CPU mx.fast ops (rms_norm, rope, sdpa) decompose into several primitives; "
                     "compare node counts between arms on one device only")
     tail += [f"skipped {s['arm']}: {s['reason']}" for s in record["skipped"]]
-    return "\n".join([head, "", *markdown_table(rows), "", *markdown_table(prim), *tail])
+    return "\n".join([*wrapped(head), "", *markdown_table(rows), "", *markdown_table(prim),
+                      *(line for text in tail for line in wrapped(text))])
 
 
 def register(sub: argparse._SubParsersAction) -> None:

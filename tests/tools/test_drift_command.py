@@ -164,3 +164,11 @@ def test_every_option_has_help():
     parser = sub.choices["drift"]
     assert all(a.help for a in parser._actions), [a.dest for a in parser._actions if not a.help]
     assert np.isfinite(parser.get_default("tie_margin"))
+
+
+def test_the_per_layer_table_fits_100_columns(capsys, float_checkpoint, prompts):
+    assert main(["drift", str(float_checkpoint), f"{float_checkpoint}:fallback", "--prompts", str(prompts)]) == 0
+    text = capsys.readouterr().out
+    table = text.split("  data: ", 1)[1].splitlines()[1:]
+    assert table[0].split()[:3] == ["variant", "layer", "tokens"] and max(map(len, table)) <= 100
+    assert any("moved" in line for line in table)  # the columns past 100 are printed below, not dropped
