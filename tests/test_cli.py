@@ -281,3 +281,42 @@ def test_a_bad_moebench_model_is_named_by_the_variable(tmp_path, monkeypatch, ca
         assert err.startswith(f"moebench: error: MOEBENCH_MODEL='{folder}{os.pathsep}{tmp_path}': {folder} {why}")
     with pytest.raises(moebench.ConfigError, match="MOEBENCH_MODEL"):
         moebench.load()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def without_site_packages(code: str, *folders: Path) -> subprocess.CompletedProcess:
+    """`code` in a Python that sees moebench (this checkout) and `folders` but no site-packages: no MLX."""
+    path = [str(f) for f in (*folders, ROOT)]
+    return subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path[:0] = {path!r}\n{code}"],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_without_mlx_the_command_names_the_extra_to_install_in_one_line():
+    """A plain `pip install moebench` has no MLX: the console script's first import says which extra installs it."""
+    done = without_site_packages("from moebench.cli import main")
+    assert done.returncode == 1 and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
+    assert done.stderr.startswith("moebench: error: moebench needs MLX, which is not installed in this Python")
+    assert "pip install 'moebench[cpu]'" in done.stderr and "'moebench[cuda]' with an NVIDIA GPU" in done.stderr
+
+
+def test_an_mlx_that_does_not_import_is_named_and_catchable_as_an_import_error(tmp_path):
+    """Linux's plain `mlx` installs without a back end; `import moebench` raises BackendUnavailable, an ImportError
+    (and a MoebenchError), before any other module meets it."""
+    (tmp_path / "mlx").mkdir()
+    (tmp_path / "mlx" / "__init__.py").write_text("")  # a package `mlx` without its compiled `mlx.core`
+    done = without_site_packages("try:\n    import moebench\nexcept ImportError as e:\n"
+                                 "    print(type(e).__name__, type(e).__mro__[1].__name__, e)", tmp_path)
+    assert done.returncode == 0 and done.stdout.startswith("BackendUnavailable MoebenchError moebench needs MLX, "
+                                                           "which is installed but does not import")
+    assert "moebench[cpu]" in done.stdout and "moebench." not in done.stdout.split("(")[0]
+
+
+@pytest.mark.parametrize(("system", "extras"), [("Darwin", ["moebench[apple]"]),
+                                                ("Linux", ["moebench[cpu]", "moebench[cuda]"])])
+def test_the_extra_named_is_the_one_for_the_system(system, extras):
+    from moebench.backend import install_hint
+
+    assert all(extra in install_hint(system) for extra in extras)
+    assert "macOS and Linux" in install_hint("Windows")
