@@ -14,6 +14,7 @@ from .tools.eval_tiny import add_eval_command
 from .tools.flags import SEED
 from .tools.json_option import add_json_option, check_json_target, to_stdout, write_json
 from .tools.microbench import add_command as _add_microbench
+from .tools.notebooks import register as _add_notebooks
 from .tools.presets import register as _add_make_random
 from .tools.profile import register as _add_profile
 from .tools.selfcheck import register as _add_selfcheck
@@ -130,7 +131,7 @@ def _run_generate(a: argparse.Namespace) -> int:
 
 
 COMMANDS = [_add_generate, _add_microbench, add_train_command, add_eval_command, _add_bench, _add_make_random,
-            _add_selfcheck, _add_profile, _add_drift]
+            _add_selfcheck, _add_profile, _add_drift, _add_notebooks]
 
 
 DESCRIPTION = """Look inside Mixture-of-Experts decoding on MLX and measure it: decode a prompt with the fused
