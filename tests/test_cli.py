@@ -261,8 +261,12 @@ def test_a_json_file_that_cannot_be_written_is_named_before_the_command_runs(flo
     target = tmp_path / "no-such-folder" / "out.json"
     assert main(["generate", str(float_checkpoint), "--prompt", "hi", "--json", str(target)]) == 2
     captured = capsys.readouterr()
-    assert captured.err.strip() == f"moebench: error: --json {target}: cannot write a file there"
+    assert captured.err.strip() == (f"moebench: error: --json {target}: cannot write a file there ({target.parent} "
+                                    "is no folder it may write in)")
     assert "loaded" not in captured.out
+    os.mkfifo(tmp_path / "fifo")  # where a write would block
+    assert main(["generate", str(float_checkpoint), "--prompt", "hi", "--json", str(tmp_path / "fifo")]) == 2
+    assert "--json" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["missing", "file", "no config"])

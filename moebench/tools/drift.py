@@ -33,7 +33,7 @@ from ..errors import MoebenchError
 from ..inspect.drift import TIE_MARGIN, Variant, as_variant, drift, transformers_routing
 from .corpus import DEFAULT_CACHE, DOMAINS
 from .flags import at_least, finite
-from .json_option import add_json_option, check_json_target, to_stdout, write_json
+from .json_option import add_json_option, check_json_target, check_output_file, report
 from .progress import Progress
 from .text_table import WIDTH
 
@@ -108,9 +108,13 @@ def make_variant(source: Path, recipe: str, out_dir: Path) -> Path:
     if not is_recipe(recipe):
         raise MoebenchError(f"unknown recipe {recipe!r}: 2bit..8bit, {', '.join(MIXED)}, {', '.join(FP_MODES)} "
                             "or float")
-    source = Path(source)
+    source, out_dir = Path(source), Path(out_dir)
     if not source.is_dir():
         raise MoebenchError(f"{source}: the {recipe} recipe is made from a checkpoint folder, and this is none")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission
+        raise MoebenchError(f"{out_dir}: cannot keep made variants there: {e}") from e
     quantized = read_model_args(source / "config.json").quantization is not None
     key = f"{source_digest(source, out_dir / DIGESTS)}-{recipe}"
     made = sorted(p for p in out_dir.glob(f"*-{key}") if (p / "config.json").exists())
@@ -136,7 +140,6 @@ def make_variant(source: Path, recipe: str, out_dir: Path) -> Path:
         options = dict(quantize=True, q_mode=recipe)
     else:
         options = dict(quantize=True, q_bits=int(recipe[0]), q_group_size=GROUP_SIZE)
-    out_dir.mkdir(parents=True, exist_ok=True)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # mlx-lm's progress lines; stdout stays the report's
             convert(str(source), str(out), **options)
@@ -156,16 +159,22 @@ def _write_affine(source: Path, recipe: str, out: Path) -> Path:
     bits = int(recipe[0])
     tensors = ((name, store.peek(name)) for name in sorted(store.names()))
     quantized = quantize_tensors(tensors, GROUP_SIZE, bits, "per-expert", args.num_experts)
-    save_checkpoint(out, {**config, "quantization": {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}},
-                    quantized)
-    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (source / extra).exists():
-            (out / extra).write_bytes((source / extra).read_bytes())
+    try:
+        save_checkpoint(out, {**config, "quantization": {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}},
+                        quantized)
+        for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            if (source / extra).exists():
+                (out / extra).write_bytes((source / extra).read_bytes())
+    except OSError as e:  # a full disk
+        raise MoebenchError(f"{out}: cannot write the {recipe} variant: {e}") from e
     return out
 
 
 def read_prompts(path: Path) -> list:
-    """A prompts file: .json / .jsonl (texts, token-id lists, or objects with 'prompt'), else one text."""
+    """A prompts file: .json / .jsonl (texts, token-id lists, or objects with 'prompt'), else one text. Only a
+    regular file is read (a FIFO would block); a token id must be an integer (true and false are none)."""
+    if not path.is_file():
+        raise MoebenchError(f"{path}: the prompts must be a regular file")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -182,7 +191,7 @@ def read_prompts(path: Path) -> list:
     out = []
     for i, item in enumerate(items):
         item = item.get("prompt") if isinstance(item, dict) else item
-        if not (isinstance(item, str) or (isinstance(item, list) and all(isinstance(t, int) for t in item))):
+        if not (isinstance(item, str) or (isinstance(item, list) and all(type(t) is int for t in item))):
             raise MoebenchError(f"{path}: prompt {i} must be a text, a list of token ids or {{'prompt': ...}}")
         out.append(item)
     if not out:
@@ -260,6 +269,12 @@ def _run(a: argparse.Namespace) -> int:
     if (a.prompts is None) == (a.held_out is None):
         raise MoebenchError("give exactly one of --prompts FILE and --held-out DOMAIN")
     check_json_target(a.json)
+    if a.out is not None:
+        if a.out.suffix == ".csv":  # the table would be written over the frame
+            raise MoebenchError(f"--out {a.out}: the frame is parquet and the per-layer table goes beside it as .csv: "
+                                "name a .parquet file")
+        for path in (a.out, a.out.with_suffix(".csv")):
+            check_output_file("--out", path, make_folder=True)
     start = time.perf_counter()
     arms = build_variants(a.variants, a.variants_dir)
     made = time.perf_counter() - start
@@ -280,17 +295,17 @@ def _run(a: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     table = result.by_layer()
     if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        result.frame().to_parquet(a.out)
-        table.to_csv(a.out.with_suffix(".csv"), index=False)
-    if a.json:
-        write_json(a.json, {"variants": result.names, "tokens": int(len(result.tokens)), "seconds": seconds,
-                            "made_seconds": made, "by_layer": table.to_dict(orient="records")})
-    if not to_stdout(a.json):
-        print(result)
-        print(table.to_string(index=False, line_width=WIDTH))
-        print(f"[{len(result.tokens)} tokens through {len(arms)} variants in {seconds:.1f} s; variants made/loaded "
-              f"in {made:.1f} s]", file=sys.stderr)
+        try:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            result.frame().to_parquet(a.out)
+            table.to_csv(a.out.with_suffix(".csv"), index=False)
+        except OSError as e:  # a full disk
+            raise MoebenchError(f"--out {a.out}: cannot write the frame and its table: {e}") from e
+    report(a.json, f"{result}\n{table.to_string(index=False, line_width=WIDTH)}",
+           {"variants": result.names, "tokens": int(len(result.tokens)), "seconds": seconds, "made_seconds": made,
+            "by_layer": table.to_dict(orient="records")})
+    print(f"[{len(result.tokens)} tokens through {len(arms)} variants in {seconds:.1f} s; variants made/loaded in "
+          f"{made:.1f} s]", file=sys.stderr)
     return 0
 
 

@@ -1,6 +1,7 @@
 """`--json`, one convention for every command: `--json FILE` writes the command's whole record to FILE beside its
 text report; `--json -` (or `--json` alone) prints the record to stdout instead of the text report, so stdout is one
-JSON document a script can parse. A FILE that cannot be written is named before the command runs, not after."""
+JSON document a script can parse. A FILE that cannot be written (as any file a command is told to write) is named
+before the command runs, not after."""
 
 from __future__ import annotations
 
@@ -26,16 +27,25 @@ def to_stdout(target: str | None) -> bool:
     return target == STDOUT
 
 
-def check_json_target(target: str | None) -> None:
-    """A MoebenchError naming --json when FILE cannot be written (a folder, a missing or read-only folder), before
-    anything runs."""
-    if target is None or to_stdout(target):
+def check_output_file(option: str, path: Path, make_folder: bool = False) -> None:
+    """A MoebenchError naming `option` when a command could not write `path`: something there that is no regular
+    file (a folder; a FIFO, where a write would block), a file it may not write, or no folder to write it in (with
+    `make_folder`, the nearest folder above that exists must take a new one)."""
+    if path.exists() or path.is_symlink():
+        if not path.is_file() or not os.access(path, os.W_OK):
+            raise MoebenchError(f"{option} {path}: cannot write a file there (not a regular file it may write)")
         return
-    path = Path(target)
     folder = path.parent
-    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK) or (
-            path.exists() and not os.access(path, os.W_OK)):
-        raise MoebenchError(f"--json {path}: cannot write a file there")
+    while make_folder and not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise MoebenchError(f"{option} {path}: cannot write a file there ({folder} is no folder it may write in)")
+
+
+def check_json_target(target: str | None) -> None:
+    """check_output_file for --json FILE (its folder must exist), before anything runs."""
+    if target is not None and not to_stdout(target):
+        check_output_file("--json", Path(target))
 
 
 def _plain(value: Any) -> Any:
@@ -43,6 +53,15 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def report(target: str | None, text: str, record: Any) -> None:
+    """A command's results: its text report on stdout, and its record where --json `target` says (FILE beside the
+    report, or stdout instead of it)."""
+    if not to_stdout(target):
+        print(text)
+    if target is not None:
+        write_json(target, record)
 
 
 def write_json(target: str, record: Any) -> None:
