@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -45,6 +46,7 @@ from .progress import Progress
 SCHEMA = "moebench.tools.bench/2"  # /2: a block per prompt length (lengths[]); weights and own peak per arm
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 TokenStream = Callable[[list[int], int], Iterator[tuple[int, mx.array]]]
+T = TypeVar("T")
 
 
 @dataclass
@@ -134,6 +136,14 @@ def timed_run(arm: Arm, prompt_ids: list[int], gen_tokens: int, keep_logits: boo
                executor(arm.model).summary() if arm.model is not None else None, logits)
 
 
+def rounds(arms: list[T], repeats: int) -> Iterator[tuple[int, T]]:
+    """(round, arm) for `repeats` rounds of every arm, the order rotating one place a round, so slow drifts of the
+    machine and whatever an arm leaves behind fall on every arm alike."""
+    for r in range(repeats):
+        for i in range(len(arms)):
+            yield r, arms[(i + r) % len(arms)]
+
+
 def run_arms(arms: list[Arm], prompt_ids: list[int], gen_tokens: int, repeats: int,
              progress: bool = True, desc: str = "bench") -> tuple[list[ArmResult], list[dict]]:
     """Warm up each arm with its trace pass, then `repeats` timed rounds, arms interleaved, order rotating.
@@ -156,12 +166,10 @@ def run_arms(arms: list[Arm], prompt_ids: list[int], gen_tokens: int, repeats: i
         bar.update()
     bar.total = len(arms) + repeats * len(results)
     bar.refresh()
-    for r in range(repeats):
-        for i in range(len(results)):
-            result = results[(i + r) % len(results)]
-            bar.set_postfix_str(f"repeat {r + 1} {result.arm.name}")
-            result.runs.append(timed_run(result.arm, prompt_ids, gen_tokens))
-            bar.update()
+    for r, result in rounds(results, repeats):
+        bar.set_postfix_str(f"repeat {r + 1} {result.arm.name}")
+        result.runs.append(timed_run(result.arm, prompt_ids, gen_tokens))
+        bar.update()
     bar.close()
     return results, failures
 

@@ -20,7 +20,7 @@ from ..decode.loop import generate
 from ..errors import MoebenchError
 from ..inspect import stats
 from .corpus import DEFAULT_CACHE, DOMAINS, load_corpus
-from .json_option import add_json_option, check_json_target, to_stdout, write_json
+from .json_option import add_json_option, check_json_target, report
 from .text_table import markdown_table, wrapped
 from .train import RouterTap, TrainSettings, heldout_loss, token_stream, windows
 
@@ -187,8 +187,5 @@ def add_eval_command(sub: argparse._SubParsersAction) -> None:
 def _run_eval(a: argparse.Namespace) -> int:
     check_json_target(a.json)
     result = measure(a.model, a.float_dir, cache=Path(a.cache))
-    if not to_stdout(a.json):
-        print(format_measurements(result))
-    if a.json:
-        write_json(a.json, result)
+    report(a.json, format_measurements(result), result)
     return 0

@@ -27,8 +27,9 @@ from ..execution import moe, support
 from ..execution.kernel import GPU_BACKENDS, available_backend
 from ..models.args import QuantizedParts
 from ..models.switch import SwitchGLU
+from .bench import rounds
 from .flags import at_least, whole_number
-from .json_option import add_json_option, check_json_target, to_stdout, write_json
+from .json_option import add_json_option, check_json_target, report
 from .progress import Progress
 from .text_table import fitted, markdown_table
 
@@ -170,12 +171,10 @@ def run(shape: StackShape, tokens: int = 16, repeats: int = 7, rows: list[int] |
             _time_arm(arm, stack, x0, ids[:2], scores[:2])
             bar.update()
         samples: dict[str, list[tuple[float, float]]] = {a.name: [] for a in arms}
-        for rep in range(repeats):
-            for i in range(len(arms)):
-                arm = arms[(i + rep) % len(arms)]
-                bar.set_postfix_str(f"repeat {rep + 1} {arm.name}")
-                samples[arm.name].append(_time_arm(arm, stack, x0, ids, scores))
-                bar.update()
+        for rep, arm in rounds(arms, repeats):
+            bar.set_postfix_str(f"repeat {rep + 1} {arm.name}")
+            samples[arm.name].append(_time_arm(arm, stack, x0, ids, scores))
+            bar.update()
     base = statistics.median(t for t, _ in samples["fallback"])
     results = []
     for arm in arms:
@@ -239,12 +238,9 @@ def _run_command(a: argparse.Namespace) -> int:
         rows = [int(r) for r in a.rows.split(",")] if a.rows else None
     except ValueError:
         raise ConfigError(f"--rows {a.rows!r}: expected comma-separated integers") from None
-    report = run(shape, a.tokens, a.repeats, rows, a.compiled)
-    report["command"] = " ".join(sys.argv)
-    if not to_stdout(a.json):
-        print(format_table(report))
-    if a.json:
-        write_json(a.json, report)
+    record = run(shape, a.tokens, a.repeats, rows, a.compiled)
+    record["command"] = " ".join(sys.argv)
+    report(a.json, format_table(record), record)
     return 0
 
 

@@ -47,7 +47,7 @@ from ..execution.executor import executor, fused_moe
 from ..execution.kernel import available_backend
 from .bench import mlx_lm_model, platform_info, prompt_token_ids, summary
 from .flags import SEED, at_least
-from .json_option import add_json_option, check_json_target, to_stdout, write_json
+from .json_option import add_json_option, check_json_target, report, to_stdout
 from .progress import Progress
 from .text_table import markdown_table, wrapped
 
@@ -309,8 +309,5 @@ def _run(a: argparse.Namespace) -> int:
         raise MoebenchError("every arm failed: " + "; ".join(f"{f['arm']}: {f['reason']}" for f in failures))
     arguments = {k: v for k, v in vars(a).items() if k != "run"}
     record = profile_record(records, model, prompt_ids, a.steps, a.warmup, a.gen_tokens, skipped, arguments)
-    if not to_stdout(a.json):
-        print(format_table(record))
-    if a.json:
-        write_json(a.json, record)
+    report(a.json, format_table(record), record)
     return 0

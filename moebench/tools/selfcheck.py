@@ -44,7 +44,7 @@ from ..models.switch import SwitchGLU, weighted_sum
 from .bench import compare_traces, moebench_arms, platform_info, prompt_token_ids, reference_arm, run_arms, summary
 from .bench_table import spread
 from .flags import at_least
-from .json_option import add_json_option, check_json_target, to_stdout, write_json
+from .json_option import add_json_option, check_json_target, report
 from .progress import Progress
 from .text_table import fitted, markdown_table
 
@@ -785,9 +785,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(a: argparse.Namespace) -> int:
     check_json_target(a.json)
     record = selfcheck(a.model, a.prompt_tokens, a.gen_tokens, a.repeats, progress=not a.no_progress)
-    if not to_stdout(a.json):
-        print(report_text(record))
-    if a.json:
-        write_json(a.json, record)
+    report(a.json, report_text(record), record)
     return 0 if record["passed"] else 1
 
