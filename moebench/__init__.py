@@ -5,6 +5,10 @@
     moebench.dispatch(model)                    # what ran, per layer: fused kernels or fallback, and why
 """
 
+from .backend import require_mlx
+
+require_mlx()  # before anything that imports MLX: without it, an error that names the extra to install
+
 from .checkpoint.loader import default_model_path, load
 from .decode.loop import generate
 from .decode.sampling import Sampling

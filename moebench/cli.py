@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from .errors import MoebenchError
@@ -13,7 +12,9 @@ from .tools.bench import register as _add_bench
 from .tools.drift import register as _add_drift
 from .tools.eval_tiny import add_eval_command
 from .tools.flags import SEED
+from .tools.json_option import add_json_option, check_json_target, to_stdout, write_json
 from .tools.microbench import add_command as _add_microbench
+from .tools.notebooks import register as _add_notebooks
 from .tools.presets import register as _add_make_random
 from .tools.profile import register as _add_profile
 from .tools.selfcheck import register as _add_selfcheck
@@ -35,7 +36,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="tokens to generate at most (fewer when an eos token ends the decode; default %(default)s)")
     p.add_argument("--sampling", choices=("flags", "model"), default="flags",
                    help="model: start from the checkpoint's generation_config.json (do_sample, temperature, top_p, "
-                        "top_k, repetition_penalty); flags given still win. flags (default): greedy unless set")
+                        "top_k, repetition_penalty); flags given still win. flags: greedy unless set")
     p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=None,
                    help="sample from the smallest set of tokens whose probabilities reach this (0 < p <= 1)")
@@ -46,8 +47,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=SEED, default=None, help="seed of the sampler (a whole number 0..2**64-1)")
     p.add_argument("--fused", choices=("on", "off"), default=None, help="override MOEBENCH_FUSED_MOE")
     p.add_argument("--compiled", choices=("on", "off"), default=None,
-                   help="decode through the compiled step (default: on for the fused kernels on CUDA, else off)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+                   help="decode through the compiled step (default: on where it was measured faster, the CPU fused or "
+                        "not and CUDA with the fused kernels; off on Metal and on CUDA's fallback)")
+    add_json_option(p, "the prompt, the token ids, the text, timings and dispatch counts")
     p.add_argument("--verbose", action="store_true",
                    help="under the one-line model summary, its full path and each module kind's quantization")
     add_shard_argument(p)
@@ -67,12 +69,14 @@ def _run_generate(a: argparse.Namespace) -> int:
     from .execution.executor import dispatch as dispatch_counts
     from .execution.executor import set_fused_moe
 
+    check_json_target(a.json)
     if a.fused is not None:
         set_fused_moe(a.fused == "on")
     group = init_group(a.shard) if a.shard else None
     quiet = group is not None and group.rank() != 0  # every rank decodes; rank 0 speaks for them
-    model, tok = load(a.model, verbose=not (a.json or quiet), shard=group, tensor_parallel=a.shard == TENSOR_MODE)
-    if a.verbose and not (a.json or quiet):
+    text_report = not (to_stdout(a.json) or quiet)
+    model, tok = load(a.model, verbose=text_report, shard=group, tensor_parallel=a.shard == TENSOR_MODE)
+    if a.verbose and text_report:
         print(load_details(model))
     if tok is None:
         raise MoebenchError(f"{model.load_info.source}: no tokenizer.json, so a text prompt cannot be encoded")
@@ -98,7 +102,7 @@ def _run_generate(a: argparse.Namespace) -> int:
     if quiet:
         return 0
     if a.json:
-        print(json.dumps({
+        write_json(a.json, {
             "model": str(model.load_info.source), "quantization": model.load_info.bits, "prompt": a.prompt,
             "system": a.system, "chat_template": template,
             "prompt_ids": result.prompt_ids, "token_ids": result.token_ids, "text": text, "stop_ids": list(stops),
@@ -107,8 +111,8 @@ def _run_generate(a: argparse.Namespace) -> int:
                         "prompt_tps": result.prompt_tps, "decode_tps": result.decode_tps},
             "decode_loop": "compiled" if compiled else "eager", "dispatch": dispatch, "attention_dispatch": attention,
             "shard": shard,
-        }, indent=2))
-    else:
+        })
+    if text_report:
         if template is not None:
             print(f"[chat template: {template}]", file=sys.stderr)
         print(text if chat else a.prompt + text)
@@ -127,7 +131,7 @@ def _run_generate(a: argparse.Namespace) -> int:
 
 
 COMMANDS = [_add_generate, _add_microbench, add_train_command, add_eval_command, _add_bench, _add_make_random,
-            _add_selfcheck, _add_profile, _add_drift]
+            _add_selfcheck, _add_profile, _add_drift, _add_notebooks]
 
 
 DESCRIPTION = """Look inside Mixture-of-Experts decoding on MLX and measure it: decode a prompt with the fused
@@ -136,10 +140,32 @@ decode-MoE kernels or the fallback and see which ran and why (generate), compare
 uses MOEBENCH_MODEL or the small trained Qwen2-MoE that ships with moebench."""
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help places it itself (%(default)s) or there is none
+    to show (no value, a switch that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        value = action.default
+        if "%(default" in text or value in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+        return f"{text} (default {shown.replace('%', '%%')})"
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser: its help shows every default (DefaultsShown)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line: every command of COMMANDS under one parser."""
     parser = argparse.ArgumentParser(prog="moebench", description=DESCRIPTION)
     sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND",
+                                parser_class=CommandParser,
                                 help="one of these; moebench COMMAND --help describes its options")
     for add in COMMANDS:
         add(sub)

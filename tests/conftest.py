@@ -8,8 +8,10 @@ never be modified: copy one (`copy_checkpoint`) before corrupting it.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,16 @@ from moebench.tools.presets import get_preset
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
 TINY_VOCAB = 256  # writer.qwen2_moe_config's vocab_size: one token per byte
+
+# moebench's cache (moebench.tools.corpus.CACHE_ENV: drift's made variants, ...) in a folder of this run, removed at
+# its end, never the user's ~/.cache/moebench; the notebooks' kernels and JupyterLab inherit it. Set before any test
+# module imports moebench.tools.corpus, which reads it (tests/tools/test_drift_command.py checks it did).
+TEST_CACHE = Path(tempfile.mkdtemp(prefix="moebench-test-cache-"))
+os.environ["MOEBENCH_CACHE"] = str(TEST_CACHE)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
 
 @dataclass

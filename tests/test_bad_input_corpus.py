@@ -53,7 +53,9 @@ print("NO ERROR")
 
 
 def _environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOEBENCH_")}
+    """This process's environment without moebench's settings (the cases set their own), but for its cache folder,
+    which tests/conftest.py points away from the user's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOEBENCH_") or k == "MOEBENCH_CACHE"}
     return {**env, "PYTHONPATH": str(Path(moebench.__file__).parents[1])}
 
 

@@ -7,8 +7,9 @@ The classes: hostile chat templates (time and size budgets, recursion, huge rang
 and enable_thinking as transformers passes them), JSON nested past Python's parser, added_tokens_decoder keys that
 are no plain integers, links that dangle or loop, eos ids past the vocabulary, seeds past 64 bits, exports and
 read_frames on paths and files they cannot use, interventions in another shape, threads and forced experts on
-every decode path, and the tools' numeric flags. The processes run a few at a time (the cases are independent), so
-the file takes well under two minutes.
+every decode path, and the tools' numeric flags. Round 3 (issue 56): drift's recipes, variants and prompts, the files
+a command writes (--out, --json), a hybrid's recurrent states and caches, and gpt-oss's harmony chat template. The
+processes run a few at a time (the cases are independent), so the file takes about two minutes.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from pathlib import Path
 
 import pytest
 from byte_tokenizer import write_byte_tokenizer
+from checkpoint.test_chat_harmony import TOOLS, write_harmony_folder
 from test_bad_input_corpus import PRELUDE, _environment, assert_named_error
 
 from moebench.checkpoint.files import INDEX_FILE
+from moebench.tools.presets import write_random
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
 
 TIMEOUT = 60  # a case that hangs fails here
@@ -43,9 +46,9 @@ DEEP = "[" * 100_000 + "]" * 100_000
 @dataclass(frozen=True)
 class Case:
     """`body` (Python, run inside PRELUDE's try) or `argv` (the moebench command); `setup` prepares the case's
-    folder (a copy of a tiny checkpoint with a byte tokenizer, or an empty folder); the outcome expected: `error`
-    (a moebench error class, or 'usage' for argparse, or 'command' for the command's own error) with `words` in its
-    message, or error None: success, `words` in stdout."""
+    folder (a copy of a tiny checkpoint with a byte tokenizer, or of `base` 'hybrid', make-random's qwen3-next-tiny,
+    or an empty folder); the outcome expected: `error` (a moebench error class, or 'usage' for argparse, or 'command'
+    for the command's own error) with `words` in its message, or error None: success, `words` in stdout."""
 
     error: str | None
     words: str
@@ -54,6 +57,7 @@ class Case:
     setup: Callable[[Path], None] | None = None
     checkpoint: bool = True
     seconds: float = TIMEOUT
+    base: str = "qwen2"
 
 
 def write(name: str, text: str) -> Callable[[Path], None]:
@@ -83,12 +87,28 @@ def fifo(name: str) -> Callable[[Path], None]:
     return lambda folder: os.mkfifo(folder / name)
 
 
+def harmony(folder: Path) -> None:
+    write_harmony_folder(folder / "harmony")  # gpt-oss's tokenizer files and chat template, as published
+
+
+def variants_dir_a_file(folder: Path) -> None:
+    (folder / "prompts.jsonl").write_text('"def f(x):"\n')
+    (folder / "variants").write_text("a file where the variants would go")
+
+
 def broken_snapshot(folder: Path) -> None:
     (folder / "snap" / "moebench").mkdir(parents=True)
     (folder / "snap" / "moebench" / "__init__.py").write_text("from .decode import nothing_here\n")
 
 
 MODEL = "m, t = moebench.load(FOLDER)\n"
+NO_MLX_LM = "sys.modules['mlx_lm.convert'] = None  # as if mlx-lm were not installed\n" \
+            "from moebench.tools.drift import make_variant\n"
+HARMONY = "from moebench.checkpoint.tokenizer import Tokenizer\nfrom moebench.checkpoint.chat import prompt_ids\n" \
+          f"t = Tokenizer.from_folder(FOLDER + '/harmony')\nTOOLS = {TOOLS!r}\n" \
+          "Q = [{'role': 'user', 'content': 'hi'}]\n"
+CALL = "[*Q, {{'role': 'assistant', 'tool_calls': [{call}]}}]"
+DRIFT = ("drift", "{folder}", "{folder}:fallback", "--prompts")
 FRAMES = "import pandas as pd\nfrom moebench.inspect.export import read_frames, save_frames, save_trace\n" \
          "F = {'tokens': pd.DataFrame({'a': [1, 2]})}\n"
 INTERVENTIONS = MODEL + "from moebench.inspect.interventions import clear_interventions, set_interventions\n"
@@ -284,6 +304,102 @@ CASES = {
         setup=broken_snapshot),
     "make-random --shard-gb inf": Case("usage", "argument --shard-gb:", checkpoint=False,
                                        argv=("make-random", "out", "--shard-gb", "inf")),
+    # -- 11. drift: recipes, variants, prompts ------------------------------------------------------------------------
+    "drift: a recipe of a quantized folder without mlx-lm": Case(
+        "MoebenchError", "the 8bit recipe of a quantized folder needs mlx-lm to dequantize it first",
+        NO_MLX_LM + "make_variant(FOLDER, '8bit', FOLDER + '/variants')"),
+    "drift: mxfp4 without mlx-lm": Case("MoebenchError", "the mxfp4 recipe needs mlx-lm",
+                                        NO_MLX_LM + "make_variant(FOLDER, 'mxfp4', FOLDER + '/variants')"),
+    "drift: an unknown recipe": Case("MoebenchError", "unknown recipe '9bit'",
+                                     NO_MLX_LM + "make_variant(FOLDER, '9bit', FOLDER + '/variants')"),
+    "drift: a recipe of a file": Case("MoebenchError", "the 4bit recipe is made from a checkpoint folder",
+                                      NO_MLX_LM + "make_variant(FOLDER + '/config.json', '4bit', FOLDER)"),
+    "drift --variants-dir a file": Case(
+        "command", "variants: cannot keep made variants there",
+        argv=("drift", "{folder}", "4bit", "--prompts", "{folder}/prompts.jsonl", "--variants-dir",
+              "{folder}/variants"),
+        setup=variants_dir_a_file),
+    "drift --prompts a FIFO": Case("command", "fifo: the prompts must be a regular file",
+                                   argv=(*DRIFT, "{folder}/fifo"), setup=fifo("fifo"), seconds=30),
+    "drift: prompt ids past the vocabulary": Case(
+        "command", "prompt 1: token id 99999 is outside the vocabulary of variant", argv=(*DRIFT, "{folder}/p.jsonl"),
+        setup=write("p.jsonl", "[1, 2]\n[3, 99999]\n")),
+    "drift: prompt ids true and false": Case("command", "p.jsonl: prompt 0 must be a text, a list of token ids",
+                                             argv=(*DRIFT, "{folder}/p.jsonl"), setup=write("p.jsonl", "[true, 2]\n")),
+    "drift: transformers on a quantized folder": Case(
+        "command", "MLX-quantized, and transformers runs float checkpoints",
+        argv=("drift", "{folder}", "transformers", "--prompts", "{folder}/p.jsonl"),
+        setup=write("p.jsonl", "[1, 2]\n")),
+    "drift: transformers fed ids past its vocabulary": Case(
+        "MoebenchError", "prompt 0: token id 300 is outside",
+        "from moebench.inspect.drift import transformers_routing\nimport json, pathlib\n"
+        "c = pathlib.Path(FOLDER, 'config.json')\ncfg = json.loads(c.read_text())\ncfg.pop('quantization')\n"
+        "c.write_text(json.dumps(cfg))\ntransformers_routing(FOLDER, [[1, 300]])"),
+    # -- 12. the files a command writes ---------------------------------------------------------------------------
+    "drift --out x.csv (the table would overwrite the frame)": Case(
+        "command", "name a .parquet file", argv=(*DRIFT, "{folder}/p.jsonl", "--out", "{folder}/x.csv"),
+        setup=write("p.jsonl", "[1, 2]\n")),
+    "drift --out a FIFO": Case("command", "--out", argv=(*DRIFT, "{folder}/p.jsonl", "--out", "{folder}/fifo"),
+                               setup=lambda f: (write("p.jsonl", "[1, 2]\n")(f), os.mkfifo(f / "fifo")), seconds=30),
+    "drift --out under a file": Case(
+        "command", "is no folder it may write in", argv=(*DRIFT, "{folder}/p.jsonl", "--out", "{folder}/x/y.parquet"),
+        setup=lambda f: (write("p.jsonl", "[1, 2]\n")(f), write("x", "a file")(f))),
+    "generate --json a FIFO": Case("command", "--json", argv=("generate", "{folder}", "--prompt", "hi", "--json",
+                                                             "{folder}/fifo"), setup=fifo("fifo"), seconds=30),
+    # -- 13. a hybrid's recurrent states and caches -----------------------------------------------------------------
+    "hybrid: the model called over KV caches": Case(
+        "DecodeError", "a linear-attention layer was given a KVCache",
+        MODEL + "from moebench.decode.cache import make_cache\nm(mx.array([[1, 2]]), cache=make_cache(len(m.layers)))",
+        base="hybrid"),
+    "hybrid: a state rewound past what it keeps": Case(
+        "DecodeError", "cannot rewind to position 1: it keeps the states at positions [0, 3]",
+        MODEL + "from moebench.decode.cache import layer_caches\nc = layer_caches(m, 1)\n"
+                "m(mx.array([[1, 2, 3]]), cache=c)\nc[0].rewind_to(1)", base="hybrid"),
+    "hybrid: caches keeping no write": Case(
+        "DecodeError", "keep must be an integer >= 1, got 0",
+        MODEL + "from moebench.decode.cache import layer_caches\nlayer_caches(m, 0)", base="hybrid"),
+    "hybrid: a static cache of no positions": Case(
+        "DecodeError", "StaticCache: capacity must be an integer >= 1",
+        MODEL + "from moebench.decode.cache import StaticCache\nStaticCache.for_model(m, 0, 1)", base="hybrid"),
+    "hybrid: a Stepper fed an id past the vocabulary": Case(
+        "DecodeError", "feed token id 256 is not an id of the vocabulary",
+        MODEL + "s = Stepper(m, t, 'hi')\ns.prefill()\ns.step(feed=256)", base="hybrid"),
+    "hybrid: a decode past its positions": Case(
+        "DecodeError", "past the model's max_position_embeddings", MODEL + "moebench.generate(m, [1, 2], 10**6)",
+        base="hybrid"),
+    "hybrid: profile in its default eager mode": Case(
+        None, "RC 0", "from moebench.cli import main\nprint('RC', main(['profile', FOLDER, '--steps', '1', '--warmup', "
+                      "'0', '--gen-tokens', '2', '--prompt-tokens', '2']))", base="hybrid"),
+    "hybrid: make-random's checkpoint decodes text": Case(
+        None, "TEXT True", MODEL + "print('TEXT', len(moebench.generate(m, t.encode('def'), 4).token_ids) == 4 and "
+                                   "t.decode(t.encode('def f(x):')) == 'def f(x):')", base="hybrid"),
+    # -- 14. gpt-oss's harmony chat template --------------------------------------------------------------------------
+    "harmony: a role it has no turn for": Case(
+        "ChatError", "harmony has no turn for role robot",
+        HARMONY + "prompt_ids([{'role': 'robot', 'content': 'hi'}], t)", setup=harmony, checkpoint=False),
+    "harmony: a tool call without its function": Case(
+        "ChatError", "chat_template.jinja: the chat template cannot render these messages",
+        HARMONY + "prompt_ids(" + CALL.format(call="{'type': 'function'}") + ", t, tools=TOOLS)", setup=harmony,
+        checkpoint=False),
+    "harmony: tool arguments that are no JSON": Case(
+        "ChatError", "field 'tool_calls': bytes is not JSON data",
+        HARMONY + "prompt_ids(" + CALL.format(call="{'type': 'function', 'function': {'name': 'add', "
+                                                   "'arguments': b'x'}}") + ", t, tools=TOOLS)",
+        setup=harmony, checkpoint=False),
+    "harmony: reasoning_effort a number": Case(
+        "ChatError", "the chat template failed on these messages", HARMONY + "prompt_ids(Q, t, reasoning_effort=7)",
+        setup=harmony, checkpoint=False),
+    "harmony: tools that are no list": Case("ChatError", "tools must be a list of JSON objects",
+                                            HARMONY + "prompt_ids(Q, t, tools='add')", setup=harmony,
+                                            checkpoint=False),
+    "harmony: content past the size budget": Case(
+        "ChatError", "past the size budget", HARMONY + "prompt_ids([{'role': 'user', 'content': 'x' * 9_000_000}], t)",
+        setup=harmony, checkpoint=False, seconds=30),
+    "harmony: a tool call renders as the published template writes it": Case(
+        None, "assistant to=functions.add<|channel|>commentary json<|message|>{\"a\": 1}<|call|>",
+        HARMONY + "print(t.decode(prompt_ids(" + CALL.format(call="{'type': 'function', 'function': {'name': "
+                                                                  "'add', 'arguments': {'a': 1}}}")
+        + ", t, tools=TOOLS), skip_special_tokens=False))", setup=harmony, checkpoint=False),
 }
 
 
@@ -309,12 +425,15 @@ def outcomes(request, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedP
     chosen = {item.callspec.params["case"] for item in request.session.items
               if item.path == Path(__file__) and hasattr(item, "callspec") and "case" in item.callspec.params}
     root = tmp_path_factory.mktemp("corpus2")
-    base = write_random_checkpoint(root / "base", qwen2_moe_config(), seed=3, bits=4)
-    write_byte_tokenizer(base)
+    bases = {"qwen2": write_random_checkpoint(root / "base", qwen2_moe_config(), seed=3, bits=4)}
+    write_byte_tokenizer(bases["qwen2"])
+    if any(CASES[name].base == "hybrid" for name in chosen):  # make-random's, its tokenizer included
+        bases["hybrid"] = write_random(root / "hybrid", "qwen3-next-tiny", dtype="float32", generator="numpy",
+                                       progress=False)
     folders = {}
     for i, name in enumerate(sorted(chosen)):
         case = CASES[name]
-        folder = Path(shutil.copytree(base, root / f"case{i}")) if case.checkpoint else root / f"case{i}"
+        folder = Path(shutil.copytree(bases[case.base], root / f"case{i}")) if case.checkpoint else root / f"case{i}"
         folder.mkdir(exist_ok=True)
         if case.setup is not None:
             case.setup(folder)

@@ -197,3 +197,130 @@ def test_the_loaded_line_is_one_short_line_and_verbose_adds_the_details(quantize
     assert all(kind in out for kind in model.load_info.bits)
     assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["quantization"] == model.load_info.bits
+
+
+def shown_default(action: argparse.Action) -> str | None:
+    """The text of an option's default as its help must show it, or None when it has none to show."""
+    value = action.default
+    if not action.option_strings or value in (None, False, argparse.SUPPRESS):
+        return None
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def test_every_option_with_a_default_shows_it_in_its_commands_help():
+    """bench --prompt-tokens/--gen-tokens, profile --steps/--warmup, microbench --tokens/--repeats and the rest: the
+    rendered help of each option says 'default' and the value."""
+    unshown, seen = [], set()
+    for name, parser in every_parser():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            value = shown_default(action)
+            if value is None:
+                continue
+            seen.add(f"{name} {action.option_strings[-1]}")
+            text = " ".join(formatter._expand_help(action).split())
+            if "default" not in text or value not in text:
+                unshown.append(f"{name} {action.option_strings[-1]} (default {value}): {text!r}")
+    assert unshown == []
+    assert {"moebench bench --prompt-tokens", "moebench bench --gen-tokens", "moebench profile --steps",
+            "moebench profile --warmup", "moebench microbench --tokens", "moebench microbench --repeats"} <= seen
+
+
+def test_generate_help_gives_the_cpus_compiled_default_and_generate_decodes_so(float_checkpoint, capsys):
+    """On the CPU generate decodes through the compiled step unless told: its help says so, and it does."""
+    generate_parser = dict(every_parser())["moebench generate"]
+    (compiled,) = [a for a in generate_parser._actions if "--compiled" in a.option_strings]
+    assert "the CPU fused or not" in compiled.help.split("default:")[1].split(";")[0]  # among those on by default
+    assert moebench.available_backend() == "reference"
+    for fused in ("on", "off"):
+        out = run_json(capsys, str(float_checkpoint), "--prompt", "hi", "--max-tokens", "2", "--fused", fused)
+        assert out["decode_loop"] == "compiled"
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "selfcheck", "profile", "microbench", "eval-tiny", "drift"])
+def test_every_json_option_takes_a_file_and_dash_for_stdout(command):
+    """One convention: --json FILE; '-' (or no FILE) is stdout."""
+    parser = dict(every_parser())[f"moebench {command}"]
+    (json_option,) = [a for a in parser._actions if "--json" in a.option_strings]
+    assert (json_option.metavar, json_option.nargs, json_option.const, json_option.default) == ("FILE", "?", "-", None)
+
+
+def test_generate_json_to_a_file_keeps_the_text_report_and_dash_prints_json_alone(float_checkpoint, tmp_path,
+                                                                                  capsys):
+    argv = ["generate", str(float_checkpoint), "--prompt", "Once", "--max-tokens", "3"]
+    record = tmp_path / "generate.json"
+    assert main([*argv, "--json", str(record)]) == 0
+    out = capsys.readouterr().out
+    written = json.loads(record.read_text())
+    assert out.startswith("loaded ") and out.rstrip().endswith(written["text"])  # the prompt and its continuation
+    assert main([*argv, "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == written["token_ids"]
+
+
+def test_a_json_file_that_cannot_be_written_is_named_before_the_command_runs(float_checkpoint, tmp_path, capsys):
+    target = tmp_path / "no-such-folder" / "out.json"
+    assert main(["generate", str(float_checkpoint), "--prompt", "hi", "--json", str(target)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == (f"moebench: error: --json {target}: cannot write a file there ({target.parent} "
+                                    "is no folder it may write in)")
+    assert "loaded" not in captured.out
+    os.mkfifo(tmp_path / "fifo")  # where a write would block
+    assert main(["generate", str(float_checkpoint), "--prompt", "hi", "--json", str(tmp_path / "fifo")]) == 2
+    assert "--json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "no config"])
+def test_a_bad_moebench_model_is_named_by_the_variable(tmp_path, monkeypatch, capsys, kind):
+    """A command given no folder reads MOEBENCH_MODEL: a folder there that is no checkpoint names the variable."""
+    folder = tmp_path / kind.replace(" ", "-")
+    if kind == "file":
+        folder.write_text("not a folder")
+    elif kind == "no config":
+        folder.mkdir()
+    monkeypatch.setenv("MOEBENCH_MODEL", os.pathsep.join([str(folder), str(tmp_path)]))
+    why = {"missing": "does not exist", "file": "is not a folder", "no config": "holds no config.json"}[kind]
+    for argv in (["generate", "--prompt", "hi"], ["profile"], ["bench", "--no-progress"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"moebench: error: MOEBENCH_MODEL='{folder}{os.pathsep}{tmp_path}': {folder} {why}")
+    with pytest.raises(moebench.ConfigError, match="MOEBENCH_MODEL"):
+        moebench.load()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def without_site_packages(code: str, *folders: Path) -> subprocess.CompletedProcess:
+    """`code` in a Python that sees moebench (this checkout) and `folders` but no site-packages: no MLX."""
+    path = [str(f) for f in (*folders, ROOT)]
+    return subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path[:0] = {path!r}\n{code}"],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_without_mlx_the_command_names_the_extra_to_install_in_one_line():
+    """A plain `pip install moebench` has no MLX: the console script's first import says which extra installs it."""
+    done = without_site_packages("from moebench.cli import main")
+    assert done.returncode == 1 and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
+    assert done.stderr.startswith("moebench: error: moebench needs MLX, which is not installed in this Python")
+    assert "pip install 'moebench[cpu]'" in done.stderr and "'moebench[cuda]' with an NVIDIA GPU" in done.stderr
+
+
+def test_an_mlx_that_does_not_import_is_named_and_catchable_as_an_import_error(tmp_path):
+    """Linux's plain `mlx` installs without a back end; `import moebench` raises BackendUnavailable, an ImportError
+    (and a MoebenchError), before any other module meets it."""
+    (tmp_path / "mlx").mkdir()
+    (tmp_path / "mlx" / "__init__.py").write_text("")  # a package `mlx` without its compiled `mlx.core`
+    done = without_site_packages("try:\n    import moebench\nexcept ImportError as e:\n"
+                                 "    print(type(e).__name__, type(e).__mro__[1].__name__, e)", tmp_path)
+    assert done.returncode == 0 and done.stdout.startswith("BackendUnavailable MoebenchError moebench needs MLX, "
+                                                           "which is installed but does not import")
+    assert "moebench[cpu]" in done.stdout and "moebench." not in done.stdout.split("(")[0]
+
+
+@pytest.mark.parametrize(("system", "extras"), [("Darwin", ["moebench[apple]"]),
+                                                ("Linux", ["moebench[cpu]", "moebench[cuda]"])])
+def test_the_extra_named_is_the_one_for_the_system(system, extras):
+    from moebench.backend import install_hint
+
+    assert all(extra in install_hint(system) for extra in extras)
+    assert "macOS and Linux" in install_hint("Windows")

@@ -42,9 +42,18 @@ class LoadInfo:
 
 def default_model_path() -> Path:
     """MOEBENCH_MODEL when set (its first folder, when it lists several as the notebooks' model picker takes
-    them, separated by os.pathsep), else the tiny trained model that ships in data/."""
+    them, separated by os.pathsep), else the tiny trained model that ships in data/. A folder it names that holds
+    no config.json is a ConfigError naming the variable: the command that read it was given no path."""
     named = [p for p in os.environ.get(ENV_MODEL, "").split(os.pathsep) if p.strip()]
-    return Path(named[0]) if named else SHIPPED_MODEL
+    if not named:
+        return SHIPPED_MODEL
+    folder = Path(named[0])
+    if not (folder / "config.json").is_file():
+        why = ("does not exist" if not folder.exists() else "is not a folder" if not folder.is_dir()
+               else "holds no config.json")
+        raise ConfigError(f"{ENV_MODEL}={os.environ[ENV_MODEL]!r}: {folder} {why}; set it to a checkpoint folder "
+                          f"(several separated by {os.pathsep!r}), or unset it for the shipped model")
+    return folder
 
 
 def default_dtype() -> mx.Dtype | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import DeviceMemoryError
+from ..errors import DecodeError, DeviceMemoryError
 from ..models.args import ModelArgs
 from ..models.declare import AttentionSpec, LatentAttentionSpec, LinearAttentionSpec
 from ..models.run import token_mixer
@@ -152,6 +152,14 @@ class KVCache:
     def state(self) -> tuple[mx.array, mx.array] | tuple[()]:
         return () if self.keys is None else (self.keys, self.values)
 
+    @property
+    def conv(self) -> mx.array:
+        """What a linear-attention layer reads first: a KVCache has no recurrent state to give it."""
+        raise DecodeError("a linear-attention layer was given a KVCache: a hybrid model (Gated DeltaNet layers) "
+                          "needs its own caches, moebench.decode.cache.layer_caches(model, keep)")
+
+    delta = conv
+
 
 _slots: dict[tuple[int, int], mx.array] = {}
 
@@ -251,9 +259,11 @@ class StaticCache:
 
     @classmethod
     def for_model(cls, model, capacity: int, keep: int) -> StaticCache:
-        """Zeroed buffers of `capacity` positions for `model`'s attending layers alone (the key/value heads this
-        process holds: a rank's own where attention is sharded), and an empty LinearAttentionState keeping `keep`
-        writes for each linear-attention layer."""
+        """Zeroed buffers of `capacity` positions (an integer >= 1) for `model`'s attending layers alone (the
+        key/value heads this process holds: a rank's own where attention is sharded), and an empty
+        LinearAttentionState keeping `keep` writes for each linear-attention layer."""
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise DecodeError(f"StaticCache: capacity must be an integer >= 1 (positions), got {capacity!r}")
         linear = [isinstance(token_mixer(layer).spec, LinearAttentionSpec) for layer in model.layers]
         attending = [token_mixer(layer) for layer, lin in zip(model.layers, linear, strict=True) if not lin]
         blocks = tuple(None if lin else linear[:i].count(False) for i, lin in enumerate(linear))

@@ -139,15 +139,26 @@ def transformers_routing(folder: str | Path, sequences: list[list[int]]) -> Rout
     """What HF transformers' PyTorch model of `folder` routes, in float32: its router logits
     (output_router_logits) through its own rule (softmax over all experts, the top-k probabilities, renormalised
     under norm_topk_prob), and its next-token logits."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from ..checkpoint.config import read_model_args
 
     folder = Path(folder)
     args = read_model_args(folder / "config.json")
+    if args.quantization is not None:  # transformers would load MLX's packed weights as its own, or refuse them
+        raise MoebenchError(f"{folder}: MLX-quantized, and transformers runs float checkpoints: give a float folder "
+                            "(the float recipe makes one)")
+    for i, seq in enumerate(sequences):  # torch would index past its embedding (an IndexError, or worse)
+        bad = [t for t in seq if not 0 <= t < args.vocab_size]
+        if bad:
+            raise MoebenchError(f"prompt {i}: token id {bad[0]} is outside {folder.name}'s vocabulary of "
+                                f"{args.vocab_size}")
     layers = tuple(i for i in range(args.num_hidden_layers) if args.is_moe_layer(i))
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    import torch  # after the checks: importing it takes seconds
+    from transformers import AutoModelForCausalLM
+
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    except Exception as e:  # noqa: BLE001 -- transformers raises many kinds; any means it cannot run the folder
+        raise MoebenchError(f"{folder}: transformers cannot load it: {type(e).__name__}: {e}") from e
     k = args.num_experts_per_tok
     ids, scores, probs, logits = [], [], [], []
     with torch.no_grad():
@@ -428,6 +439,8 @@ def drift(variants: Sequence, prompts, tokenizer=None, tie_margin: float = TIE_M
         raise MoebenchError(f"variant names must differ, got {[a.name for a in arms]}: pass names=")
     tokenizer = tokenizer or next((a.tokenizer for a in arms if a.tokenizer is not None), None)
     sequences = token_sequences(prompts, tokenizer)
+    for arm in (a for a in arms if a.model is not None):
+        _check_vocabulary(arm, sequences)
     tokens = np.concatenate(sequences)
     if stepwise is None:
         stepwise = any(a.fused is not None for a in arms)
@@ -440,6 +453,16 @@ def drift(variants: Sequence, prompts, tokenizer=None, tie_margin: float = TIE_M
     seq = np.repeat(np.arange(len(sequences)), [len(s) for s in sequences])
     return Drift([a.name for a in arms], routings, tokens, seq, routings[arms[0].name].layers, float(tie_margin),
                  tokenizer)
+
+
+def _check_vocabulary(arm: Variant, sequences: list[list[int]]) -> None:
+    """Every token id a model variant is fed is one of its vocabulary's, named with its prompt otherwise."""
+    vocab = arm.model.args.vocab_size
+    for i, seq in enumerate(sequences):
+        bad = [t for t in seq if not 0 <= t < vocab]
+        if bad:
+            raise MoebenchError(f"prompt {i}: token id {bad[0]} is outside the vocabulary of variant {arm.name!r} "
+                                f"(ids 0..{vocab - 1})")
 
 
 def _check_aligned(name: str, r: Routing, tokens: np.ndarray, ref: Routing | None) -> None:

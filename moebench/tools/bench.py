@@ -17,7 +17,6 @@ import argparse
 import datetime
 import gc
 import importlib.util
-import json
 import os
 import platform
 import statistics
@@ -26,11 +25,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from tqdm.auto import tqdm
 
 from ..checkpoint.loader import default_model_path, load, model_bytes
 from ..decode.loop import COMPILED_BY_DEFAULT, STEPS_AHEAD, GenerationResult, compiled_by_default, generate_tokens
@@ -41,10 +40,13 @@ from ..execution.kernel import available_backend
 from ..models.sharding import MODES, TENSOR_MODE, init_group, report
 from .bench_table import format_header, format_length, overlapping_arms
 from .flags import SEED, at_least
+from .json_option import add_json_option, check_json_target, to_stdout, write_json
+from .progress import Progress
 
 SCHEMA = "moebench.tools.bench/2"  # /2: a block per prompt length (lengths[]); weights and own peak per arm
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 TokenStream = Callable[[list[int], int], Iterator[tuple[int, mx.array]]]
+T = TypeVar("T")
 
 
 @dataclass
@@ -134,6 +136,14 @@ def timed_run(arm: Arm, prompt_ids: list[int], gen_tokens: int, keep_logits: boo
                executor(arm.model).summary() if arm.model is not None else None, logits)
 
 
+def rounds(arms: list[T], repeats: int) -> Iterator[tuple[int, T]]:
+    """(round, arm) for `repeats` rounds of every arm, the order rotating one place a round, so slow drifts of the
+    machine and whatever an arm leaves behind fall on every arm alike."""
+    for r in range(repeats):
+        for i in range(len(arms)):
+            yield r, arms[(i + r) % len(arms)]
+
+
 def run_arms(arms: list[Arm], prompt_ids: list[int], gen_tokens: int, repeats: int,
              progress: bool = True, desc: str = "bench") -> tuple[list[ArmResult], list[dict]]:
     """Warm up each arm with its trace pass, then `repeats` timed rounds, arms interleaved, order rotating.
@@ -144,7 +154,7 @@ def run_arms(arms: list[Arm], prompt_ids: list[int], gen_tokens: int, repeats: i
         raise MoebenchError(f"--gen-tokens {gen_tokens}: need at least 2 (decode speed counts tokens after the first)")
     if repeats < 1:
         raise MoebenchError(f"--repeats {repeats}: need at least 1")
-    bar = tqdm(total=len(arms) * (repeats + 1), unit="run", desc=desc, disable=not progress, file=sys.stderr)
+    bar = Progress(total=len(arms) * (repeats + 1), unit="run", desc=desc, disable=not progress)
     results, failures = [], []
     for arm in arms:
         bar.set_postfix_str(f"warm-up {arm.name}")
@@ -156,12 +166,10 @@ def run_arms(arms: list[Arm], prompt_ids: list[int], gen_tokens: int, repeats: i
         bar.update()
     bar.total = len(arms) + repeats * len(results)
     bar.refresh()
-    for r in range(repeats):
-        for i in range(len(results)):
-            result = results[(i + r) % len(results)]
-            bar.set_postfix_str(f"repeat {r + 1} {result.arm.name}")
-            result.runs.append(timed_run(result.arm, prompt_ids, gen_tokens))
-            bar.update()
+    for r, result in rounds(results, repeats):
+        bar.set_postfix_str(f"repeat {r + 1} {result.arm.name}")
+        result.runs.append(timed_run(result.arm, prompt_ids, gen_tokens))
+        bar.update()
     bar.close()
     return results, failures
 
@@ -438,10 +446,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens each arm decodes greedily (at least 2: decode speed counts those after the first)")
     p.add_argument("--repeats", type=at_least(1), default=3,
                    help="timed rounds, arms interleaved, after one untimed warm-up each; the table gives median "
-                        "[min-max] over them and warns when the arms' ranges overlap (default 3; 5+ to rank close "
-                        "arms)")
+                        "[min-max] over them and warns when the arms' ranges overlap (default %(default)s; 5+ to rank "
+                        "close arms)")
     p.add_argument("--fused", choices=("on", "off", "both"), default="both",
-                   help="moebench arms with the fused kernels (on), the fallback (off) or both (default)")
+                   help="moebench arms with the fused kernels (on), the fallback (off) or both")
     p.add_argument("--compiled", choices=("on", "off", "both", "auto"), default="auto",
                    help="moebench arms through the mx.compile'd decode step (on), eager (off) or both; auto: "
                         "both where generate decodes compiled by default (CUDA, the CPU), else off")
@@ -450,8 +458,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also run an earlier revision of moebench on the same checkpoint, interleaved: DIR holds "
                         "its moebench/ and kernels/ (git archive REV moebench kernels | tar -x -C DIR)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of the prompt's token ids")
-    p.add_argument("--json", metavar="FILE", default=None,
-                   help="also write the full record as JSON (every repeat's timings, memory, dispatch, tokens)")
+    add_json_option(p, "the full record (every repeat's timings, memory, dispatch, tokens)")
     p.add_argument("--verbose", action="store_true",
                    help="after the table, every arm's detail: prompt tok/s, time to first token, mean and sd, memory "
                         "split, dispatch counts, greedy divergence margin; the model's path and quantization per "
@@ -470,17 +477,8 @@ def add_shard_argument(p: argparse.ArgumentParser) -> None:
                         "width too (tensor-parallel, as mlx-lm's shard())")
 
 
-def _writable(path: Path) -> None:
-    """Fail before a bench runs, not after it, when its --json file cannot be written."""
-    folder = path.parent
-    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK) or (
-            path.exists() and not os.access(path, os.W_OK)):
-        raise MoebenchError(f"--json {path}: cannot write a file there")
-
-
 def _run(a: argparse.Namespace) -> int:
-    if a.json:
-        _writable(Path(a.json))
+    check_json_target(a.json)
     if a.snapshot:
         snapshot_init(Path(a.snapshot))  # before the model loads
     path = Path(a.model) if a.model else default_model_path()
@@ -506,19 +504,16 @@ def _run(a: argparse.Namespace) -> int:
                                      desc=f"bench {len(ids)} tokens")
         lengths.append(length_record(ids, results, skipped + failures))
         shard = report(model, group) if group is not None else None  # every rank takes part
-        if not quiet:  # each length as soon as it is measured: a run stopped later keeps it
-            record = bench_record(lengths, model, a.gen_tokens, a.repeats, arguments, shard)
-            print(*([format_header(record, a.verbose)] if len(lengths) == 1 else []),
-                  format_length(record, lengths[-1], a.verbose), sep="\n\n", end="\n\n", flush=True)
-            if a.json:
-                _save(Path(a.json), record)
+        record = bench_record(lengths, model, a.gen_tokens, a.repeats, arguments, shard)
+        if quiet or to_stdout(a.json):
+            continue
+        # each length as soon as it is measured: a run stopped later keeps it
+        print(*([format_header(record, a.verbose)] if len(lengths) == 1 else []),
+              format_length(record, lengths[-1], a.verbose), sep="\n\n", end="\n\n", flush=True)
+        if a.json:
+            write_json(a.json, record)
+    if to_stdout(a.json) and not quiet:
+        write_json(a.json, record)
     if not any(length["arms"] for length in lengths):
         raise MoebenchError("every arm failed: " + "; ".join(f"{f['arm']}: {f['reason']}" for f in failures))
     return 0
-
-
-def _save(path: Path, record: dict) -> None:
-    try:
-        path.write_text(json.dumps(record, indent=2) + "\n")
-    except OSError as e:
-        raise MoebenchError(f"--json {path}: cannot write the record: {e}") from e

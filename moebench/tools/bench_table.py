@@ -9,13 +9,12 @@ fallback when it ran); the *fallback* is moebench's unfused path (gather_qmm, wh
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 from ..checkpoint.loader import quantization_details, quantization_text
 from ..units import byte_size
+from .text_table import markdown_table, wrapped
 
-WIDTH = 100  # the default report fits a terminal this wide (arm names past ~30 characters excepted)
 SPREAD_RULE = "their decode tok/s [min-max] ranges over the repeats overlap"
 CPU_BACKEND = "reference"  # kernel.available_backend()'s name for the fused arithmetic as MLX ops
 
@@ -27,13 +26,7 @@ def overlapping_arms(arms: list[dict]) -> list[list[str]]:
             if a["decode_tps"]["min"] <= b["decode_tps"]["max"] and b["decode_tps"]["min"] <= a["decode_tps"]["max"]]
 
 
-def _wrapped(text: str) -> list[str]:
-    """`text` in lines of at most WIDTH, the continuations indented two past its own indent."""
-    indent = " " * (len(text) - len(text.lstrip()) + 2)
-    return textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_on_hyphens=False)
-
-
-def _spread(s: dict, digits: int = 1, unit: str = "") -> str:
+def spread(s: dict, digits: int = 1, unit: str = "") -> str:
     """median [min-max], as the table prints every repeated measurement."""
     return f"{s['median']:.{digits}f}{unit} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
 
@@ -61,14 +54,6 @@ def _dispatch(d: dict | None) -> str:
     return f"MoE {fused}; {d['fallback']} fallback{notes}"
 
 
-def markdown_table(rows: list[list[str]]) -> list[str]:
-    """Rows of cells as a Markdown table, the first row its header, columns padded to one width."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return lines
-
-
 def _own_peak(a: dict) -> str:
     return byte_size(a["own_peak_memory_gb"] * 1e9)
 
@@ -78,16 +63,16 @@ def _arm_details(a: dict, baseline: str) -> list[str]:
     g = "the baseline" if a["name"] == baseline else _greedy(a["greedy_vs_reference"], detail=True)
     lines = [f"{a['name']}: {a['engine']}, loop {a['loop']}, experts by {a['experts']}, {a['dtype']}"
              + (f"; {a['note']}" if a["note"] else ""),
-             f"prompt {_spread(a['prompt_tps'])} tok/s, time to first token {_spread(a['ttft_ms'])} ms",
-             f"decode {_spread(a['decode_tps'])} tok/s (mean {a['decode_tps']['mean']:.1f}, sd "
+             f"prompt {spread(a['prompt_tps'])} tok/s, time to first token {spread(a['ttft_ms'])} ms",
+             f"decode {spread(a['decode_tps'])} tok/s (mean {a['decode_tps']['mean']:.1f}, sd "
              f"{a['decode_tps']['sd']:.1f}); vs {baseline} round by round "
-             f"{_spread(a['decode_ratio_vs_reference'], 3, 'x')}",
+             f"{spread(a['decode_ratio_vs_reference'], 3, 'x')}",
              f"memory: weights {byte_size(a['weights_gb'] * 1e9)} + working {byte_size(a['working_memory_gb'] * 1e9)}"
              f" = own peak {_own_peak(a)}; the process's peak {byte_size(a['peak_memory_gb'] * 1e9)} (every loaded "
              "model)",
              f"dispatch (last repeat): {_dispatch(a['dispatch'])}",
              f"greedy tokens: {g}" + ("" if a["deterministic"] else "; NOT the same in every repeat")]
-    return ["", lines[0], *(part for line in lines[1:] for part in _wrapped("  " + line))]
+    return ["", lines[0], *(part for line in lines[1:] for part in wrapped("  " + line))]
 
 
 def _warnings(record: dict, length: dict) -> list[str]:
@@ -96,10 +81,10 @@ def _warnings(record: dict, length: dict) -> list[str]:
     if record["repeats"] < 2 and len(arms) > 1:
         found.append("one repeat measures no spread: the order of the arms is one sample's (use --repeats 5)")
     found += [f"{a['name']} decoded different tokens in different repeats" for a in arms if not a["deterministic"]]
-    lines = [line for text in found for line in _wrapped("warning: " + text)]
+    lines = [line for text in found for line in wrapped("warning: " + text)]
     pairs = length["unranked"] if record["repeats"] > 1 else []
     if pairs:
-        lines += _wrapped(f"warning: the spread is too wide to rank {len(pairs)} pair{'s' if len(pairs) > 1 else ''} "
+        lines += wrapped(f"warning: the spread is too wide to rank {len(pairs)} pair{'s' if len(pairs) > 1 else ''} "
                           f"of arms, as {SPREAD_RULE} (more --repeats or a quieter machine may separate them):")
         lines += [f"  {a}  vs  {b}" for a, b in pairs]
     return lines
@@ -108,7 +93,7 @@ def _warnings(record: dict, length: dict) -> list[str]:
 def _length_table(record: dict, length: dict, verbose: bool) -> str:
     arms = length["arms"]
     title = f"prompt {length['prompt_tokens']} tokens, {record['gen_tokens']} generated, {record['repeats']} repeats"
-    tail = [f"{s['arm']} / {s['snapshot']}, round by round: {_spread(s['ratio'], 3, 'x')}"
+    tail = [f"{s['arm']} / {s['snapshot']}, round by round: {spread(s['ratio'], 3, 'x')}"
             for s in length["snapshot_ratios"]]
     tail += [f"skipped {s['arm']}: {s['reason']}" for s in length["skipped"]]
     if not arms:
@@ -116,7 +101,7 @@ def _length_table(record: dict, length: dict, verbose: bool) -> str:
     baseline = length["reference_arm"]
     rows = [["arm", "decode tok/s", "vs baseline", "memory", "greedy tokens"]]
     for a in arms:
-        rows.append([a["name"], _spread(a["decode_tps"]), f"{a['decode_ratio_vs_reference']['median']:.2f}x",
+        rows.append([a["name"], spread(a["decode_tps"]), f"{a['decode_ratio_vs_reference']['median']:.2f}x",
                      _own_peak(a), "baseline" if a["name"] == baseline else _greedy(a["greedy_vs_reference"])])
     legend = [f"baseline: {baseline}; vs baseline: median of the per-round decode tok/s ratios; decode tok/s: "
               "median [min-max] of the repeats; memory: the arm's own peak (its weights + working memory)"]
@@ -124,7 +109,7 @@ def _length_table(record: dict, length: dict, verbose: bool) -> str:
         legend.append(f"fused ({CPU_BACKEND}): the CPU backend, the fused kernels' arithmetic as MLX ops (no Metal "
                       "or CUDA here)")
     details = [line for a in arms for line in _arm_details(a, baseline)] if verbose else []
-    return "\n".join([title, *markdown_table(rows), *(line for text in legend for line in _wrapped(text)),
+    return "\n".join([title, *markdown_table(rows), *(line for text in legend for line in wrapped(text)),
                       *_warnings(record, length), *tail, *details])
 
 
@@ -146,7 +131,7 @@ def _header(record: dict, verbose: bool) -> list[str]:
         lines += [f"  {m['path']}", *(f"  {line}" for line in quantization_details(m["quantization"])),
                   f"  python {p['python']}, mlx-lm {p['mlx_lm']}, {p['host']}; moebench loops queue "
                   f"{record['moebench_loop']['steps_ahead']} steps ahead"]
-    return [part for line in lines for part in _wrapped(line)]
+    return [part for line in lines for part in wrapped(line)]
 
 
 def format_header(record: dict, verbose: bool = False) -> str:

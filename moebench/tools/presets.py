@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from tqdm.auto import tqdm
 
 from ..checkpoint.config import model_args
 from ..checkpoint.weights import LAYOUTS, tensor_shapes
@@ -25,7 +24,9 @@ from ..errors import ConfigError
 from ..models import families, family
 from ..models.args import AFFINE_BITS, AFFINE_GROUP_SIZES, FP_MODES
 from ..models.family import Preset
+from .byte_tokenizer import write_byte_tokenizer
 from .flags import SEED, finite, finite_number
+from .progress import Progress
 from .writer import (
     gpt_oss_mlx_lm_tensors,
     gpt_oss_quantization,
@@ -77,9 +78,9 @@ def write_random(
     """A random checkpoint of `preset`: MLX affine `bits`/`group_size` (or every quantized weight in a microscaled
     `mode`, whose bits and group size are the mode's, as `mlx_lm.convert --q-mode` writes it), experts in `layout`
     ('stacked' or 'per-expert'; default the family's, default_layout), scales in `dtype`, shards of at most
-    `shard_gb` GB with an index, no tokenizer (bench works on token ids). Both layouts of one seed hold the same
-    model. gpt-oss is written as mlx-lm lays it out (its router and mxfp4 experts under their own quantization,
-    stacked only)."""
+    `shard_gb` GB with an index, and a byte-level tokenizer of the preset's vocabulary (byte_tokenizer), so text
+    prompts encode and every token decodes. Both layouts of one seed hold the same model. gpt-oss is written as
+    mlx-lm lays it out (its router and mxfp4 experts under their own quantization, stacked only)."""
     p = get_preset(preset)
     layout = layout or default_layout(preset)
     if layout not in LAYOUTS:
@@ -107,7 +108,7 @@ def write_random(
     config = {**p.config, "torch_dtype": dtype}
     args = model_args(config, source=f"preset {preset}")
     count = len(tensor_shapes(args))
-    tensors = tqdm(random_tensors(args, seed, DTYPES[dtype], generator), total=count, unit="tensor",
+    tensors = Progress(random_tensors(args, seed, DTYPES[dtype], generator), total=count, unit="tensor",
                    desc=f"make-random {preset}", disable=not progress, mininterval=2.0)
     if gpt_oss:
         quantized = gpt_oss_mlx_lm_tensors(tensors, args, group_size, bits)
@@ -118,14 +119,16 @@ def write_random(
                                      skip=lambda name: name.endswith(kept) if kept else False)
         config["quantization"] = {"group_size": group_size, "bits": bits, "mode": mode}
     config["quantization_config"] = config["quantization"]
-    return save_checkpoint(out, config, quantized, shard_bytes=int(shard_gb * 1e9))
+    save_checkpoint(out, config, quantized, shard_bytes=int(shard_gb * 1e9))
+    write_byte_tokenizer(out, args.vocab_size, args.eos_token_id)
+    return out
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-random", help="write a random-weight quantized checkpoint of a named model shape")
-    p.add_argument("out_dir", help="new folder to write (config.json, shards, index)")
-    p.add_argument("--preset", default="qwen1.5-moe-a2.7b", choices=sorted(PRESETS),
-                   help="the model shape to write (default %(default)s)")
+    p.add_argument("out_dir", help="new folder to write (config.json, shards, index, a byte-level tokenizer)")
+    p.add_argument("--preset", default="qwen1.5-moe-a2.7b", choices=sorted(PRESETS), metavar="PRESET",
+                   help="the model shape to write, one of " + ", ".join(sorted(PRESETS)) + " (default %(default)s)")
     p.add_argument("--bits", type=int, default=4, choices=AFFINE_BITS,
                    help="affine quantization bits of every quantized weight (default %(default)s)")
     p.add_argument("--group-size", type=int, default=64, choices=AFFINE_GROUP_SIZES,

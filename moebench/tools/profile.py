@@ -15,8 +15,11 @@ Decode speed (bench) is one number; this splits it per token, to tell Python-bou
 
 On CPU the mx.fast ops (rms_norm, rope, scaled_dot_product_attention) decompose into several primitives at
 graph build, whereas on a GPU each is one node, so node counts compare arms on the same device only.
-A GPU custom kernel (mx.fast.metal_kernel / cuda_kernel) is one 'CustomKernel' node; should the dot export
-raise for some primitive, the arm records the error text instead of its counts.
+A GPU custom kernel (mx.fast.metal_kernel / cuda_kernel) is one 'CustomKernel' node; should MLX's dot export
+refuse some primitive, the arm records MLX's error text instead of its counts.
+
+moebench's eager arms decode over the caches the decode loop makes (decode.cache.layer_caches: a hybrid's
+linear-attention layers get their recurrent state), so every family profiles as it decodes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import argparse
 import contextlib
 import datetime
 import io
-import json
 import re
 import sys
 import time
@@ -37,15 +39,17 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..checkpoint.loader import default_model_path, load
-from ..decode.cache import make_cache
+from ..decode.cache import layer_caches
 from ..decode.compiled import CompiledForward
 from ..decode.loop import generate
 from ..errors import MoebenchError
 from ..execution.executor import executor, fused_moe
 from ..execution.kernel import available_backend
 from .bench import mlx_lm_model, platform_info, prompt_token_ids, summary
-from .bench_table import markdown_table
 from .flags import SEED, at_least
+from .json_option import add_json_option, check_json_target, report, to_stdout
+from .progress import Progress
+from .text_table import markdown_table, wrapped
 
 SCHEMA = "moebench.tools.profile/1"
 TOP_PRIMITIVES = 15  # rows of the primitive table (the JSON keeps every count)
@@ -74,7 +78,7 @@ def graph_nodes(*outputs: mx.array) -> dict:
     buffer = io.StringIO()
     try:
         mx.export_to_dot(buffer, *outputs)
-    except Exception as e:  # reported, not raised: the timings of the arm still stand
+    except (RuntimeError, ValueError) as e:  # MLX refusing a primitive: reported, the arm's timings still stand
         return {"total": None, "by_primitive": {}, "error": f"{type(e).__name__}: {e}"}
     counts = count_primitives(buffer.getvalue())
     ordered = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
@@ -95,10 +99,10 @@ def compiled_greedy_step(model, capacity: int) -> Step:
 
 
 def greedy_step(model) -> Step:
-    """A greedy one-step function over a fresh KV cache: moebench's model through its executor (each step's
-    plan counted), or mlx-lm's."""
+    """A greedy one-step function over fresh caches: moebench's model over the decode loop's (layer_caches; nothing
+    is rolled back here) through its executor (each step's plan counted), or mlx-lm's over its own."""
     if hasattr(model, "moe_blocks"):
-        cache, ex = make_cache(len(model.layers)), executor(model)
+        cache, ex = layer_caches(model, keep=1), executor(model)
 
         def step(ids: mx.array) -> mx.array:
             plan = ex.plan(ids.size, cache)
@@ -188,8 +192,10 @@ def moebench_profile_arms(model, fused: str, compiled: str = "off") -> list[Prof
 
 
 def run_profile(arms: list[ProfileArm], prompt_ids: list[int], steps: int, gen_tokens: int,
-                warmup: int = 3) -> tuple[list[dict], list[dict]]:
-    """(arm records, failures): an arm that raises (say, a GPU kernel that does not build) is reported."""
+                warmup: int = 3, progress: bool = True) -> tuple[list[dict], list[dict]]:
+    """(arm records, failures), arm by arm under a bar on stderr (`progress`): an arm that meets a named moebench
+    condition (a MoebenchError: a backend this MLX build lacks, more memory than the device has) is reported as
+    failed; anything else raises."""
     if steps < 1:
         raise MoebenchError(f"--steps {steps}: need at least 1")
     if warmup < 0:
@@ -197,12 +203,14 @@ def run_profile(arms: list[ProfileArm], prompt_ids: list[int], steps: int, gen_t
     if gen_tokens < 2:
         raise MoebenchError(f"--gen-tokens {gen_tokens}: need at least 2 (decode speed counts tokens after the first)")
     records, failures = [], []
-    for arm in arms:
-        try:
-            records.append(profile_arm(arm, prompt_ids, steps, gen_tokens, warmup))
-        except Exception as e:
-            failures.append({"arm": arm.name, "reason": f"{type(e).__name__}: {e}"})
-            print(f"arm {arm.name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+    with Progress(arms, desc="profile", unit="arm", disable=not progress) as bar:  # its line ended on an error
+        for arm in bar:
+            bar.set_postfix_str(arm.name)
+            try:
+                records.append(profile_arm(arm, prompt_ids, steps, gen_tokens, warmup))
+            except MoebenchError as e:
+                failures.append({"arm": arm.name, "reason": f"{type(e).__name__}: {e}"})
+                print(f"arm {arm.name} failed: {type(e).__name__}: {e}", file=sys.stderr)
     return records, failures
 
 
@@ -259,7 +267,8 @@ def format_table(record: dict) -> str:
         tail.append("note: on CPU mx.fast ops (rms_norm, rope, sdpa) decompose into several primitives; "
                     "compare node counts between arms on one device only")
     tail += [f"skipped {s['arm']}: {s['reason']}" for s in record["skipped"]]
-    return "\n".join([head, "", *markdown_table(rows), "", *markdown_table(prim), *tail])
+    return "\n".join([*wrapped(head), "", *markdown_table(rows), "", *markdown_table(prim),
+                      *(line for text in tail for line in wrapped(text))])
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -271,19 +280,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=at_least(0), default=3, help="untimed decode steps before them")
     p.add_argument("--gen-tokens", type=at_least(1), default=64, help="tokens of the pipelined decode")
     p.add_argument("--fused", choices=("on", "off", "both"), default="both",
-                   help="profile moebench with the fused kernels (on), the fallback (off) or both (default)")
+                   help="profile moebench with the fused kernels (on), the fallback (off) or both")
     p.add_argument("--compiled", choices=("on", "off", "both"), default="off",
                    help="moebench's arms eager (off, the graph the host builds every token), through the compiled "
                         "decode step (on; generate's default on CUDA and the CPU) or both")
     p.add_argument("--compare", choices=("mlx-lm",), default=None, help="also profile mlx-lm's model of the folder")
     p.add_argument("--seed", type=SEED, default=0, help="seed of the prompt's token ids")
-    p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
+    add_json_option(p, "the full record (every primitive count)")
     p.set_defaults(run=_run)
 
 
 def _run(a: argparse.Namespace) -> int:
+    check_json_target(a.json)
     path = Path(a.model) if a.model else default_model_path()
-    model, _ = load(path, verbose=True)
+    model, _ = load(path, verbose=not to_stdout(a.json))
     prompt_ids = prompt_token_ids(model.args.vocab_size, a.prompt_tokens, a.seed)
     arms, skipped = moebench_profile_arms(model, a.fused, a.compiled), []
     if a.compare == "mlx-lm":
@@ -299,7 +309,5 @@ def _run(a: argparse.Namespace) -> int:
         raise MoebenchError("every arm failed: " + "; ".join(f"{f['arm']}: {f['reason']}" for f in failures))
     arguments = {k: v for k, v in vars(a).items() if k != "run"}
     record = profile_record(records, model, prompt_ids, a.steps, a.warmup, a.gen_tokens, skipped, arguments)
-    print(format_table(record))
-    if a.json:
-        Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
+    report(a.json, format_table(record), record)
     return 0

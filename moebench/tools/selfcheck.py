@@ -15,11 +15,11 @@ fails.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
-from itertools import product
+from itertools import chain, groupby, product
 from pathlib import Path
 
 import mlx.core as mx
@@ -49,7 +49,11 @@ from ..models.qwen2_moe import MLP
 from ..models.run import token_mixer
 from ..models.switch import SwitchGLU, weighted_sum
 from .bench import compare_traces, moebench_arms, platform_info, prompt_token_ids, reference_arm, run_arms, summary
+from .bench_table import spread
 from .flags import at_least
+from .json_option import add_json_option, check_json_target, report
+from .progress import Progress
+from .text_table import fitted, markdown_table
 
 SCHEMA = "moebench.tools.selfcheck/1"
 FUSED_NRMS = 5e-4  # fused vs float truth (and vs the CPU reference): the parity class of the fused kernel
@@ -203,10 +207,9 @@ def parity_widths(group_size: int) -> list[tuple[int, int]]:
 KEYS_PER_SHAPE = 2 + len(GROUP_SIZES) * 3 * len(AFFINE_BITS) + 3 * len(MICROSCALED)
 
 
-def kernel_parity(backend: str, shapes: list[Shape], dtype: mx.Dtype, seed: int = 0) -> list[dict]:
+def kernel_parity(backend: str, shapes: list[Shape], dtype: mx.Dtype, seed: int = 0) -> Iterator[dict]:
     """Every supported affine width and group size (parity_widths) and each microscaled mode at each shape, with
-    random quantized experts."""
-    rows = []
+    random quantized experts: a row as each case is checked."""
     for shape in shapes:
         keys = iter(mx.random.split(mx.random.key(seed), KEYS_PER_SHAPE))
         e, d, f, k = shape.experts, shape.hidden, shape.width, shape.top_k
@@ -216,19 +219,17 @@ def kernel_parity(backend: str, shapes: list[Shape], dtype: mx.Dtype, seed: int 
         indices = mx.array(np.random.default_rng(seed).permutation(e)[:k], dtype=mx.uint32)
         for gs in GROUP_SIZES:
             if d % gs or f % gs:
-                rows.append({"case": label, "group_size": gs, "status": "not applicable", "passed": True,
-                             "reason": f"D {d} or Dff {f} is not a multiple of the group size"})
+                yield {"case": label, "group_size": gs, "status": "not applicable", "passed": True,
+                       "reason": f"D {d} or Dff {f} is not a multiple of the group size"}
                 continue
             gate_up = {bits: (random_parts(next(keys), e, f, d, bits, gs, dtype),
                               random_parts(next(keys), e, f, d, bits, gs, dtype)) for bits in AFFINE_BITS}
             down = {bits: random_parts(next(keys), e, d, f, bits, gs, dtype) for bits in AFFINE_BITS}
             for gate_up_bits, down_bits in parity_widths(gs):
-                rows.append(parity_case(backend, label, x, indices, probs[indices], *gate_up[gate_up_bits],
-                                        down[down_bits]))
+                yield parity_case(backend, label, x, indices, probs[indices], *gate_up[gate_up_bits], down[down_bits])
         for mode in MICROSCALED:
             parts = [random_microscaled_parts(next(keys), e, o, i, mode) for o, i in ((f, d), (f, d), (d, f))]
-            rows.append(parity_case(backend, label, x, indices, probs[indices], *parts))
-    return rows
+            yield parity_case(backend, label, x, indices, probs[indices], *parts)
 
 
 GPT_OSS_CLAMP = (1.0, 1.702)  # gpt-oss's alpha; a limit that bites on random_parts' activations (gpt-oss's is 7.0)
@@ -247,9 +248,10 @@ def clamped_experts(gate: QuantizedParts, up: QuantizedParts, down: QuantizedPar
     return experts
 
 
-def variant_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
+def variant_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> Iterator[dict]:
     """gpt-oss's experts (biases on gate, up and down, the clamped SwiGLU) in each format the pair reads (affine
-    4-bit and 8-bit g64, each microscaled mode), at Qwen1.5-MoE-A2.7B's expert shapes with random weights."""
+    4-bit and 8-bit g64, each microscaled mode), at Qwen1.5-MoE-A2.7B's expert shapes with random weights: a row as
+    each is checked."""
     name, d, f, k = A27B_SHAPE
     label = f"{name} + biases + clamped SwiGLU (limit {GPT_OSS_CLAMP[0]:g}, alpha {GPT_OSS_CLAMP[1]:g})"
     keys = iter(mx.random.split(mx.random.key(seed + 2), 6 + 3 * (len(VARIANT_BITS) + len(MICROSCALED))))
@@ -260,8 +262,8 @@ def variant_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
     shapes = ((f, d), (f, d), (d, f))
     stacks = [[random_parts(next(keys), k + 1, o, i, bits, 64, dtype) for o, i in shapes] for bits in VARIANT_BITS]
     stacks += [[random_microscaled_parts(next(keys), k + 1, o, i, mode) for o, i in shapes] for mode in MICROSCALED]
-    return [parity_case(backend, label, x, indices, scores, *parts, experts=clamped_experts(*parts, biases))
-            for parts in stacks]
+    return (parity_case(backend, label, x, indices, scores, *parts, experts=clamped_experts(*parts, biases))
+            for parts in stacks)
 
 
 def model_weights_parity(backend: str, model, seed: int = 0) -> list[dict]:
@@ -656,20 +658,10 @@ def report_text(record: dict) -> str:
     more = " ..." if len(w["nonfinite"]) > 5 else ""
     lines.append(f"weights: every value finite ({w['seconds']:.1f} s)" if w["passed"] else
                  f"weights: NaN or Inf in {', '.join(w['nonfinite'][:5])}{more}")
-    lines.append(f"\nkernel parity (bounds: fused vs truth nRMS < {FUSED_NRMS:g}, nMax < {FUSED_NMAX:g}; "
-                 f"gather_qmm vs truth < {FALLBACK_NRMS:g})")
-    lines.append("| case | bits g/u/d | group | fused nRMS | fused nMax | vs reference | gather_qmm nRMS | "
-                 "deterministic | result |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
-    for r in record["parity"]:
-        if r["status"] != "ran":
-            lines.append(f"| {r['case']} | {_format(r) if 'bits' in r else '-'} | {r.get('group_size', '-')} | - | - | "
-                         f"- | - | - | "
-                         f"{r['status']}: {r['reason']} |")
-            continue
-        lines.append(f"| {r['case']} | {_format(r)} | {r['group_size']} | {_fmt(r['fused_nrms'])} | "
-                     f"{_fmt(r['fused_nmax'])} | {_fmt(r['vs_reference_nrms'])} | {_fmt(r['fallback_nrms'])} | "
-                     f"{'yes' if r['deterministic'] else 'NO'} | {'pass' if r['passed'] else 'FAIL'} |")
+    lines.append(f"\nkernel parity (bounds: fused vs truth nRMS < {FUSED_NRMS:g}, nMax < {FUSED_NMAX:g}; gather_qmm "
+                 f"vs truth < {FALLBACK_NRMS:g}). {PARITY_COLUMNS}")
+    for case, rows in groupby(record["parity"], key=lambda r: r["case"]):
+        lines += ["", *parity_table(case, list(rows))]
     lines.append(f"\nrouter kernel vs the CPU reference (bound: max |difference| < {ROUTER_TOLERANCE:g}, same experts)")
     for r in record["router"]:
         if r["status"] != "ran":
@@ -691,7 +683,7 @@ def report_text(record: dict) -> str:
     dec = record["decode"]
     if "error" in dec:
         lines.append(f"\ndecode: FAIL: {dec['error']}")
-        return "\n".join([*lines, _verdict(record)])
+        return "\n".join(fitted([*lines, _verdict(record)]))
     d, g, s = dec["dispatch"], dec["greedy"], dec["speed"]
     lines.append(f"\ndispatch: {d['fused'].get(dec['backend'], 0)} fused / {d['expected_fused']} expected "
                  f"({d['moe_layers']} MoE layers x {dec['gen_tokens'] - 1} decode steps), {d['fallback']} fallback "
@@ -705,14 +697,32 @@ def report_text(record: dict) -> str:
     lines.append(f"greedy on vs off ({dec['gen_tokens']} tokens): {g['parity_class']}{margin}; "
                  f"{'pass' if g['passed'] else 'FAIL'}; decode deterministic: {dec['deterministic']}")
     model = record["model"]
-    lines.append(f"\n| model | bits | decode tok/s off -> on (median, min-max over {dec['repeats']}) | gain | "
-                 "parity class |")
-    lines.append("|---|---|---|---|---|")
-    off, on = s["off_tps"], s["on_tps"]
-    lines.append(f"| {model['name']} | {model['bits']} | {off['median']:.1f} ({off['min']:.1f}-{off['max']:.1f}) -> "
-                 f"{on['median']:.1f} ({on['min']:.1f}-{on['max']:.1f}) [{dec['backend']}] | {100 * s['gain']:+.1f}% | "
-                 f"{g['parity_class']} |")
-    return "\n".join([*lines, _verdict(record)])
+    lines.append(f"\ndecode of {model['name']} ({model['bits']}), tok/s median [min-max] over {dec['repeats']} "
+                 "repeats:")
+    lines += markdown_table([["kernels off", f"on [{dec['backend']}]", "gain", "parity class"],
+                             [spread(s["off_tps"]), spread(s["on_tps"]), f"{100 * s['gain']:+.1f}%",
+                              g["parity_class"]]])
+    return "\n".join(fitted([*lines, _verdict(record)]))
+
+
+PARITY_COLUMNS = ("nRMS, nMax: fused vs the float64 truth; vs ref: fused vs the CPU reference; qmm nRMS: gather_qmm "
+                  "vs the truth; same: bitwise equal when run again")
+
+
+def parity_table(case: str, rows: list[dict]) -> list[str]:
+    """One case's kernel parity rows as a table under its name; a row that did not run says why below it."""
+    cells = [["bits g/u/d", "group", "nRMS", "nMax", "vs ref", "qmm nRMS", "same", "result"]]
+    notes = []
+    for r in rows:
+        storage, group = _format(r) if "bits" in r else "-", str(r.get("group_size", "-"))
+        if r["status"] != "ran":
+            cells.append([storage, group, "-", "-", "-", "-", "-", r["status"]])
+            notes.append(f"  {storage} g{group}: {r['status']}: {r['reason']}")
+            continue
+        cells.append([storage, group, _fmt(r["fused_nrms"]), _fmt(r["fused_nmax"]), _fmt(r["vs_reference_nrms"]),
+                      _fmt(r["fallback_nrms"]), "yes" if r["deterministic"] else "NO",
+                      "pass" if r["passed"] else "FAIL"])
+    return [f"{case}:", *markdown_table(cells), *notes]
 
 
 def gated_delta_lines(rows: list[dict]) -> list[str]:
@@ -739,26 +749,34 @@ def _verdict(record: dict) -> str:
 
 def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen_tokens: int = 32,
               repeats: int = 5, progress: bool = True) -> dict:
-    """Run every check and return the record; record['passed'] is False when any check failed."""
+    """Run every check and return the record; record['passed'] is False when any check failed. With `progress`, a
+    bar on stderr counts the checks as they run and names the stage (the decode checks have bench's)."""
     start = time.perf_counter()
     path = Path(model_path) if model_path else default_model_path()
-    model, _ = load(path)
-    checked = time.perf_counter()
-    nonfinite = nonfinite_weights(model)  # every value of every weight (load samples the large float matrices)
-    weights = {"nonfinite": nonfinite, "seconds": time.perf_counter() - checked, "passed": not nonfinite}
-    backend = available_backend()
-    dtype = model.dtype
-    a = model.args
-    shapes = [Shape(*A27B_SHAPE)]
-    own = Shape(f"model {path.name}", a.hidden_size, a.moe_intermediate_size, a.num_experts_per_tok)
-    if (own.hidden, own.width, own.top_k) != A27B_SHAPE[1:]:  # a real A2.7B model: one set of rows serves both
-        shapes.append(own)
-    parity = kernel_parity(backend, shapes, dtype) + variant_parity(backend, dtype) + model_weights_parity(backend,
-                                                                                                         model)
-    parity.append(shared_expert_parity(backend, dtype))
-    router = router_parity(backend, dtype)
-    attention_rows = attention_parity(backend, model)
-    linear_rows = gated_delta_parity(backend, model)
+    with Progress(desc="selfcheck", unit=" checks", disable=not progress) as bar:
+        bar.set_postfix_str(f"loading {path.name}")
+        model, _ = load(path)
+        bar.set_postfix_str("reading every weight")
+        checked = time.perf_counter()
+        nonfinite = nonfinite_weights(model)  # every value of every weight (load samples the large float matrices)
+        weights = {"nonfinite": nonfinite, "seconds": time.perf_counter() - checked, "passed": not nonfinite}
+        bar.update()
+        backend = available_backend()
+        dtype = model.dtype
+        a = model.args
+        shapes = [Shape(*A27B_SHAPE)]
+        own = Shape(f"model {path.name}", a.hidden_size, a.moe_intermediate_size, a.num_experts_per_tok)
+        if (own.hidden, own.width, own.top_k) != A27B_SHAPE[1:]:  # a real A2.7B model: one set of rows serves both
+            shapes.append(own)
+        bar.set_postfix_str("kernel parity")
+        parity = counted(bar, chain(kernel_parity(backend, shapes, dtype), variant_parity(backend, dtype)))
+        parity += counted(bar, model_weights_parity(backend, model) + [shared_expert_parity(backend, dtype)])
+        bar.set_postfix_str("router kernel")
+        router = counted(bar, router_parity(backend, dtype))
+        bar.set_postfix_str("decode-attention kernel")
+        attention_rows = counted(bar, attention_parity(backend, model))
+        bar.set_postfix_str("gated delta kernel")
+        linear_rows = counted(bar, gated_delta_parity(backend, model))
     decode = decode_checks(model, prompt_tokens, gen_tokens, repeats, progress)
     failures = [f"parity {r['case']} bits {_format(r) if 'bits' in r else None} g{r.get('group_size')}"
                 for r in parity if not r["passed"]]
@@ -773,11 +791,20 @@ def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen
             "seconds": time.perf_counter() - start}
 
 
+def counted(bar: Progress, rows: Iterable[dict]) -> list[dict]:
+    """The rows, each counted on the bar as it is checked (as it comes, when `rows` is an iterator)."""
+    done = []
+    for row in rows:
+        done.append(row)
+        bar.update()
+    return done
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("selfcheck", help="check the fused kernel on this machine: parity, determinism, dispatch, "
                                          "greedy on vs off, speed; exits 1 on a failed check")
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: MOEBENCH_MODEL or shipped)")
-    p.add_argument("--json", metavar="FILE", default=None, help="write the full record as JSON")
+    add_json_option(p, "the full record (every check's numbers)")
     p.add_argument("--prompt-tokens", type=at_least(1), default=16,
                    help="length of the random prompt the decode checks start from (default %(default)s)")
     p.add_argument("--gen-tokens", type=at_least(1), default=32,
@@ -789,9 +816,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(a: argparse.Namespace) -> int:
+    check_json_target(a.json)
     record = selfcheck(a.model, a.prompt_tokens, a.gen_tokens, a.repeats, progress=not a.no_progress)
-    print(report_text(record))
-    if a.json:
-        Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
+    report(a.json, report_text(record), record)
     return 0 if record["passed"] else 1
 

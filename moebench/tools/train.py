@@ -36,7 +36,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from tqdm.auto import tqdm
 
 from ..checkpoint.loader import load
 from ..checkpoint.tokenizer import Tokenizer
@@ -49,6 +48,7 @@ from ..models.hooks import Record
 from .corpus import DEFAULT_CACHE, DOMAINS, Document, load_corpus
 from .flags import SEED, at_least, finite, finite_number, whole_number
 from .local_group import is_rank, run_local_group
+from .progress import Progress
 from .writer import quantize_tensors, qwen2_moe_config, save_checkpoint, write_random_checkpoint
 
 EOS = "<|endoftext|>"
@@ -307,7 +307,7 @@ def train(model, train_streams: list[np.ndarray], s: TrainSettings,
     loss_and_grad = nn.value_and_grad(model, make_loss(model, s.balance_coef, s.domain_coef, group))
     code = mx.array(np.repeat([1.0, 0.0], per_stream)[rows], dtype=mx.float32)
     losses = []
-    bar = tqdm(range(s.steps), desc="training", unit="step", disable=rank > 0)
+    bar = Progress(range(s.steps), desc="training", unit="step", disable=rank > 0)
     start = time.perf_counter()
     for step in bar:
         x, y = sample_batch(train_streams, per_stream, s.seq_len, rng)

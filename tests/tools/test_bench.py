@@ -146,6 +146,7 @@ def test_bench_cli_on_a_quantized_checkpoint(quantized_checkpoint, tmp_path, cap
 def test_bench_uses_generate_step_without_a_tokenizer(tmp_path):
     folder = tmp_path / "tiny"
     assert main(["make-random", str(folder), "--preset", "tiny", "--dtype", "float32"]) == 0
+    (folder / "tokenizer.json").unlink()  # make-random writes one; a folder of token ids alone is benched too
     arms, skipped = mlx_lm_arms(folder)
     assert skipped == [] and [a.loop for a in arms] == ["generate_step", "moebench"]
     results, _ = run_arms(arms, [1, 2], gen_tokens=3, repeats=1, progress=False)
@@ -156,7 +157,7 @@ def test_mlx_lms_model_that_makes_its_own_caches_runs_only_under_mlx_lms_loop(tm
     folder = tmp_path / "hybrid"
     assert main(["make-random", str(folder), "--preset", "qwen3.5-moe-tiny", "--dtype", "float32"]) == 0
     arms, skipped = mlx_lm_arms(folder)
-    assert [a.loop for a in arms] == ["generate_step"]
+    assert [a.loop for a in arms] == ["stream_generate"]  # make-random's byte-level tokenizer: as users run it
     assert [s["arm"] for s in skipped] == [bench.OWN_LOOP_ARM]
     assert "makes its own caches (ArraysCache, KVCache)" in skipped[0]["reason"]
     results, failures = run_arms(arms, [1, 2], gen_tokens=3, repeats=1, progress=False)
@@ -451,6 +452,27 @@ def test_the_table_is_one_row_per_arm_with_median_range_ratio_and_readable_memor
     _, verbose = report(quantized_checkpoint, speeds, verbose=True)
     assert "weights 8.8 MB + working 3.0 MB = own peak 11.8 MB" in verbose
     assert "time to first token 10.0 [10.0-10.0] ms" in verbose and "vs moebench fallback round by round" in verbose
+
+
+def test_the_table_of_every_arm_fits_100_columns(quantized_checkpoint):
+    """`--compiled both --compare mlx-lm` on the CPU: six arms, the longest name 35 characters (the table was 101
+    columns): a header wraps, every arm keeps its row and every line fits."""
+    names = ["moebench fallback", "moebench fused (reference)", "moebench fallback compiled",
+             "moebench fused (reference) compiled", "mlx-lm stream_generate", "mlx-lm model, moebench loop"]
+    _, table = report(quantized_checkpoint, {name: [1000.0 + i, 1500.5 + i, 1200.25] for i, name in enumerate(names)})
+    assert max(map(len, table.splitlines())) <= 100
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert set(names) < set(rows) and "1200.2 [" in rows["moebench fused (reference) compiled"]
+
+
+def test_the_progress_bar_draws_a_line_now_and_then_where_stderr_is_no_terminal(capsys):
+    """In a log (stderr captured: no terminal) every redraw stays as a line: the bar is drawn when it starts and
+    ends, not at each of its 24 runs."""
+    calls = []
+    arms = [spy_arm(n, calls, [1, 2]) for n in ("a", "b", "c", "d")]
+    run_arms(arms, [3], gen_tokens=2, repeats=5, progress=True)
+    draws = [d for d in capsys.readouterr().err.replace("\r", "\n").splitlines() if d.strip()]
+    assert len(calls) == 24 and 2 <= len(draws) <= 4 and draws[-1].startswith("bench: 100%")
 
 
 def test_a_spread_too_wide_to_rank_the_arms_is_a_warning_naming_them_and_the_rule(quantized_checkpoint):

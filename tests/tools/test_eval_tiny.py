@@ -75,9 +75,26 @@ def test_the_report_shows_bits_per_byte_beside_perplexity_and_each_prompts_known
          "routing": [], "samples": {"add": " a + b"}, "prompts": {"add": "def add(a, b):\n    return"},
          "known_words": {"add": (2, 2)}, "known_word_share": 1.0, "python_lines": {"add": (1, 1)}}
     text = format_measurements(r)
-    assert "| code | 16 | 50 | 900.00 | 100.00 | 3.000 | 2.000 |" in text
+    assert "| code | 16 | 50 | 900.00 | 100.00 | 3.000 | 2.000 |" in " ".join(text.split())
     assert "add (2 of 2 words known; its first 1 of 1 lines compile as Python)" in text
     assert "100.0% over all prompts" in text
+
+
+def test_the_reports_tables_fit_100_columns_with_the_float_model_beside():
+    """data/README.md's tables with the float model's columns and the routing table: each split or wrapped to fit,
+    every value still there."""
+    r = {"perplexity": {d: {"unigram": 912.5, "float": 10.25, "model": 11.5} for d in ("code", "prose")},
+         "bits_per_byte": {d: {"unigram": 3.125, "float": 1.5, "model": 1.625} for d in ("code", "prose")},
+         "valid_tokens": {"code": 123456, "prose": 654321}, "valid_bytes": {"code": 500000, "prose": 2500000},
+         "num_experts": 64, "samples": {}, "prompts": {}, "known_words": {}, "known_word_share": 1.0,
+         "python_lines": {},
+         "routing": [{"layer": i, "experts_used": 64, "min_share": 0.001, "max_share": 0.052, "load_entropy_bits": 5.9,
+                      "load_cv": 0.41, "router_entropy_bits": 3.2, "js_code_prose_bits": 0.21} for i in range(4)]}
+    text = format_measurements(r)
+    assert max(map(len, text.splitlines())) <= 100
+    for value in ("912.50", "10.25", "11.50", "3.125", "1.500", "1.625", "654321", "0.001 / 0.052", "0.410", "0.210"):
+        assert value in text
+    assert text.count("| prose ") == 2  # the quality table split in two, each starting with the domain
 
 
 def test_train_tiny_settings_shape_the_architecture_within_the_kernels_widths():

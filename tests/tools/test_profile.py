@@ -9,7 +9,7 @@ import pytest
 
 from moebench.checkpoint.loader import load
 from moebench.cli import main
-from moebench.errors import MoebenchError
+from moebench.errors import DeviceMemoryError, MoebenchError
 from moebench.execution.executor import fused_moe_enabled
 from moebench.execution.kernel import available_backend
 from moebench.tools import profile
@@ -83,6 +83,40 @@ def test_profile_through_the_compiled_step_times_the_step_the_plan_fuses(shipped
     assert record["pipelined_ms_per_token"] > 0 and record["build_ms"]["median"] > 0
 
 
+@pytest.mark.parametrize("compiled", ["off", "on"])
+def test_profile_of_a_hybrid_runs_its_linear_attention_layers_eager_and_compiled(tiny_hybrids, compiled):
+    """The default eager arms over the decode loop's caches (a hybrid's Gated DeltaNet layers carry their recurrent
+    state), and the compiled step: every arm profiles, its token mixing fused on every layer."""
+    for folder in tiny_hybrids.values():
+        model, _ = load(folder)
+        records, failures = run_profile(moebench_profile_arms(model, "both", compiled), list(range(1, 9)), steps=2,
+                                        gen_tokens=4, warmup=1)
+        assert failures == [] and len(records) == 2
+        fused = records[0]
+        assert fused["dispatch"]["attention"] == {"path": available_backend(), "reasons": [], "layers": 4}
+        assert fused["graph"]["error"] is None and fused["pipelined_ms_per_token"] > 0
+
+
+def test_a_named_condition_fails_its_arm_and_anything_else_raises(shipped, monkeypatch):
+    """A MoebenchError (a backend or memory this machine lacks) is reported as the arm's failure; any other
+    exception is a bug and raises, never a 'failed' arm."""
+    arms = [ProfileArm("x", "moebench", shipped, False)]
+
+    def out_of_memory(*args, **kwargs):
+        raise DeviceMemoryError("a decode needs more than the device has")
+
+    monkeypatch.setattr(profile, "profile_arm", out_of_memory)
+    assert run_profile(arms, [1, 2], 1, 2, 0) == ([], [{"arm": "x", "reason": "DeviceMemoryError: a decode needs "
+                                                                               "more than the device has"}])
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'KVCache' object has no attribute 'conv'")
+
+    monkeypatch.setattr(profile, "profile_arm", broken)
+    with pytest.raises(AttributeError, match="conv"):
+        run_profile(arms, [1, 2], 1, 2, 0)
+
+
 def test_bad_settings_are_errors(shipped):
     arms = [ProfileArm("x", "moebench", shipped, False)]
     for steps, gen_tokens, warmup in ((0, 4, 1), (1, 1, 1), (1, 4, -1)):
@@ -108,10 +142,13 @@ def test_cli_prints_the_table_and_writes_the_record(tmp_path, capsys):
 def test_cli_compare_mlx_lm_adds_its_model(tmp_path, capsys):
     pytest.importorskip("mlx_lm")
     out = tmp_path / "profile.json"
-    assert main(["profile", *FAST, "--fused", "off", "--compare", "mlx-lm", "--json", str(out)]) == 0
-    assert "mlx-lm model" in capsys.readouterr().out
+    assert main(["profile", *FAST, "--compiled", "both", "--compare", "mlx-lm", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "mlx-lm model" in text
+    tables = [line for line in text.splitlines() if line.startswith("|")]  # five arms side by side did not fit
+    assert tables and max(map(len, tables)) <= 100
     arms = {a["name"]: a for a in json.loads(out.read_text())["arms"]}
-    assert list(arms) == ["moebench fallback", "mlx-lm model"]
+    assert list(arms)[-1] == "mlx-lm model" and len(arms) == 5
     other = arms["mlx-lm model"]
     assert other["engine"] == "mlx-lm" and other["dispatch"] is None and other["fused"] is None
     assert other["graph"]["per_layer"] > 0 and other["build_ms"]["median"] > 0 and other["pipelined_ms_per_token"] > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,8 +17,14 @@ from moebench.execution import moe as fused_kernel
 from moebench.execution.linear_attention import GatedDeltaWeights
 from moebench.tools import selfcheck
 from moebench.tools.presets import write_random
+from moebench.tools.text_table import WIDTH
 
 ARGS = ["--prompt-tokens", "3", "--gen-tokens", "4", "--repeats", "1", "--no-progress"]
+
+
+def words(text: str) -> str:
+    """The report as one line of words: phrases match wherever its lines wrap."""
+    return " ".join(text.split())
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +38,10 @@ def test_selfcheck_passes_and_reports_the_reference_backend_honestly(quantized_c
     out = tmp_path / "s.json"
     assert main(["selfcheck", str(quantized_checkpoint), "--json", str(out), *ARGS]) == 0
     text = capsys.readouterr().out
+    assert max(map(len, text.splitlines())) <= WIDTH  # every table and line fits a terminal of 100 columns
+    text = words(text)
     assert "fused backend 'reference'" in text and "no GPU kernel was tested" in text
-    assert "parity class" in text and text.rstrip().splitlines()[-1].startswith("PASS")
+    assert "parity class" in text and text.rsplit(" PASS ", 1)[-1].startswith("(")
     record = json.loads(out.read_text())
     assert record["schema"] == "moebench.tools.selfcheck/1" and record["passed"] and record["failures"] == []
     assert record["platform"]["backend"] == "reference" and record["platform"]["mlx"] == mx.__version__
@@ -87,7 +96,7 @@ def test_selfcheck_fails_when_the_kernel_never_dispatches(make_checkpoint, capsy
     folder = make_checkpoint("float")  # float experts: the fused kernel declines every layer
     assert main(["selfcheck", str(folder), *ARGS]) == 1
     text = capsys.readouterr().out
-    assert "declined: float experts" in text and "FAIL" in text and "dispatch" in text.splitlines()[-1]
+    assert "declined: float experts" in words(text) and "FAIL: dispatch" in words(text).rsplit("decode of", 1)[-1]
 
 
 def test_selfcheck_fails_when_the_fused_decode_cannot_run(quantized_checkpoint, monkeypatch, capsys):
@@ -96,7 +105,7 @@ def test_selfcheck_fails_when_the_fused_decode_cannot_run(quantized_checkpoint, 
 
     monkeypatch.setattr(fused_kernel, "routed", broken)
     assert main(["selfcheck", str(quantized_checkpoint), *ARGS]) == 1
-    text = capsys.readouterr().out
+    text = words(capsys.readouterr().out)
     assert "error: RuntimeError: kernel did not build" in text
     assert "decode: FAIL: moebench fused (reference): warm-up failed: RuntimeError: kernel did not build" in text
 
@@ -199,7 +208,7 @@ def test_selfcheck_reads_every_weight_and_fails_on_a_nan(quantized_checkpoint, m
 
     monkeypatch.setattr(selfcheck, "load", load_with_a_nan)
     assert main(["selfcheck", str(quantized_checkpoint), *ARGS]) == 1
-    out = capsys.readouterr().out
+    out = words(capsys.readouterr().out)
     assert "weights: NaN or Inf in model.layers.0.self_attn.o_proj" in out and "FAIL" in out
 
 
@@ -215,7 +224,7 @@ def test_selfcheck_checks_a_hybrids_gated_delta_kernel_and_counts_its_linear_lay
                                                                                     capsys):
     out = tmp_path / "s.json"
     assert main(["selfcheck", str(tiny_hybrids["qwen3-next-tiny"]), "--json", str(out), *ARGS]) == 0
-    text = capsys.readouterr().out
+    text = words(capsys.readouterr().out)
     record = json.loads(out.read_text())
     assert record["passed"] and record["failures"] == []
     [row] = record["gated_delta"]  # float32 model: one dtype
@@ -312,6 +321,24 @@ def test_a_gpu_gated_delta_kernel_is_compared_with_the_reference_and_the_truth(t
 def test_selfcheck_fails_when_the_gated_delta_step_is_wrong(tiny_hybrids, monkeypatch, capsys):
     monkeypatch.setattr(linear_attention, "gated_delta_step", _broken(linear_attention.gated_delta_step, 1e-2))
     assert main(["selfcheck", str(tiny_hybrids["qwen3-next-tiny"]), *ARGS]) == 1
-    text = capsys.readouterr().out
+    text = words(capsys.readouterr().out)
     assert "float32 [reference]: output nRMS 1.00e-02" in text and ": FAIL" in text
     assert "parity model layer 0 gated delta step" in text.splitlines()[-1]
+
+
+def test_selfcheck_shows_its_progress_before_the_first_check_and_counts_every_check(quantized_checkpoint,
+                                                                                   monkeypatch, capsys):
+    """selfcheck ran 45-70 s before its first line: its bar is on stderr before the model loads, and counts each
+    check as it is done (where stderr is no terminal, drawn at its start and end)."""
+    real, seen = selfcheck.load, []
+
+    def load(path):
+        seen.append(capsys.readouterr().err)
+        return real(path)
+
+    monkeypatch.setattr(selfcheck, "load", load)
+    record = selfcheck.selfcheck(quantized_checkpoint, prompt_tokens=2, gen_tokens=2, repeats=1)
+    assert seen[0].strip().startswith("selfcheck: 0")
+    counts = re.findall(r"selfcheck: (\d+)", capsys.readouterr().err)
+    checks = 1 + sum(len(record[k]) for k in ("parity", "router", "attention", "gated_delta"))  # and the weights
+    assert int(counts[-1]) == checks

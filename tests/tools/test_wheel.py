@@ -1,5 +1,6 @@
 """A normal (non-editable) install works: the wheel, installed into a fresh virtual environment, carries the kernel
-sources and the shipped model and passes `moebench selfcheck`.
+sources, the shipped model and the notebooks, passes `moebench selfcheck` and hands out the notebooks
+(`moebench notebooks DIR`).
 
 The rest of the suite runs against the editable install, which reads kernels/ and data/ straight from the checkout,
 so a wheel that lacks them (a package-data glob that misses a file, a link that does not resolve) passes every other
@@ -21,15 +22,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-KERNELS = Path("moebench/kernel_sources")  # inside the package: links to kernels/ and data/ in the checkout
+KERNELS = Path("moebench/kernel_sources")  # inside the package: links to kernels/, data/ and notebooks/ in the checkout
 MODEL = Path("moebench/shipped/tiny-qwen2-moe")
+NOTEBOOKS = Path("moebench/notebooks")
 SELFCHECK = ["--prompt-tokens", "3", "--gen-tokens", "4", "--repeats", "1", "--no-progress"]
 PROBE = """
 import json, moebench
 from importlib import resources
 package = resources.files("moebench")  # how the code finds the kernel sources and the shipped model
 print(json.dumps({"moebench": moebench.__file__, "kernels": str(package / "kernel_sources"),
-                  "model": str(package / "shipped" / "tiny-qwen2-moe")}))
+                  "model": str(package / "shipped" / "tiny-qwen2-moe"), "notebooks": str(package / "notebooks")}))
 """
 
 
@@ -83,12 +85,12 @@ def installed(tmp_path_factory) -> dict:
     return {"source": source, "venv": venv, "work": work, "env": env, "purelib": purelib, "probe": probe}
 
 
-def test_the_wheel_installs_the_package_with_every_kernel_source_and_the_shipped_model(installed):
+def test_the_wheel_installs_the_package_with_every_kernel_source_the_shipped_model_and_the_notebooks(installed):
     """The venv's own copy must win over the editable install's finder (it sits in the site folders the venv reads)
-    and hold every file of kernels/ and of the shipped model, byte for byte."""
+    and hold every file of kernels/, of the shipped model and of notebooks/, byte for byte."""
     probe, package = installed["probe"], installed["purelib"] / "moebench"
     assert Path(probe["moebench"]) == package / "__init__.py", f"imported {probe['moebench']}, not the venv's copy"
-    for folder, key in ((KERNELS, "kernels"), (MODEL, "model")):
+    for folder, key in ((KERNELS, "kernels"), (MODEL, "model"), (NOTEBOOKS, "notebooks")):
         installed_folder = installed["purelib"] / folder
         assert Path(probe[key]) == installed_folder and installed_folder.is_dir(), f"the wheel has no {folder}"
         expected = sorted(p.name for p in (installed["source"] / folder).iterdir() if p.is_file())
@@ -107,3 +109,13 @@ def test_selfcheck_passes_on_the_shipped_model_from_the_installed_wheel(installe
     assert record["passed"] and record["platform"]["backend"] == "reference"
     assert record["decode"]["dispatch"]["fused"].get("reference", 0) > 0, record["decode"]["dispatch"]
     assert Path(record["model"]["path"]) == installed["purelib"] / MODEL
+
+
+def test_the_installed_command_hands_out_the_notebooks(installed):
+    """`moebench notebooks DIR` from the wheel: the notebooks it carries, where a user runs and saves them."""
+    folder = installed["work"] / "my-notebooks"
+    run(installed["venv"] / "bin" / "moebench", "notebooks", folder, cwd=installed["work"], env=installed["env"])
+    source = installed["source"] / "notebooks"
+    names = sorted(p.name for p in source.glob("*.ipynb"))
+    assert names and sorted(p.name for p in folder.iterdir()) == names
+    assert all((folder / n).read_bytes() == (source / n).read_bytes() for n in names)

@@ -1,0 +1,80 @@
+"""A byte-level tokenizer sized to a model's vocabulary, for checkpoints that come without one (make-random's, the
+tests'): any text encodes and every id the model can emit decodes to text, so `moebench generate` and the notebooks
+run on random weights with nothing to download.
+
+Ids 0..255 are the 256 bytes in the order of the byte-level alphabet (`tokenizers`' ByteLevel); every further id is
+a BPE merge, every pair of bytes first, then each of those followed by a byte, and so on, until the vocabulary is
+full. A model's end-of-sequence ids (config.json's eos_token_id) are control tokens instead, named in
+tokenizer_config.json, so a decode stops there and the text leaves them out as it does on published checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from ..checkpoint.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILE
+from ..errors import ConfigError
+
+BYTES = 256
+
+
+def eos_names(eos_ids: Iterable[int]) -> dict[int, str]:
+    """The control token of each end-of-sequence id: `<|eos|>`, then `<|eos_1|>`, `<|eos_2|>` ... for more."""
+    ids = list(dict.fromkeys(eos_ids))
+    return {i: "<|eos|>" if n == 0 else f"<|eos_{n}|>" for n, i in enumerate(ids)}
+
+
+def _merged(alphabet: list[str]) -> Iterator[tuple[str, str]]:
+    """(left, right) of every merge in rank order: each token of the last length followed by each byte."""
+    shorter = alphabet
+    while True:
+        longer = []
+        for left in shorter:
+            for right in alphabet:
+                longer.append(left + right)
+                yield left, right
+        shorter = longer
+
+
+def byte_level_tokenizer(vocab_size: int, eos_ids: Iterable[int] = ()) -> Tokenizer:
+    """The module's tokenizer of exactly `vocab_size` ids, `eos_ids` among them as control tokens."""
+    control = eos_names(eos_ids)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < BYTES + len(control):
+        raise ConfigError(f"vocab_size {vocab_size!r}: a byte-level tokenizer needs at least {BYTES} ids (one per "
+                          f"byte) besides its {len(control)} end-of-sequence ids")
+    wrong = sorted(i for i in control if not BYTES <= i < vocab_size)
+    if wrong:
+        raise ConfigError(f"eos_token_id {wrong[0]}: outside ids {BYTES}..{vocab_size - 1}, where a byte-level "
+                          f"tokenizer of {vocab_size} ids can place a control token (ids 0..{BYTES - 1} are bytes)")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    merges, pairs = [], _merged(alphabet)
+    for token_id in range(BYTES, vocab_size):
+        if token_id in control:
+            vocab[control[token_id]] = token_id
+            continue
+        left, right = next(pairs)
+        vocab[left + right] = token_id
+        merges.append((left, right))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(name, special=True) for name in control.values()])
+    return tok
+
+
+def write_byte_tokenizer(folder: str | Path, vocab_size: int = BYTES, eos_ids: Iterable[int] = ()) -> Path:
+    """tokenizer.json of byte_level_tokenizer in `folder`, and with `eos_ids` a tokenizer_config.json naming the
+    first as eos_token (as transformers and mlx-lm read it); returns tokenizer.json's path."""
+    eos_ids = list(eos_ids)
+    tok = byte_level_tokenizer(vocab_size, eos_ids)
+    path = Path(folder) / TOKENIZER_FILE
+    tok.save(str(path))
+    if eos_ids:
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_names(eos_ids)[eos_ids[0]]}
+        (path.parent / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return path
