@@ -519,15 +519,8 @@ def routed_experts(path: str, experts: SwitchGLU, x: mx.array, indices: mx.array
     return out, y
 
 
-def expert_clamp(experts: SwitchGLU) -> tuple[float, float] | None:
-    """The clamped SwiGLU's (limit, alpha) that `experts` hold (a block declaring CLAMPED_SWIGLU keeps them on its
-    experts as `limit` and `alpha`), or None for SwiGLU."""
-    limit = getattr(experts, "limit", None)
-    return None if limit is None else (float(limit), float(experts.alpha))
-
-
 def expert_variant(experts: SwitchGLU) -> ExpertVariant | None:
     """What `experts` compute beyond bias-free SwiGLU, from what they hold (their projections' biases, their
     clamp), or None when nothing."""
-    biases, clamp = expert_biases(experts.gate_proj, experts.up_proj, experts.down_proj), expert_clamp(experts)
+    biases, clamp = expert_biases(experts.gate_proj, experts.up_proj, experts.down_proj), experts.clamp
     return None if biases is None and clamp is None else ExpertVariant(biases, clamp)

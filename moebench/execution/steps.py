@@ -200,7 +200,7 @@ class MoeKernel:
         spec, parts = block.spec, block.parts()
         self.shard = parts.experts if isinstance(parts.experts, ExpertShard) else None
         self.split_shared = spec.shared is not None and isinstance(parts.shared.down_proj, ColumnShard)
-        self.clamp = moe.expert_clamp(parts.experts) if spec.activation == CLAMPED_SWIGLU else None
+        self.clamp = parts.experts.clamp if spec.activation == CLAMPED_SWIGLU else None
         self.grouped = spec.scoring == SIGMOID_GROUPED  # the router kernel's selection-biased variant
 
     def __call__(self, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:

@@ -8,13 +8,19 @@ first variant is the reference; every other is compared with it, per token and M
     jaccard      |A and B| / |A or B| of the two top-k expert sets
     top1_flip    the highest-scored expert differs
     router_kl    KL(reference || variant) of the router probabilities over all experts (nats), when both have them
+                 and they are distributions (a sigmoid router's per-expert scores are not)
     moved        the share of the routed mix that moved: half the L1 distance between the two top-k weightings,
                  each normalised to sum 1 (0: same experts, same shares; 1: disjoint), when both have scores
     margin       the router-probability margin at the boundary that changed (k-th minus (k+1)-th probability when
-                 the set changed, 1st minus 2nd when only the top-1 did), the smaller of the two variants'
+                 the set changed, 1st minus 2nd when only the top-1 did), the smaller of the two variants'; for a
+                 selection-biased router (GLM-4.x, DeepSeek-V3) the margin of what it chose by, the probability
+                 plus its bias
     near_tie     a change whose margin is below `tie_margin` (default TIE_MARGIN): a coin toss between nearly equal
                  experts that any rounding can flip, told apart from a real flip (`real`). Without router
                  probabilities on either side no change can be called a near-tie.
+    bias_made    how many of the variant's chosen experts its selection bias alone put in (not among the top-k of
+                 the unbiased probabilities in the same groups), when both variants record what they chose by
+    bias_change  a changed routing in which an expert that entered or left was one a selection bias put in
     logits_kl, next_top1_change   per token, when both variants are models: KL(reference || variant) of the
                  next-token distributions and whether the likeliest next token differs.
 
@@ -126,13 +132,17 @@ def teacher_force(model, sequences: list[list[int]], fused: bool | None = None, 
     if not layers:
         raise MoebenchError(f"{name or 'the model'} has no MoE layer to compare")
 
-    def stack(hook: str, dtype) -> np.ndarray:
-        return np.stack([np.stack([getattr(r.layers[i], hook) for i in layers]) for r in records]).astype(dtype)
+    def stack(hook: str, dtype) -> np.ndarray | None:
+        values = [[getattr(r.layers[i], hook) for i in layers] for r in records]
+        if any(v is None for row in values for v in row):  # a value only some routers record (choice_scores)
+            return None
+        return np.stack([np.stack(row) for row in values]).astype(dtype)
 
     return Routing(stack("topk_ids", np.int32), layers, tokens=np.concatenate(sequences),
                    seq=np.repeat(np.arange(len(sequences)), [len(s) for s in sequences]),
                    scores=stack("topk_scores", np.float32), probs=stack("router_probs", np.float32),
-                   logits=np.stack([r.logits for r in records]).astype(np.float32), source=name or "model")
+                   logits=np.stack([r.logits for r in records]).astype(np.float32), source=name or "model",
+                   choice=stack("choice_scores", np.float32))
 
 
 def transformers_routing(folder: str | Path, sequences: list[list[int]]) -> Routing:
@@ -211,7 +221,8 @@ def compare_routings(ref: Routing, other: Routing, tie_margin: float = TIE_MARGI
     set_change = jaccard < 1
     out: dict[str, np.ndarray] = {"jaccard": jaccard, "top1_flip": top1, "set_change": set_change}
     nan = np.full(jaccard.shape, np.nan)
-    if ref.probs is not None and other.probs is not None and ref.probs.shape == other.probs.shape:
+    distributions = ref.choice is None and other.choice is None  # a sigmoid router's scores do not sum to one
+    if distributions and ref.probs is not None and other.probs is not None and ref.probs.shape == other.probs.shape:
         pa_, pb = ref.probs.astype(np.float64), other.probs.astype(np.float64)
         terms = np.where(pa_ > 0, pa_ * (np.log(np.maximum(pa_, 1e-300)) - np.log(np.maximum(pb, 1e-300))), 0.0)
         out["router_kl"] = np.maximum(terms.sum(-1), 0.0)
@@ -225,12 +236,20 @@ def compare_routings(ref: Routing, other: Routing, tie_margin: float = TIE_MARGI
         out["moved"] = 0.5 * (np.abs(wa - wb_at_a).sum(-1) + only_b)
     else:
         out["moved"] = nan
-    margins = [_boundary_margin(r.probs, r.top_k, top1 & ~set_change) for r in (ref, other) if r.probs is not None]
+    margins = [_boundary_margin(r.probs if r.choice is None else r.choice, r.top_k, top1 & ~set_change)
+               for r in (ref, other) if r.probs is not None]
     margin = np.minimum.reduce(margins) if margins else nan
     changed = set_change | top1
     out["margin"] = np.where(changed, margin, np.nan)
     out["near_tie"] = changed & (np.nan_to_num(margin, nan=np.inf) < tie_margin)
     out["real"] = changed & ~out["near_tie"]
+    made_a, made_b = ref.bias_made(), other.bias_made()
+    if made_a is not None and made_b is not None:
+        moved_in_a, moved_in_b = ~match.any(-1), ~match.any(-2)  # chosen by one side only
+        out["bias_made"] = made_b.sum(-1)
+        out["bias_change"] = (moved_in_a & made_a).any(-1) | (moved_in_b & made_b).any(-1)
+    else:
+        out["bias_made"], out["bias_change"] = nan, np.zeros(jaccard.shape, bool)
     if ref.logits is not None and other.logits is not None:
         out["logits_kl"], out["next_top1_change"] = _logits_drift(ref.logits, other.logits)
     return out
@@ -238,7 +257,7 @@ def compare_routings(ref: Routing, other: Routing, tie_margin: float = TIE_MARGI
 
 # -- the whole comparison ---------------------------------------------------------------------------------------
 FRAME_COLUMNS = ["variant", "seq", "pos", "token", "layer", "jaccard", "top1_flip", "set_change", "router_kl",
-                 "moved", "margin", "near_tie", "real", "logits_kl", "next_top1_change"]
+                 "moved", "margin", "near_tie", "real", "bias_made", "bias_change", "logits_kl", "next_top1_change"]
 
 
 @dataclass
@@ -282,11 +301,12 @@ class Drift:
 
     def by_layer(self) -> pd.DataFrame:
         """Per variant and layer: mean Jaccard, how many tokens flipped top-1, changed set, were near-ties or real
-        changes, mean router KL and moved share."""
+        changes, or changes of a bias-made choice, mean router KL and moved share."""
         return (self.frame().groupby(["variant", "layer"], sort=False)
                 .agg(tokens=("jaccard", "size"), jaccard=("jaccard", "mean"), top1_flips=("top1_flip", "sum"),
                      set_changes=("set_change", "sum"), near_ties=("near_tie", "sum"), real=("real", "sum"),
-                     router_kl=("router_kl", "mean"), moved=("moved", "mean")).reset_index())
+                     bias_changes=("bias_change", "sum"), router_kl=("router_kl", "mean"),
+                     moved=("moved", "mean")).reset_index())
 
     def by_token(self) -> pd.DataFrame:
         """Per variant and token: layers changed (real and near-tie), and the next-token drift there."""
@@ -399,6 +419,9 @@ class Drift:
                     f"{g['top1_flip'].mean():.1%}; tokens changed in some layer {per_token.mean():.1%}")
             if g["router_kl"].notna().any():
                 text += f", router KL {g['router_kl'].mean():.3g}, moved {g['moved'].mean():.3g}"
+            if g["bias_made"].notna().any():
+                text += (f"; chosen by the selection bias alone {g['bias_made'].mean():.2f} experts a token-layer, "
+                         f"changes of a bias-made choice {g['bias_change'].mean():.1%}")
             if g["logits_kl"].notna().any():
                 text += (f"; next-token KL {g['logits_kl'].astype(float).mean():.3g}, likeliest next token changed at "
                          f"{g.drop_duplicates(['seq', 'pos'])['next_top1_change'].astype(bool).mean():.1%}")

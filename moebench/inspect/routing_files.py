@@ -42,7 +42,9 @@ class Routing:
     """One variant's routing over concatenated token sequences (see the module docstring).
 
     layers: the MoE layer numbers of the layer axis. logits: next-token logits [tokens, vocab] where a model
-    produced the routing (never written to a file). source: where it came from, for messages and reprs.
+    produced the routing (never written to a file). choice: what a selection-biased router chose by [tokens, layers,
+    experts] (the probabilities plus its bias, -inf outside the groups kept; hooks' choice_scores), where a model
+    with one produced the routing (never written either). source: where it came from, for messages and reprs.
     """
 
     ids: np.ndarray
@@ -53,6 +55,7 @@ class Routing:
     probs: np.ndarray | None = None
     logits: np.ndarray | None = None
     source: str = ""
+    choice: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.ids = np.asarray(self.ids, dtype=np.int32)
@@ -64,7 +67,7 @@ class Routing:
         if len(self.layers) != n_layers:
             raise MoebenchError(f"{self.source or 'routing'}: {len(self.layers)} layer numbers for {n_layers} layers")
         for name, shape in (("tokens", (t,)), ("seq", (t,)), ("scores", (t, n_layers, k)),
-                            ("probs", (t, n_layers, None)), ("logits", (t, None))):
+                            ("probs", (t, n_layers, None)), ("logits", (t, None)), ("choice", (t, n_layers, None))):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -78,6 +81,15 @@ class Routing:
     @property
     def top_k(self) -> int:
         return self.ids.shape[2]
+
+    def bias_made(self) -> np.ndarray | None:
+        """[tokens, layers, top_k]: which chosen experts a selection bias alone put in (not among the top-k of the
+        unbiased probabilities within the same groups); None without the choice and probabilities."""
+        if self.choice is None or self.probs is None:
+            return None
+        unbiased = np.where(np.isfinite(self.choice), self.probs, -np.inf)
+        top = np.argsort(-unbiased, axis=-1, kind="stable")[..., : self.top_k]
+        return ~(self.ids[..., :, None] == top[..., None, :]).any(-1)
 
     def __len__(self) -> int:
         return self.ids.shape[0]

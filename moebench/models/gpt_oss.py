@@ -137,6 +137,10 @@ class Experts(SwitchGLU):
         _biased(self, in_features, hidden_features, num_experts)
         self.limit, self.alpha = limit, alpha
 
+    @property
+    def clamp(self) -> tuple[float, float]:
+        return float(self.limit), float(self.alpha)
+
     def activate(self, gate: mx.array, up: mx.array) -> mx.array:
         return clamped_swiglu(gate, up, self.limit, self.alpha)
 
@@ -155,6 +159,10 @@ class ExpertsShard(ExpertShard):
         super().__init__(in_features, hidden_features, total, first, held, group)
         _biased(self, in_features, hidden_features, held)
         self.limit, self.alpha = limit, alpha
+
+    @property
+    def clamp(self) -> tuple[float, float]:
+        return float(self.limit), float(self.alpha)
 
     def activate(self, gate: mx.array, up: mx.array) -> mx.array:
         return clamped_swiglu(gate, up, self.limit, self.alpha)

@@ -71,7 +71,10 @@ class BiasedSwitchLinear(SwitchLinear):
 
 
 class SwitchGLU(nn.Module):
-    """SwiGLU experts: down_e(silu(gate_e(x)) * up_e(x)) for each selected expert e."""
+    """SwiGLU experts: down_e(silu(gate_e(x)) * up_e(x)) for each selected expert e. `clamp`: a clamped SwiGLU's
+    (limit, alpha) where the experts compute one (the fused kernels take it), None for SwiGLU."""
+
+    clamp: tuple[float, float] | None = None
 
     def __init__(self, in_features: int, hidden_features: int, num_experts: int):
         super().__init__()

@@ -76,7 +76,8 @@ def colorbar(tie_margin: float) -> dict:
 # Column names of Drift's frames, in words
 HEADERS = {"jaccard": "mean Jaccard", "top1_flips": "top-1 flips", "set_changes": "set changed", "near_ties":
            "near-ties", "real": "real changes", "router_kl": "router KL", "moved": "moved", "changed": "set changed",
-           "logits_kl": "next-token KL", "next_top1_change": "next token changed"}
+           "logits_kl": "next-token KL", "next_top1_change": "next token changed",
+           "bias_changes": "bias-made changed"}
 
 
 def html_table(frame: pd.DataFrame, index: bool = False) -> str:

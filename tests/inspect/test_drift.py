@@ -267,3 +267,24 @@ def test_moebench_routes_as_transformers(tmp_path, family):
     assert np.abs(d.routings["moebench"].probs - hf.probs).max() < 1e-4
     assert f["logits_kl"].max() < 1e-6
     assert (f["jaccard"] == 1).mean() > 0.95  # near-ties are rare, not the rule
+
+
+def test_a_selection_biased_router_reports_bias_made_choices(tmp_path):
+    """GLM's grouped sigmoid router: drift judges near-ties on what it chose by (the score plus its bias), counts
+    the experts the bias alone put in, flags changes of such a choice, and gives no router KL (its scores are no
+    distribution)."""
+    from moebench.tools.presets import write_random
+
+    folders = [write_random(tmp_path / name, "glm4-moe-tiny", bits=bits, group_size=64, dtype="float32",
+                            progress=False) for name, bits in (("8bit", 8), ("3bit", 3))]
+    result = drift([str(f) for f in folders], ["def f(x):\n    return x * 2 + 1"])
+    frame = result.frame()
+    assert frame["router_kl"].isna().all() and (frame["bias_made"] >= 0).all()
+    assert frame["bias_made"].sum() > 0 and frame["bias_change"].any()
+    assert (frame.loc[frame["bias_change"], "set_change"] | frame.loc[frame["bias_change"], "top1_flip"]).all()
+    routing = result.routings[result.names[1]]
+    made = routing.bias_made()
+    assert made.shape == routing.ids.shape and made.sum(-1).reshape(-1).tolist() == \
+        frame["bias_made"].astype(int).tolist()
+    assert "chosen by the selection bias alone" in repr(result)
+    assert "bias_changes" in result.by_layer()
