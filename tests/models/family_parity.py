@@ -5,11 +5,14 @@ the cache."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from hf_reference import max_error, mlx_lm_cached_steps, model_call_matches, session_matches
+from byte_tokenizer import write_byte_tokenizer
+from hf_reference import max_error, mlx_lm_cached_steps, model_call_matches, save_hf_checkpoint, session_matches
 
 import moebench
 from moebench.decode.loop import generate
@@ -18,8 +21,45 @@ TOLERANCE = 1e-4
 STEPS = 24  # decode steps over the cache
 
 
+def recipes(group_size: int = 64) -> dict[str, dict]:
+    """The mlx_lm.convert recipes the issue names (4-, 6- and 3-bit, mixed_3_6) at one group size."""
+    return {"4bit": dict(q_bits=4, q_group_size=group_size), "6bit": dict(q_bits=6, q_group_size=group_size),
+            "3bit": dict(q_bits=3, q_group_size=group_size),
+            "mixed_3_6": dict(quant_predicate="mixed_3_6", q_group_size=group_size)}
+
+
 def prompt(seed: int, vocab: int, length: int = 12) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, length).tolist()
+
+
+def made_once(make: Callable[[str], Path]) -> Callable[[str], Path]:
+    """make(key), made once a key: a module fixture's read-only folders."""
+    made: dict[str, Path] = {}
+
+    def get(key: str) -> Path:
+        if key not in made:
+            made[key] = make(key)
+        return made[key]
+
+    return get
+
+
+def save_published(folder: Path, config_cls, model_cls, config: dict) -> Path:
+    """transformers' tiny model saved (hf_reference.save_hf_checkpoint) with the byte tokenizer, its rotary settings
+    at the top level as the published config.json files write them (transformers 5 writes them inside
+    `rope_parameters`; mlx-lm 0.32 reads them at the top level)."""
+    save_hf_checkpoint(folder, config_cls, model_cls, config)
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    rope = dict(cfg["rope_parameters"])
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:
+        cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+    kind = rope.pop("rope_type", "default")
+    cfg["rope_scaling"] = None if kind == "default" else {"type": kind, **rope}
+    path.write_text(json.dumps(cfg, indent=2))
+    write_byte_tokenizer(folder)
+    return folder
 
 
 def convert(hf: Path, out: Path, recipe: dict) -> Path:
@@ -83,3 +123,18 @@ def fused_on_every_decode_step(folder: Path, ids: list[int], steps: int = 8) -> 
     with moebench.fused_moe(False, ours):
         assert generate(ours, ids, steps).token_ids == fused.token_ids
     return found
+
+
+def converted_matches_and_runs_fused(folder: Path, vocab: int) -> dict:
+    """An mlx_lm.convert folder: mlx-lm's logits, and the fused MoE kernels on every decode step."""
+    ids = prompt(1, vocab)
+    matches_mlx_lm(folder, ids)
+    return fused_on_every_decode_step(folder, ids)
+
+
+def make_random_loads_in_mlx_lm(folder: Path, preset: str, vocab: int, group_size: int = 64) -> None:
+    """make-random's tiny preset is mlx-lm's layout: mlx-lm loads it and computes moebench's logits."""
+    from moebench.tools.presets import write_random
+
+    write_random(folder, preset, bits=4, group_size=group_size, dtype="float32", progress=False)
+    matches_mlx_lm(folder, prompt(2, vocab), steps=4)

@@ -6,14 +6,18 @@ latent cache, and the plan saying why the decode-attention kernel does not run i
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
-from byte_tokenizer import write_byte_tokenizer
-from family_parity import convert, fused_on_every_decode_step, matches_mlx_lm, matches_transformers, prompt
-from hf_reference import save_hf_checkpoint
+from family_parity import (
+    convert,
+    converted_matches_and_runs_fused,
+    made_once,
+    make_random_loads_in_mlx_lm,
+    matches_transformers,
+    prompt,
+    recipes,
+    save_published,
+)
 
 import moebench
 from moebench.decode.cache import make_cache
@@ -32,51 +36,21 @@ BASE = dict(vocab_size=256, hidden_size=128, num_hidden_layers=3, num_attention_
             tie_word_embeddings=False, attention_bias=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
 CONFIGS = {"yarn-q-lora": {}, "plain-q-proj": dict(q_lora_rank=None, n_group=1, topk_group=1,
                                                    rope_parameters={"rope_type": "default", "rope_theta": 5e4})}
-RECIPES = {"4bit": dict(q_bits=4, q_group_size=32), "6bit": dict(q_bits=6, q_group_size=32),
-           "3bit": dict(q_bits=3, q_group_size=32), "mixed_3_6": dict(quant_predicate="mixed_3_6", q_group_size=32)}
-
-
-def published_rope(folder: Path) -> None:
-    """The rotary settings at the top level too (rope_theta, rope_scaling), as the published config.json has them
-    and mlx-lm 0.32 reads them; transformers 5 writes them inside rope_parameters."""
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    rope = dict(config["rope_parameters"])
-    config["rope_theta"] = rope.pop("rope_theta")
-    config["rope_scaling"] = None if rope.get("rope_type") == "default" else \
-        {"type": rope.pop("rope_type"), **rope}
-    path.write_text(json.dumps(config, indent=2))
+RECIPES = recipes(32)
 
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            folder = tmp_path_factory.mktemp(f"dsv3-{name}") / "hf"
-            save_hf_checkpoint(folder, DeepseekV3Config, DeepseekV3ForCausalLM, {**BASE, **CONFIGS[name]})
-            published_rope(folder)
-            write_byte_tokenizer(folder)
-            made[name] = folder
-        return made[name]
-
-    return get
+    return made_once(lambda name: save_published(tmp_path_factory.mktemp(f"dsv3-{name}") / "hf", DeepseekV3Config,
+                                                 DeepseekV3ForCausalLM, {**BASE, **CONFIGS[name]}))
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, hf_folder):
-    made: dict[str, Path] = {}
-
-    def get(recipe: str) -> Path:
-        if recipe not in made:
-            made[recipe] = convert(hf_folder("yarn-q-lora"), tmp_path_factory.mktemp(f"dsv3-{recipe}") / "mlx",
-                                   RECIPES[recipe])
-        return made[recipe]
-
-    return get
+    return made_once(lambda recipe: convert(hf_folder("yarn-q-lora"),
+                                            tmp_path_factory.mktemp(f"dsv3-{recipe}") / "mlx", RECIPES[recipe]))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -99,16 +73,10 @@ def test_the_cache_holds_the_latent_and_the_rotary_key(hf_folder):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_converted_folders_match_mlx_lm_and_run_fused(converted, recipe):
-    folder = converted(recipe)
-    ids = prompt(1, BASE["vocab_size"])
-    matches_mlx_lm(folder, ids)
-    found = fused_on_every_decode_step(folder, ids)
+    found = converted_matches_and_runs_fused(converted(recipe), BASE["vocab_size"])
     for counts in found["attention"].values():  # MLA runs as MLX ops on every decode step, and the plan says why
         assert counts["fused"] == {} and counts["reasons"].get(LATENT_REASON) == 7, counts
 
 
 def test_make_random_writes_what_mlx_lm_loads(tmp_path):
-    from moebench.tools.presets import write_random
-
-    folder = write_random(tmp_path / "d", "deepseek-v3-tiny", bits=4, group_size=32, dtype="float32", progress=False)
-    matches_mlx_lm(folder, prompt(2, BASE["vocab_size"]), steps=4)
+    make_random_loads_in_mlx_lm(tmp_path / "d", "deepseek-v3-tiny", BASE["vocab_size"], group_size=32)

@@ -5,15 +5,19 @@ quantized ones, and the selection bias shown apart from the scores."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from byte_tokenizer import write_byte_tokenizer
-from family_parity import convert, fused_on_every_decode_step, matches_mlx_lm, matches_transformers, prompt
-from hf_reference import save_hf_checkpoint
+from family_parity import (
+    convert,
+    converted_matches_and_runs_fused,
+    made_once,
+    make_random_loads_in_mlx_lm,
+    matches_transformers,
+    prompt,
+    recipes,
+    save_published,
+)
 
 import moebench
 from moebench.inspect.record import decode
@@ -29,50 +33,21 @@ BASE = dict(vocab_size=256, hidden_size=128, num_hidden_layers=3, num_attention_
             pad_token_id=None, bos_token_id=None, num_nextn_predict_layers=0)
 CONFIGS = {"grouped-qknorm": {}, "air-like": dict(n_group=1, topk_group=1, use_qk_norm=False,
                                                   routed_scaling_factor=1.0, num_experts_per_tok=2)}
-RECIPES = {"4bit": dict(q_bits=4, q_group_size=64), "6bit": dict(q_bits=6, q_group_size=64),
-           "3bit": dict(q_bits=3, q_group_size=64), "mixed_3_6": dict(quant_predicate="mixed_3_6", q_group_size=64)}
-
-
-def published_rope(folder: Path) -> None:
-    """transformers 5 writes the rotary settings inside `rope_parameters`; the published GLM config.json files (and
-    mlx-lm 0.32's reader) have them at the top level: both, as a published folder has."""
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    rope = config["rope_parameters"]
-    config.update(rope_theta=rope["rope_theta"], rope_scaling=None,
-                  partial_rotary_factor=rope.get("partial_rotary_factor", config.get("partial_rotary_factor")))
-    path.write_text(json.dumps(config, indent=2))
+RECIPES = recipes()
 
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            folder = tmp_path_factory.mktemp(f"glm-{name}") / "hf"
-            save_hf_checkpoint(folder, Glm4MoeConfig, Glm4MoeForCausalLM, {**BASE, **CONFIGS[name]})
-            published_rope(folder)
-            write_byte_tokenizer(folder)
-            made[name] = folder
-        return made[name]
-
-    return get
+    return made_once(lambda name: save_published(tmp_path_factory.mktemp(f"glm-{name}") / "hf", Glm4MoeConfig,
+                                                 Glm4MoeForCausalLM, {**BASE, **CONFIGS[name]}))
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, hf_folder):
-    made: dict[str, Path] = {}
-
-    def get(recipe: str) -> Path:
-        if recipe not in made:
-            made[recipe] = convert(hf_folder("grouped-qknorm"), tmp_path_factory.mktemp(f"glm-{recipe}") / "mlx",
-                                   RECIPES[recipe])
-        return made[recipe]
-
-    return get
+    return made_once(lambda recipe: convert(hf_folder("grouped-qknorm"),
+                                            tmp_path_factory.mktemp(f"glm-{recipe}") / "mlx", RECIPES[recipe]))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -107,14 +82,8 @@ def test_the_selection_bias_changes_the_choice_and_is_recorded_apart(hf_folder):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_converted_folders_match_mlx_lm_and_run_fused(converted, recipe):
-    folder = converted(recipe)
-    ids = prompt(1, BASE["vocab_size"])
-    matches_mlx_lm(folder, ids)
-    fused_on_every_decode_step(folder, ids)
+    converted_matches_and_runs_fused(converted(recipe), BASE["vocab_size"])
 
 
 def test_make_random_writes_what_mlx_lm_loads(tmp_path):
-    from moebench.tools.presets import write_random
-
-    folder = write_random(tmp_path / "g", "glm4-moe-tiny", bits=4, group_size=64, dtype="float32", progress=False)
-    matches_mlx_lm(folder, prompt(2, BASE["vocab_size"]), steps=4)
+    make_random_loads_in_mlx_lm(tmp_path / "g", "glm4-moe-tiny", BASE["vocab_size"])

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 from byte_tokenizer import write_byte_tokenizer
-from family_parity import convert, fused_on_every_decode_step, matches_mlx_lm, matches_transformers, prompt
+from family_parity import (
+    convert,
+    converted_matches_and_runs_fused,
+    made_once,
+    make_random_loads_in_mlx_lm,
+    matches_transformers,
+    prompt,
+    recipes,
+)
 from hf_reference import save_hf_checkpoint
 
 import moebench
@@ -21,8 +29,7 @@ BASE = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_
             intermediate_size=128, num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5,
             max_position_embeddings=256, rope_theta=1e6, tie_word_embeddings=False, sliding_window=None,
             eos_token_id=None, bos_token_id=None)
-RECIPES = {"4bit": dict(q_bits=4, q_group_size=64), "6bit": dict(q_bits=6, q_group_size=64),
-           "3bit": dict(q_bits=3, q_group_size=64), "mixed_3_6": dict(quant_predicate="mixed_3_6", q_group_size=64)}
+RECIPES = recipes()
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +43,8 @@ def hf_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, hf_folder):
-    made: dict[str, Path] = {}
-
-    def get(recipe: str) -> Path:
-        if recipe not in made:
-            made[recipe] = convert(hf_folder, tmp_path_factory.mktemp(f"mixtral-{recipe}") / "mlx", RECIPES[recipe])
-        return made[recipe]
-
-    return get
+    return made_once(lambda recipe: convert(hf_folder, tmp_path_factory.mktemp(f"mixtral-{recipe}") / "mlx",
+                                            RECIPES[recipe]))
 
 
 def test_the_hub_layout_loads_and_computes_transformers_logits(hf_folder):
@@ -59,15 +60,8 @@ def test_the_hub_layout_loads_and_computes_transformers_logits(hf_folder):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_converted_folders_match_mlx_lm_and_run_fused(converted, recipe):
-    folder = converted(recipe)
-    ids = prompt(1, BASE["vocab_size"])
-    matches_mlx_lm(folder, ids)
-    fused_on_every_decode_step(folder, ids)
+    converted_matches_and_runs_fused(converted(recipe), BASE["vocab_size"])
 
 
 def test_make_random_writes_what_mlx_lm_loads(tmp_path):
-    """make-random's tiny Mixtral is mlx-lm's layout: mlx-lm loads it and computes moebench's logits."""
-    from moebench.tools.presets import write_random
-
-    folder = write_random(tmp_path / "m", "mixtral-tiny", bits=4, group_size=64, dtype="float32", progress=False)
-    matches_mlx_lm(folder, prompt(2, BASE["vocab_size"]), steps=4)
+    make_random_loads_in_mlx_lm(tmp_path / "m", "mixtral-tiny", BASE["vocab_size"])
