@@ -148,6 +148,13 @@ class LiveFigure(go.FigureWidget):
         return super()._should_send_property(key, value)
 
 
+def json_grid(grid) -> list[list[float | None]]:
+    """A 2-D grid as plotly sends it to the browser (nested lists), NaN and infinities as None (a gap, drawn as no
+    cell): the kernel's messages are JSON, which has no NaN ("Out of range float values are not JSON compliant")."""
+    values = np.asarray(grid, dtype=float)
+    return [[float(v) if np.isfinite(v) else None for v in row] for row in values]
+
+
 # Tick spacings an expert axis may use: a reader counts along 1, 2, 4, 5, 8, 10, 16, ... easily.
 NICE_STEPS = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, 100, 128, 250, 256, 500, 512, 1000, 1024)
 CHAR_PX = 0.62  # a digit's width in the axis font, as a share of the font size (measured on Chromium's sans)

@@ -19,7 +19,7 @@ from plotly.subplots import make_subplots
 
 from ..inspect.record import mixer_text
 from ..models import hooks
-from .figure import LiveFigure
+from .figure import LiveFigure, json_grid
 from .static import live_mark, show
 from .text import shown
 
@@ -81,7 +81,7 @@ class MixingView:
         fig = make_subplots(rows=1, cols=len(PANELS), subplot_titles=[p[1] for p in PANELS], shared_yaxes=True,
                             horizontal_spacing=0.08)
         for col, (name, _, limits) in enumerate(PANELS, start=1):
-            fig.add_heatmap(z=[[]], name=name, colorscale="Viridis", zmin=limits[0] if limits else None,
+            fig.add_heatmap(z=[], name=name, colorscale="Viridis", zmin=limits[0] if limits else None,
                             zmax=limits[1] if limits else None, row=1, col=col,
                             colorbar={"x": fig.layout[f"xaxis{col if col > 1 else ''}"].domain[1] + 0.005,
                                       "thickness": 8, "len": 0.9},
@@ -106,7 +106,7 @@ class MixingView:
         labels = [layer_label(layer, kind) for layer, kind in self.kinds.items()]
         with self.figure.batch_update():
             for trace, (name, _, _) in zip(self.figure.data, PANELS, strict=True):
-                trace.z, trace.y = panel_grid(record, layers, name), labels
+                trace.z, trace.y = json_grid(panel_grid(record, layers, name)), labels
             self.figure.layout.title.text = (f"token {shown(record.input_text)} (position {record.position}): "
                                              "token mixing per layer and head<br><sub>state norm: after the token; "
                                              "output gate: mean over the head</sub>")
