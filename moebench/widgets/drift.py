@@ -28,6 +28,7 @@ from ..tools.corpus import DEFAULT_CACHE, DOMAINS
 from ..tools.drift import SUFFIXES, held_out, is_recipe, make_variant, recipe_name, tokenizer_cut, windows
 from .figure import LiveFigure, go
 from .mainthread import Owner
+from .quiet import captured
 from .static import live_mark, show
 from .text import error_html, shown, visible
 
@@ -266,6 +267,7 @@ class DriftControls:
         self.result: Drift | None = None
         self._callbacks: list[Callable[[Drift], None]] = []
         self._loaded: dict[Path, Variant] = {}
+        self.log: list[str] = []  # what the libraries making the variants printed or logged, last comparison
         self.boxes = {v: widgets.Checkbox(value=v in chosen, description=v, indent=False,
                                           layout=widgets.Layout(width="auto")) for v in variants}
         self.source = widgets.ToggleButtons(options=SOURCES, value=source, description="feed",
@@ -300,9 +302,13 @@ class DriftControls:
         into variants_dir (reused when made before) and loaded once."""
         if name in SUFFIXES:
             return Variant(name, model=self.picker.model, tokenizer=self.picker.tokenizer, fused=SUFFIXES[name])
-        path = make_variant(folder, name, self.variants_dir)
-        if path not in self._loaded:
-            self._loaded[path] = as_variant(path, recipe_name(name))
+        try:
+            with captured() as lines:  # mlx-lm's progress, transformers' warnings: kept in `log`, not in the cell
+                path = make_variant(folder, name, self.variants_dir)
+                if path not in self._loaded:
+                    self._loaded[path] = as_variant(path, recipe_name(name))
+        finally:
+            self.log += [f"[{name}] {line}" for line in lines]
         return self._loaded[path]
 
     def prompts(self, tokenizer) -> list[list[int]]:
@@ -321,6 +327,7 @@ class DriftControls:
         model, tokenizer = self.picker.model, self.picker.tokenizer
         folder = Path(model.load_info.source)
         start = time.perf_counter()
+        self.log = []
         self.button.disabled = True
         self.progress.max, self.progress.value, self.progress.bar_style = len(names) + 1, 0, ""
         try:
@@ -342,7 +349,8 @@ class DriftControls:
         self.progress.value, self.progress.bar_style = self.progress.max, "success"
         self.result = result
         self._note(f"{n} tokens of {dict((v, k) for k, v in SOURCES)[self.source.value]} through "
-                   f"{html.escape(folder.name)} and {', '.join(names)} in {time.perf_counter() - start:.1f} s")
+                   f"{html.escape(folder.name)} and {', '.join(names)} in {time.perf_counter() - start:.1f} s"
+                   + self._log_html())
         for callback in self._callbacks:
             callback(result)
         return result
@@ -351,9 +359,16 @@ class DriftControls:
         """The status line (HTML): what is being done, or what was."""
         self.status.value = text
 
+    def _log_html(self) -> str:
+        """The lines the libraries printed or logged while making the variants, folded under the status."""
+        if not self.log:
+            return ""
+        return (f"<details><summary>what mlx-lm and the libraries it calls wrote ({len(self.log)} lines)</summary>"
+                f"<pre style='font-size:11px;margin:2px 0'>{html.escape(chr(10).join(self.log))}</pre></details>")
+
     def _failed(self, error: BaseException) -> None:
         self.progress.bar_style = "danger"
-        self.status.value = error_html(error)
+        self.status.value = error_html(error) + self._log_html()
 
     def _ipython_display_(self):
         show(self.widget)
