@@ -209,8 +209,8 @@ class InterventionPanel:
         self.shared.description = "shared expert on" if self.has_shared_expert else "no shared expert in this model"
 
     def _new_baseline(self, trace) -> None:
-        if self.controls.picker.model is not self.model:
-            self._configure(self.controls.picker.model)
+        if self.controls.model is not self.model:  # another model picked: its layers, experts and shared expert
+            self._configure(self.controls.model)
         self.baseline = trace
         self.results = []  # measured against the old baseline: they no longer apply
         self.step.max = len(trace.generated) - 1

@@ -110,7 +110,7 @@ def test_03_toggle_label_follows_the_switch_and_the_views_name_the_dtype():
     routed = ns["bf16_view"].frame.query("part == 'routed'").groupby("pair")["nrms"].median()
     assert routed["fused~truth"] <= routed["fallback~truth"]
     # the numbers the prose points to: medians per dtype, pair and part, read from the same frames
-    medians, frame = ns["medians"], ns["float_view"].frame
+    medians, frame = ns["medians"].medians, ns["float_view"].frame
     for part in ("routed", "expert"):
         rows = frame[(frame["part"] == part) & (frame["pair"] == "fused~truth")]
         assert medians.loc[("float32", "fused~truth"), part] == rows["nrms"].median()
