@@ -6,12 +6,11 @@ reads well at 32 and 128 experts top-4."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from plotly_events import click
+from widget_inputs import biased_step
 
 import moebench
 from moebench.inspect.record import Stepper
@@ -121,23 +120,9 @@ def test_a_bias_of_another_size_is_named(gpt_oss):
         view.show(record)
 
 
-def biased_step(n: int, layers: int, seed: int):
-    """A recorded step as the view reads it, over `n` experts top-4, its logits made with a known bias."""
-    rng = np.random.default_rng(seed)
-    biases = {layer: rng.normal(0, 1, n) for layer in range(layers)}
-    rows = {}
-    for layer in range(layers):
-        logits = rng.normal(0, 2, n) + biases[layer]
-        probs = np.exp(logits - logits.max())
-        ids = np.argsort(-logits)[:TOP_K]
-        rows[layer] = SimpleNamespace(router_logits=logits, router_probs=probs / probs.sum(), topk_ids=ids,
-                                      shared_gate=None)
-    return SimpleNamespace(layers=rows, interventions={}, position=0, input_text="x"), biases
-
-
 @pytest.mark.parametrize("n, layers", [(32, 24), (128, 36)])  # gpt-oss-20b's and -120b's routing shapes
 def test_32_and_128_experts_top4_read_well_beside_the_logit_panel(n, layers):
-    record, biases = biased_step(n, layers, seed=n)
+    record, biases = biased_step(n, layers, TOP_K, seed=n)
     view = RouterView()
     view.biases = biases
     view.show(record)
