@@ -194,7 +194,7 @@ class InterventionPanel:
 
     def _configure(self, model) -> None:
         """Layers, expert ids and top-k of the model the controls decode with (the picker may change it)."""
-        self.model = model
+        self.model = self.before.model = self.after.model = model  # the routing views name it, and split a bias
         n_experts = model.args.num_experts
         self.default_k = model.args.num_experts_per_tok
         self.layer.options = [("every MoE layer", EVERY_LAYER)] + [(f"layer {i}", i) for i in model.moe_blocks()]

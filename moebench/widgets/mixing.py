@@ -19,7 +19,7 @@ from plotly.subplots import make_subplots
 
 from ..inspect.record import mixer_text
 from ..models import hooks
-from .figure import LiveFigure, json_grid
+from .figure import LiveFigure, json_grid, layer_rows
 from .static import live_mark, show
 from .text import shown
 
@@ -78,8 +78,7 @@ class MixingView:
         self.kinds: dict[int, str] = {}
         self.strip = widgets.HTML()
         self.note = widgets.HTML(f"<i>{WAITING}</i>")
-        fig = make_subplots(rows=1, cols=len(PANELS), subplot_titles=[p[1] for p in PANELS], shared_yaxes=True,
-                            horizontal_spacing=0.08)
+        fig = make_subplots(rows=1, cols=len(PANELS), subplot_titles=[p[1] for p in PANELS], horizontal_spacing=0.08)
         for col, (name, _, limits) in enumerate(PANELS, start=1):
             fig.add_heatmap(z=[], name=name, colorscale="Viridis", zmin=limits[0] if limits else None,
                             zmax=limits[1] if limits else None, row=1, col=col,
@@ -88,7 +87,8 @@ class MixingView:
                             hovertemplate="%{y}, head %{x}: %{z:.4g}<extra>" + name + "</extra>")
         fig.update_layout(height=320, margin={"l": 130, "r": 30, "t": 100, "b": 40}, title={"x": 0},
                           modebar={"orientation": "v"})
-        fig.update_yaxes(autorange="reversed")
+        for col in range(2, len(PANELS) + 1):
+            fig.update_yaxes(showticklabels=False, row=1, col=col)  # the first panel's rows: set in show()
         fig.update_xaxes(title_text="head", dtick=1)
         self.figure = LiveFigure(fig)
         self.widget = widgets.VBox([self.note, live_mark()])
@@ -107,6 +107,7 @@ class MixingView:
         with self.figure.batch_update():
             for trace, (name, _, _) in zip(self.figure.data, PANELS, strict=True):
                 trace.z, trace.y = json_grid(panel_grid(record, layers, name)), labels
+            layer_rows([self.figure.layout[f"yaxis{c if c > 1 else ''}"] for c in range(1, len(PANELS) + 1)], labels)
             self.figure.layout.title.text = (f"token {shown(record.input_text)} (position {record.position}): "
                                              "token mixing per layer and head<br><sub>state norm: after the token; "
                                              "output gate: mean over the head</sub>")

@@ -22,7 +22,8 @@ import mlx.core as mx
 import numpy as np
 from plotly.subplots import make_subplots
 
-from .figure import ExpertAxis, LiveFigure, axis_pixels, go, ordered
+from .controls import model_name
+from .figure import ExpertAxis, LiveFigure, axis_pixels, go, layer_rows, ordered
 from .static import live_mark, show
 from .text import shown
 
@@ -107,8 +108,8 @@ class RouterView:
     picks for the "most picked first" order. Hovering or clicking a cell names its expert (clicked:
     `view.picked`, as (layer, expert)), whichever order the columns are in.
 
-    `model` (or `view.model = ...` after another is picked): where a router has a bias, its MoE layers show
-    the picked experts' logits as x.W + bias (`view.biases`, per layer, read from the model).
+    `model` (or `view.model = ...` after another is picked): the title names it, and where a router has a bias,
+    its MoE layers show the picked experts' logits as x.W + bias (`view.biases`, per layer, read from the model).
     """
 
     def __init__(self, height_per_layer: int = 30, zmax: float = 1.0, title: str = "", order: str = "id",
@@ -124,7 +125,7 @@ class RouterView:
         self.axis: ExpertAxis | None = None
         self.picked: tuple[int, int] | None = None
         self.model = model
-        fig = make_subplots(rows=1, cols=2, column_widths=[0.84, 0.16], shared_yaxes=True, horizontal_spacing=0.02,
+        fig = make_subplots(rows=1, cols=2, column_widths=[0.84, 0.16], horizontal_spacing=0.02,
                             subplot_titles=("router probability of each expert<br>(red boxes: the top-k it "
                                             "picked, #1 = highest)", "shared expert<br>gate (0..1)"))
         # No cells until a step is shown: plotly cannot draw a cell on a category axis that has no category yet
@@ -145,7 +146,8 @@ class RouterView:
                                  hoverinfo="skip", showlegend=False), row=1, col=1)
         fig.update_xaxes(title_text="expert id", tickfont={"size": FONT_PX}, row=1, col=1)
         fig.update_xaxes(showticklabels=False, row=1, col=2)
-        fig.update_yaxes(title_text="MoE layer", autorange=False, type="category", row=1, col=1)
+        fig.update_yaxes(title_text="MoE layer", type="category", row=1, col=1)
+        fig.update_yaxes(showticklabels=False, type="category", row=1, col=2)  # the same rows: set in show()
         # the legend's place is counted from the figure's bottom edge, so it never meets the axis title
         fig.update_layout(margin=MARGIN, width=860, title={"x": 0}, modebar={"orientation": "v"},
                           legend={"orientation": "h", "x": 0, "xanchor": "left", "yref": "container", "y": 0,
@@ -235,7 +237,7 @@ class RouterView:
             heat.customdata = [[[int(e), rank_of[row, e] + logit_of[row, e]] for e in axis.ids]
                                for row in range(len(layers))]
             self.figure.layout.xaxis.update(range=axis.span(box + 3), **axis.ticks())
-            self.figure.layout.yaxis.range = [len(layers) - 0.5, -0.5]  # rows exactly (top-down), as the boxes
+            layer_rows([self.figure.layout.yaxis, self.figure.layout.yaxis2], labels)  # the boxes are sized to them
             self.figure.layout.xaxis.title.text = "expert id" + (" (most picked first)" if self.order.value ==
                                                                   "usage" else "")
             boxes.x, boxes.y, boxes.text = xs, ys, ranks
@@ -260,9 +262,10 @@ class RouterView:
                 titles.append(go.layout.Annotation(text=note, xref="x2 domain", yref="y2 domain", x=0.5, y=0.5,
                                                    showarrow=False, font={"size": 11}))
             self.figure.layout.annotations = titles
+            on = f" on {model_name(self.model)}" if self.model is not None else ""
             self.figure.layout.title.text = (f"{self.prefix}routing of token {shown(record.input_text)} (position "
-                                             f"{record.position}): {'/'.join(map(str, sorted(k)))} experts picked "
-                                             "per MoE layer")
+                                             f"{record.position}){on}: {'/'.join(map(str, sorted(k)))} experts "
+                                             "picked per MoE layer")
             bottom = MARGIN["b"] + (LEGEND_PX if split or crossed else 0)
             self.figure.layout.margin.b, self.figure.layout.height = bottom, MARGIN["t"] + bottom + plot_px
             heat.colorbar.nticks = max(2, plot_px // 25)  # the labels the bar's length holds

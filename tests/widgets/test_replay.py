@@ -3,9 +3,12 @@ JavaScript error (plotly.js in Chromium, the updates as the kernel sends them: t
 
 from __future__ import annotations
 
+import pytest
+from families import write_family
 from plotly_replay import recording, replay_errors
 from test_loadmap import load
 
+import moebench
 from moebench.checkpoint.loader import SHIPPED_MODEL
 from moebench.inspect import trace_stats
 from moebench.inspect.compare import compare_decode, compare_step
@@ -94,4 +97,33 @@ def test_the_mixing_view_on_a_hybrid_and_the_drift_map(plotly_page, monkeypatch,
         view.show(swapped[0])
         view.select(0, swapped[1])
     assert len(figures) == 2 and all(figure["updates"] for figure in figures)
+    assert replay_errors(plotly_page, figures) == []
+
+
+@pytest.fixture(scope="module")
+def picked_later(tmp_path_factory) -> dict:
+    """(model, trace) of a 2-layer Qwen3-MoE and of a tiny Qwen3.5 (linear, linear, linear, full): models a picker
+    switches to after another."""
+    root = tmp_path_factory.mktemp("picked-later")
+    found = {}
+    for preset in ("qwen3-tiny", "qwen3.5-moe-tiny"):
+        model, tokenizer = moebench.load(write_family(root, preset))
+        found[preset] = model, Stepper(model, tokenizer, "def add(a, b):", record=True).run(2)
+    return found
+
+
+def test_the_router_and_mixing_views_after_another_model_is_picked(plotly_page, monkeypatch, tiny, trace,
+                                                                     hybrid_trace, picked_later):
+    """Issue 56: after a switch to a model with fewer MoE layers (or other layer kinds), plotly threw on the update
+    ("Cannot read properties of undefined (reading 'length')") and the chart stayed on the last model."""
+    qwen3, fewer = picked_later["qwen3-tiny"]
+    _, kinds = picked_later["qwen3.5-moe-tiny"]
+    with recording(monkeypatch) as figures:
+        router = RouterView(model=tiny[0])
+        router.show(trace.generated[1])  # 4 MoE layers, with a shared expert
+        router.model = qwen3
+        router.show(fewer.generated[1])  # 2, without
+        mixing = MixingView()
+        mixing.show(hybrid_trace.generated[1])  # full, linear, linear, full
+        mixing.show(kinds.generated[1])  # linear, linear, linear, full
     assert replay_errors(plotly_page, figures) == []

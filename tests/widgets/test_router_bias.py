@@ -89,9 +89,10 @@ def test_a_click_names_the_logits_parts(gpt_oss):
 
 
 def drawn(view) -> dict:
-    """What a figure draws: its plotly JSON less the traces' random ids."""
+    """What a figure draws: its plotly JSON less the traces' random ids and the title (which names the model)."""
     figure = view.figure.to_plotly_json()
-    return {**figure, "data": [{k: v for k, v in trace.items() if k != "uid"} for trace in figure["data"]]}
+    return {"layout": {k: v for k, v in figure["layout"].items() if k != "title"},
+            "data": [{k: v for k, v in trace.items() if k != "uid"} for trace in figure["data"]]}
 
 
 def test_a_model_without_a_router_bias_is_drawn_as_before_and_a_switch_back_restores_it(gpt_oss, tiny, trace):
@@ -102,7 +103,7 @@ def test_a_model_without_a_router_bias_is_drawn_as_before_and_a_switch_back_rest
     view = RouterView(model=qwen)
     assert view.biases == {}
     view.show(trace.generated[1])
-    assert drawn(view) == drawn(before)
+    assert drawn(view) == drawn(before) and f" on {qwen.load_info.source.name}: " in view.figure.layout.title.text
     view.model = oss_model
     view.show(oss_record)
     assert view.figure.layout.width > before.figure.layout.width and len(view.figure.data) == 6
