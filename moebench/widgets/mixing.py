@@ -91,8 +91,19 @@ class MixingView:
             fig.update_yaxes(showticklabels=False, row=1, col=col)  # the first panel's rows: set in show()
         fig.update_xaxes(title_text="head", dtick=1)
         self.figure = LiveFigure(fig)
+        self._axes(False, WAITING)
         self.widget = widgets.VBox([self.note, live_mark()])
         self.widget.add_class("moebench-mixing-view")
+
+    def _axes(self, drawn: bool, title: str) -> None:
+        """The panels' axes shown (a hybrid's step drawn) or hidden under `title` alone: the static picture a saved
+        notebook keeps then says why there is no chart, instead of showing four empty panels."""
+        with self.figure.batch_update():
+            self.figure.update_xaxes(visible=drawn)
+            self.figure.update_yaxes(visible=drawn)
+            for annotation in self.figure.layout.annotations:  # the panels' titles
+                annotation.visible = drawn
+            self.figure.layout.title.text = title
 
     def show(self, record) -> None:
         """Draw one step record; a model without token-mixing records gets the one-line note instead."""
@@ -100,6 +111,11 @@ class MixingView:
         if not self.kinds:
             self.note.value = f"<i>{NO_MIXER}</i>"
             self.widget.children = [self.note, self.widget.children[-1]]
+            if self.figure.layout.title.text != NO_MIXER:
+                with self.figure.batch_update():
+                    for trace in self.figure.data:
+                        trace.z, trace.y = [], []
+                    self._axes(False, NO_MIXER)
             return
         self.strip.value = strip_html(self.kinds)
         layers = list(self.kinds)
@@ -108,9 +124,8 @@ class MixingView:
             for trace, (name, _, _) in zip(self.figure.data, PANELS, strict=True):
                 trace.z, trace.y = json_grid(panel_grid(record, layers, name)), labels
             layer_rows([self.figure.layout[f"yaxis{c if c > 1 else ''}"] for c in range(1, len(PANELS) + 1)], labels)
-            self.figure.layout.title.text = (f"token {shown(record.input_text)} (position {record.position}): "
-                                             "token mixing per layer and head<br><sub>state norm: after the token; "
-                                             "output gate: mean over the head</sub>")
+            self._axes(True, f"token {shown(record.input_text)} (position {record.position}): token mixing per layer "
+                             "and head<br><sub>state norm: after the token; output gate: mean over the head</sub>")
         self.widget.children = [self.strip, self.figure, self.widget.children[-1]]
 
     def _ipython_display_(self):
