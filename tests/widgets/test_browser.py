@@ -336,14 +336,18 @@ def drawn_points(chart) -> int:
 
 
 # -- every notebook ------------------------------------------------------------------------------------
+def registry(checks: dict):
+    """A decorator that files a check in `checks` under its notebook's stem: @registry(checks)(stem)."""
+    def by(stem: str):
+        def register(check):
+            checks[stem] = check
+            return check
+        return register
+    return by
+
+
 CONTROL_CHECKS = {}
-
-
-def control(stem):
-    def register(check):
-        CONTROL_CHECKS[stem] = check
-        return check
-    return register
+control = registry(CONTROL_CHECKS)
 
 
 @control("01_decode_step_by_step")
@@ -521,13 +525,7 @@ def drawn_grid(chart, experts: int) -> str | None:
 
 
 FOLLOW_CHECKS = {}
-
-
-def follows(stem):
-    def register(check):
-        FOLLOW_CHECKS[stem] = check
-        return check
-    return register
+follows = registry(FOLLOW_CHECKS)
 
 
 @follows("01_decode_step_by_step")
