@@ -49,7 +49,7 @@ def summarize(runs: pd.DataFrame) -> pd.DataFrame:
     return arms.join(out, on="arm")
 
 
-TITLE = "decode tok/s per arm{on}: one dot per measured round, dash = median, line = min-max"
+TITLE = "decode tok/s per arm{on}<br><sub>one dot per measured round, dash = median, line = min-max</sub>"
 
 
 class DecodeBenchmark:
@@ -76,7 +76,7 @@ class DecodeBenchmark:
         self.table.add_class("moebench-bench-table")
         self.figure = LiveFigure(layout=go.Layout(
             title={"text": TITLE.format(on=""), "x": 0},
-            height=360, margin={"l": 60, "r": 20, "t": 60, "b": 60}, yaxis={"title": "tokens / second",
+            height=380, margin={"l": 60, "r": 20, "t": 80, "b": 60}, yaxis={"title": "tokens / second",
                                                                            "rangemode": "tozero"},
             xaxis={"type": "category", "categoryorder": "array", "categoryarray": [arm_name(*a) for a in ARMS]},
             showlegend=False, modebar={"orientation": "v"}))

@@ -149,7 +149,7 @@ class RouterView:
         fig.update_yaxes(title_text="MoE layer", type="category", row=1, col=1)
         fig.update_yaxes(showticklabels=False, type="category", row=1, col=2)  # the same rows: set in show()
         # the legend's place is counted from the figure's bottom edge, so it never meets the axis title
-        fig.update_layout(margin=MARGIN, width=860, title={"x": 0}, modebar={"orientation": "v"},
+        fig.update_layout(margin=MARGIN, width=860, title={"x": 0, "font": {"size": 14}}, modebar={"orientation": "v"},
                           legend={"orientation": "h", "x": 0, "xanchor": "left", "yref": "container", "y": 0,
                                   "yanchor": "bottom"})
         self._plain = (fig.layout.width, fig.layout.xaxis.domain, fig.layout.xaxis2.domain)
