@@ -14,8 +14,10 @@ import html
 import ipywidgets as widgets
 import pandas as pd
 
+from .controls import model_name
 from .figure import LiveFigure, go
 from .mainthread import Owner
+from .stale import StaleNote
 from .static import live_mark, show
 from .text import error_html
 from .tps import ARMS, COLORS, arm_name
@@ -47,14 +49,19 @@ def summarize(runs: pd.DataFrame) -> pd.DataFrame:
     return arms.join(out, on="arm")
 
 
+TITLE = "decode tok/s per arm{on}<br><sub>one dot per measured round, dash = median, line = min-max</sub>"
+
+
 class DecodeBenchmark:
     """Rounds and tokens to set, a run button, a progress bar, a chart of every round and a summary table.
-    `controls`: the notebook's PromptControls (the model and prompt are read when a run starts)."""
+    `controls`: the notebook's PromptControls (the model and prompt are read when a run starts). After another
+    model is picked, the last measurement stays, named by its model, under a line offering to measure the new one."""
 
     def __init__(self, controls, tokens: int = 32, rounds: int = 5, warmup: int = 1):
         self.controls = controls
         self.owner = Owner(on_error=self._failed)
         self.runs: pd.DataFrame | None = None
+        self.model = None  # the model `runs` measured
         self.tokens = widgets.BoundedIntText(value=tokens, min=2, max=4096, description="tokens",
                                              layout=widgets.Layout(width="160px"))
         self.rounds = widgets.BoundedIntText(value=rounds, min=1, max=50, description="rounds",
@@ -68,8 +75,8 @@ class DecodeBenchmark:
         self.table = widgets.HTML("<i>not run yet</i>")
         self.table.add_class("moebench-bench-table")
         self.figure = LiveFigure(layout=go.Layout(
-            title={"text": "decode tok/s per arm: one dot per measured round, dash = median, line = min-max", "x": 0},
-            height=360, margin={"l": 60, "r": 20, "t": 60, "b": 60}, yaxis={"title": "tokens / second",
+            title={"text": TITLE.format(on=""), "x": 0},
+            height=380, margin={"l": 60, "r": 20, "t": 80, "b": 60}, yaxis={"title": "tokens / second",
                                                                            "rangemode": "tozero"},
             xaxis={"type": "category", "categoryorder": "array", "categoryarray": [arm_name(*a) for a in ARMS]},
             showlegend=False, modebar={"orientation": "v"}))
@@ -83,14 +90,22 @@ class DecodeBenchmark:
             self.figure.add_scatter(x=[], y=[], mode="markers", name=arm_name(fused, recording),
                                     marker={"color": COLORS[fused], "size": 7, "line": {"width": 1, "color": "#000"},
                                             "symbol": "circle-open" if recording else "circle"})
+        self.stale = StaleNote("these numbers measured", "run benchmark", rerun=lambda: self.owner.submit(self.run))
         self.widget = widgets.VBox([widgets.HBox([self.tokens, self.rounds, self.warmup, self.button]),
-                                    self.progress, self.figure, self.table, live_mark()])
+                                    self.progress, self.stale.widget, self.figure, self.table, live_mark()])
         self.widget.add_class("moebench-bench")
+        controls.picker.on_change(lambda *_: self._picked())
+
+    def _picked(self) -> None:
+        """Another model is picked: the numbers shown (if any) are the last model's; the note says so."""
+        if self.model is not None and self.model is not self.controls.picker.model:
+            self.stale.show(model_name(self.model), model_name(self.controls.picker.model))
 
     def run(self) -> pd.DataFrame:
         """Measure with the values in the boxes (on the thread the model's arrays live on)."""
         self.button.disabled = True
         self.progress.value, self.progress.bar_style = 0, ""
+        model = self.controls.picker.model
         try:
             def step(done, total):
                 self.progress.max, self.progress.value = total, done
@@ -98,14 +113,17 @@ class DecodeBenchmark:
                                 on_arm=step)
         finally:
             self.button.disabled = False
+        self.model = model
         self.progress.bar_style = "success"
         self._draw()
+        self.stale.hide()
         return self.runs
 
     def _draw(self) -> None:
         table = summarize(self.runs)
         kept = self.runs[~self.runs["warmup"]]
         with self.figure.batch_update():
+            self.figure.layout.title.text = TITLE.format(on=f" on {model_name(self.model)}")
             for i, row in enumerate(table.itertuples()):
                 median = self.figure.data[i]
                 median.x, median.y = [row.arm], [row.median]

@@ -46,6 +46,11 @@ def mixing_text(layer_types) -> str:
     return f", {parts} ({mixer_text(rare)}: layer{'s' if len(at) > 1 else ''} {listed})"
 
 
+def model_name(model) -> str:
+    """The name a notebook shows for a model: its checkpoint folder's name."""
+    return Path(model.load_info.source).name
+
+
 def describe_model(path: str, model) -> str:
     args = model.args
     shared = "yes" if getattr(args, "shared_expert_intermediate_size", 0) else "no"
@@ -105,7 +110,8 @@ def parse_prompt(text: str) -> str | list[dict]:
 
 
 class PromptControls:
-    """Prompt, chat options, token count and a decode button; `trace` is the last decode's Trace."""
+    """Prompt, chat options, token count and a decode button; `trace` is the last decode's Trace and `model` the
+    model that decoded it (after another model is picked, the same prompt is decoded on it)."""
 
     def __init__(self, picker: ModelPicker, prompt: str | list[dict] = "", tokens: int = 12, record: bool = True,
                  decode_now: bool = True, **stepper_options):
@@ -113,6 +119,7 @@ class PromptControls:
         self.owner = Owner(on_error=self._failed)
         self._callbacks: list[Callable[[Trace], None]] = []
         self.trace: Trace | None = None
+        self.model = None
         text = prompt if isinstance(prompt, str) else json.dumps(prompt, indent=1)
         self.prompt = widgets.Textarea(value=text, description="prompt", layout=widgets.Layout(width="640px",
                                        height="80px"), placeholder='text, or [{"role": "user", "content": "..."}]')
@@ -170,7 +177,7 @@ class PromptControls:
                 self.progress.value += 1
         finally:
             self.button.disabled = False
-        self.trace = stepper.trace
+        self.trace, self.model = stepper.trace, stepper.model
         self.progress.bar_style = "success"
         notes = "".join(f"<br><i>{html.escape(str(w.message))}</i>" for w in caught)
         self.status.value = (f"{len(self.trace.prompt_ids)} prompt tokens, {len(self.trace.generated)} generated in "
@@ -185,3 +192,16 @@ class PromptControls:
 
     def _ipython_display_(self):
         show(self.widget)
+
+
+def on_all_decoded(controls: list[PromptControls], callback: Callable[[], None]) -> None:
+    """Call `callback()` after a decode of any of `controls`, once every one of them holds a decode by the picked
+    model (and now, if they do). Picking another model decodes them one after the other: a view that compares
+    their traces waits for the last, instead of comparing the new model with the old."""
+    def decoded(_trace) -> None:
+        if all(c.model is not None and c.model is c.picker.model for c in controls):
+            callback()
+
+    for c in controls:
+        c._callbacks.append(decoded)
+    decoded(None)

@@ -10,11 +10,15 @@ from __future__ import annotations
 import html
 import math
 import time
+from collections.abc import Callable
 
 import ipywidgets as widgets
 import numpy as np
+import pandas as pd
 from plotly.subplots import make_subplots
 
+from ..inspect.compare import with_dtype
+from .controls import model_name
 from .figure import LiveFigure
 from .mainthread import Owner
 from .static import live_mark, show
@@ -88,6 +92,7 @@ class DiffView:
         self.summary = widgets.HTML()
         self.widget = widgets.VBox([self.figure, self.summary, live_mark()])
         self.widget.add_class("moebench-diff-view")
+        self.model_name: str | None = None  # named in the title when set (CompareSteps sets it)
         self._step_text = self._decode_text = ""
 
     def show_step(self, frame, seconds: float | None = None) -> None:
@@ -116,7 +121,8 @@ class DiffView:
         self.figure.layout.shapes = [] if rounding is None else [
             {"type": "line", "xref": "x domain", "yref": "y", "x0": 0, "x1": 1, "y0": rounding, "y1": rounding,
              "line": {"dash": "dash", "color": "#444", "width": 1}}]
-        self.figure.layout.title.text = (f"fused vs fallback, {dtype} activations (fused backend '{backend}'); "
+        on = f" on {self.model_name}" if self.model_name else ""
+        self.figure.layout.title.text = (f"fused vs fallback{on}, {dtype} activations (fused backend '{backend}'); "
                                          f"dashed: {dtype}'s unit roundoff")
         medians = {pair: float(routed[routed["pair"] == pair]["nrms"].median()) for pair in PAIR_NAMES}
         fused, fallback = medians["fused~truth"], medians["fallback~truth"]
@@ -173,26 +179,104 @@ class DiffView:
 
 
 class CompareSteps:
-    """A token picker over a trace's decode steps and a DiffView of the picked one: `compare(step)` (e.g.
-    compare_step on the model) runs on the notebook's thread when the pick changes."""
+    """A token picker over the decode steps of the controls' last decode and a DiffView of the picked one, following
+    the controls: each decode (a new prompt, or another model picked) lists its tokens and compares afresh.
 
-    def __init__(self, trace, compare, view: DiffView | None = None):
-        self.compare, self.view = compare, view or DiffView()
+    `compare(model, step)` (e.g. compare_step) runs on the notebook's thread when the pick changes; `decode(model)`
+    (e.g. a compare_decode of the prompt), when given, once per decode of the controls. Both get the model that
+    decoded the trace, loaded with `dtype` when one is given (compare.with_dtype, once per model), so a token is
+    never compared on a model other than the one that decoded it."""
+
+    def __init__(self, controls, compare: Callable[[object, object], object],
+                 decode: Callable[[object], object] | None = None, dtype=None, view: DiffView | None = None):
+        self.controls, self.compare, self.decode, self.dtype = controls, compare, decode, dtype
+        self.view = view or DiffView()
         self.owner = Owner(on_error=lambda e: setattr(self.view.summary, "value", error_html(e)))
+        self.model = None  # the model compared (in `dtype`), and the one it was loaded from
+        self._source = None
+        self.steps: dict[int, object] = {}
+        self.frame = self.comparison = None
+        self.picker = widgets.Dropdown(description="token")
+        self.picker.add_class("moebench-compare-picker")
+        self._listing = False  # True while the picker's options are refilled: no comparison per option
+        self.picker.observe(lambda _: None if self._listing else self.owner.submit(self.show), names="value")
+        self.widget = widgets.VBox([self.picker, self.view.widget])
+        self._callbacks: list[Callable[[CompareSteps], None]] = []
+        controls.on_decode(self.follow)
+
+    @property
+    def source(self):
+        """The model that decoded the steps compared (`model` is it, or its copy in `dtype`)."""
+        return self._source
+
+    def on_compare(self, callback: Callable[[CompareSteps], None]) -> None:
+        """Call `callback(self)` after every comparison (another token picked, a new decode)."""
+        self._callbacks.append(callback)
+
+    def follow(self, trace) -> None:
+        """List the decode steps of `trace` (the controls' new decode) and compare the last, on its model."""
+        if self.controls.model is not self._source:
+            self.model, self._source = with_dtype(self.controls.model, self.dtype), self.controls.model
         steps = [s for s in trace.generated if s.phase == "decode"] or trace.generated
         self.steps = {s.index: s for s in steps}
-        self.picker = widgets.Dropdown(options=[(f"position {s.position}: '{visible(s.input_text)}'", s.index)
-                                                for s in steps], value=steps[-1].index, description="token")
-        self.picker.add_class("moebench-compare-picker")
-        self.picker.observe(lambda _: self.owner.submit(self.show), names="value")
-        self.widget = widgets.VBox([self.picker, self.view.widget])
-        self.frame = None
+        self._listing = True
+        try:
+            self.picker.options = [(f"position {s.position}: '{visible(s.input_text)}'", s.index) for s in steps]
+            self.picker.value = steps[-1].index
+        finally:
+            self._listing = False
+        self.view.model_name = model_name(self._source)
+        if self.decode is not None:
+            start = time.perf_counter()
+            self.comparison = self.decode(self.model)
+            self.view.show_decode(self.comparison, seconds=time.perf_counter() - start)
         self.show()
 
     def show(self) -> None:
         start = time.perf_counter()
-        self.frame = self.compare(self.steps[self.picker.value])
+        self.frame = self.compare(self.model, self.steps[self.picker.value])
         self.view.show_step(self.frame, seconds=time.perf_counter() - start)
+        for callback in self._callbacks:
+            callback(self)
 
     def _ipython_display_(self):
         show(self.widget, [self.view.figure])
+
+
+PARTS = ("routed", "expert", "shared")  # the left panel's, the middle one's, then the shared expert's
+
+
+def medians(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """Median normalized RMS over the layers of compare_step frames, per (activations, pair) and part, with each
+    dtype's unit roundoff."""
+    named = {frame["dtype"].iloc[0].replace("mlx.core.", ""): frame for frame in frames}
+    table = pd.concat(named, names=["activations"]).pivot_table(index=["activations", "pair"], columns="part",
+                                                                values="nrms", aggfunc="median")
+    table = table[sorted(table.columns, key=PARTS.index)]
+    table["unit roundoff"] = [UNIT_ROUNDOFF[dtype] for dtype, _ in table.index]
+    return table
+
+
+class MedianTable:
+    """The numbers behind the panels of several CompareSteps (one per activation dtype): `medians` as a table,
+    redrawn after each of them compares, once all of them compared the same model's decode."""
+
+    def __init__(self, views: list[CompareSteps]):
+        self.views = views
+        self.medians: pd.DataFrame | None = None
+        self.widget = widgets.HTML()
+        self.widget.add_class("moebench-median-table")
+        for view in views:
+            view.on_compare(self.update)
+        self.update()
+
+    def update(self, _view: CompareSteps | None = None) -> None:
+        sources = {id(view.source) for view in self.views}
+        if len(sources) != 1 or any(view.frame is None for view in self.views):
+            return  # after a new decode, until the last view has compared it too
+        self.medians = medians([view.frame for view in self.views])
+        self.widget.value = (f"<b>on {html.escape(model_name(self.views[0].source))}</b>"
+                             + self.medians.style.format("{:.1e}").to_html())
+
+    def _ipython_display_(self):
+        show(self.widget)

@@ -26,8 +26,11 @@ from ..errors import MoebenchError
 from ..inspect.drift import Drift, Variant, as_variant, drift
 from ..tools.corpus import DEFAULT_CACHE, DOMAINS
 from ..tools.drift import SUFFIXES, held_out, is_recipe, make_variant, recipe_name, tokenizer_cut, windows
+from .controls import model_name
 from .figure import LiveFigure, go
 from .mainthread import Owner
+from .quiet import captured
+from .stale import StaleNote
 from .static import live_mark, show
 from .text import error_html, shown, visible
 
@@ -126,13 +129,20 @@ class DriftView:
         self.readout.add_class("moebench-drift-readout")
         self.tables = widgets.HTML()
         style = widgets.HTML(TABLE_CSS, layout=widgets.Layout(display="none"))
-        self.widget = widgets.VBox([self.variant, self.summary, self.figure, self.readout, self.tables, style,
-                                    live_mark()])
+        self.note = StaleNote("the map, its tables and the cells below compare variants of", "compare")
+        self.widget = widgets.VBox([self.note.widget, self.variant, self.summary, self.figure, self.readout,
+                                    self.tables, style, live_mark()])
         self.widget.add_class("moebench-drift-view")
+
+    def stale(self, shown: str, picked: str, rerun: Callable[[], None]) -> None:
+        """Another model is picked (DriftControls.on_stale): the map is `shown`'s; the note's button runs `rerun`."""
+        self.note.rerun = rerun
+        self.note.show(shown, picked)
 
     def show(self, result: Drift) -> None:
         """Draw `result`, keeping the variant shown when the new result has it, else the one that drifts most."""
         self.result, self.by_token, self.picked = result, result.by_token(), None
+        self.note.hide()
         self.readout.value = HINT
         names, keep = result.names[1:], self.variant.value
         f = result.frame()
@@ -267,6 +277,7 @@ class DriftControls:
         self.result: Drift | None = None
         self._callbacks: list[Callable[[Drift], None]] = []
         self._loaded: dict[Path, Variant] = {}
+        self.log: list[str] = []  # what the libraries making the variants printed or logged, last comparison
         self.boxes = {v: widgets.Checkbox(value=v in chosen, description=v, indent=False,
                                           layout=widgets.Layout(width="auto")) for v in variants}
         self.source = widgets.ToggleButtons(options=SOURCES, value=source, description="feed",
@@ -285,8 +296,9 @@ class DriftControls:
         boxes.add_class("moebench-drift-variants")
         self.widget = widgets.VBox([boxes, self.source, self.text,
                                     widgets.HBox([self.tokens, self.button, self.progress]), self.status])
-        picker.on_change(lambda *_: self._note("another model is picked: press <b>compare</b> to measure its "
-                                               "variants (the view still shows the last result)"))
+        self._stale: list[Callable[[str, str, Callable[[], None]], None]] = []
+        self.model = None  # the model `result` compared its variants with
+        picker.on_change(lambda *_: self._picked())
         if run_now:
             self.run()
 
@@ -296,14 +308,31 @@ class DriftControls:
         if self.result is not None:
             callback(self.result)
 
+    def on_stale(self, callback: Callable[[str, str, Callable[[], None]], None]) -> None:
+        """Call `callback(shown, picked, rerun)` when another model is picked while the result shown is the last
+        one's (the models' names, and what measures the picked one: making its variants takes a while, so a pick
+        does not start it)."""
+        self._stale.append(callback)
+
+    def _picked(self) -> None:
+        self._note("another model is picked: press <b>compare</b> to measure its variants (the view still shows "
+                   "the last result)")
+        if self.model is not None and self.model is not self.picker.model:
+            for callback in self._stale:
+                callback(model_name(self.model), model_name(self.picker.model), lambda: self.owner.submit(self.run))
+
     def variant(self, folder: Path, name: str) -> Variant:
         """The named variant of the picked model: itself with its fused switch set, or a recipe made from `folder`
         into variants_dir (reused when made before) and loaded once."""
         if name in SUFFIXES:
             return Variant(name, model=self.picker.model, tokenizer=self.picker.tokenizer, fused=SUFFIXES[name])
-        path = make_variant(folder, name, self.variants_dir)
-        if path not in self._loaded:
-            self._loaded[path] = as_variant(path, recipe_name(name))
+        try:
+            with captured() as lines:  # mlx-lm's progress, transformers' warnings: kept in `log`, not in the cell
+                path = make_variant(folder, name, self.variants_dir)
+                if path not in self._loaded:
+                    self._loaded[path] = as_variant(path, recipe_name(name))
+        finally:
+            self.log += [f"[{name}] {line}" for line in lines]
         return self._loaded[path]
 
     def prompts(self, tokenizer) -> list[list[int]]:
@@ -322,6 +351,7 @@ class DriftControls:
         model, tokenizer = self.picker.model, self.picker.tokenizer
         folder = Path(model.load_info.source)
         start = time.perf_counter()
+        self.log = []
         self.button.disabled = True
         self.progress.max, self.progress.value, self.progress.bar_style = len(names) + 1, 0, ""
         try:
@@ -341,9 +371,10 @@ class DriftControls:
         finally:
             self.button.disabled = False
         self.progress.value, self.progress.bar_style = self.progress.max, "success"
-        self.result = result
+        self.result, self.model = result, model
         self._note(f"{n} tokens of {dict((v, k) for k, v in SOURCES)[self.source.value]} through "
-                   f"{html.escape(folder.name)} and {', '.join(names)} in {time.perf_counter() - start:.1f} s")
+                   f"{html.escape(folder.name)} and {', '.join(names)} in {time.perf_counter() - start:.1f} s"
+                   + self._log_html())
         for callback in self._callbacks:
             callback(result)
         return result
@@ -352,9 +383,16 @@ class DriftControls:
         """The status line (HTML): what is being done, or what was."""
         self.status.value = text
 
+    def _log_html(self) -> str:
+        """The lines the libraries printed or logged while making the variants, folded under the status."""
+        if not self.log:
+            return ""
+        return (f"<details><summary>what mlx-lm and the libraries it calls wrote ({len(self.log)} lines)</summary>"
+                f"<pre style='font-size:11px;margin:2px 0'>{html.escape(chr(10).join(self.log))}</pre></details>")
+
     def _failed(self, error: BaseException) -> None:
         self.progress.bar_style = "danger"
-        self.status.value = error_html(error)
+        self.status.value = error_html(error) + self._log_html()
 
     def _ipython_display_(self):
         show(self.widget)

@@ -85,8 +85,13 @@ export default () => {
         set: (key, value) => model.set(key, value),
         save_changes: () => model.save_changes(),
         on: (event, handler) => {
-          model.on(event, handler);
-          if (!loaded) (handlers[event] ??= []).push(handler);
+          // ipywidgets logs a handler's error by its message alone ("Error setting state: ..."): log where it is
+          const logged = (...args) => {
+            try { return handler(...args); }
+            catch (error) { console.error(`plotly's ${event} handler failed: ${error.stack}`); throw error; }
+          };
+          model.on(event, logged);
+          if (!loaded) (handlers[event] ??= []).push(logged);
         },
       };
       widget = importBundle(model.get("_plotly_esm")).then((bundle) => {
@@ -146,6 +151,23 @@ class LiveFigure(go.FigureWidget):
         if self._quiet and key in STATE:
             return False
         return super()._should_send_property(key, value)
+
+
+def layer_rows(axes, labels: list[str]) -> None:
+    """Category rows, exactly `labels` top-down, on each of `axes` (a figure's panels side by side). The panels'
+    axes are set alike rather than matched: plotly keeps the categories of matched category axes across updates,
+    and a model with fewer layers then made it throw ("Cannot read properties of undefined (reading 'length')") and
+    leave the chart as it was."""
+    for axis in axes:
+        axis.update(type="category", range=[len(labels) - 0.5, -0.5], autorange=False, categoryorder="array",
+                    categoryarray=labels)
+
+
+def json_grid(grid) -> list[list[float | None]]:
+    """A 2-D grid as plotly sends it to the browser (nested lists), NaN and infinities as None (a gap, drawn as no
+    cell): the kernel's messages are JSON, which has no NaN ("Out of range float values are not JSON compliant")."""
+    values = np.asarray(grid, dtype=float)
+    return [[float(v) if np.isfinite(v) else None for v in row] for row in values]
 
 
 # Tick spacings an expert axis may use: a reader counts along 1, 2, 4, 5, 8, 10, 16, ... easily.

@@ -22,7 +22,7 @@ import numpy as np
 from plotly.subplots import make_subplots
 
 from ..inspect.interventions import intervene
-from ..models.routing import Intervention
+from ..models.routing import Intervention, InterventionError
 from .figure import LiveFigure
 from .mainthread import Owner
 from .router import RouterView
@@ -173,17 +173,28 @@ class InterventionPanel:
     def measured(self) -> dict[str, np.ndarray] | None:
         return self.result.measured if self.result is not None else None
 
+    @property
+    def has_shared_expert(self) -> bool:
+        """Whether the model the controls decode with has a shared expert (gpt-oss, Qwen3-MoE, OLMoE have none)."""
+        return bool(self.model.args.shared_expert_intermediate_size)
+
     def intervention(self) -> Intervention:
-        """The Intervention the controls describe (force wins over top-k: forcing fixes the count)."""
+        """The Intervention the controls describe (force wins over top-k: forcing fixes the count). A shared-expert
+        setting on a model without one is refused: it would change nothing and chart rounding noise as an effect."""
         force = tuple(self.force.value) or None
         top_k = None if force is not None or self.top_k.value == self.default_k else self.top_k.value
+        shared = (self.shared.value, float(self.gate_scale.value))
+        if not self.has_shared_expert and shared != (True, 1.0):
+            raise InterventionError(f"this model has no shared expert, so 'shared expert on' {shared[0]} and 'gate "
+                                    f"scale' {shared[1]:g} would change nothing: press clear, or set a change to "
+                                    "the routed experts (force, ablate, top-k)")
         return Intervention(force_experts=force, ablate=tuple(self.ablate.value),
                             renormalize_ablation=self.renormalize.value, top_k=top_k,
-                            shared_expert=self.shared.value, shared_gate_scale=float(self.gate_scale.value))
+                            shared_expert=shared[0], shared_gate_scale=shared[1])
 
     def _configure(self, model) -> None:
         """Layers, expert ids and top-k of the model the controls decode with (the picker may change it)."""
-        self.model = model
+        self.model = self.before.model = self.after.model = model  # the routing views name it, and split a bias
         n_experts = model.args.num_experts
         self.default_k = model.args.num_experts_per_tok
         self.layer.options = [("every MoE layer", EVERY_LAYER)] + [(f"layer {i}", i) for i in model.moe_blocks()]
@@ -193,13 +204,13 @@ class InterventionPanel:
         self.hint.value = (f"<span style='color:#555;font-size:12px'>expert ids 0-{n_experts - 1}: type one and "
                            "press Enter to add it (again for more); click a tag's \u00d7 to remove it</span>")
         self.top_k.max, self.top_k.value = n_experts, self.default_k
-        shared = bool(model.args.shared_expert_intermediate_size)  # gpt-oss, Qwen3-MoE, OLMoE have none
-        self.shared.disabled = self.gate_scale.disabled = not shared
-        self.shared.description = "shared expert on" if shared else "no shared expert in this model"
+        self.shared.value, self.gate_scale.value = True, 1.0
+        self.shared.disabled = self.gate_scale.disabled = not self.has_shared_expert
+        self.shared.description = "shared expert on" if self.has_shared_expert else "no shared expert in this model"
 
     def _new_baseline(self, trace) -> None:
-        if self.controls.picker.model is not self.model:
-            self._configure(self.controls.picker.model)
+        if self.controls.model is not self.model:  # another model picked: its layers, experts and shared expert
+            self._configure(self.controls.model)
         self.baseline = trace
         self.results = []  # measured against the old baseline: they no longer apply
         self.step.max = len(trace.generated) - 1
@@ -208,6 +219,10 @@ class InterventionPanel:
     def run(self) -> None:
         """Decode with the intervention (free-running, then fed the baseline's tokens) and draw the effect."""
         intervention = self.intervention()
+        if intervention == Intervention():
+            raise InterventionError("no intervention is set (force and ablate empty, top-k and the shared expert as "
+                                    "the model has them): the decode would be the baseline's, so there is no "
+                                    "effect to measure")
         chosen = intervention if self.layer.value == EVERY_LAYER else {self.layer.value: intervention}
         self.apply.disabled = True
         self.status.value = "<i>decoding with the intervention...</i>"

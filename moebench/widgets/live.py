@@ -25,6 +25,7 @@ from collections.abc import Callable
 import ipywidgets as widgets
 
 from ..errors import DecodeError
+from .controls import model_name
 from .mainthread import Owner
 from .static import live_mark, show
 from .text import error_html
@@ -73,21 +74,38 @@ class LiveDecode:
         self.stop_button.add_class("moebench-live-stop")
         self.stop_button.on_click(lambda _: self.stop())
         self._stopping = False
+        self._stepper = None
+        self._pending: tuple | None = None  # (stepper, tokens) of a restart asked for during a decode
         self.task: asyncio.Task | None = None
         self.widget = widgets.VBox([self.toggle.widget, widgets.HBox([self.record_box, self.count, count_hint,
                                                                       self.button, self.stop_button]),
                                     self.chart.figure, self.text, self.status, live_mark()])
         self.restart(stepper)
 
-    def restart(self, stepper) -> None:
-        """Decode from another Stepper (a new prompt or model) into the same chart; recording as ticked."""
+    def restart(self, stepper, tokens: int = 0) -> None:
+        """Decode from another Stepper (a new prompt, or another model: then the chart starts empty) with recording
+        as ticked, and decode `tokens` tokens of it at once. A running decode is stopped after its current token and
+        the restart waits for its end."""
         if self.running:
-            raise RuntimeError("a live decode is running: wait for it before restarting")
+            self._pending = (stepper, tokens)
+            self.stop()
+            return
+        another = self._stepper is not None and stepper.model is not self._stepper.model
         stepper.record = self.record_box.value
-        self.stepper = stepper
+        self._stepper = stepper
         if not stepper.prefilled:
             stepper.prefill()
+        if another:
+            self.chart.clear()
+            self.toggle.forget(f"no token decoded yet on {model_name(stepper.model)}")
         self._show_text()
+        if tokens:
+            self.run(tokens)
+
+    @property
+    def stepper(self):
+        """The Stepper decoding now (`restart` replaces it)."""
+        return self._stepper
 
     # -- decoding (always on the owner thread) ---------------------------------------------------------
     def _one(self) -> object:
@@ -121,6 +139,9 @@ class LiveDecode:
                  "the prompt again to go on." if self.stepper.done else "")
         self.status.value = (f"{self.decoded} tokens decoded; over the chart's window: "
                              + "; ".join(map(html.escape, self.chart.summaries())) + ended)
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.restart(*pending)
 
     def run(self, n: int) -> list:
         """Decode n tokens now (synchronously); returns their records."""
@@ -191,8 +212,10 @@ class LiveDecode:
         trace = self.stepper.trace
         prompt = self.stepper.tokenizer.decode(trace.prompt_ids) if self.stepper.tokenizer is not None else ""
         text = trace.text if len(trace.text) <= TEXT_TAIL else "\u2026" + trace.text[-TEXT_TAIL:]
-        self.text.value = ("<div style='font-size:13px'><b>text so far</b> (prompt in grey):<pre style='white-space:"
-                           f"pre-wrap;margin:2px 0'><span style='color:#888'>{html.escape(prompt)}</span>"
+        on = html.escape(model_name(self.stepper.model))
+        self.text.value = (f"<div style='font-size:13px'><b>text so far</b> on {on} (prompt in grey):<pre "
+                           "style='white-space:pre-wrap;margin:2px 0'><span style='color:#888'>"
+                           f"{html.escape(prompt)}</span>"
                            f"{html.escape(text)}</pre></div>")
 
     def _failed(self, error: BaseException) -> None:

@@ -19,7 +19,7 @@ from plotly.subplots import make_subplots
 
 from ..inspect.record import mixer_text
 from ..models import hooks
-from .figure import LiveFigure
+from .figure import LiveFigure, json_grid, layer_rows
 from .static import live_mark, show
 from .text import shown
 
@@ -78,21 +78,32 @@ class MixingView:
         self.kinds: dict[int, str] = {}
         self.strip = widgets.HTML()
         self.note = widgets.HTML(f"<i>{WAITING}</i>")
-        fig = make_subplots(rows=1, cols=len(PANELS), subplot_titles=[p[1] for p in PANELS], shared_yaxes=True,
-                            horizontal_spacing=0.08)
+        fig = make_subplots(rows=1, cols=len(PANELS), subplot_titles=[p[1] for p in PANELS], horizontal_spacing=0.08)
         for col, (name, _, limits) in enumerate(PANELS, start=1):
-            fig.add_heatmap(z=[[]], name=name, colorscale="Viridis", zmin=limits[0] if limits else None,
+            fig.add_heatmap(z=[], name=name, colorscale="Viridis", zmin=limits[0] if limits else None,
                             zmax=limits[1] if limits else None, row=1, col=col,
                             colorbar={"x": fig.layout[f"xaxis{col if col > 1 else ''}"].domain[1] + 0.005,
                                       "thickness": 8, "len": 0.9},
                             hovertemplate="%{y}, head %{x}: %{z:.4g}<extra>" + name + "</extra>")
         fig.update_layout(height=320, margin={"l": 130, "r": 30, "t": 100, "b": 40}, title={"x": 0},
                           modebar={"orientation": "v"})
-        fig.update_yaxes(autorange="reversed")
+        for col in range(2, len(PANELS) + 1):
+            fig.update_yaxes(showticklabels=False, row=1, col=col)  # the first panel's rows: set in show()
         fig.update_xaxes(title_text="head", dtick=1)
         self.figure = LiveFigure(fig)
+        self._axes(False, WAITING)
         self.widget = widgets.VBox([self.note, live_mark()])
         self.widget.add_class("moebench-mixing-view")
+
+    def _axes(self, drawn: bool, title: str) -> None:
+        """The panels' axes shown (a hybrid's step drawn) or hidden under `title` alone: the static picture a saved
+        notebook keeps then says why there is no chart, instead of showing four empty panels."""
+        with self.figure.batch_update():
+            self.figure.update_xaxes(visible=drawn)
+            self.figure.update_yaxes(visible=drawn)
+            for annotation in self.figure.layout.annotations:  # the panels' titles
+                annotation.visible = drawn
+            self.figure.layout.title.text = title
 
     def show(self, record) -> None:
         """Draw one step record; a model without token-mixing records gets the one-line note instead."""
@@ -100,16 +111,21 @@ class MixingView:
         if not self.kinds:
             self.note.value = f"<i>{NO_MIXER}</i>"
             self.widget.children = [self.note, self.widget.children[-1]]
+            if self.figure.layout.title.text != NO_MIXER:
+                with self.figure.batch_update():
+                    for trace in self.figure.data:
+                        trace.z, trace.y = [], []
+                    self._axes(False, NO_MIXER)
             return
         self.strip.value = strip_html(self.kinds)
         layers = list(self.kinds)
         labels = [layer_label(layer, kind) for layer, kind in self.kinds.items()]
         with self.figure.batch_update():
             for trace, (name, _, _) in zip(self.figure.data, PANELS, strict=True):
-                trace.z, trace.y = panel_grid(record, layers, name), labels
-            self.figure.layout.title.text = (f"token {shown(record.input_text)} (position {record.position}): "
-                                             "token mixing per layer and head<br><sub>state norm: after the token; "
-                                             "output gate: mean over the head</sub>")
+                trace.z, trace.y = json_grid(panel_grid(record, layers, name)), labels
+            layer_rows([self.figure.layout[f"yaxis{c if c > 1 else ''}"] for c in range(1, len(PANELS) + 1)], labels)
+            self._axes(True, f"token {shown(record.input_text)} (position {record.position}): token mixing per layer "
+                             "and head<br><sub>state norm: after the token; output gate: mean over the head</sub>")
         self.widget.children = [self.strip, self.figure, self.widget.children[-1]]
 
     def _ipython_display_(self):

@@ -22,7 +22,8 @@ import mlx.core as mx
 import numpy as np
 from plotly.subplots import make_subplots
 
-from .figure import ExpertAxis, LiveFigure, axis_pixels, go, ordered
+from .controls import model_name
+from .figure import ExpertAxis, LiveFigure, axis_pixels, go, layer_rows, ordered
 from .static import live_mark, show
 from .text import shown
 
@@ -47,10 +48,20 @@ def top_probability(records) -> float:
 ORDERS = (("expert id", "id"), ("most picked first", "usage"))
 FONT_PX = 10  # the expert ticks' font size
 LABEL_PX = 18  # a column this wide (or wider) has room for a box's "#1"
-# With the logit panel: a wider figure, so the heatmap keeps about the width it has without it (its domain, the
-# shared gate's and the panel's, as shares of the plot width).
-SPLIT_WIDTH = 1160
-SPLIT_DOMAINS = ((0.0, 0.6), (0.615, 0.72), (0.77, 1.0))
+BOX_MIN_PX = 7  # a top-k box is never drawn smaller, however narrow its column
+MARGIN = {"l": 70, "r": 90, "t": 110, "b": 60}  # the title and panel titles above; ticks and the axis title below
+LEGEND_PX = 40  # below the axis title, where a legend is drawn (the logit panel's bars, ablated experts)
+PLOT_MIN_PX = 160  # the plot's least height, so the colour bar beside one or two MoE layers has room for its ticks
+# the title along the bar's right side: the whole length is left for the colours and their labels
+COLORBAR = {"title": {"text": "router probability", "side": "right"}, "x": 1.0, "xanchor": "left", "len": 0.9,
+            "thickness": 14}
+# With the logit panel: a wider figure (that still fits a notebook's width), the heatmap keeping about the width it
+# has without it; the colour bar stands right of the shared gate's column, the panel after it (domains as shares
+# of the plot width; the right margin no longer holds the colour bar).
+SPLIT_WIDTH = 1000
+SPLIT_DOMAINS = ((0.0, 0.55), (0.565, 0.665), (0.8, 1.0))
+SPLIT_COLORBAR_X = 0.675
+SPLIT_MARGIN_R = 20
 BAR_SPAN = 0.8  # a layer's row height the picked experts' bars share
 XW_COLOUR, BIAS_COLOUR = "#6baed6", "#fd8d3c"
 SPLIT_TITLE = "router logit of the picked<br>experts = x·W + bias"
@@ -97,8 +108,8 @@ class RouterView:
     picks for the "most picked first" order. Hovering or clicking a cell names its expert (clicked:
     `view.picked`, as (layer, expert)), whichever order the columns are in.
 
-    `model` (or `view.model = ...` after another is picked): where a router has a bias, its MoE layers show
-    the picked experts' logits as x.W + bias (`view.biases`, per layer, read from the model).
+    `model` (or `view.model = ...` after another is picked): the title names it, and where a router has a bias,
+    its MoE layers show the picked experts' logits as x.W + bias (`view.biases`, per layer, read from the model).
     """
 
     def __init__(self, height_per_layer: int = 30, zmax: float = 1.0, title: str = "", order: str = "id",
@@ -114,14 +125,12 @@ class RouterView:
         self.axis: ExpertAxis | None = None
         self.picked: tuple[int, int] | None = None
         self.model = model
-        fig = make_subplots(rows=1, cols=2, column_widths=[0.84, 0.16], shared_yaxes=True, horizontal_spacing=0.02,
+        fig = make_subplots(rows=1, cols=2, column_widths=[0.84, 0.16], horizontal_spacing=0.02,
                             subplot_titles=("router probability of each expert<br>(red boxes: the top-k it "
                                             "picked, #1 = highest)", "shared expert<br>gate (0..1)"))
         # No cells until a step is shown: plotly cannot draw a cell on a category axis that has no category yet
         # (the browser throws "createImageData ... width is zero"), and a view may open before the first step.
-        fig.add_trace(go.Heatmap(z=[], colorscale="Blues", zmin=0, zmax=zmax,
-                                 colorbar={"title": {"text": "router<br>prob"}, "x": 1.0, "xanchor": "left",
-                                           "len": 0.9},
+        fig.add_trace(go.Heatmap(z=[], colorscale="Blues", zmin=0, zmax=zmax, colorbar=COLORBAR,
                                  hovertemplate="layer %{y}<br>expert %{customdata[0]}<br>probability %{z:.3f}"
                                                "%{customdata[1]}<extra></extra>"),
                       row=1, col=1)
@@ -137,9 +146,12 @@ class RouterView:
                                  hoverinfo="skip", showlegend=False), row=1, col=1)
         fig.update_xaxes(title_text="expert id", tickfont={"size": FONT_PX}, row=1, col=1)
         fig.update_xaxes(showticklabels=False, row=1, col=2)
-        fig.update_yaxes(title_text="MoE layer", autorange="reversed", type="category", row=1, col=1)
-        fig.update_layout(margin={"l": 70, "r": 90, "t": 110, "b": 70}, width=860, title={"x": 0},
-                          legend={"orientation": "h", "x": 0, "y": -0.3}, modebar={"orientation": "v"})
+        fig.update_yaxes(title_text="MoE layer", type="category", row=1, col=1)
+        fig.update_yaxes(showticklabels=False, type="category", row=1, col=2)  # the same rows: set in show()
+        # the legend's place is counted from the figure's bottom edge, so it never meets the axis title
+        fig.update_layout(margin=MARGIN, width=860, title={"x": 0, "font": {"size": 14}}, modebar={"orientation": "v"},
+                          legend={"orientation": "h", "x": 0, "xanchor": "left", "yref": "container", "y": 0,
+                                  "yanchor": "bottom"})
         self._plain = (fig.layout.width, fig.layout.xaxis.domain, fig.layout.xaxis2.domain)
         self.figure = LiveFigure(fig)
         self.figure.data[0].on_click(self._clicked)
@@ -213,8 +225,9 @@ class RouterView:
             colors += ["white" if probs[row, i] > dark else "#b71c1c" for i in ids]
             if layer in split:
                 logit_of[row] = [logit_text(*parts) for parts in zip(*split[layer], self.biases[layer], strict=True)]
-        cell = min(axis.column_px, self.height_per_layer)
-        box = float(np.clip(cell - 1, 7, 22))
+        plot_px = max(PLOT_MIN_PX, self.height_per_layer * len(layers))
+        cell = min(axis.column_px, plot_px / len(layers))  # a box outlines its cell, at any expert or layer count
+        box = max(BOX_MIN_PX, cell - 6)  # its 3 px line drawn inside the cell, a gap to the next box
         gates = [record.layers[layer].shared_gate for layer in layers]
         note = shared_note(record)
         k = {len(ids) for ids in self.marked.values()}
@@ -224,6 +237,7 @@ class RouterView:
             heat.customdata = [[[int(e), rank_of[row, e] + logit_of[row, e]] for e in axis.ids]
                                for row in range(len(layers))]
             self.figure.layout.xaxis.update(range=axis.span(box + 3), **axis.ticks())
+            layer_rows([self.figure.layout.yaxis, self.figure.layout.yaxis2], labels)  # the boxes are sized to them
             self.figure.layout.xaxis.title.text = "expert id" + (" (most picked first)" if self.order.value ==
                                                                   "usage" else "")
             boxes.x, boxes.y, boxes.text = xs, ys, ranks
@@ -248,11 +262,13 @@ class RouterView:
                 titles.append(go.layout.Annotation(text=note, xref="x2 domain", yref="y2 domain", x=0.5, y=0.5,
                                                    showarrow=False, font={"size": 11}))
             self.figure.layout.annotations = titles
+            on = f" on {model_name(self.model)}" if self.model is not None else ""
             self.figure.layout.title.text = (f"{self.prefix}routing of token {shown(record.input_text)} (position "
-                                             f"{record.position}): {'/'.join(map(str, sorted(k)))} experts picked "
-                                             "per MoE layer")
-            self.figure.layout.height = 200 + self.height_per_layer * len(layers)
-            heat.colorbar.nticks = max(2, self.height_per_layer * len(layers) // 25)  # labels a short bar can hold
+                                             f"{record.position}){on}: {'/'.join(map(str, sorted(k)))} experts "
+                                             "picked per MoE layer")
+            bottom = MARGIN["b"] + (LEGEND_PX if split or crossed else 0)
+            self.figure.layout.margin.b, self.figure.layout.height = bottom, MARGIN["t"] + bottom + plot_px
+            heat.colorbar.nticks = max(2, plot_px // 25)  # the labels the bar's length holds
 
     def _arrange(self, split: bool) -> None:
         """The logit panel there (a wider figure, a third column with its two bar traces) or not, as `split` says;
@@ -263,6 +279,8 @@ class RouterView:
         width, heat_domain, shared_domain = (SPLIT_WIDTH, *SPLIT_DOMAINS[:2]) if split else self._plain
         with self.figure.batch_update():
             layout.width = width
+            layout.margin.r = SPLIT_MARGIN_R if split else MARGIN["r"]
+            self.figure.data[0].colorbar.x = SPLIT_COLORBAR_X if split else COLORBAR["x"]
             for axis, title, domain in zip((layout.xaxis, layout.xaxis2), layout.annotations[:2],
                                            (heat_domain, shared_domain), strict=True):
                 axis.domain, title.x = domain, sum(domain) / 2

@@ -6,6 +6,11 @@ widget: model not found". So every live figure also gets an output of its own, a
 kernel), updated in place (display_id) whenever the figure changes. While the live view renders, the
 `live_mark` inside it hides those copies with one stylesheet, so a running notebook shows each chart once
 (a plain HTML widget: no JavaScript module to load).
+
+Reopened without a kernel, JupyterLab writes "Error displaying widget: model not found" in place of every widget
+view: the output keeps that text alone. A plain HTML output beside each view, a stylesheet that needs no kernel,
+hides such outputs (and itself), so a saved notebook shows its static pictures and none of those errors. JupyterLab
+applies it in a trusted notebook (one the user ran and saved); an untrusted one has its styles removed.
 """
 
 from __future__ import annotations
@@ -23,6 +28,20 @@ LIVE_CLASS = "moebench-live"
 # Not display:none: the renderer redraws on every update and needs a laid-out width to draw into.
 HIDE_CSS = (f".jp-OutputArea-child:has(.{LIVE_CLASS}) ~ .jp-OutputArea-child:has(.jp-RenderedPlotly) "
             "{ max-height: 0; overflow: hidden; visibility: hidden; margin: 0; padding: 0; }")
+
+
+ORPHAN_CLASS = "moebench-orphan-widgets"
+# A widget output whose view never came: JupyterLab marks the output itself jupyter-widgets (a rendered view is a
+# child of it) and writes the error in it. Hidden only while no live view is drawn in the page (no kernel holds the
+# widgets): with a kernel, a view that failed is shown. (No :has() inside another: Chromium drops such a rule.)
+ORPHAN_CSS = (f"body:not(:has(.{LIVE_CLASS})) .jp-OutputArea-child:has(> .jp-OutputArea-output.jupyter-widgets), "
+              f".jp-OutputArea-child:has(.{ORPHAN_CLASS}) {{ display: none; }}")
+
+
+def orphan_style() -> dict:
+    """The HTML output that hides widget outputs left without their views (and itself): see the module's doc."""
+    return {"text/html": f"<style class='{ORPHAN_CLASS}'>{ORPHAN_CSS}</style>",
+            "text/plain": "<style: hides the widget views a reopened notebook cannot show>"}
 
 
 def live_mark() -> widgets.HTML:
@@ -58,8 +77,10 @@ class Snapshot:
 
 
 def show(widget, figures=()) -> None:
-    """Display a live view, then a static picture of each of its figures (each figure: a LiveFigure)."""
+    """Display a live view, then a static picture of each of its figures (each figure: a LiveFigure), after the
+    stylesheet that hides the view once no kernel can show it."""
     keep_on_subshell(widget)
+    display(orphan_style(), raw=True)
     display(widget)
     for figure in figures:
         snapshot = figure._snapshot or Snapshot(figure)

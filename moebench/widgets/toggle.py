@@ -9,6 +9,7 @@ callbacks' business (see mainthread.Owner).
 
 from __future__ import annotations
 
+import html
 from collections import Counter
 from collections.abc import Callable
 
@@ -68,6 +69,11 @@ class FusedToggle:
     def set(self, enabled: bool) -> None:
         """Same as clicking: the switch changes before the next token."""
         self.button.value = bool(enabled)
+
+    def forget(self, why: str) -> None:
+        """No token decoded yet on what is decoded now (another model): the label says `why` instead of a path."""
+        self._last = ""
+        self.label.value = f"<i>{html.escape(why)}</i>"
 
     def show(self, record) -> None:
         """Report the path a decoded step took (known only when its internals were recorded)."""

@@ -144,6 +144,12 @@ class TokensPerSecondChart:
         """summary() of every arm that has tokens in the window."""
         return [self.summary(rec, fused) for fused, rec in ARMS if self.rates(rec, fused)]
 
+    def clear(self) -> None:
+        """Forget every point and mark (another model: its rates do not compare with the last one's) and redraw."""
+        self._points.clear()
+        self._marks.clear()
+        self._draw()
+
     def flush(self) -> None:
         """Draw now, whatever the throttle says (end of a run)."""
         if self._dirty:

@@ -27,13 +27,13 @@ def qwen3_checkpoint(tmp_path_factory) -> Path:
     return folder
 
 
-def run_notebook_on(notebook: Path, folder: Path, model_type: str, monkeypatch) -> None:
-    """Run `notebook` with `folder` first in its model picker; no cell may fail, and the model it opened must be
-    of `model_type` (not the shipped model)."""
+def run_notebook_on(notebook: Path, folder: Path, model_type: str, monkeypatch, check: str = "") -> None:
+    """Run `notebook` with `folder` first in its model picker; no cell may fail, the model it opened must be of
+    `model_type` (not the shipped model), and the assertions in `check` (code run after the last cell) must hold."""
     monkeypatch.setenv("MOEBENCH_MODEL", str(folder))
     nb = nbformat.read(notebook, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell(f'assert picker.model.args.model_type == "{model_type}", '
-                                              'picker.model.args'))
+                                              'picker.model.args\n' + check))
     NotebookClient(nb, timeout=180, kernel_name="python3",
                    resources={"metadata": {"path": str(notebook.parent)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]

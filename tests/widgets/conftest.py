@@ -1,5 +1,6 @@
 """Fixtures for the widget tests: a tiny random model (with and without a shared expert) and its traces, a tiny
-hybrid's trace, and the shipped model's routing drift against a router-swapped copy."""
+hybrid's trace, the shipped model's routing drift against a router-swapped copy, and a page of Chromium with
+plotly.js to draw figures in."""
 
 from __future__ import annotations
 
@@ -100,3 +101,24 @@ def swapped(shipped, tmp_path_factory):
     save_file(tensors, str(folder / "model.safetensors"))
     other, _ = moebench.load(folder)
     return drift([model, other], prompts, names=["shipped", "swapped"]), last, pair
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.fixture(scope="module")
+def plotly_page():
+    """A blank page of headless Chromium with plotly.js, the version plotly's widget bundles (both come with the
+    plotly package); skips without playwright or Debian's chromium."""
+    playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} not found: install Debian's chromium (scripts/setup.sh does)")
+    from plotly_replay import PLOTLY_JS
+
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                    args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page()
+        page.add_script_tag(path=str(PLOTLY_JS))
+        yield page
+        browser.close()

@@ -3,8 +3,8 @@
 A view of a figure may open at any point of the figure's updates (JupyterLab renders an output when it gets to
 it, and the kernel may have sent some updates by then): it draws the state it is given, then applies each
 later update as it comes. `recording` keeps, for every LiveFigure made inside it, the first state and each
-update message as the kernel sends it; `replay_errors` draws every figure from every point of its log, applies
-the rest, and returns what plotly threw.
+update message as the kernel sends it (each checked to be JSON the kernel can send); `replay_errors` draws every
+figure from every point of its log, applies the rest, and returns what plotly threw.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import plotly
 from plotly.basedatatypes import Undefined
+from plotly.serializers import custom_serializers
 
 from moebench.widgets.figure import UPDATES, LiveFigure
 
@@ -75,6 +76,20 @@ def as_json(value):
     return json.loads(json.dumps(value, default=_plain))
 
 
+def sendable(name: str, value) -> None:
+    """Fails unless the kernel can send `value` as JSON, as plotly's widget serializes it (numpy arrays as binary
+    buffers, lists as JSON, which has no NaN or infinity: jupyter_client would warn "Message serialization failed")."""
+    def binary(v):
+        if isinstance(v, memoryview):
+            return "<buffer>"
+        raise TypeError(f"cannot send {type(v).__name__}")
+
+    try:
+        json.dumps(custom_serializers["to_json"](value, None), allow_nan=False, default=binary)
+    except ValueError as e:
+        raise AssertionError(f"{name} is not JSON compliant ({e}): {str(value)[:300]}") from e
+
+
 @contextmanager
 def recording(monkeypatch):
     """Yields a list that gets, for every LiveFigure made inside the block, its first state and every update
@@ -84,12 +99,14 @@ def recording(monkeypatch):
 
     def init(figure, *args, **kwargs):
         made(figure, *args, **kwargs)
+        sendable("the first state", [figure._widget_data, figure._widget_layout])
         entry = {"name": f"figure {len(figures)}", "data": as_json(figure._widget_data),
                  "layout": as_json(figure._widget_layout), "updates": []}
         figures.append(entry)
 
         def sent(change):
             if change["new"] is not None:
+                sendable(change["name"], change["new"])
                 entry["updates"].append([change["name"], as_json(change["new"])])
 
         figure.observe(sent, names=list(UPDATES))

@@ -1,16 +1,23 @@
 """Real-browser tests: the notebooks in JupyterLab in headless Chromium, used as a user would.
 
-One JupyterLab server (127.0.0.1, a token, a free port) serves copies of the notebooks (so the repo's
-stripped notebooks never receive outputs). JupyterLab 4.6 sends widget messages over kernel subshells, so
+One JupyterLab server (127.0.0.1, a token, a free port) serves the notebooks as committed: each is run through the
+project's output filter (nbstripout), so the outputs and widget state a user saved in the working tree never reach a
+test. Its kernels' model pickers offer the shipped model (the default) and a tiny checkpoint of each family people run
+(Qwen3-MoE, OLMoE, gpt-oss, Qwen3.5, Qwen3-Next). JupyterLab 4.6 sends widget messages over kernel subshells, so
 every click here reaches the kernel on a subshell thread, as it does for users.
 
-- every notebook: Run All, then no error output, no JavaScript error, every widget rendered, the static
-  copies hidden while the live views show; one control per notebook changes its view;
+No test waits for a length of time: each waits for the state it needs (the kernel idle, a view drawn, a title that
+names the model picked), with a deadline only to fail by. Every test fails on a JavaScript error.
+
+- every notebook: Run All, then no error output, every widget rendered, the static copies hidden while the live
+  views show; one control per notebook changes its view; then each tiny family is picked in the model picker: every
+  view follows it, or says it shows the last model and offers the run that measures the new one; no cell or widget
+  fails, no message fails to serialize;
 - 01's stepper scrubs while the kernel is busy (linked in the browser), and the router follows once it is free;
 - 04's crash path (issue 22): flip the toggle while idle, during a decode run by a cell and during an
   awaited task, untick recording mid-run: no error, the records switch path between tokens;
 - reload with the kernel running: the charts come back drawn, not as empty axes;
-- save, shut the kernel down, reopen: every chart's static picture is there.
+- save, shut the kernel down, reopen: every chart's static picture is there, and no widget error shows.
 
 Screenshots land in $MOEBENCH_SHOTS (default artifacts/browser/, git-ignored).
 """
@@ -26,11 +33,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from families import FAMILIES, write_family
 
 from moebench.checkpoint.loader import SHIPPED_MODEL
+from moebench.tools.presets import get_preset
 
 pytestmark = pytest.mark.browser
 
@@ -70,25 +80,34 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory) -> Path:
-    """A tiny Qwen3-Next (three linear-attention layers to one full, 8 experts), made as a user makes one:
-    `moebench make-random --preset qwen3-next-tiny`, plus a byte-level tokenizer."""
-    from byte_tokenizer import write_byte_tokenizer
+def families(tmp_path_factory) -> dict[str, Path]:
+    """A tiny checkpoint of each family in FAMILIES (8 experts each), by the family's name."""
+    root = tmp_path_factory.mktemp("families")
+    return {name: write_family(root, preset) for name, preset in FAMILIES.items()}
 
-    folder = tmp_path_factory.mktemp("hybrid") / "qwen3-next-tiny"
-    subprocess.run([shutil.which("moebench") or "moebench", "make-random", "--preset", "qwen3-next-tiny",
-                    "--dtype", "float32", "--seed", "5", str(folder)], check=True, capture_output=True)
-    write_byte_tokenizer(folder)
-    return folder
+
+def stripped(notebook: Path) -> str:
+    """The notebook as committed: through the project's output filter (.gitattributes' nbstripout), whatever a run
+    saved in the working tree (outputs, widget state: reopened, they made a test fail with 'model not found')."""
+    return subprocess.run([sys.executable, "-m", "nbstripout", "-t", str(notebook)], check=True, capture_output=True,
+                          text=True).stdout
+
+
+@dataclass(frozen=True)
+class Lab:
+    base: str  # the server's address
+    token: str
+    folder: Path  # the notebooks it serves
+    log: Path  # the server's and its kernels' output
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory, hybrid):
-    """A JupyterLab server over a copy of notebooks/; yields (base url, token, folder); stopped at the end.
-    Its kernels' model pickers offer the shipped model first (the default) and the tiny hybrid second."""
+def lab(tmp_path_factory, families):
+    """A JupyterLab server over the committed notebooks (stripped copies); yields a Lab; stopped at the end. Its
+    kernels' model pickers offer the shipped model first (the default), then each tiny family."""
     work = tmp_path_factory.mktemp("lab")
     for nb in NOTEBOOKS:
-        shutil.copy(nb, work / nb.name)
+        (work / nb.name).write_text(stripped(nb))
     # Render every cell (no virtual scrolling), so every widget is in the DOM to be checked; no news pop-up.
     for plugin, values in (("notebook-extension/tracker", {"windowingMode": "none"}),
                            ("apputils-extension/notification", {"fetchNews": "false", "checkForUpdates": False})):
@@ -105,7 +124,7 @@ def lab(tmp_path_factory, hybrid):
          "--LabApp.extension_manager=readonly", *(["--allow-root"] if os.geteuid() == 0 else [])],
         stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "JUPYTER_CONFIG_DIR": str(work / ".jupyter"),
-             "MOEBENCH_MODEL": os.pathsep.join([str(SHIPPED_MODEL), str(hybrid)])},
+             "MOEBENCH_MODEL": os.pathsep.join([str(SHIPPED_MODEL), *map(str, families.values())])},
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -118,7 +137,7 @@ def lab(tmp_path_factory, hybrid):
                 if server.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"JupyterLab did not start; log:\n{(work / 'lab.log').read_text()[-3000:]}")
                 time.sleep(0.3)
-        yield base, token, work
+        yield Lab(base, token, work, work / "lab.log")
     finally:
         server.terminate()
         try:
@@ -182,9 +201,9 @@ def finish(page, name: str = "run") -> str:
 
 
 def fresh_copy(lab, notebook: str, name: str) -> str:
-    """The stripped notebook under another name: its own kernel, with none of the widgets earlier tests made
+    """The committed notebook under another name: its own kernel, with none of the widgets earlier tests made
     (widgets live until closed, and a reload fetches every one of them)."""
-    shutil.copy(ROOT / "notebooks" / notebook, lab[2] / name)
+    (lab.folder / name).write_text(stripped(ROOT / "notebooks" / notebook))
     return name
 
 
@@ -202,11 +221,10 @@ def run_all_cells(page) -> None:
 
 
 def open_notebook(browser, lab, notebook: str, errors: list[str]):
-    base, token, _ = lab
     page = browser.new_page()
     page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
-    page.goto(f"{base}/lab/tree/{notebook}?token={token}&reset", wait_until="domcontentloaded")
+    page.on("pageerror", lambda e: errors.append(f"page error: {e.stack or e}"))
+    page.goto(f"{lab.base}/lab/tree/{notebook}?token={lab.token}&reset", wait_until="domcontentloaded")
     page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
                            " && window.jupyterapp.shell.currentWidget.sessionContext", timeout=60_000)
     return page
@@ -222,9 +240,37 @@ def shot(page, name: str) -> None:
     page.set_viewport_size({"width": size["width"], "height": int(min(max(size["height"], height + 200), 16000))})
     page.evaluate("() => document.querySelectorAll('.jp-NotebookPanel-notebook, .jp-WindowedPanel-outer')"
                   ".forEach(e => { e.scrollTop = 0; })")
-    page.wait_for_timeout(800)
+    next_frames(page)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
     page.set_viewport_size(size)
+
+
+def settled(page, js: str, arg=None, timeout_ms: int = 120_000) -> bool:
+    """Wait until `js` holds in the page; False when the deadline passed first, for the assertions after it to say
+    what is wrong."""
+    try:
+        page.wait_for_function(js, arg=arg, timeout=timeout_ms)
+        return True
+    except playwright_api.TimeoutError:
+        return False
+
+
+def poll(page, problem, timeout_s: float = 120) -> None:
+    """Until `problem()` (what is wrong with the page, or None) is None, each time after the page drew two more
+    frames; fails with the last problem when the deadline passes first."""
+    deadline = time.monotonic() + timeout_s
+    while (found := problem()) is not None and time.monotonic() < deadline:
+        next_frames(page)
+    assert found is None, found
+
+
+def next_frames(page) -> None:
+    """Wait until the page has drawn two more frames (a layout the last change asked for is on screen)."""
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+
+
+# Text no output may show: a traceback (in a stream or a widget's status), a message the kernel failed to serialize
+FAILURES = ("Traceback (most recent call last)", "Message serialization failed", "not JSON compliant")
 
 
 def no_error_outputs(page, notebook: str) -> None:
@@ -232,11 +278,31 @@ def no_error_outputs(page, notebook: str) -> None:
     assert failed.count() == 0, f"{notebook}: a cell raised:\n{failed.first.inner_text()[:3000]}"
     for status in page.locator("[class*='-status']").all():
         assert "Error:" not in status.inner_text(), f"{notebook}: a widget reported {status.inner_text()[:500]}"
+    text = page.locator(".jp-Notebook").inner_text()
+    found = [f for f in FAILURES if f in text]
+    assert not found, f"{notebook}: an output shows {found[0]!r}:\n{text[text.index(found[0]) - 500:][:3000]}"
+
+
+def no_serialization_failure(lab: Lab, since: int) -> None:
+    """The kernels wrote no serialization failure to the server's log after byte `since` (a widget message that is
+    not JSON: jupyter_client warns there when no cell is running)."""
+    text = lab.log.read_bytes()[since:].decode(errors="replace")
+    found = [f for f in FAILURES[1:] if f in text]
+    assert not found, f"a kernel logged {found[0]!r}:\n{text[text.index(found[0]) - 2000:][:4000]}"
+
+
+# Every widget output holds its rendered view, each view laid out with some height (none still loading).
+RENDERED_JS = f"""() => {{
+    const expected = ({WIDGET_OUTPUTS_JS})();
+    const views = [...document.querySelectorAll(
+        '.jp-OutputArea-output > .jupyter-widgets, .jp-OutputArea-output > .js-plotly-plot')];
+    return expected > 0 && views.length === expected && views.every(v => v.getBoundingClientRect().height > 10);
+}}"""
 
 
 def widgets_rendered(page, notebook: str) -> None:
+    settled(page, RENDERED_JS)
     expected = page.evaluate(WIDGET_OUTPUTS_JS)
-    assert expected > 0, f"{notebook}: no widget was displayed"
     outputs = page.locator(".jp-OutputArea-output")
     for i in range(outputs.count()):
         text = outputs.nth(i).inner_text()
@@ -256,6 +322,8 @@ def statics(page):
 
 def statics_hidden_while_live(page, notebook: str) -> None:
     """Each live figure has its static copy in the outputs, hidden while the live view renders."""
+    settled(page, "() => [...document.querySelectorAll('.jp-OutputArea-output.jp-RenderedPlotly')]"
+                  ".every(e => getComputedStyle(e.closest('.jp-OutputArea-child')).visibility === 'hidden')")
     copies = statics(page)
     assert copies.count() > 0, f"{notebook}: no static copy beside the live figures"
     assert all(not c.is_visible() for c in copies.all()), f"{notebook}: a static copy shows beside its live view"
@@ -268,14 +336,18 @@ def drawn_points(chart) -> int:
 
 
 # -- every notebook ------------------------------------------------------------------------------------
+def registry(checks: dict):
+    """A decorator that files a check in `checks` under its notebook's stem: @registry(checks)(stem)."""
+    def by(stem: str):
+        def register(check):
+            checks[stem] = check
+            return check
+        return register
+    return by
+
+
 CONTROL_CHECKS = {}
-
-
-def control(stem):
-    def register(check):
-        CONTROL_CHECKS[stem] = check
-        return check
-    return register
+control = registry(CONTROL_CHECKS)
 
 
 @control("01_decode_step_by_step")
@@ -348,12 +420,15 @@ def benchmark_button_measures(page) -> None:
     # a flip while idle marks the chart 8 tokens before its right end: every label whole and apart
     page.wait_for_function(KERNEL_IDLE_JS, timeout=60_000)
     before = last_mark(page, ("fused ON", "fused OFF"))
+    status = page.locator(".moebench-live-status").last
+    decoded = status.inner_text()
     page.locator(".moebench-fused-toggle").last.click()
     page.wait_for_function(f"(n) => ({MARKS_JS})().some(([x, t]) => x > n && t.startsWith('fused'))", arg=before,
                            timeout=30_000)
-    page.wait_for_function(KERNEL_IDLE_JS, timeout=60_000)
-    page.wait_for_timeout(1000)  # the chart's last redraw
-    mark_labels_whole_and_apart(page.locator(".js-plotly-plot.moebench-tps-chart").last)
+    # the flip's tokens decoded (the status comes after the chart's last redraw), then the labels as drawn
+    page.wait_for_function("([el, t]) => el.innerText !== t && /^\\d+ tokens decoded/.test(el.innerText)",
+                           arg=[status.element_handle(), decoded], timeout=60_000)
+    poll(page, lambda: mark_label_problem(page.locator(".js-plotly-plot.moebench-tps-chart").last))
 
 
 @control("05_interventions")
@@ -397,15 +472,145 @@ def clicking_the_drift_map_shows_that_cell(page) -> None:
     assert text.startswith(f"token {token} ") and "next token" in text and "expert" in text, text[:500]
 
 
+# -- another model picked: every view follows, or says it shows the last model and offers the run ------------------
+# The router heatmap's size as the page holds it: [MoE layers, experts] of its first (probability) trace.
+ROUTER_GRID_JS = """(el) => { const z = el.data[0].z; return [z.length, z.length ? z[0].length : 0]; }"""
+# Whether some (or every) element matching a selector shows a text (textContent: plotly's titles are SVG text).
+SHOWS_JS = """([selector, text, every]) => {
+    const found = [...document.querySelectorAll(selector)];
+    return found.length > 0 && (every ? found.every(e => e.textContent.includes(text))
+                                      : found.some(e => e.textContent.includes(text)));
+}"""
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_moe")
+
+
+@dataclass(frozen=True)
+class Picked:
+    """A tiny family just picked: its folder's name (what the views name), what it has, and whether it is the last
+    one picked (whose stale views are measured again)."""
+
+    name: str
+    hybrid: bool
+    shared_expert: bool
+    last: bool
+
+
+def shows(page, selector: str, text: str, every: bool = False) -> None:
+    """Wait until an element matching `selector` (with `every`, each of them) shows `text`."""
+    if not settled(page, SHOWS_JS, [selector, text, every]):
+        found = [e.text_content()[:300] for e in page.locator(selector).all()]
+        pytest.fail(f"{selector} never showed {text!r}: {found}")
+
+
+def stale_note(page, view: str, picked: Picked, action: str):
+    """The line over `view` that says it measured the last model: shown, naming the model picked and the run."""
+    note = page.locator(f"{view} .moebench-stale").first
+    shows(page, f"{view} .moebench-stale", f"the picker now holds {picked.name}")
+    assert note.is_visible() and note.locator(".moebench-stale-rerun").inner_text().strip() == action, \
+        note.inner_text()
+    return note
+
+
+def rerun_from_the_note(page, view: str, note, title: str) -> None:
+    """Press the note's button: the view measures the model picked, its title says so and the note goes."""
+    note.locator(".moebench-stale-rerun").click()
+    shows(page, f"{view} .gtitle", title)
+    assert settled(page, "(el) => getComputedStyle(el).display === 'none'", note.element_handle()), note.inner_text()
+
+
+def drawn_grid(chart, experts: int) -> str | None:
+    """What is wrong with a drawn layer x expert heatmap: another expert count, or no cell drawn; None if fine."""
+    grid = chart.evaluate(ROUTER_GRID_JS)
+    return None if grid[1] == experts and drawn_points(chart) > 0 else f"drawn {grid}, {drawn_points(chart)} points"
+
+
+FOLLOW_CHECKS = {}
+follows = registry(FOLLOW_CHECKS)
+
+
+@follows("01_decode_step_by_step")
+def the_stepper_router_and_token_mixing_follow(page, picked: Picked) -> None:
+    shows(page, ".moebench-router-view .gtitle", f" on {picked.name}:")
+    router = page.locator(".moebench-router-view .js-plotly-plot").first
+    poll(page, lambda: drawn_grid(router, 8))
+    if picked.hybrid:
+        shows(page, ".moebench-mixing-view .moebench-mixer-kind[data-kind='linear_attention']", "linear")
+    else:
+        shows(page, ".moebench-mixing-view", "no linear-attention layers")
+
+
+@follows("02_router_and_experts")
+def the_load_map_table_and_stepper_follow(page, picked: Picked) -> None:
+    shows(page, ".moebench-router-view .gtitle", f" on {picked.name}:")  # the last view both decodes update
+    router = page.locator(".moebench-router-view .js-plotly-plot").first
+    poll(page, lambda: drawn_grid(router, 8))
+    layers = router.evaluate(ROUTER_GRID_JS)[0]
+    load_map = page.locator(".jupyter-widgets .js-plotly-plot", has_text="code minus prose").first
+    same = "(el, n) => el.data.every(t => t.z.length === n && t.z[0].length === 8)"  # every panel: layers x 8
+    poll(page, lambda: None if load_map.evaluate(same, layers) else "the load map is not the new model's")
+    table = page.locator(".widget-html", has_text="JS divergence code vs prose").first
+    assert table.locator("tbody tr").count() == layers, table.inner_text()
+
+
+@follows("03_fused_vs_fallback")
+def both_comparisons_the_medians_and_the_live_panel_follow(page, picked: Picked) -> None:
+    shows(page, ".moebench-diff-view .gtitle", f"fused vs fallback on {picked.name},", every=True)
+    shows(page, ".moebench-live-text", f"on {picked.name}")
+    shows(page, ".moebench-median-table", f"on {picked.name}")
+
+
+@follows("04_live_tokens_per_second")
+def the_live_panel_follows_and_the_benchmark_says_it_measured_the_last_model(page, picked: Picked) -> None:
+    shows(page, ".moebench-live-text", f"on {picked.name}")
+    note = stale_note(page, ".moebench-bench", picked, "run benchmark")
+    if picked.last:
+        page.locator(".moebench-bench input").nth(1).fill("1")  # one round
+        page.locator(".moebench-bench input").nth(1).press("Tab")
+        rerun_from_the_note(page, ".moebench-bench", note, f"on {picked.name}")
+
+
+@follows("05_interventions")
+def the_panel_starts_over_on_the_new_model(page, picked: Picked) -> None:
+    shows(page, ".moebench-interventions .gtitle", f" on {picked.name}:")  # the baseline's routing
+    before = page.locator(".moebench-interventions .js-plotly-plot", has_text="baseline:").first
+    poll(page, lambda: drawn_grid(before, 8))
+    shared = page.locator(".moebench-interventions .widget-checkbox", has_text="shared expert").first
+    words = "shared expert on" if picked.shared_expert else "no shared expert in this model"
+    assert words in shared.inner_text() and shared.locator("input").is_disabled() != picked.shared_expert, \
+        shared.inner_text()
+    assert page.locator(".moebench-intervene-result option").count() == 0  # the last model's results: gone
+
+
+@follows("06_routing_drift")
+def the_drift_map_says_it_is_the_last_models_and_offers_compare(page, picked: Picked) -> None:
+    note = stale_note(page, ".moebench-drift-view", picked, "compare")
+    if picked.last:
+        rerun_from_the_note(page, ".moebench-drift-view", note, f"against {picked.name}:")
+
+
+def pick(page, folder: Path) -> str:
+    """Pick `folder` in the notebook's model picker as a person does; returns what the picker says of it, once
+    opened (not 'opening ...')."""
+    page.locator(".moebench-model-picker select").first.select_option(label=str(folder))
+    info = page.locator(".moebench-model-picker + .widget-html").first
+    opened = "([el, name]) => el.innerText.includes(name) && el.innerText.includes('experts')"
+    assert settled(page, opened, [info.element_handle(), folder.name]), info.inner_text()
+    return info.inner_text()
+
+
 @pytest.mark.parametrize("notebook", [nb.name for nb in NOTEBOOKS])
-def test_notebook_runs_renders_and_its_controls_act(lab, browser, notebook):
+def test_notebook_runs_renders_its_controls_act_and_it_follows_the_model_picker(lab, browser, families, notebook):
+    """Run All on the shipped model, use one control, then pick each tiny family in the picker (Qwen3-MoE, OLMoE,
+    gpt-oss, Qwen3.5, Qwen3-Next): every view follows, or says it shows the last model and offers the run (pressed
+    on the last family); after each, no cell or widget failed, no message failed to serialize, every widget is
+    drawn; no JavaScript error."""
     stem = notebook.removesuffix(".ipynb")
     errors: list[str] = []
+    since = lab.log.stat().st_size
     page = open_notebook(browser, lab, notebook, errors)
     try:
         run_all_cells(page)
         no_error_outputs(page, notebook)
-        page.wait_for_timeout(1500)  # let plotly finish its first layout
         widgets_rendered(page, notebook)
         statics_hidden_while_live(page, notebook)
         shot(page, f"{stem}-run-all")
@@ -413,47 +618,20 @@ def test_notebook_runs_renders_and_its_controls_act(lab, browser, notebook):
         page.wait_for_function(KERNEL_IDLE_JS, timeout=60_000)
         no_error_outputs(page, notebook)
         shot(page, f"{stem}-after-control")
-        assert not errors, f"{notebook}: JavaScript errors:\n" + "\n".join(errors)
-    finally:
-        page.close()
-
-
-# The router heatmap's size as the page holds it: [MoE layers, experts] of its first (probability) trace.
-ROUTER_GRID_JS = """(el) => { const z = el.data[0].z; return [z.length, z[0].length]; }"""
-
-
-@pytest.mark.parametrize("notebook", ["01_decode_step_by_step.ipynb", "02_router_and_experts.ipynb"])
-def test_a_hybrid_picked_in_the_model_picker_runs_and_renders(lab, browser, hybrid, notebook):
-    """Run All on the shipped model, then pick the tiny Qwen3-Next in the picker as a person would: the picker
-    names it and which of its layers are linear attention and which full, the kernel decodes on it, every view
-    follows (the router heatmap is its 4 MoE layers x 8 experts, not the shipped 64), no cell or widget fails,
-    no JavaScript error."""
-    stem = notebook.removesuffix(".ipynb")
-    errors: list[str] = []
-    page = open_notebook(browser, lab, fresh_copy(lab, notebook, f"hybrid-{notebook}"), errors)
-    try:
-        run_all_cells(page)
-        router = page.locator(".moebench-router-view .js-plotly-plot").first
-        assert router.evaluate(ROUTER_GRID_JS)[1] == 64, "the shipped model is not the default"
-        dropdown = page.locator(".moebench-model-picker select").first
-        dropdown.click()
-        dropdown.select_option(label=str(hybrid))
-        info = page.locator(".moebench-model-picker + .widget-html").first
-        page.wait_for_function("(el) => el.innerText.includes('qwen3-next-tiny') && el.innerText.includes('experts')",
-                               arg=info.element_handle(), timeout=60_000)  # opened, not "opening ..."
-        assert "4 layers, 3 linear attention + 1 full attention (full attention: layer 3), 8 experts" \
-            in info.inner_text(), info.inner_text()
-        page.wait_for_function("(el) => el.data[0].z[0].length === 8", arg=router.element_handle(), timeout=60_000)
-        page.wait_for_function(KERNEL_IDLE_JS, timeout=120_000)
-        page.wait_for_timeout(1500)  # plotly's last redraw
-        assert execute(page, "print(picker.model.args.model_type)", name="type").strip() == "qwen3_next"
-        no_error_outputs(page, notebook)
-        widgets_rendered(page, notebook)
-        statics_hidden_while_live(page, notebook)
-        assert router.evaluate(ROUTER_GRID_JS) == [4, 8]
-        assert drawn_points(router) > 0
-        shot(page, f"{stem}-hybrid")
-        assert not errors, f"{notebook}: JavaScript errors:\n" + "\n".join(errors)
+        for i, (family, folder) in enumerate(families.items()):
+            config = get_preset(FAMILIES[family]).config
+            picked = Picked(folder.name, config["model_type"] in HYBRID_TYPES,
+                            bool(config.get("shared_expert_intermediate_size")), i == len(families) - 1)
+            info = pick(page, folder)
+            if picked.hybrid:
+                assert "3 linear attention + 1 full attention (full attention: layer 3), 8 experts" in info, info
+            FOLLOW_CHECKS[stem](page, picked)
+            no_error_outputs(page, f"{notebook} on {family}")
+            widgets_rendered(page, f"{notebook} on {family}")
+            statics_hidden_while_live(page, f"{notebook} on {family}")
+            no_serialization_failure(lab, since)
+            assert not errors, f"{notebook} on {family}: JavaScript errors:\n" + "\n".join(errors)
+        shot(page, f"{stem}-{picked.name}")
     finally:
         page.close()
 
@@ -524,7 +702,7 @@ def test_a_figure_follows_the_kernel_when_plotly_loads_slowly(lab, browser):
     cells = [{"cell_type": "code", "execution_count": None, "id": "0", "metadata": {}, "outputs": [],
               "source": SLOW_FIGURE_CELL}]
     name = "slow-plotly.ipynb"
-    (lab[2] / name).write_text(json.dumps({"cells": cells, "metadata": {"kernelspec": {
+    (lab.folder / name).write_text(json.dumps({"cells": cells, "metadata": {"kernelspec": {
         "display_name": "Python 3", "language": "python", "name": "python3"}}, "nbformat": 4, "nbformat_minor": 5}))
     errors: list[str] = []
     page = open_notebook(browser, lab, name, errors)
@@ -534,9 +712,7 @@ def test_a_figure_follows_the_kernel_when_plotly_loads_slowly(lab, browser):
         page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
                                " && window.jupyterapp.shell.currentWidget.sessionContext", timeout=60_000)
         run_all_cells(page)
-        deadline = time.monotonic() + 30  # the busy spell is long over by then
-        while page.evaluate(TITLES_JS) != ["updated at once"] and time.monotonic() < deadline:
-            page.wait_for_timeout(500)
+        settled(page, f"() => ({TITLES_JS})().join() === 'updated at once'", timeout_ms=30_000)  # busy spell over
         shot(page, "figure-while-plotly-loads-slowly")
         assert page.evaluate(TITLES_JS) == ["updated at once"], (page.evaluate(TITLES_JS), errors)
         execute(page, 'figure.layout.title.text = "later"')
@@ -612,7 +788,6 @@ def test_04_toggle_and_recording_act_between_tokens_in_every_state(lab, browser)
     try:
         run_all_cells(page)
         no_error_outputs(page, LIVE)
-        page.wait_for_timeout(1500)
         widgets_rendered(page, LIVE)
         execute(page, "LONG = 3000  # stopped by the stop button once the clicks are seen", name="long")
         label = page.locator(".moebench-backend-label").last
@@ -650,51 +825,64 @@ def test_04_toggle_and_recording_act_between_tokens_in_every_state(lab, browser)
         page.close()
 
 
+LIVE_CHARTS = ".jp-OutputArea-output > .jupyter-widgets .js-plotly-plot"
+# Per live chart in the page, the length of each trace's x: what the page holds of the figures' data.
+PAGE_TRACES_JS = (f"() => [...document.querySelectorAll('{LIVE_CHARTS}')]"
+                  ".map(el => el.data.map(t => t.x ? t.x.length : 0))")
+
+
+def drawn_as_the_kernel_has_them(page, figures: str) -> list[int]:
+    """Wait until the page's live charts hold the data the kernel's `figures` (Python naming them, in page order)
+    hold, every chart drawn; returns each chart's drawn points."""
+    code = f"import json; print(json.dumps([[len(t.x or ()) for t in f.data] for f in ({figures},)]))"
+    kernel = json.loads(execute(page, code, name="traces").strip().splitlines()[-1])
+    poll(page, lambda: None if page.evaluate(PAGE_TRACES_JS) == kernel else f"{page.evaluate(PAGE_TRACES_JS)} "
+                                                                             f"!= the kernel's {kernel}")
+    charts = page.locator(LIVE_CHARTS)
+    poll(page, lambda: None if all(drawn_points(c) > 0 for c in charts.all()) else "a chart drawn empty")
+    return [drawn_points(c) for c in charts.all()]
+
+
 def test_reload_with_the_kernel_running_redraws_every_chart(lab, browser):
     """Reloading the tab asks the kernel for each widget's state: the charts come back as they were."""
     errors: list[str] = []
     page = open_notebook(browser, lab, fresh_copy(lab, LIVE, "reload-04.ipynb"), errors)
     try:
         run_all_cells(page)
-        page.wait_for_timeout(1000)
-        charts = page.locator(".jp-OutputArea-output > .jupyter-widgets .js-plotly-plot")
-        before = [drawn_points(c) for c in charts.all()]
-        assert before and all(n > 0 for n in before), before
+        before = drawn_as_the_kernel_has_them(page, "chart.figure, bench.figure")
         page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")  # the outputs the tab reloads
         page.wait_for_function("() => !window.jupyterapp.shell.currentWidget.context.model.dirty", timeout=30_000)
         page.reload(wait_until="domcontentloaded")
         page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=60_000)
-        page.wait_for_function(f"() => document.querySelectorAll('.jp-OutputArea-output > .jupyter-widgets "
-                               f".js-plotly-plot').length >= {len(before)}", timeout=60_000)
-        page.wait_for_timeout(2000)
-        charts = page.locator(".jp-OutputArea-output > .jupyter-widgets .js-plotly-plot")
-        after = [drawn_points(c) for c in charts.all()]
-        assert after == before, (before, after)
+        charts = page.locator(LIVE_CHARTS)
+        poll(page, lambda: None if [drawn_points(c) for c in charts.all()] == before else
+             f"drawn {[drawn_points(c) for c in charts.all()]} after the reload, {before} before")
         statics_hidden_while_live(page, LIVE)
         shot(page, "04-after-reload")
+        assert not errors, "JavaScript errors:\n" + "\n".join(errors)
     finally:
         page.close()
 
 
 @pytest.mark.parametrize("notebook", ["01_decode_step_by_step.ipynb", LIVE])
 def test_reopened_after_the_kernel_stopped_the_static_pictures_show(lab, browser, notebook):
-    """Save, shut the kernel down, open the notebook again: each chart's last picture is in its outputs."""
+    """Save, shut the kernel down, open the notebook again: each chart's last picture is in its outputs, and no
+    widget output shows JupyterLab's "Error displaying widget: model not found" (the views are gone with the kernel;
+    their static pictures stand in for them)."""
     stem = notebook.removesuffix(".ipynb")
     notebook = fresh_copy(lab, notebook, f"reopen-{notebook}")
     errors: list[str] = []
     page = open_notebook(browser, lab, notebook, errors)
     try:
         run_all_cells(page)
-        page.wait_for_timeout(1000)
-        live = page.locator(".jp-OutputArea-output > .jupyter-widgets .js-plotly-plot").count()
+        widgets_rendered(page, notebook)
+        live = page.locator(LIVE_CHARTS).count()
         page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
         page.wait_for_function("() => !window.jupyterapp.shell.currentWidget.context.model.dirty", timeout=30_000)
-        page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
-        page.wait_for_timeout(1000)
+        page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")  # awaits it
     finally:
         page.close()
-    base, token, work = lab
-    saved = json.loads((work / notebook).read_text())
+    saved = json.loads((lab.folder / notebook).read_text())
     kept = [o for c in saved["cells"] for o in c.get("outputs", []) if PLOTLY_MIME in o.get("data", {})]
     assert len(kept) >= live > 0, (len(kept), live)
     page = open_notebook(browser, lab, notebook, errors)
@@ -709,6 +897,13 @@ def test_reopened_after_the_kernel_stopped_the_static_pictures_show(lab, browser
                                    " && el.querySelector('img.plot-img').naturalHeight > 100)",
                                    arg=copy.element_handle(), timeout=30_000)
             assert copy.is_visible() and copy.bounding_box()["height"] > 100
+        # every widget output resolved (its view, or JupyterLab's "model not found"): none of the errors shows
+        loading = "() => ![...document.querySelectorAll('.jp-OutputArea-output')].some(e => " \
+                  "e.textContent.includes('Loading widget'))"
+        assert settled(page, loading), "a widget output still says 'Loading widget...'"
+        shown = [e.inner_text() for e in page.locator(".jp-OutputArea-output", has_text="Error displaying").all()
+                 if e.is_visible()]
+        assert not shown, f"{len(shown)} widget outputs show {shown[0]!r}"
         shot(page, f"{stem}-reopened")
     finally:
         page.close()
@@ -810,7 +1005,7 @@ def heatmap_notebook(lab, n: int) -> str:
     cells = [{"cell_type": "code", "execution_count": None, "id": str(i), "metadata": {}, "outputs": [],
               "source": source.format(n=n)} for i, source in enumerate(HEATMAP_CELLS)]
     name = f"heatmap-{n}.ipynb"
-    (lab[2] / name).write_text(json.dumps({"cells": cells, "metadata": {"kernelspec": {
+    (lab.folder / name).write_text(json.dumps({"cells": cells, "metadata": {"kernelspec": {
         "display_name": "Python 3", "language": "python", "name": "python3"}}, "nbformat": 4, "nbformat_minor": 5}))
     return name
 
@@ -835,9 +1030,9 @@ def test_heatmap_at_many_experts_has_readable_ticks_unclipped_boxes_and_a_true_c
     try:
         run_all_cells(page)
         no_error_outputs(page, f"heatmap-{n}")
-        page.wait_for_timeout(1500)
         widgets_rendered(page, f"heatmap-{n}")
-        router, load_map = page.locator(".jp-OutputArea-output > .jupyter-widgets .js-plotly-plot").all()
+        router, load_map = page.locator(LIVE_CHARTS).all()
+        poll(page, lambda: drawn_grid(router, n) or drawn_grid(load_map, n))  # as the cells drew them
         shown = [no_overlapping_ticks(router, "router"), no_overlapping_ticks(load_map, "load map")]
         assert all(8 <= s < n for s in shown), f"labels thinned to too few or none: {shown}"
         marks = router.evaluate(BOXES_JS)
@@ -867,17 +1062,19 @@ ANNOTATION_BOXES_JS = """(el) => {
 }"""
 
 
-def mark_labels_whole_and_apart(chart) -> None:
-    """The tok/s chart's mark labels, measured as drawn: each inside the figure, no two overlapping."""
+def mark_label_problem(chart) -> str | None:
+    """What is wrong with the tok/s chart's mark labels as drawn (one outside the figure, two overlapping), or None."""
     drawn = chart.evaluate(ANNOTATION_BOXES_JS)
     (fl, ft, fr, fb), labels = drawn["figure"], drawn["labels"]
-    assert labels, "no mark label drawn"
+    if not labels:
+        return "no mark label drawn"
     for i, (text, (left, top, right, bottom)) in enumerate(labels):
-        inside = fl - 0.5 <= left and right <= fr + 0.5 and ft - 0.5 <= top and bottom <= fb + 0.5
-        assert inside, f"label {text!r} is clipped: {drawn}"
+        if not (fl - 0.5 <= left and right <= fr + 0.5 and ft - 0.5 <= top and bottom <= fb + 0.5):
+            return f"label {text!r} is clipped: {drawn}"
         for other, (l2, t2, r2, b2) in labels[i + 1:]:
-            apart = right <= l2 + 0.5 or r2 <= left + 0.5 or bottom <= t2 + 0.5 or b2 <= top + 0.5
-            assert apart, f"labels {text!r} and {other!r} overlap: {drawn}"
+            if not (right <= l2 + 0.5 or r2 <= left + 0.5 or bottom <= t2 + 0.5 or b2 <= top + 0.5):
+                return f"labels {text!r} and {other!r} overlap: {drawn}"
+    return None
 
 
 def test_05_after_run_all_shows_what_its_cells_did_and_saving_leaves_git_clean(lab, browser, tmp_path):
@@ -895,12 +1092,14 @@ def test_05_after_run_all_shows_what_its_cells_did_and_saving_leaves_git_clean(l
     try:
         run_all_cells(page)
         no_error_outputs(page, name)
-        page.wait_for_timeout(1500)
         widgets_rendered(page, name)
         panel = page.locator(".moebench-interventions")
-        assert "no intervened decode yet" not in panel.inner_text()
-        charts = panel.locator(".js-plotly-plot").all()
-        assert len(charts) == 3 and all(drawn_points(c) > 0 for c in charts), [drawn_points(c) for c in charts]
+        charts = panel.locator(".js-plotly-plot")
+        # the browser may still be drawing what the kernel sent: wait for the last result, drawn in all three charts
+        results = page.locator(".moebench-intervene-result option")
+        poll(page, lambda: None if "no intervened decode yet" not in panel.inner_text() and results.count() == 3
+             and charts.count() == 3 and all(drawn_points(c) > 0 for c in charts.all())
+             else (results.count(), [drawn_points(c) for c in charts.all()]))
         options = [o.replace("\xa0", " ") for o in page.locator(".moebench-intervene-result option").all_inner_texts()]
         assert [o.split(":")[0] for o in options] == ["1", "2", "3"] and "shared gate x0.25" in options[-1], options
         assert page.locator(".moebench-token-diff").count() == 1 and page.locator(".moebench-export").count() == 1
@@ -912,5 +1111,5 @@ def test_05_after_run_all_shows_what_its_cells_did_and_saving_leaves_git_clean(l
         assert not errors, "JavaScript errors:\n" + "\n".join(errors)
     finally:
         page.close()
-    shutil.copy(lab[2] / name, repo_copy)
+    shutil.copy(lab.folder / name, repo_copy)
     assert_git_clean_after_run(repo_copy.parents[1], notebook)

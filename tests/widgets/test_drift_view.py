@@ -146,7 +146,7 @@ def test_the_export_bar_writes_the_frames_and_the_map(swapped, tmp_path):
         DriftView().frames()
 
 
-def test_the_controls_make_their_variants_where_told_and_feed_the_view(tmp_path):
+def test_the_controls_make_their_variants_where_told_and_feed_the_view(tmp_path, capsys):
     picker = ModelPicker([str(SHIPPED_MODEL)])
     for variants in (["9bit"], "8bit", []):
         with pytest.raises(MoebenchError, match="variants: a list of recipe names"):
@@ -165,6 +165,10 @@ def test_the_controls_make_their_variants_where_told_and_feed_the_view(tmp_path)
     controls.button.click()
     assert controls.result.names == ["tiny-qwen2-moe", "8bit"] and list(view.variant.options) == ["8bit"]
     assert (tmp_path / f"tiny-qwen2-moe-{source_digest(SHIPPED_MODEL)}-8bit" / "config.json").exists()
+    # mlx-lm's progress lines went into the controls' log, folded under the status, not into the cell
+    out, err = capsys.readouterr()
+    assert "[INFO]" not in out + err and any("[8bit] [INFO] Quantiz" in line for line in controls.log), controls.log
+    assert "<details>" in controls.status.value and "Quantized model" in controls.status.value
     assert controls.progress.value == controls.progress.max and controls.progress.bar_style == "success"
     controls.text.value = " "
     controls.button.click()  # an error reaches the status line, not a log

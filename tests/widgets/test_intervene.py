@@ -66,3 +66,32 @@ def test_shared_expert_controls_are_off_for_a_model_without_one(panel):
     assert panel.shared.disabled and panel.gate_scale.disabled
     assert panel.shared.description == "no shared expert in this model"
     assert "expert ids 0-31" in panel.hint.value and (panel.top_k.max, panel.top_k.value) == (32, 4)
+
+
+def test_a_run_with_no_intervention_set_is_refused_not_charted(panel):
+    """The default controls would decode the baseline again: the status says so, and no result (rounding noise
+    measured as an 'effect') is listed or drawn."""
+    panel.apply.click()
+    assert "no intervention is set" in panel.status.value and "InterventionError" in panel.status.value
+    assert panel.results == [] and panel.shown.options == () and list(panel.figure.data[0].x) == []
+
+
+def test_a_model_without_a_shared_expert_refuses_a_shared_expert_change(tiny, tiny_no_shared, panel):
+    """Set from code (the disabled controls cannot be clicked), a gate scale on a model without a shared expert is
+    refused by name; picking such a model puts a scale set on the last one back to 1."""
+    panel.gate_scale.value = 0.25
+    panel.run()  # the tiny model has a shared expert: a real intervention
+    assert [r.label.split(" (")[0] for r in panel.results] == ["1: shared gate x0.25 on every MoE layer"]
+    picker = panel.controls.picker
+    picker._open["no-shared"] = tiny_no_shared
+    picker.dropdown.options = [*picker.dropdown.options, "no-shared"]
+    picker.dropdown.value = "no-shared"
+    assert panel.model is tiny_no_shared[0] and not panel.has_shared_expert
+    assert (panel.shared.value, panel.gate_scale.value, panel.gate_scale.disabled) == (True, 1.0, True)
+    panel.gate_scale.value = 0.25
+    panel.apply.click()
+    assert "this model has no shared expert" in panel.status.value and panel.results == []
+    panel.clear()
+    panel.ablate.value = [1]
+    panel.run()
+    assert [r.label.split(" (")[0] for r in panel.results] == ["1: ablate 1 on every MoE layer"]

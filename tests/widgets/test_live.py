@@ -83,3 +83,38 @@ def test_a_decode_that_reaches_its_end_says_so(tiny):
     model, tokenizer = tiny
     live = LiveDecode(Stepper(model, tokenizer, "hello", max_tokens=2, stop_ids=()))
     assert len(live.run(5)) < 5 and live.stepper.done and "reached its end" in live.status.value
+
+
+def test_a_restart_on_another_model_empties_the_chart_and_names_the_model(tiny, tiny_no_shared):
+    model, tokenizer = tiny
+    live = LiveDecode(Stepper(model, tokenizer, "hello", record=True, stop_ids=()))
+    live.run(3)
+    live.restart(Stepper(model, tokenizer, "again", record=True, stop_ids=()))  # a new prompt: the chart goes on
+    assert live.chart.points_received == 3 and len(live.chart.trace(True).x) == 3
+    other, other_tokenizer = tiny_no_shared
+    live.restart(Stepper(other, other_tokenizer, "hello", stop_ids=()), tokens=2)
+    assert live.stepper.model is other and len(live.stepper.trace.generated) == 1 + 2  # the prompt's, then 2
+    assert len(live.chart.trace(True).x) == 2  # only the new model's tokens: rates of two models do not compare
+    assert other.load_info.source.name in live.text.value and "no token decoded yet" not in live.toggle.label.value
+
+
+def test_a_restart_during_a_live_decode_waits_for_it_to_stop(tiny, tiny_no_shared):
+    """A model picked while the panel decodes live (the picker's callback runs between two tokens): the decode stops
+    after its current token, then the panel switches to the new model."""
+    model, tokenizer = tiny
+    other, other_tokenizer = tiny_no_shared
+
+    async def main():
+        live = LiveDecode(Stepper(model, tokenizer, "hello", stop_ids=()))
+        task = live.start()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        live.restart(Stepper(other, other_tokenizer, "hello", stop_ids=()))
+        assert live.stepper.model is model  # not while it runs
+        records = await asyncio.wait_for(task, 60)
+        return live, records
+
+    live, records = asyncio.run(main())
+    assert records and live.stepper.model is other and not live.running
+    assert "no token decoded yet on" in live.toggle.label.value and live.chart.points_received == len(records)
+    assert len(live.chart.trace(False).x) == 0

@@ -8,6 +8,7 @@ from widget_inputs import HYBRID_LAYER_TYPES
 from moebench.tools.presets import get_preset
 from moebench.tools.writer import write_random_checkpoint
 from moebench.widgets import MixingView, TokenStepper
+from moebench.widgets.mixing import NO_MIXER
 
 
 def strip_kinds(view: MixingView) -> dict[int, str]:
@@ -20,7 +21,7 @@ def strip_kinds(view: MixingView) -> dict[int, str]:
 def test_the_strip_says_linear_for_exactly_the_linear_layers(hybrid_trace):
     view = MixingView()
     view.show(hybrid_trace.generated[1])
-    assert strip_kinds(view) == dict(enumerate(HYBRID_LAYER_TYPES))
+    assert strip_kinds(view) == dict(enumerate(HYBRID_LAYER_TYPES)) and view.figure.layout.xaxis.visible
     assert view.widget.children[:2] == (view.strip, view.figure)
     for trace in view.figure.data:
         assert list(trace.y) == [f"layer {i} · {kind.split('_')[0]}" for i, kind in enumerate(HYBRID_LAYER_TYPES)]
@@ -57,6 +58,9 @@ def test_a_model_without_linear_layers_shows_one_line_and_no_chart(trace, hybrid
     view.show(trace.generated[0])
     assert view.kinds == {} and "no linear-attention layers" in view.note.value
     assert view.figure not in view.widget.children and view.strip not in view.widget.children
+    # its static picture (what a saved notebook shows) says the same, with no empty panels
+    assert view.figure.layout.title.text == NO_MIXER and not view.figure.layout.xaxis.visible
+    assert not any(a.visible for a in view.figure.layout.annotations) and not view.figure.data[0].z
 
 
 def test_notebook_01_labels_the_layers_of_a_hybrid_picked_in_its_model_picker(tmp_path, monkeypatch):

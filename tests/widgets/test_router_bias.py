@@ -6,12 +6,11 @@ reads well at 32 and 128 experts top-4."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from plotly_events import click
+from widget_inputs import biased_step
 
 import moebench
 from moebench.inspect.record import Stepper
@@ -90,9 +89,10 @@ def test_a_click_names_the_logits_parts(gpt_oss):
 
 
 def drawn(view) -> dict:
-    """What a figure draws: its plotly JSON less the traces' random ids."""
+    """What a figure draws: its plotly JSON less the traces' random ids and the title (which names the model)."""
     figure = view.figure.to_plotly_json()
-    return {**figure, "data": [{k: v for k, v in trace.items() if k != "uid"} for trace in figure["data"]]}
+    return {"layout": {k: v for k, v in figure["layout"].items() if k != "title"},
+            "data": [{k: v for k, v in trace.items() if k != "uid"} for trace in figure["data"]]}
 
 
 def test_a_model_without_a_router_bias_is_drawn_as_before_and_a_switch_back_restores_it(gpt_oss, tiny, trace):
@@ -103,7 +103,7 @@ def test_a_model_without_a_router_bias_is_drawn_as_before_and_a_switch_back_rest
     view = RouterView(model=qwen)
     assert view.biases == {}
     view.show(trace.generated[1])
-    assert drawn(view) == drawn(before)
+    assert drawn(view) == drawn(before) and f" on {qwen.load_info.source.name}: " in view.figure.layout.title.text
     view.model = oss_model
     view.show(oss_record)
     assert view.figure.layout.width > before.figure.layout.width and len(view.figure.data) == 6
@@ -121,23 +121,9 @@ def test_a_bias_of_another_size_is_named(gpt_oss):
         view.show(record)
 
 
-def biased_step(n: int, layers: int, seed: int):
-    """A recorded step as the view reads it, over `n` experts top-4, its logits made with a known bias."""
-    rng = np.random.default_rng(seed)
-    biases = {layer: rng.normal(0, 1, n) for layer in range(layers)}
-    rows = {}
-    for layer in range(layers):
-        logits = rng.normal(0, 2, n) + biases[layer]
-        probs = np.exp(logits - logits.max())
-        ids = np.argsort(-logits)[:TOP_K]
-        rows[layer] = SimpleNamespace(router_logits=logits, router_probs=probs / probs.sum(), topk_ids=ids,
-                                      shared_gate=None)
-    return SimpleNamespace(layers=rows, interventions={}, position=0, input_text="x"), biases
-
-
 @pytest.mark.parametrize("n, layers", [(32, 24), (128, 36)])  # gpt-oss-20b's and -120b's routing shapes
 def test_32_and_128_experts_top4_read_well_beside_the_logit_panel(n, layers):
-    record, biases = biased_step(n, layers, seed=n)
+    record, biases = biased_step(n, layers, TOP_K, seed=n)
     view = RouterView()
     view.biases = biases
     view.show(record)
