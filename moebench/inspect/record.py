@@ -42,6 +42,7 @@ from ..execution.plan import Decision
 from ..execution.settings import KernelSettings
 from ..models import hooks
 from ..models.routing import Intervention
+from .routing_files import unbiased_top
 
 
 class Recorder:
@@ -167,6 +168,15 @@ class LayerRecord:
     output_gate: np.ndarray | None = None
     choice_scores: np.ndarray | None = None  # a selection-biased router's (hooks.CHOICE_SCORES), None elsewhere
 
+    def selection_bias_effect(self) -> tuple[list[int], list[int]] | None:
+        """(the chosen experts the router's selection bias alone put in, the experts it kept out of the top-k) against
+        what the router would choose without it (routing_files.unbiased_top), or None for a router without one."""
+        if self.choice_scores is None:
+            return None
+        chosen = set(self.topk_ids.tolist())
+        unbiased = set(unbiased_top(self.router_probs, self.choice_scores, len(chosen)).tolist())
+        return sorted(chosen - unbiased), sorted(unbiased - chosen)
+
     @property
     def output_gate_means(self) -> np.ndarray | None:
         """The output gate averaged over each head's dimensions [H] (None where nothing was recorded)."""
@@ -198,11 +208,20 @@ class LayerRecord:
             *self._mixing_lines(),
             f"  top-{len(self.topk_ids)} of {len(self.router_probs)} experts (id score): {experts}{more};"
             f" shared gate {gate}",
+            *self._selection_bias_lines(),
             f"  residual norm {self.resid_mid_norm:.4g} into the MoE block, {self.resid_post_norm:.4g} out;"
             f" block output norm {float(np.linalg.norm(self.block_out)):.4g}",
             f"  data: .router_probs {list(self.router_probs.shape)}, .expert_out {list(self.expert_out.shape)},"
             f" .resid_post {list(self.resid_post.shape)}, ... (named as the hooks)",
         ])
+
+    def _selection_bias_lines(self) -> list[str]:
+        """What a selection-biased router's bias alone changed in the top-k (nothing for other routers)."""
+        effect = self.selection_bias_effect()
+        if effect is None:
+            return []
+        put_in, kept_out = (", ".join(map(str, ids)) or "none" for ids in effect)
+        return [f"  its selection bias alone put in {put_in}; kept out {kept_out}"]
 
     def _mixing_lines(self) -> list[str]:
         """The token mixing's recorded values as ranges over the heads (none for a family that records none)."""

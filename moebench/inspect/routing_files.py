@@ -87,9 +87,14 @@ class Routing:
         unbiased probabilities within the same groups); None without the choice and probabilities."""
         if self.choice is None or self.probs is None:
             return None
-        unbiased = np.where(np.isfinite(self.choice), self.probs, -np.inf)
-        top = np.argsort(-unbiased, axis=-1, kind="stable")[..., : self.top_k]
+        top = unbiased_top(self.probs, self.choice, self.top_k)
         return ~(self.ids[..., :, None] == top[..., None, :]).any(-1)
+
+
+def unbiased_top(probs: np.ndarray, choice: np.ndarray, k: int) -> np.ndarray:
+    """[..., k]: the experts a selection-biased router would choose without its bias, highest first: the top-k of
+    the probabilities `probs` [..., E] within the groups its choice `choice` [..., E] kept (finite there)."""
+    return np.argsort(-np.where(np.isfinite(choice), probs, -np.inf), axis=-1, kind="stable")[..., :k]
 
     def __len__(self) -> int:
         return self.ids.shape[0]

@@ -30,6 +30,7 @@ from .progress import Progress
 from .writer import (
     gpt_oss_mlx_lm_tensors,
     gpt_oss_quantization,
+    kept_float,
     quantize_tensors,
     random_tensors,
     save_checkpoint,
@@ -114,9 +115,8 @@ def write_random(
         quantized = gpt_oss_mlx_lm_tensors(tensors, args, group_size, bits)
         config["quantization"] = gpt_oss_quantization(args, group_size, bits)
     else:
-        kept = family(args.model_type).unquantized
         quantized = quantize_tensors(tensors, group_size, bits, layout, args.num_experts, mode=mode,
-                                     skip=lambda name: name.endswith(kept) if kept else False)
+                                     skip=kept_float(args))
         config["quantization"] = {"group_size": group_size, "bits": bits, "mode": mode}
     config["quantization_config"] = config["quantization"]
     save_checkpoint(out, config, quantized, shard_bytes=int(shard_gb * 1e9))

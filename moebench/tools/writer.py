@@ -16,7 +16,7 @@ import numpy as np
 from ..checkpoint.config import model_args
 from ..checkpoint.weights import LAYOUTS, stacked_name, tensor_shapes
 from ..decode.sampling import check_seed
-from ..models import qwen2_moe
+from ..models import family, qwen2_moe
 from ..models.args import ModelArgs
 from ..models.switch import PROJECTIONS
 
@@ -147,6 +147,12 @@ def qwen2_moe_config(**overrides) -> dict:
     return {**qwen2_moe.TINY_CONFIG, **overrides}
 
 
+def kept_float(args: ModelArgs) -> Callable[[str], bool]:
+    """Whether a tensor stays float as the family's MLX conversions keep it (its declared `unquantized` endings)."""
+    kept = family(args.model_type).unquantized
+    return lambda name: bool(kept) and name.endswith(kept)
+
+
 def write_random_checkpoint(
     folder: str | Path,
     config: dict,
@@ -162,7 +168,7 @@ def write_random_checkpoint(
     args = model_args(config)
     tensors = random_tensors(args, seed, dtype)
     if bits is not None:
-        tensors = quantize_tensors(tensors, group_size, bits, layout, args.num_experts)
+        tensors = quantize_tensors(tensors, group_size, bits, layout, args.num_experts, skip=kept_float(args))
         config = {**config, "quantization": {"group_size": group_size,
                                              "bits": bits if isinstance(bits, int) else 4, "mode": "affine"}}
     return save_checkpoint(folder, config, tensors, shard_bytes)

@@ -11,6 +11,11 @@ an expert can be picked for its bias more than for the token. Given the model, t
 weight of the block; nothing is run again) and draws the picked experts' logits split in a third panel: a
 bar from 0 to x.W, then the bias from there to the recorded logit; every cell's hover says the same. A model
 whose routers have no bias is drawn as before, with no third panel.
+
+A selection-biased router (GLM-4.x MoE, DeepSeek-V3: a learned bias added to the scores only to choose) records what
+it chose by; the view marks the picks its bias alone put in (an orange box over the red one) and the experts its
+bias kept out of the top-k (orange rings), against the top-k of the unbiased scores in the same groups
+(LayerRecord.selection_bias_effect).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from .figure import ExpertAxis, LiveFigure, axis_pixels, go, layer_rows, ordered
 from .static import live_mark, show
 from .text import shown
 
+BASE_TRACES = 6  # heatmap, top-k boxes, shared gate, ablated, picked by the selection bias, kept out by it
+BIAS_COLOUR_CHOICE = "#ff7f0e"
 NO_SHARED = "this model has<br>no shared expert"
 SHARED_OFF = "shared expert<br>switched off by<br>an intervention"
 
@@ -144,6 +151,12 @@ class RouterView:
         fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="ablated (may not be picked)",
                                  marker={"symbol": "x-thin", "size": 16, "color": "#000", "line": {"width": 2}},
                                  hoverinfo="skip", showlegend=False), row=1, col=1)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="picked for its selection bias alone",
+                                 marker={"symbol": "square-open", "size": 22, "color": BIAS_COLOUR_CHOICE,
+                                         "line": {"width": 3}}, hoverinfo="skip", showlegend=False), row=1, col=1)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="kept out of the top-k by the selection bias",
+                                 marker={"symbol": "circle-open", "size": 16, "color": BIAS_COLOUR_CHOICE,
+                                         "line": {"width": 2}}, hoverinfo="skip", showlegend=False), row=1, col=1)
         fig.update_xaxes(title_text="expert id", tickfont={"size": FONT_PX}, row=1, col=1)
         fig.update_xaxes(showticklabels=False, row=1, col=2)
         fig.update_yaxes(title_text="MoE layer", type="category", row=1, col=1)
@@ -211,6 +224,7 @@ class RouterView:
         axis = self.axis = self.expert_axis(probs)
         labels = [f"L{layer}" for layer in layers]
         xs, ys, ranks, colors = [], [], [], []
+        made = {"in": ([], []), "out": ([], [])}  # the picks a selection bias alone made, the experts it kept out
         rank_of = np.full(probs.shape, "", dtype=object)
         logit_of = np.full(probs.shape, "", dtype=object)
         self.marked = {}
@@ -225,6 +239,13 @@ class RouterView:
             colors += ["white" if probs[row, i] > dark else "#b71c1c" for i in ids]
             if layer in split:
                 logit_of[row] = [logit_text(*parts) for parts in zip(*split[layer], self.biases[layer], strict=True)]
+            effect = record.layers[layer].selection_bias_effect()
+            for side, experts in zip(("in", "out"), effect or ((), ()), strict=True):
+                made[side][0].extend(int(axis.position[e]) for e in experts)
+                made[side][1].extend([label] * len(experts))
+                why = "<br>picked for its selection bias alone" if side == "in" else \
+                    "<br>kept out of the top-k by the selection bias"
+                rank_of[row, list(experts)] += why
         plot_px = max(PLOT_MIN_PX, self.height_per_layer * len(layers))
         cell = min(axis.column_px, plot_px / len(layers))  # a box outlines its cell, at any expert or layer count
         box = max(BOX_MIN_PX, cell - 6)  # its 3 px line drawn inside the cell, a gap to the next box
@@ -232,7 +253,7 @@ class RouterView:
         note = shared_note(record)
         k = {len(ids) for ids in self.marked.values()}
         with self.figure.batch_update():
-            heat, boxes, shared, ablated = self.figure.data[:4]
+            heat, boxes, shared, ablated, bias_in, bias_out = self.figure.data[:BASE_TRACES]
             heat.z, heat.x, heat.y = probs[:, axis.ids], list(range(axis.n)), labels
             heat.customdata = [[[int(e), rank_of[row, e] + logit_of[row, e]] for e in axis.ids]
                                for row in range(len(layers))]
@@ -252,6 +273,11 @@ class RouterView:
             ablated.x, ablated.y = [int(axis.position[e]) for e, _ in crossed], [label for _, label in crossed]
             ablated.marker.size = box
             ablated.showlegend = bool(crossed)
+            for trace, side, size in ((bias_in, "in", box), (bias_out, "out", max(BOX_MIN_PX, box - 8))):
+                trace.x, trace.y = made[side]
+                trace.marker.size = size
+                trace.showlegend = bool(made[side][0])
+            biased = any(made[side][0] for side in made)
             # the subplots' titles, then the rest, set in one assignment (in a batch, plotly drops an annotation
             # added after the list was cut back)
             titles = list(self.figure.layout.annotations[:2])
@@ -266,14 +292,14 @@ class RouterView:
             self.figure.layout.title.text = (f"{self.prefix}routing of token {shown(record.input_text)} (position "
                                              f"{record.position}){on}: {'/'.join(map(str, sorted(k)))} experts "
                                              "picked per MoE layer")
-            bottom = MARGIN["b"] + (LEGEND_PX if split or crossed else 0)
+            bottom = MARGIN["b"] + (LEGEND_PX if split or crossed or biased else 0)
             self.figure.layout.margin.b, self.figure.layout.height = bottom, MARGIN["t"] + bottom + plot_px
             heat.colorbar.nticks = max(2, plot_px // 25)  # the labels the bar's length holds
 
     def _arrange(self, split: bool) -> None:
         """The logit panel there (a wider figure, a third column with its two bar traces) or not, as `split` says;
         without it the figure is laid out exactly as for a router without a bias."""
-        if split == (len(self.figure.data) > 4):
+        if split == (len(self.figure.data) > BASE_TRACES):
             return
         layout = self.figure.layout
         width, heat_domain, shared_domain = (SPLIT_WIDTH, *SPLIT_DOMAINS[:2]) if split else self._plain
@@ -285,7 +311,7 @@ class RouterView:
                                            (heat_domain, shared_domain), strict=True):
                 axis.domain, title.x = domain, sum(domain) / 2
         if not split:  # outside a batch: there, a removed axis would stay behind as an empty one
-            self.figure.data = self.figure.data[:4]
+            self.figure.data = self.figure.data[:BASE_TRACES]
             layout.xaxis3 = None
             return
         layout.xaxis3 = {"domain": SPLIT_DOMAINS[2], "anchor": "y", "title": {"text": "router logit"},
@@ -300,7 +326,7 @@ class RouterView:
     def _draw_split(self, record, split: dict[int, tuple[np.ndarray, np.ndarray]], labels: list[str]) -> None:
         """The picked experts' logits of each layer with a bias, rank #1 on top in its row: x.W from 0, then the
         bias from x.W to the recorded logit (hatched where it is negative and so covers the end of x.W)."""
-        xw_bars, bias_bars = self.figure.data[4:]
+        xw_bars, bias_bars = self.figure.data[BASE_TRACES:]
         rows: dict[str, list] = {"y": [], "offset": [], "width": [], "xw": [], "bias": [], "data": []}
         for label, layer in zip(labels, sorted(record.layers), strict=True):
             if layer not in split:

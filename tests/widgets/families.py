@@ -1,5 +1,6 @@
 """Tiny checkpoints of the families people run, each with a byte-level tokenizer, for the tests that pick them in a
-notebook's model picker (all 8 experts; the hybrids and Qwen2-MoE with a shared expert, the others without)."""
+notebook's model picker (8 experts, GLM's and DeepSeek-V3's 16 in groups; the hybrids with a sigmoid-gated shared
+expert, GLM and DeepSeek-V3 with one added as it is, the others without)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from moebench.tools.writer import write_gpt_oss_mlx_lm_checkpoint, write_random_
 
 # what a person picks -> the make-random preset of its family at the tiny preset's size
 FAMILIES = {"Qwen3-MoE": "qwen3-tiny", "OLMoE": "olmoe-tiny", "gpt-oss": "gpt-oss-tiny",
-            "Qwen3.5": "qwen3.5-moe-tiny", "Qwen3-Next": "qwen3-next-tiny"}
+            "Qwen3.5": "qwen3.5-moe-tiny", "Qwen3-Next": "qwen3-next-tiny", "GLM-4.x": "glm4-moe-tiny",
+            "DeepSeek-V3": "deepseek-v3-tiny"}
 
 
 def write_family(folder: Path, preset: str) -> Path:

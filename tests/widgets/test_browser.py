@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 from families import FAMILIES, write_family
 
+from moebench.checkpoint.config import model_args
 from moebench.checkpoint.loader import SHIPPED_MODEL
 from moebench.tools.presets import get_preset
 
@@ -81,7 +82,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict[str, Path]:
-    """A tiny checkpoint of each family in FAMILIES (8 experts each), by the family's name."""
+    """A tiny checkpoint of each family in FAMILIES (8 experts, GLM-4.x and DeepSeek-V3 16), by the family's name."""
     root = tmp_path_factory.mktemp("families")
     return {name: write_family(root, preset) for name, preset in FAMILIES.items()}
 
@@ -493,6 +494,7 @@ class Picked:
     hybrid: bool
     shared_expert: bool
     last: bool
+    experts: int
 
 
 def shows(page, selector: str, text: str, every: bool = False) -> None:
@@ -532,7 +534,7 @@ follows = registry(FOLLOW_CHECKS)
 def the_stepper_router_and_token_mixing_follow(page, picked: Picked) -> None:
     shows(page, ".moebench-router-view .gtitle", f" on {picked.name}:")
     router = page.locator(".moebench-router-view .js-plotly-plot").first
-    poll(page, lambda: drawn_grid(router, 8))
+    poll(page, lambda: drawn_grid(router, picked.experts))
     if picked.hybrid:
         shows(page, ".moebench-mixing-view .moebench-mixer-kind[data-kind='linear_attention']", "linear")
     else:
@@ -543,11 +545,12 @@ def the_stepper_router_and_token_mixing_follow(page, picked: Picked) -> None:
 def the_load_map_table_and_stepper_follow(page, picked: Picked) -> None:
     shows(page, ".moebench-router-view .gtitle", f" on {picked.name}:")  # the last view both decodes update
     router = page.locator(".moebench-router-view .js-plotly-plot").first
-    poll(page, lambda: drawn_grid(router, 8))
+    poll(page, lambda: drawn_grid(router, picked.experts))
     layers = router.evaluate(ROUTER_GRID_JS)[0]
     load_map = page.locator(".jupyter-widgets .js-plotly-plot", has_text="code minus prose").first
-    same = "(el, n) => el.data.every(t => t.z.length === n && t.z[0].length === 8)"  # every panel: layers x 8
-    poll(page, lambda: None if load_map.evaluate(same, layers) else "the load map is not the new model's")
+    same = "(el, [n, e]) => el.data.every(t => t.z.length === n && t.z[0].length === e)"  # every panel: layers x e
+    poll(page, lambda: None if load_map.evaluate(same, [layers, picked.experts]) else
+         "the load map is not the new model's")
     table = page.locator(".widget-html", has_text="JS divergence code vs prose").first
     assert table.locator("tbody tr").count() == layers, table.inner_text()
 
@@ -573,7 +576,7 @@ def the_live_panel_follows_and_the_benchmark_says_it_measured_the_last_model(pag
 def the_panel_starts_over_on_the_new_model(page, picked: Picked) -> None:
     shows(page, ".moebench-interventions .gtitle", f" on {picked.name}:")  # the baseline's routing
     before = page.locator(".moebench-interventions .js-plotly-plot", has_text="baseline:").first
-    poll(page, lambda: drawn_grid(before, 8))
+    poll(page, lambda: drawn_grid(before, picked.experts))
     shared = page.locator(".moebench-interventions .widget-checkbox", has_text="shared expert").first
     words = "shared expert on" if picked.shared_expert else "no shared expert in this model"
     assert words in shared.inner_text() and shared.locator("input").is_disabled() != picked.shared_expert, \
@@ -601,9 +604,9 @@ def pick(page, folder: Path) -> str:
 @pytest.mark.parametrize("notebook", [nb.name for nb in NOTEBOOKS])
 def test_notebook_runs_renders_its_controls_act_and_it_follows_the_model_picker(lab, browser, families, notebook):
     """Run All on the shipped model, use one control, then pick each tiny family in the picker (Qwen3-MoE, OLMoE,
-    gpt-oss, Qwen3.5, Qwen3-Next): every view follows, or says it shows the last model and offers the run (pressed
-    on the last family); after each, no cell or widget failed, no message failed to serialize, every widget is
-    drawn; no JavaScript error."""
+    gpt-oss, Qwen3.5, Qwen3-Next, GLM-4.x, DeepSeek-V3): every view follows, or says it shows the last model and
+    offers the run (pressed on the last family); after each, no cell or widget failed, no message failed to
+    serialize, every widget is drawn; no JavaScript error."""
     stem = notebook.removesuffix(".ipynb")
     errors: list[str] = []
     since = lab.log.stat().st_size
@@ -620,8 +623,9 @@ def test_notebook_runs_renders_its_controls_act_and_it_follows_the_model_picker(
         shot(page, f"{stem}-after-control")
         for i, (family, folder) in enumerate(families.items()):
             config = get_preset(FAMILIES[family]).config
+            args = model_args(config)
             picked = Picked(folder.name, config["model_type"] in HYBRID_TYPES,
-                            bool(config.get("shared_expert_intermediate_size")), i == len(families) - 1)
+                            bool(args.shared_expert_intermediate_size), i == len(families) - 1, args.num_experts)
             info = pick(page, folder)
             if picked.hybrid:
                 assert "3 linear attention + 1 full attention (full attention: layer 3), 8 experts" in info, info

@@ -20,7 +20,7 @@ def test_marks_the_recorded_top_k_of_every_moe_layer(tiny, trace):
     assert sorted(view.marked) == layers
     for layer in layers:
         assert view.marked[layer] == list(record.layers[layer].topk_ids)
-    heat, boxes, shared, ablated = view.figure.data
+    heat, boxes, shared, ablated, _bias_in, _bias_out = view.figure.data
     np.testing.assert_array_equal(np.asarray(heat.z), np.stack([record.layers[i].router_probs for i in layers]))
     assert len(boxes.x) == k * len(layers) and list(boxes.text[:k]) == [f"#{r + 1}" for r in range(k)]
     assert [row[0] for row in shared.z] == [record.layers[i].shared_gate for i in layers]
@@ -70,7 +70,7 @@ def routed(n: int, layers: int, picked: dict[int, list[int]], position: int = 0)
         probs = np.full(n, 0.1 / n)
         probs[picked[layer]] = np.linspace(0.5, 0.3, len(picked[layer]))
         rows[layer] = SimpleNamespace(router_probs=probs / probs.sum(), topk_ids=np.array(picked[layer]),
-                                      shared_gate=0.5)
+                                      shared_gate=0.5, selection_bias_effect=lambda: None)
     return SimpleNamespace(layers=rows, interventions={}, position=position, input_text="x")
 
 

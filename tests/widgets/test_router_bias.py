@@ -2,7 +2,8 @@
 routing shape (32 experts, top-4), decoded and recorded; the router view given the model draws each picked expert's
 logit as x.W + bias. The parts shown sum to the recorded logits, the bias shown is the checkpoint's weight, x.W is
 the MoE block's input through the router's matrix; a model without a router bias is drawn as before; the layout
-reads well at 32 and 128 experts top-4."""
+reads well at 32 and 128 experts top-4. A selection-biased router's (GLM-4.x, issue 55): what its bias alone put in
+and kept out of the top-k, marked."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from widget_inputs import biased_step
 
 import moebench
 from moebench.inspect.record import Stepper
-from moebench.widgets.router import SPLIT_TITLE, RouterView, logit_text
+from moebench.widgets.router import BASE_TRACES, SPLIT_TITLE, RouterView, logit_text
 
 pytest.importorskip("torch", reason="the gpt-oss folder is written by transformers (dev dependency torch)")
 
@@ -41,7 +42,7 @@ def gpt_oss(tmp_path_factory):
 
 
 def bars(view) -> tuple:
-    heat, boxes, shared, ablated, xw, bias = view.figure.data
+    heat, boxes, shared, ablated, bias_in, bias_out, xw, bias = view.figure.data
     return xw, bias
 
 
@@ -106,7 +107,7 @@ def test_a_model_without_a_router_bias_is_drawn_as_before_and_a_switch_back_rest
     assert drawn(view) == drawn(before) and f" on {qwen.load_info.source.name}: " in view.figure.layout.title.text
     view.model = oss_model
     view.show(oss_record)
-    assert view.figure.layout.width > before.figure.layout.width and len(view.figure.data) == 6
+    assert view.figure.layout.width > before.figure.layout.width and len(view.figure.data) == BASE_TRACES + 2
     view.model = qwen
     view.show(trace.generated[1])
     assert drawn(view) == drawn(before)
@@ -127,7 +128,7 @@ def test_32_and_128_experts_top4_read_well_beside_the_logit_panel(n, layers):
     view = RouterView()
     view.biases = biases
     view.show(record)
-    heat, boxes, shared, ablated, xw, bias = view.figure.data
+    heat, boxes, shared, ablated, _bias_in, _bias_out, xw, bias = view.figure.data
     axis = view.figure.layout.xaxis
     assert axis.domain[1] < view.figure.layout.xaxis2.domain[0] < view.figure.layout.xaxis2.domain[1] \
         < view.figure.layout.xaxis3.domain[0]  # three panels side by side, none overlapping
@@ -142,3 +143,30 @@ def test_32_and_128_experts_top4_read_well_beside_the_logit_panel(n, layers):
     assert offsets[0] >= -0.5 and offsets[-1] + widths[-1] <= 0.5 and np.all(np.diff(offsets) >= widths[:-1])
     np.testing.assert_allclose(np.add(xw.x, bias.x), [record.layers[layer].router_logits[e]
                                                       for layer in range(layers) for e in view.marked[layer]])
+
+
+def test_a_selection_biased_router_marks_what_its_bias_put_in_and_kept_out(tmp_path):
+    """GLM's grouped sigmoid router: the view marks each pick its selection bias alone made (an orange box) and each
+    expert the bias kept out of the top-k (an orange ring), as the record's selection_bias_effect says, and the
+    hover says so; at least one of the steps shows one of each."""
+    from moebench.tools.presets import write_random
+
+    folder = write_random(tmp_path / "glm", "glm4-moe-tiny", bits=4, group_size=64, dtype="float32", progress=False)
+    model, tokenizer = moebench.load(folder)
+    view = RouterView(model=model)
+    shown = {"in": 0, "out": 0}
+    for step in Stepper(model, tokenizer, "def add(a, b):", record=True).run(6).generated:
+        view.show(step)
+        bias_in, bias_out = view.figure.data[4:6]
+        want_in = [(int(view.axis.position[e]), f"L{layer}") for layer in sorted(step.layers)
+                   for e in step.layers[layer].selection_bias_effect()[0]]
+        want_out = [(int(view.axis.position[e]), f"L{layer}") for layer in sorted(step.layers)
+                    for e in step.layers[layer].selection_bias_effect()[1]]
+        assert list(zip(bias_in.x, bias_in.y, strict=True)) == want_in
+        assert list(zip(bias_out.x, bias_out.y, strict=True)) == want_out
+        assert bias_in.showlegend == bool(want_in) and bias_out.showlegend == bool(want_out)
+        hovers = [c[1] for row in view.figure.data[0].customdata for c in row]
+        assert sum("selection bias alone" in h for h in hovers) == len(want_in)
+        shown["in"] += len(want_in)
+        shown["out"] += len(want_out)
+    assert shown["in"] > 0 and shown["out"] > 0

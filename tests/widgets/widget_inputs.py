@@ -23,5 +23,5 @@ def biased_step(n: int, layers: int, top_k: int, seed: int):
         probs = np.exp(logits - logits.max())
         ids = np.argsort(-logits)[:top_k]
         rows[layer] = SimpleNamespace(router_logits=logits, router_probs=probs / probs.sum(), topk_ids=ids,
-                                      shared_gate=None)
+                                      shared_gate=None, selection_bias_effect=lambda: None)
     return SimpleNamespace(layers=rows, interventions={}, position=0, input_text="x"), biases
