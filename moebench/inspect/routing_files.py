@@ -90,12 +90,6 @@ class Routing:
         top = unbiased_top(self.probs, self.choice, self.top_k)
         return ~(self.ids[..., :, None] == top[..., None, :]).any(-1)
 
-
-def unbiased_top(probs: np.ndarray, choice: np.ndarray, k: int) -> np.ndarray:
-    """[..., k]: the experts a selection-biased router would choose without its bias, highest first: the top-k of
-    the probabilities `probs` [..., E] within the groups its choice `choice` [..., E] kept (finite there)."""
-    return np.argsort(-np.where(np.isfinite(choice), probs, -np.inf), axis=-1, kind="stable")[..., :k]
-
     def __len__(self) -> int:
         return self.ids.shape[0]
 
@@ -105,6 +99,12 @@ def unbiased_top(probs: np.ndarray, choice: np.ndarray, k: int) -> np.ndarray:
         seqs = 1 if self.seq is None else len(np.unique(self.seq))
         return (f"Routing from {self.source or 'memory'}: {len(self)} tokens in {seqs} sequence(s), MoE layers "
                 f"{list(self.layers)}, top-{self.top_k}; carries ids{''.join(', ' + n for n in have)}")
+
+
+def unbiased_top(probs: np.ndarray, choice: np.ndarray, k: int) -> np.ndarray:
+    """[..., k]: the experts a selection-biased router would choose without its bias, highest first: the top-k of
+    the probabilities `probs` [..., E] within the groups its choice `choice` [..., E] kept (finite there)."""
+    return np.argsort(-np.where(np.isfinite(choice), probs, -np.inf), axis=-1, kind="stable")[..., :k]
 
 
 def write_routing(routing: Routing, path: str | Path, fmt: str = "moebench") -> Path:

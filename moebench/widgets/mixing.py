@@ -92,8 +92,20 @@ class MixingView:
         fig.update_xaxes(title_text="head", dtick=1)
         self.figure = LiveFigure(fig)
         self._axes(False, WAITING)
-        self.widget = widgets.VBox([self.note, live_mark()])
+        # The figure stays in the widget tree once shown, folded away while there is nothing to draw: a plotly view
+        # taken out of the tree keeps its handlers, and the next update then threw in the browser (a switch from a
+        # hybrid to a model whose layers all attend).
+        self.header = widgets.VBox([self.note])
+        self.holder = widgets.Box([self.figure])
+        self.widget = widgets.VBox([self.header, self.holder, live_mark()])
         self.widget.add_class("moebench-mixing-view")
+        self._fold(True)
+
+    def _fold(self, folded: bool) -> None:
+        """Fold the figure away (no height, not drawn over, still laid out at its width) or open it."""
+        self.holder.layout.visibility = "hidden" if folded else "visible"
+        self.holder.layout.max_height = "0px" if folded else None
+        self.holder.layout.overflow = "hidden" if folded else None
 
     def _axes(self, drawn: bool, title: str) -> None:
         """The panels' axes shown (a hybrid's step drawn) or hidden under `title` alone: the static picture a saved
@@ -110,7 +122,8 @@ class MixingView:
         self.record, self.kinds = record, layer_kinds(record)
         if not self.kinds:
             self.note.value = f"<i>{NO_MIXER}</i>"
-            self.widget.children = [self.note, self.widget.children[-1]]
+            self.header.children = [self.note]
+            self._fold(True)
             if self.figure.layout.title.text != NO_MIXER:
                 with self.figure.batch_update():
                     for trace in self.figure.data:
@@ -126,7 +139,8 @@ class MixingView:
             layer_rows([self.figure.layout[f"yaxis{c if c > 1 else ''}"] for c in range(1, len(PANELS) + 1)], labels)
             self._axes(True, f"token {shown(record.input_text)} (position {record.position}): token mixing per layer "
                              "and head<br><sub>state norm: after the token; output gate: mean over the head</sub>")
-        self.widget.children = [self.strip, self.figure, self.widget.children[-1]]
+        self.header.children = [self.strip]
+        self._fold(False)
 
     def _ipython_display_(self):
         show(self.widget, [self.figure])

@@ -246,6 +246,9 @@ class RouterView:
                 why = "<br>picked for its selection bias alone" if side == "in" else \
                     "<br>kept out of the top-k by the selection bias"
                 rank_of[row, list(experts)] += why
+            choice = record.layers[layer].choice_scores if effect is not None else None
+            if choice is not None:  # a grouped router's experts outside the groups it kept
+                rank_of[row, ~np.isfinite(choice)] += "<br>its group was not among the groups kept"
         plot_px = max(PLOT_MIN_PX, self.height_per_layer * len(layers))
         cell = min(axis.column_px, plot_px / len(layers))  # a box outlines its cell, at any expert or layer count
         box = max(BOX_MIN_PX, cell - 6)  # its 3 px line drawn inside the cell, a gap to the next box

@@ -22,7 +22,8 @@ def test_the_strip_says_linear_for_exactly_the_linear_layers(hybrid_trace):
     view = MixingView()
     view.show(hybrid_trace.generated[1])
     assert strip_kinds(view) == dict(enumerate(HYBRID_LAYER_TYPES)) and view.figure.layout.xaxis.visible
-    assert view.widget.children[:2] == (view.strip, view.figure)
+    assert view.header.children == (view.strip,) and view.holder.children == (view.figure,)
+    assert view.holder.layout.visibility == "visible" and view.holder.layout.max_height is None
     for trace in view.figure.data:
         assert list(trace.y) == [f"layer {i} · {kind.split('_')[0]}" for i, kind in enumerate(HYBRID_LAYER_TYPES)]
 
@@ -53,11 +54,15 @@ def test_the_view_follows_the_stepper(hybrid_trace):
 
 def test_a_model_without_linear_layers_shows_one_line_and_no_chart(trace, hybrid_trace):
     view = MixingView()
-    assert "Decode a prompt" in view.note.value and view.figure not in view.widget.children
+    folded = ("hidden", "0px")
+    assert "Decode a prompt" in view.note.value and (view.holder.layout.visibility, view.holder.layout.max_height) \
+        == folded
     view.show(hybrid_trace.generated[0])  # then a model of one kind picked in the same notebook
     view.show(trace.generated[0])
     assert view.kinds == {} and "no linear-attention layers" in view.note.value
-    assert view.figure not in view.widget.children and view.strip not in view.widget.children
+    # the figure folded away, never taken out of the tree (a plotly view taken out threw at the next update)
+    assert view.header.children == (view.note,) and view.holder.children == (view.figure,)
+    assert (view.holder.layout.visibility, view.holder.layout.max_height) == folded
     # its static picture (what a saved notebook shows) says the same, with no empty panels
     assert view.figure.layout.title.text == NO_MIXER and not view.figure.layout.xaxis.visible
     assert not any(a.visible for a in view.figure.layout.annotations) and not view.figure.data[0].z

@@ -102,11 +102,11 @@ def test_the_mixing_view_on_a_hybrid_and_the_drift_map(plotly_page, monkeypatch,
 
 @pytest.fixture(scope="module")
 def picked_later(tmp_path_factory) -> dict:
-    """(model, trace) of a 2-layer Qwen3-MoE and of a tiny Qwen3.5 (linear, linear, linear, full): models a picker
-    switches to after another."""
+    """(model, trace) of a 2-layer Qwen3-MoE, of a tiny Qwen3.5 (linear, linear, linear, full) and of a tiny GLM-4.x:
+    models a picker switches to after another."""
     root = tmp_path_factory.mktemp("picked-later")
     found = {}
-    for preset in ("qwen3-tiny", "qwen3.5-moe-tiny"):
+    for preset in ("qwen3-tiny", "qwen3.5-moe-tiny", "glm4-moe-tiny"):
         model, tokenizer = moebench.load(write_family(root, preset))
         found[preset] = model, Stepper(model, tokenizer, "def add(a, b):", record=True).run(2)
     return found
@@ -118,11 +118,14 @@ def test_the_router_and_mixing_views_after_another_model_is_picked(plotly_page, 
     ("Cannot read properties of undefined (reading 'length')") and the chart stayed on the last model."""
     qwen3, fewer = picked_later["qwen3-tiny"]
     _, kinds = picked_later["qwen3.5-moe-tiny"]
+    glm, biased = picked_later["glm4-moe-tiny"]
     with recording(monkeypatch) as figures:
         router = RouterView(model=tiny[0])
         router.show(trace.generated[1])  # 4 MoE layers, with a shared expert
         router.model = qwen3
         router.show(fewer.generated[1])  # 2, without
+        router.model = glm
+        router.show(biased.generated[1])  # 2 of 3 layers, 16 experts, its selection bias marked
         mixing = MixingView()
         mixing.show(hybrid_trace.generated[1])  # full, linear, linear, full
         mixing.show(kinds.generated[1])  # linear, linear, linear, full
