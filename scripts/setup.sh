@@ -22,9 +22,10 @@ if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then
               "OpenBLAS train-tiny runs on the reference BLAS, without python3-venv no .venv can be made" >&2
   fi
 fi
-# The machine's own packages stay visible (--system-site-packages): what is installed already is not fetched again,
-# and whatever is missing or too old goes into .venv, never into the system's Python.
-[ -d .venv ] || python3 -m venv --system-site-packages .venv
+# A self-contained environment: everything goes into .venv, never into the system's Python, and nothing is borrowed
+# from it (with --system-site-packages, JupyterLab's widget and plotly extensions installed in the system's prefix
+# were not found by the lab in .venv, so no widget rendered).
+[ -d .venv ] || python3 -m venv .venv
 python=.venv/bin/python
 "$python" -m pip install -q -e ".[$extra,dev]"
 # The notebook output filter that .gitattributes names: outputs, counts, widget state and the kernel's
