@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -53,6 +54,8 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-back
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 NOTEBOOK_TIMEOUT_S = 180
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
+# The lab extensions the notebooks' views need: ipywidgets' manager (every control, anywidget's too) and plotly's.
+LAB_EXTENSIONS = ("@jupyter-widgets/jupyterlab-manager", "jupyterlab-plotly")
 # Text a widget output shows when its view failed or never arrived.
 # How many widget views the notebook's outputs hold (the kernel's side of the story).
 WIDGET_OUTPUTS_JS = """() => {
@@ -102,6 +105,14 @@ class Lab:
     log: Path  # the server's and its kernels' output
 
 
+def lab_extensions(base: str, token: str) -> set[str]:
+    """The prebuilt extensions the lab page loads (its page config's federated_extensions)."""
+    page = urllib.request.urlopen(f"{base}/lab?token={token}", timeout=30).read().decode()
+    config = re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>', page, re.S)
+    assert config, "the lab page carries no jupyter-config-data"
+    return {e["name"] for e in json.loads(config.group(1)).get("federated_extensions", [])}
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory, families):
     """A JupyterLab server over the committed notebooks (stripped copies); yields a Lab; stopped at the end. Its
@@ -138,6 +149,10 @@ def lab(tmp_path_factory, families):
                 if server.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"JupyterLab did not start; log:\n{(work / 'lab.log').read_text()[-3000:]}")
                 time.sleep(0.3)
+        missing = set(LAB_EXTENSIONS) - lab_extensions(base, token)
+        if missing:
+            pytest.fail(f"JupyterLab ({sys.executable}) found no {', '.join(sorted(missing))} extension: no widget or "
+                        f"figure would render (its share/jupyter/labextensions is outside {sys.prefix}?)")
         yield Lab(base, token, work, work / "lab.log")
     finally:
         server.terminate()
