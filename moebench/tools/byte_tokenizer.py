@@ -68,13 +68,16 @@ def byte_level_tokenizer(vocab_size: int, eos_ids: Iterable[int] = ()) -> Tokeni
 
 
 def write_byte_tokenizer(folder: str | Path, vocab_size: int = BYTES, eos_ids: Iterable[int] = ()) -> Path:
-    """tokenizer.json of byte_level_tokenizer in `folder`, and with `eos_ids` a tokenizer_config.json naming the
-    first as eos_token (as transformers and mlx-lm read it); returns tokenizer.json's path."""
+    """tokenizer.json of byte_level_tokenizer in `folder`, and a tokenizer_config.json naming the generic fast
+    tokenizer class (without it transformers, and so mlx_lm.convert, took the model type's own class, whose default
+    `<|endoftext|>` it added as an id past the vocabulary) and, with `eos_ids`, the first as eos_token (as
+    transformers and mlx-lm read it); returns tokenizer.json's path."""
     eos_ids = list(eos_ids)
     tok = byte_level_tokenizer(vocab_size, eos_ids)
     path = Path(folder) / TOKENIZER_FILE
     tok.save(str(path))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
     if eos_ids:
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_names(eos_ids)[eos_ids[0]]}
-        (path.parent / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        config["eos_token"] = eos_names(eos_ids)[eos_ids[0]]
+    (path.parent / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return path

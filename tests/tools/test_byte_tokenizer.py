@@ -38,6 +38,19 @@ def test_a_real_vocabulary_is_filled_with_merges_and_its_eos_is_a_control_token(
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["eos_token"] == "<|eos|>"
 
 
+@pytest.mark.parametrize("eos", [(), (300,)])
+def test_transformers_reads_the_folder_as_the_same_vocabulary_whatever_the_model_type(tmp_path, eos):
+    """mlx_lm.convert re-saves the tokenizer through transformers' AutoTokenizer, which picks its class by config.json's
+    model_type unless tokenizer_config.json names one: Qwen's class then added its `<|endoftext|>` as id 256, past a
+    256-id vocabulary."""
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "vocab_size": 320}))
+    write_byte_tokenizer(tmp_path, 320, eos)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tok) == 320 and tok.eos_token_id == (eos[0] if eos else None)
+    assert tok.decode(tok.encode("def f(x): é")) == "def f(x): é"
+
+
 @pytest.mark.parametrize(("vocab", "eos", "named"), [(255, (), "vocab_size 255"), (300, (7,), "eos_token_id 7"),
                                                      (300, (300,), "eos_token_id 300"), (True, (), "vocab_size")])
 def test_a_vocabulary_the_bytes_do_not_fit_is_named(vocab, eos, named):
