@@ -62,6 +62,18 @@ def save_published(folder: Path, config_cls, model_cls, config: dict) -> Path:
     return folder
 
 
+def published(tmp, tag: str, config_cls, model_cls, base: dict, configs: dict[str, dict]) -> Callable[[str], Path]:
+    """Each of `configs` (changes to `base`) saved by transformers as published (save_published) on first use, in a
+    folder of `tmp` (a tmp_path_factory) named after `tag`: its folder by the config's name."""
+    return made_once(lambda name: save_published(tmp.mktemp(f"{tag}-{name}") / "hf", config_cls, model_cls,
+                                                 {**base, **configs[name]}))
+
+
+def conversions(tmp, tag: str, source: Callable[[], Path], recipes: dict[str, dict]) -> Callable[[str], Path]:
+    """`mlx_lm.convert` of the folder `source()` gives by each of `recipes` on first use: its folder by recipe."""
+    return made_once(lambda recipe: convert(source(), tmp.mktemp(f"{tag}-{recipe}") / "mlx", recipes[recipe]))
+
+
 def convert(hf: Path, out: Path, recipe: dict) -> Path:
     """`mlx_lm.convert` of a transformers folder with `recipe` (its keyword arguments: q_bits, quant_predicate...)."""
     from mlx_lm.convert import convert as mlx_lm_convert
@@ -92,9 +104,10 @@ def matches_transformers(folder: Path, model_cls, ids: list[int], steps: int = S
     session_matches(ours, ids, tokens[:-1], expected, f"{folder} vs transformers", TOLERANCE)
 
 
-def matches_mlx_lm(folder: Path, ids: list[int], steps: int = STEPS) -> None:
+def matches_mlx_lm(folder: Path, ids: list[int], steps: int = STEPS):
     """moebench's float32 logits on `folder` equal mlx-lm's over the whole prompt, then token by token over both
-    caches (the model call, and the decode loop with the fused kernels on)."""
+    caches (the model call, and the decode loop with the fused kernels on); returns moebench's model, its dispatch
+    counts holding those steps."""
     from mlx_lm.utils import load_model
 
     reference, _ = load_model(folder)
@@ -106,6 +119,7 @@ def matches_mlx_lm(folder: Path, ids: list[int], steps: int = STEPS) -> None:
     assert len(set(tokens)) > 1
     model_call_matches(ours, ids, tokens, expected, f"{folder} vs mlx-lm", TOLERANCE)
     session_matches(ours, ids, tokens, expected, f"{folder} vs mlx-lm", TOLERANCE, fused=(True,))
+    return ours
 
 
 def fused_on_every_decode_step(folder: Path, ids: list[int], steps: int = 8) -> dict:

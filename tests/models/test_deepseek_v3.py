@@ -9,14 +9,13 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from family_parity import (
-    convert,
+    conversions,
     converted_matches_and_runs_fused,
-    made_once,
     make_random_loads_in_mlx_lm,
     matches_transformers,
     prompt,
+    published,
     recipes,
-    save_published,
 )
 
 import moebench
@@ -43,14 +42,12 @@ RECIPES = recipes(32)
 def hf_folder(tmp_path_factory):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    return made_once(lambda name: save_published(tmp_path_factory.mktemp(f"dsv3-{name}") / "hf", DeepseekV3Config,
-                                                 DeepseekV3ForCausalLM, {**BASE, **CONFIGS[name]}))
+    return published(tmp_path_factory, "dsv3", DeepseekV3Config, DeepseekV3ForCausalLM, BASE, CONFIGS)
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, hf_folder):
-    return made_once(lambda recipe: convert(hf_folder("yarn-q-lora"),
-                                            tmp_path_factory.mktemp(f"dsv3-{recipe}") / "mlx", RECIPES[recipe]))
+    return conversions(tmp_path_factory, "dsv3", lambda: hf_folder("yarn-q-lora"), RECIPES)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

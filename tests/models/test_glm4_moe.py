@@ -9,14 +9,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from family_parity import (
-    convert,
+    conversions,
     converted_matches_and_runs_fused,
-    made_once,
     make_random_loads_in_mlx_lm,
     matches_transformers,
     prompt,
+    published,
     recipes,
-    save_published,
 )
 
 import moebench
@@ -40,14 +39,12 @@ RECIPES = recipes()
 def hf_folder(tmp_path_factory):
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    return made_once(lambda name: save_published(tmp_path_factory.mktemp(f"glm-{name}") / "hf", Glm4MoeConfig,
-                                                 Glm4MoeForCausalLM, {**BASE, **CONFIGS[name]}))
+    return published(tmp_path_factory, "glm", Glm4MoeConfig, Glm4MoeForCausalLM, BASE, CONFIGS)
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, hf_folder):
-    return made_once(lambda recipe: convert(hf_folder("grouped-qknorm"),
-                                            tmp_path_factory.mktemp(f"glm-{recipe}") / "mlx", RECIPES[recipe]))
+    return conversions(tmp_path_factory, "glm", lambda: hf_folder("grouped-qknorm"), RECIPES)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -18,7 +18,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from byte_tokenizer import write_byte_tokenizer
-from hf_reference import max_error, mlx_lm_cached_steps, model_call_matches, save_hf_checkpoint, session_matches
+from family_parity import matches_mlx_lm
+from hf_reference import max_error, save_hf_checkpoint
 
 import moebench
 from moebench.cli import main
@@ -185,27 +186,13 @@ def test_converted_folder_matches_mlx_lm(converted, name, recipe):
     """moebench's float32 logits are mlx-lm's over the whole prompt, then token by token over both caches: through
     the model's own call with make_cache (no kernels), and through the decode loop's Session with the fused
     kernels on (where they support the recipe)."""
-    from mlx_lm.utils import load_model
-
     folder = converted(name, recipe)
     quantization = json.loads((folder / "config.json").read_text())["quantization"]
     if recipe == "mixed_3_6":  # the recipe really mixes: layer 1's down_proj at 6 bits, layer 0's at 3
         assert quantization["model.layers.1.mlp.switch_mlp.down_proj"]["bits"] == 6
         assert quantization["model.layers.0.mlp.switch_mlp.down_proj"]["bits"] == 3
-    reference, _ = load_model(folder)
-    ours, _ = moebench.load(folder, dtype=mx.float32)
+    ours = matches_mlx_lm(folder, _prompt(3), CACHED_STEPS)
     assert ours.load_info.bits["mlp.switch_mlp.down_proj"] == EXPECTED_BITS[recipe]
-    ids = _prompt(3)
-
-    whole = reference(mx.array([ids])).astype(mx.float32)
-    assert float(mx.abs(whole).max()) > 0.5
-    assert max_error(ours(mx.array([ids])), whole) <= TOLERANCE, f"{name} {recipe}: whole prompt"
-
-    expected, tokens = mlx_lm_cached_steps(reference, ids, CACHED_STEPS)
-    assert len(set(tokens)) > 1
-    model_call_matches(ours, ids, tokens, expected, f"{name} {recipe}", TOLERANCE)
-
-    session_matches(ours, ids, tokens, expected, f"{name} {recipe}", TOLERANCE, fused=(True,))
     # the decode steps above ran the kernel pair under every recipe, mixed_3_6's 3-bit gate/up included
     for layer, counts in moebench.dispatch(ours)["moe"].items():
         fused = sum(counts["fused"].values())
