@@ -37,8 +37,9 @@
 # attnbench  decode attention alone (scripts/attention_bench.py): this revision's kernel, .snap/before's when carried,
 #            and MLX's scaled_dot_product_attention at Qwen3-30B-A3B's and A2.7B's shapes, $ATTN_CONTEXTS positions
 #            (default 2048 4096 16384 32768); needs no checkpoint
+# GLM-4.5-Air at 4-bit is ~60 GB, more than the device disk may hold: LAYERS=36 writes its first 36 layers (~47 GB).
 # MOEBENCH_DEVICE_CKPT defaults to /root/moebench-$PRESET-4bit-g64-$DTYPE (4bit-g64 is $MODE when MODE is not
-# affine; -$LAYOUT when given); outputs are named
+# affine; -$LAYOUT, -${LAYERS}l when given); outputs are named
 # by $PRESET.
 #
 # Everything lands in $OUT (logs, tables, JSON records, timing.txt); each stage has a time limit so a
@@ -55,7 +56,8 @@ PROMPTS=${PROMPTS:-64}
 GEN=${GEN:-128}  # tokens generated per bench round
 BENCH_LIMIT=${BENCH_LIMIT:-360}
 QUANT=$([ "$MODE" = affine ] && echo 4bit-g64 || echo "$MODE")
-CKPT=${MOEBENCH_DEVICE_CKPT:-/root/moebench-$PRESET-$QUANT-$DTYPE${LAYOUT:+-$LAYOUT}}
+LAYERS=${LAYERS:-}  # empty: every layer of the preset; N: its first N (make-random --layers: a model cut to fit the disk)
+CKPT=${MOEBENCH_DEVICE_CKPT:-/root/moebench-$PRESET-$QUANT-$DTYPE${LAYOUT:+-$LAYOUT}${LAYERS:+-${LAYERS}l}}
 stages=${*:-make bench selfcheck}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -132,7 +134,7 @@ else  # every later stage needs the checkpoint: make it whether or not 'make' wa
   failed_before=${#failed[@]}
   run_stage make-random 300 make-random.log \
     python3 -m moebench.cli make-random "$CKPT" --preset "$PRESET" --bits 4 --group-size 64 --mode "$MODE" \
-    --dtype "$DTYPE" ${LAYOUT:+--layout "$LAYOUT"}
+    --dtype "$DTYPE" ${LAYOUT:+--layout "$LAYOUT"} ${LAYERS:+--layers "$LAYERS"}
   # only make-random's own failure leaves it unmarked (a gputests failure before it did, and cost a re-make)
   [ -f "$CKPT/config.json" ] && [ ${#failed[@]} -eq "$failed_before" ] && touch "$CKPT.done"
   du -sh "$CKPT" 2>&1 | tee -a "$OUT/make-random.log"

@@ -71,17 +71,35 @@ def parameter_counts(config: dict) -> tuple[int, int]:
     return total, total - routed + routed * args.num_experts_per_tok // max(args.num_experts, 1)
 
 
+def cut_to(config: dict, layers: int | None, source: str) -> dict:
+    """`config` with its first `layers` decoder layers (None: all of them), each as the whole model has it: a
+    per-layer list (layer_types) cut with it, the MLP-only layer indices past the cut dropped. A checkpoint cut to
+    fit a machine keeps every per-layer shape, so a decode step's per-layer cost is the whole model's."""
+    if layers is None:
+        return config
+    whole = config["num_hidden_layers"]
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= whole:
+        raise ConfigError(f"layers {layers!r}: {source} has {whole} decoder layers; keep 1 to {whole} of them")
+    cut = {**config, "num_hidden_layers": layers}
+    if isinstance(config.get("layer_types"), list):
+        cut["layer_types"] = config["layer_types"][:layers]
+    if isinstance(config.get("mlp_only_layers"), list):
+        cut["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
+    return cut
+
+
 def write_random(
     out_dir: str | Path, preset: str, bits: int = 4, group_size: int = 64, dtype: str = "bfloat16", seed: int = 0,
     shard_gb: float = DEFAULT_SHARD_GB, generator: str = "mlx", progress: bool = True, layout: str | None = None,
-    mode: str = "affine",
+    mode: str = "affine", layers: int | None = None,
 ) -> Path:
     """A random checkpoint of `preset`: MLX affine `bits`/`group_size` (or every quantized weight in a microscaled
     `mode`, whose bits and group size are the mode's, as `mlx_lm.convert --q-mode` writes it), experts in `layout`
     ('stacked' or 'per-expert'; default the family's, default_layout), scales in `dtype`, shards of at most
     `shard_gb` GB with an index, and a byte-level tokenizer of the preset's vocabulary (byte_tokenizer), so text
     prompts encode and every token decodes. Both layouts of one seed hold the same model. gpt-oss is written as
-    mlx-lm lays it out (its router and mxfp4 experts under their own quantization, stacked only)."""
+    mlx-lm lays it out (its router and mxfp4 experts under their own quantization, stacked only). `layers`: only
+    the preset's first so many decoder layers (cut_to), for a model larger than the machine's disk or memory."""
     p = get_preset(preset)
     layout = layout or default_layout(preset)
     if layout not in LAYOUTS:
@@ -106,7 +124,7 @@ def write_random(
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: exists and is not an empty folder (choose a new folder)")
-    config = {**p.config, "torch_dtype": dtype}
+    config = {**cut_to(p.config, layers, f"preset {preset}"), "torch_dtype": dtype}
     args = model_args(config, source=f"preset {preset}")
     count = len(tensor_shapes(args))
     tensors = Progress(random_tensors(args, seed, DTYPES[dtype], generator), total=count, unit="tensor",
@@ -148,6 +166,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="routed experts stacked (mlp.switch_mlp.*) or per expert (mlp.experts.{i}.*); default: as "
                         "the family's MLX checkpoints (" + ", ".join(
                             f"{f.name} {f.expert_layout}" for f in dict.fromkeys(families().values())) + ")")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="write only the preset's first N decoder layers, each of its full shape (a model cut to fit "
+                        "a machine's disk or memory; default: all)")
     p.set_defaults(run=_run)
 
 
@@ -155,8 +176,8 @@ def _run(a: argparse.Namespace) -> int:
     start = time.perf_counter()
     layout = a.layout or default_layout(a.preset)
     folder = write_random(a.out_dir, a.preset, a.bits, a.group_size, a.dtype, a.seed, a.shard_gb, a.generator,
-                          layout=layout, mode=a.mode)
-    total, active = parameter_counts(PRESETS[a.preset].config)
+                          layout=layout, mode=a.mode, layers=a.layers)
+    total, active = parameter_counts(cut_to(PRESETS[a.preset].config, a.layers, f"preset {a.preset}"))
     gpt_oss = PRESETS[a.preset].config["model_type"] == "gpt_oss"
     experts = GPT_OSS_EXPERT_NAMES if gpt_oss else EXPERT_NAMES[layout]
     files = sorted(folder.glob("*.safetensors"))

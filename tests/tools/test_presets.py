@@ -16,7 +16,7 @@ from moebench.checkpoint.weights import tensor_shapes
 from moebench.cli import main
 from moebench.errors import ConfigError
 from moebench.execution.support import moe_reason
-from moebench.tools.presets import PRESETS, default_layout, get_preset, parameter_counts, write_random
+from moebench.tools.presets import PRESETS, cut_to, default_layout, get_preset, parameter_counts, write_random
 from moebench.tools.writer import random_tensors
 
 
@@ -326,3 +326,30 @@ def test_a_seed_numpy_and_mlx_cannot_take_is_named_before_a_file_is_written(tmp_
 def test_a_shard_size_that_is_not_a_positive_number_is_named(tmp_path, shard_gb):
     with pytest.raises(ConfigError, match=r"shard size \(GB\) must be a finite number above 0"):
         write_random(tmp_path / "preset", "tiny", shard_gb=shard_gb, progress=False)
+
+
+@pytest.mark.parametrize("preset,layers", [("glm-4.5-air", 36), ("deepseek-v3", 10), ("gpt-oss-20b", 5),
+                                           ("qwen3-next-80b-a3b", 6), ("qwen3.5-35b-a3b", 3)])
+def test_a_preset_cut_to_fewer_layers_keeps_each_layers_shapes(preset, layers):
+    """A model cut to fit a machine (make-random --layers): its first layers, tensor for tensor, are the whole
+    model's, so a decode step costs per layer what the whole model's does."""
+    whole = PRESETS[preset].config
+    cut = cut_to(whole, layers, preset)
+    shapes = dict(tensor_shapes(model_args(cut)))
+    whole_shapes = dict(tensor_shapes(model_args(whole)))
+    assert {k: v for k, v in whole_shapes.items() if not k.startswith("model.layers.") or
+            int(k.split(".")[2]) < layers} == shapes
+    assert model_args(cut).num_hidden_layers == layers and cut_to(whole, None, preset) is whole
+
+
+def test_make_random_layers_writes_the_first_layers_and_refuses_a_count_the_preset_lacks(tmp_path, capsys):
+    folder = tmp_path / "glm"
+    assert main(["make-random", str(folder), "--preset", "glm4-moe-tiny", "--layers", "2", "--dtype", "float32",
+                 "--generator", "numpy"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    model, _ = load(folder)
+    assert len(model.layers) == 2 and sorted(model.moe_blocks()) == [1]  # layer 0 dense, as in the whole preset
+    for bad in ("0", "4"):
+        assert main(["make-random", str(tmp_path / f"bad{bad}"), "--preset", "glm4-moe-tiny", "--layers", bad]) == 2
+        assert f"layers {bad}: preset glm4-moe-tiny has 3 decoder layers; keep 1 to 3" in capsys.readouterr().err
+        assert not (tmp_path / f"bad{bad}").exists()
