@@ -98,13 +98,14 @@ class Executor:
         and the interventions set on the blocks (a traced step holds its plan's interventions, so each gets its
         own plan)."""
         settings = settings or self.settings
-        key = (settings, available_backend(), tokens, static, self.interventions())
+        interventions = self.interventions()
+        key = (settings, available_backend(), tokens, static, interventions)
         plan = self._plans.get(key)
         if plan is None:
             if tokens > 1 and sum(k[2] > 1 for k in self._plans) >= 8:  # prefill plans: a few lengths kept
                 self._plans = {k: p for k, p in self._plans.items() if k[2] == 1}
-            shape = Shape(tokens, static)
-            plan = self._plans[key] = Plan(key, tuple(self._layer_plan(i, shape, settings, key[1])
+            shape, set_on = Shape(tokens, static), dict(zip(self.moe_layers, interventions, strict=True))
+            plan = self._plans[key] = Plan(key, tuple(self._layer_plan(i, shape, settings, key[1], set_on.get(i))
                                                       for i in range(len(self.model.layers))))
         return plan
 
@@ -112,7 +113,9 @@ class Executor:
         """The intervention set on each MoE block (None where none is): the one place they are gathered."""
         return tuple(b.intervention for b in self.blocks)
 
-    def _layer_plan(self, i: int, shape: Shape, settings: KernelSettings, backend: str) -> LayerPlan:
+    def _layer_plan(self, i: int, shape: Shape, settings: KernelSettings, backend: str,
+                    intervention: object) -> LayerPlan:
+        """Layer `i`'s plan; `intervention`: the one set on its MoE block (from the plan's key), or None."""
         mixer, weights = token_mixer(self.model.layers[i]), self.weights[i]
         base = tokens_decision(shape.tokens) if shape.tokens != 1 else None if settings.fused else SWITCHED_OFF
         reason = base.reason if base else attention_step_reason(mixer, weights)
@@ -131,8 +134,9 @@ class Executor:
         reason = base.reason if base else support.moe_reason(block.spec, experts, backend, settings.max_dff)
         if reason:
             return LayerPlan(attn, Decision("fallback", reason, block_note(block)), attention_step)
-        return LayerPlan(attn, Decision(backend, note=moe_note(block, weights)), attention_step,
-                         MoeKernel(block, weights, backend, settings.rows))
+        note = moe_note(block, weights, intervention is not None)
+        return LayerPlan(attn, Decision(backend, note=note), attention_step,
+                         MoeKernel(block, weights, backend, settings.rows, intervention))
 
     @staticmethod
     def _attention_step(mixer, weights: LayerWeights, backend: str,

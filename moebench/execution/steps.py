@@ -193,10 +193,13 @@ class LinearAttentionKernel:
 class MoeKernel:
     """One MoE block for one token through the router kernel and the kernel pair on `backend`:
     residual + block(xn). The block's declared variants ride along: its scoring (the router kernel's), its
-    experts' biases and clamped SwiGLU (the pair's); a router bias is in the logits the router kernel reads."""
+    experts' biases and clamped SwiGLU (the pair's); a router bias is in the logits the router kernel reads.
+    `intervention`: the one set on the block when the plan was made (a plan's key holds it, so it is the one in
+    force whenever the plan runs), or None."""
 
-    def __init__(self, block: MoeBlock, weights: LayerWeights, backend: str, rows: int):
+    def __init__(self, block: MoeBlock, weights: LayerWeights, backend: str, rows: int, intervention: object):
         self.block, self.weights, self.backend, self.rows = block, weights, backend, rows
+        self.intervention = intervention
         spec, parts = block.spec, block.parts()
         self.shard = parts.experts if isinstance(parts.experts, ExpertShard) else None
         self.split_shared = spec.shared is not None and isinstance(parts.shared.down_proj, ColumnShard)
@@ -210,7 +213,7 @@ class MoeKernel:
             xn, residual = xn.reshape(1, -1), residual.reshape(1, -1)
         spec, parts = b.spec, b.parts()
         w = self.weights.fused(parts)
-        shared_on, intervention = b.shared_on, b.intervention
+        shared_on, intervention = b.shared_on, self.intervention
         gate = None
         if intervention is None:
             stacked = self.weights.router.get() if self.weights.router is not None else None
@@ -282,14 +285,15 @@ def recorded_mix(expert_out: mx.array, scores: mx.array, shared: mx.array | None
     return weighted.astype(dtype), mixed.astype(dtype)
 
 
-def moe_note(block, weights: LayerWeights) -> str | None:
-    """What a fused MoE block runs beside the kernels, and why (None: nothing)."""
+def moe_note(block, weights: LayerWeights, intervened: bool) -> str | None:
+    """What a fused MoE block runs beside the kernels, and why (None: nothing); `intervened`: an intervention is set
+    on it (the plan's key holds them)."""
     notes = []
     shared_note = weights.fused(block.parts()).shared_note
     if shared_note:
         notes.append(f"shared expert beside the kernels: {shared_note}")
     if (sharded := block_note(block)) is not None:
         notes.append(sharded)
-    if block.intervention is not None:
+    if intervened:
         notes.append(ROUTE_NOTE)
     return "; ".join(notes) or None

@@ -25,6 +25,13 @@ def on_thread(action) -> None:
     assert not errors, errors
 
 
+async def loop_turns(turns: int = 10) -> None:
+    """Let the event loop take `turns` turns: a callback another thread queued (call_soon_threadsafe) runs in the
+    first, so what the test checks next is the state after it, however slow the machine (no waiting by the clock)."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
+
+
 def test_a_flip_while_idle_decodes_on_the_owner_thread_not_the_callers(tiny):
     model, tokenizer = tiny
     moebench.set_fused_moe(True)
@@ -36,7 +43,7 @@ def test_a_flip_while_idle_decodes_on_the_owner_thread_not_the_callers(tiny):
         live.run(2)
         on_thread(lambda: live.toggle.set(False))
         assert live.decoded == 2  # nothing decoded on the callback's thread
-        await asyncio.sleep(0.05)  # the loop's next turn runs the queued decode
+        await loop_turns()  # a turn of the loop runs the queued decode
         return live, threads
 
     live, threads = asyncio.run(main())
@@ -60,7 +67,7 @@ def test_flips_during_a_synchronous_run_act_from_the_next_token(tiny):
 
         live.views.append(view)
         records = live.run(10)
-        await asyncio.sleep(0.05)
+        await loop_turns()  # whatever the flips queued has run
         return live, records
 
     live, records = asyncio.run(main())
