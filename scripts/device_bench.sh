@@ -125,8 +125,9 @@ if [[ " $stages " == *" attnbench "* ]]; then
   run_stage attnbench "${ATTN_LIMIT:-240}" attnbench.txt python3 scripts/attention_bench.py \
     $([ -d .snap/before/moebench ] && echo --snapshot .snap/before) --contexts ${ATTN_CONTEXTS:-2048 4096 16384 32768}
 fi
-if [ "$stages" = attnbench ] || [ "$stages" = "gputests attnbench" ]; then
-  stages=""  # nothing below needs a checkpoint
+needs_checkpoint=$(for s in $stages; do case $s in gputests|attnbench) ;; *) echo yes ;; esac; done)
+if [ -z "$needs_checkpoint" ]; then
+  stages=""  # only gputests / attnbench were asked for: nothing below needs a checkpoint
 elif [ -f "$CKPT.done" ]; then
   log "reusing $CKPT (written by an earlier call on this machine)"
 else  # every later stage needs the checkpoint: make it whether or not 'make' was asked for
