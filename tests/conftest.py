@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 from byte_tokenizer import write_byte_tokenizer
+from hybrids import HYBRID_PRESETS
 
 from moebench.tools.presets import get_preset
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
@@ -96,9 +96,6 @@ def quantized_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-HYBRID_PRESETS = ("qwen3-next-tiny", "qwen3.5-moe-tiny")
-
-
 @pytest.fixture(scope="session")
 def tiny_hybrids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Read-only: each tiny hybrid of HYBRID_PRESETS as `moebench make-random` writes it (three Gated DeltaNet
@@ -110,18 +107,6 @@ def tiny_hybrids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         folders[preset] = write_random_checkpoint(tmp_path_factory.mktemp(preset) / "ckpt", config, seed=7, bits=4,
                                                   layout="stacked")
     return folders
-
-
-def assert_back_at_and_resumes(stepper, straight, position: int) -> None:
-    """An interrupted Stepper is back at `position` (its trace and every cache), and stepping it to its end
-    decodes what the uninterrupted `straight` trace did, tokens and logits bit for bit."""
-    assert len(stepper.trace.steps) == position
-    assert [c.offset for c in stepper.session.cache] == [position] * len(stepper.session.cache)
-    while not stepper.done:
-        stepper.step()
-    assert stepper.trace.token_ids == straight.token_ids
-    for a, b in zip(stepper.trace.steps, straight.steps, strict=True):
-        assert np.array_equal(a.logits, b.logits), a.position
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import HYBRID_PRESETS
+from hybrids import HYBRID_PRESETS
 
 import moebench
 from moebench.decode import compiled as compiled_module

@@ -23,9 +23,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import HYBRID_PRESETS, assert_back_at_and_resumes
 from execution.gpu_rounding import gpu_sigmoid
 from gpu.test_cuda_gated_delta import random_step_inputs
+from hybrids import HYBRID_PRESETS, assert_back_at_and_resumes
 
 import moebench
 from moebench.decode.loop import Session, generate, generate_tokens

@@ -21,8 +21,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_back_at_and_resumes
 from hf_reference import max_error, session_matches
+from hybrids import assert_back_at_and_resumes
 from test_gated_delta import randomize
 
 import moebench
