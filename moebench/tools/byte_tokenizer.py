@@ -2,10 +2,11 @@
 tests'): any text encodes and every id the model can emit decodes to text, so `moebench generate` and the notebooks
 run on random weights with nothing to download.
 
-Ids 0..255 are the 256 bytes in the order of the byte-level alphabet (`tokenizers`' ByteLevel); every further id is
-a BPE merge, every pair of bytes first, then each of those followed by a byte, and so on, until the vocabulary is
-full. A model's end-of-sequence ids (config.json's eos_token_id) are control tokens instead, named in
-tokenizer_config.json, so a decode stops there and the text leaves them out as it does on published checkpoints.
+A model's end-of-sequence ids (config.json's eos_token_id) are control tokens, named in tokenizer_config.json, so a
+decode stops there and the text leaves them out as it does on published checkpoints. The other ids, in order, are
+the 256 bytes in the order of the byte-level alphabet (`tokenizers`' ByteLevel), then BPE merges, every pair of bytes
+first, then each of those followed by a byte, and so on, until the vocabulary is full. So without a control token
+among them ids 0..255 are the bytes; DeepSeek-V3's eos id 1 is a control token and the bytes are ids 0 and 2..256.
 """
 
 from __future__ import annotations
@@ -40,23 +41,34 @@ def _merged(alphabet: list[str]) -> Iterator[tuple[str, str]]:
         shorter = longer
 
 
-def byte_level_tokenizer(vocab_size: int, eos_ids: Iterable[int] = ()) -> Tokenizer:
-    """The module's tokenizer of exactly `vocab_size` ids, `eos_ids` among them as control tokens."""
+def check_vocabulary(vocab_size: int, eos_ids: Iterable[int] = ()) -> None:
+    """ConfigError unless a byte-level tokenizer of `vocab_size` ids can hold the bytes and `eos_ids` (make-random
+    asks before it writes any weights)."""
     control = eos_names(eos_ids)
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < BYTES + len(control):
         raise ConfigError(f"vocab_size {vocab_size!r}: a byte-level tokenizer needs at least {BYTES} ids (one per "
                           f"byte) besides its {len(control)} end-of-sequence ids")
-    wrong = sorted(i for i in control if not BYTES <= i < vocab_size)
+    wrong = [i for i in control if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size]
     if wrong:
-        raise ConfigError(f"eos_token_id {wrong[0]}: outside ids {BYTES}..{vocab_size - 1}, where a byte-level "
-                          f"tokenizer of {vocab_size} ids can place a control token (ids 0..{BYTES - 1} are bytes)")
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    merges, pairs = [], _merged(alphabet)
-    for token_id in range(BYTES, vocab_size):
+        raise ConfigError(f"eos_token_id {wrong[0]!r}: not an id of the vocabulary (0..{vocab_size - 1})")
+
+
+def byte_level_tokenizer(vocab_size: int, eos_ids: Iterable[int] = ()) -> Tokenizer:
+    """The module's tokenizer of exactly `vocab_size` ids, `eos_ids` among them as control tokens."""
+    eos_ids = list(eos_ids)
+    check_vocabulary(vocab_size, eos_ids)
+    control = eos_names(eos_ids)
+    alphabet = iter(sorted(pre_tokenizers.ByteLevel.alphabet()))
+    vocab, merges, pairs = {}, [], None
+    for token_id in range(vocab_size):
         if token_id in control:
             vocab[control[token_id]] = token_id
             continue
+        byte = next(alphabet, None)
+        if byte is not None:
+            vocab[byte] = token_id
+            continue
+        pairs = pairs or _merged(sorted(pre_tokenizers.ByteLevel.alphabet()))
         left, right = next(pairs)
         vocab[left + right] = token_id
         merges.append((left, right))

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..models import families, family
 from ..models.args import AFFINE_BITS, AFFINE_GROUP_SIZES, FP_MODES
 from ..models.family import Preset
-from .byte_tokenizer import write_byte_tokenizer
+from .byte_tokenizer import check_vocabulary, write_byte_tokenizer
 from .flags import SEED, finite, finite_number
 from .progress import Progress
 from .writer import (
@@ -126,6 +126,7 @@ def write_random(
         raise ConfigError(f"{out}: exists and is not an empty folder (choose a new folder)")
     config = {**cut_to(p.config, layers, f"preset {preset}"), "torch_dtype": dtype}
     args = model_args(config, source=f"preset {preset}")
+    check_vocabulary(args.vocab_size, args.eos_token_id)  # before the weights: the tokenizer is written last
     count = len(tensor_shapes(args))
     tensors = Progress(random_tensors(args, seed, DTYPES[dtype], generator), total=count, unit="tensor",
                    desc=f"make-random {preset}", disable=not progress, mininterval=2.0)
