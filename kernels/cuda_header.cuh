@@ -32,20 +32,6 @@ MB_FN void mb_barrier() { __syncthreads(); }
 MB_FN void mb_barrier_shared() { __syncthreads(); }
 // The value of lane (this lane ^ mask).
 MB_FN float mb_lane_xor(float v, uint32_t mask) { return __shfl_xor_sync(0xffffffffu, v, int(mask)); }
-// The value of lane `src` (every lane of the warp asks).
-MB_FN float mb_lane_at(float v, uint32_t src) { return __shfl_sync(0xffffffffu, v, int(src)); }
-// The 16 bytes at p (16-byte aligned) as 16 / sizeof(E) floats, in one vector load.
-template <typename E>
-struct alignas(16) MbPack16 {
-  E v[16 / sizeof(E)];
-};
-template <typename E>
-MB_FN void mb_load16(const E* p, float* out) {
-  const MbPack16<E> pack = *reinterpret_cast<const MbPack16<E>*>(p);
-  for (int i = 0; i < int(16 / sizeof(E)); ++i) {
-    out[i] = float(pack.v[i]);
-  }
-}
 // Precise expf and logf, not __expf / __logf: the fused path must stay within the reference's rounding class.
 MB_FN float mb_exp(float v) { return expf(v); }
 MB_FN float mb_log(float v) { return logf(v); }

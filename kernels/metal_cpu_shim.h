@@ -85,16 +85,14 @@ inline float sqrt(float v) { return std::sqrt(v); }
 inline float simd_sum(float v) { return mb_shim_reduce(v, [](float a, float b) { return a + b; }); }
 inline float simd_max(float v) { return mb_shim_reduce(v, [](float a, float b) { return std::fmax(a, b); }); }
 inline uint32_t simd_min(uint32_t v) { return mb_shim_reduce(v, [](uint32_t a, uint32_t b) { return a < b ? a : b; }); }
-// Every lane gets lane src's value.
-inline float simd_shuffle(float v, unsigned short src) {
+inline float simd_shuffle_xor(float v, unsigned short mask) {
   MbSimdgroup& g = *mb_shim_group;
   g.values[mb_shim_lane] = as_type<uint32_t>(v);
   g.meet.arrive_and_wait();
-  const float other = as_type<float>(g.values[src]);
-  g.meet.arrive_and_wait();  // nobody overwrites values before every lane has read them
+  const float other = as_type<float>(g.values[mb_shim_lane ^ mask]);
+  g.meet.arrive_and_wait();
   return other;
 }
-inline float simd_shuffle_xor(float v, unsigned short mask) { return simd_shuffle(v, mb_shim_lane ^ mask); }
 }  // namespace metal
 
 // Run `kernel(thread_position_in_grid)` over a (32, rows, slots) grid: 32 lane threads walk the

@@ -13,15 +13,6 @@ MB_FN float mb_lane_max(float v) { return metal::simd_max(v); }
 MB_FN uint32_t mb_lane_min(uint32_t v) { return metal::simd_min(v); }
 // The value of lane (this lane ^ mask).
 MB_FN float mb_lane_xor(float v, uint32_t mask) { return metal::simd_shuffle_xor(v, ushort(mask)); }
-// The value of lane `src` (every lane of the simdgroup asks).
-MB_FN float mb_lane_at(float v, uint32_t src) { return metal::simd_shuffle(v, ushort(src)); }
-// The 16 bytes at p as 16 / sizeof(E) floats (CUDA's twin loads them as one vector).
-template <typename E>
-MB_FN void mb_load16(const device E* p, thread float* out) {
-  for (int i = 0; i < int(16 / sizeof(E)); ++i) {
-    out[i] = float(p[i]);
-  }
-}
 // Every thread of the threadgroup waits here; device-memory writes before it are visible after it.
 MB_FN void mb_barrier() { metal::threadgroup_barrier(metal::mem_flags::mem_device); }
 // The same, for writes to MB_SHARED memory.

@@ -59,9 +59,8 @@ class QKNorm:
 WARPS_PER_HEAD = 8
 # Threadgroups that share a key/value head's positions (its query heads' partials then joined): enough for
 # THREADGROUPS in all (about two per SM of an H200, so a long context is walked by the whole GPU), but none
-# with fewer than SPLIT_POSITIONS slots of the cache (each split's partials cost a write and a read): a tile of
-# 32 positions for each of its warps (the kernel's chunks are whole tiles).
-SPLIT_POSITIONS = WARPS_PER_HEAD * LANES
+# with fewer than SPLIT_POSITIONS slots of the cache (each split's partials cost a write and a read).
+SPLIT_POSITIONS = 128
 THREADGROUPS = 256
 
 

@@ -66,7 +66,7 @@ ROUTER_SHAPES = ((4, 2), (60, 4), (128, 8))  # (E, K): logits in `constant`, E %
 # dim's rotate-half partner in lane ^ 16
 # (H, KV, HD): among them 16 query heads a key/value head, where a warp's block is 4 keys
 ATTENTION_SHAPES = ((16, 16, 128), (8, 2, 64), (4, 1, 256), (6, 2, 96), (2, 1, 32), (16, 1, 32))
-CAP = 300  # cache slots of the attention runs: past one round of the warps' tiles (8 warps x 32 positions)
+CAP = 80  # cache slots of the attention runs: past one round of the warps' blocks (8 warps x 8 keys)
 
 _SHAPE = [("int", n) for n in ("E", "K", "DIN", "DFF", "DFFS", "GS")]
 # Template parameters in the order the wrappers pass them (MLX emits `template <...>` in that order).
@@ -226,7 +226,7 @@ def _combine_instance(shape: tuple[int, int, int], splits: int, flavor: str = "f
 
 
 # Beside every bias x write case with one threadgroup a head: the q/k norm, and three threadgroups a head
-# (the positions' chunks of 256, so with CAP 300 one split holds 0..255, one 256..299, one none).
+# (the positions' chunks of 64, so with CAP 80 one split holds 0..63, one 64..79, one none).
 ATTENTION_VARIANTS = [(bias, write, False, 1) for bias, write in product((False, True), (False, True))] + [
     (False, False, True, 1), (True, False, False, 3), (False, True, False, 3), (False, True, True, 3)]
 # The declared variants, each at shapes that exercise it, one threadgroup a head and three:
@@ -472,7 +472,7 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
     declared = Declared(rope_dims=16, factor=1.5, gate=True, window=600, sinks=True) if dffs else PLAIN
     heads = declared.heads((8, 2, 64))
     qkv = mx.array(rng.standard_normal((1, attention.projection_width(heads))).astype(np.float32), dtype=mx.bfloat16)
-    capacity = SPLIT_POSITIONS + (1 if dffs else 0)  # with dffs: two threadgroups a key/value head, and the join
+    capacity = SPLIT_POSITIONS + 1 if dffs else CAP  # with dffs: two threadgroups a key/value head, and the join
     cache = mx.zeros((1, 2, capacity, 64), mx.bfloat16)
     norm = mx.ones((64,), mx.bfloat16)
     attention.gpu_decode_attention("metal", qkv, qkv[0] if dffs else None,
@@ -734,11 +734,10 @@ def test_shimmed_router_breaks_ties_towards_the_lower_expert_id(shim_library):
     assert scores[0] == scores[1] and scores[2] == scores[3]
 
 
-# around the 32-position tile edges, the second round of the warps' tiles (warp 0 again at 256), the last slot; the
+# around the 8-key block edges, the second round of the warps' blocks (warp 0 again at 64), the last slot; the
 # q/k norm and split variants at the first position, the second split's first and the last slot
-PLAIN_POSITIONS = (0, 1, 31, 32, 33, 255, 256, 257, CAP - 1)
 ATTENTION_RUNS = [(*variant, pos) for variant in ATTENTION_VARIANTS
-                  for pos in (PLAIN_POSITIONS if variant[2:] == (False, 1) else (0, 256, CAP - 1))]
+                  for pos in ((0, 1, 7, 8, 9, 63, 64, 65, CAP - 1) if variant[2:] == (False, 1) else (0, 64, CAP - 1))]
 
 
 @pytest.mark.parametrize("bias,write,qknorm,splits,pos", ATTENTION_RUNS)
@@ -753,12 +752,12 @@ def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bia
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("pos", [0, 4, 5, 9, 69, 70, 255, 256, CAP - 1])
+@pytest.mark.parametrize("pos", [0, 4, 5, 9, 63, 64, 69, 70, CAP - 1])
 @pytest.mark.parametrize("shape,bias,qknorm,declared", DECLARED_RUNS, ids=lambda v: str(v))
 def test_shimmed_attention_variants_match_the_reference_on_cpu(shim_library, shape, bias, qknorm, declared, splits,
                                                                pos):
     """Each declared variant against the reference, below and above the windows (5 and 70 positions), at the
-    warps' tile edges, across the splits' chunks (256 positions), with the in-place write when split: slots
+    warps' block edges, across the splits' chunks (64 positions), with the in-place write when split: slots
     outside the window hold NaN too, so a kernel reading one fails."""
     _run_attention(shim_library, shape, bias, splits == 3, qknorm, splits, pos, declared)
 
@@ -774,7 +773,7 @@ def _float32(buf: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("pos", [0, 9, 256, CAP - 1])
+@pytest.mark.parametrize("pos", [0, 9, 64, CAP - 1])
 @pytest.mark.parametrize("shape,bias,qknorm,declared", GATED_RUNS, ids=lambda v: str(v))
 def test_shimmed_gated_attention_in_bfloat16_rounds_as_on_the_gpus(shim_library, shape, bias, qknorm, declared,
                                                                    splits, pos):
