@@ -44,9 +44,9 @@ from .steps import (
 # Prompt tokens a forward call runs through the layers at once (mlx-lm's prefill step): a longer prompt runs in
 # chunks, so its activations (attention scores above all) take the memory of one chunk, not of the whole prompt.
 PREFILL_CHUNK = 2048
-_live: weakref.WeakSet[Executor] = weakref.WeakSet()
 _process: dict[str, bool] = {}  # what set_fused_moe() without a model set, for every model
 _making = threading.Lock()  # one Executor a model, whichever thread asks first
+_executors: dict[int, Executor] = {}  # by id(model); an entry leaves when its model is freed (weakref.finalize)
 
 
 def default_settings() -> KernelSettings:
@@ -58,7 +58,7 @@ class Executor:
     """How `model`'s forward calls run (see the module docstring)."""
 
     def __init__(self, model, settings: KernelSettings | None = None):
-        self._model = weakref.ref(model)  # the model holds its executor: no cycle, so `del model` frees it
+        self._model = weakref.ref(model)  # nothing here holds the model: `del model` frees it, and its executor
         self.settings = settings or default_settings()
         blocks = model.moe_blocks()
         self.weights = [LayerWeights(layer, blocks.get(i)) for i, layer in enumerate(model.layers)]
@@ -69,7 +69,6 @@ class Executor:
         self.compiled: dict[tuple, object] = {}  # traced steps per plan (moebench.decode.compiled)
         self._fingerprint = self._weights_fingerprint()
         self.lock = threading.RLock()  # held while a decode step of this model is built or read (decode.loop)
-        _live.add(self)
 
     @property
     def model(self):
@@ -211,13 +210,19 @@ def _summed(counts) -> dict:
 
 def executor(model) -> Executor:
     """The model's Executor, made on first use (once, when several threads ask at the same time)."""
-    ex = getattr(model, "executor", None)
+    ex = _executors.get(id(model))
     if ex is None:
         with _making:
-            ex = getattr(model, "executor", None)
+            ex = _executors.get(id(model))
             if ex is None:
-                ex = model.executor = Executor(model)
+                ex = _executors[id(model)] = Executor(model)
+                weakref.finalize(model, _executors.pop, id(model), None)
     return ex
+
+
+def _every_executor() -> list[Executor]:
+    """The executors of every model alive now."""
+    return list(_executors.values())
 
 
 def dispatch(model) -> dict:
@@ -238,7 +243,7 @@ def set_fused_moe(enabled: object, model=None) -> None:
     on = parse_switch(enabled, "set_fused_moe")
     if model is None:
         _process["fused"] = on
-        targets = list(_live)
+        targets = _every_executor()
     else:
         targets = [executor(model)]
     for ex in targets:
@@ -251,7 +256,7 @@ def fused_moe(enabled: object, model=None) -> Iterator[None]:
     exactly the settings there were."""
     on = parse_switch(enabled, "fused_moe")
     before_process = dict(_process)
-    before = {ex: ex.settings for ex in ([executor(model)] if model is not None else list(_live))}
+    before = {ex: ex.settings for ex in ([executor(model)] if model is not None else _every_executor())}
     set_fused_moe(on, model)
     try:
         yield

@@ -39,7 +39,7 @@ from ..models.declare import (
 from ..models.gated_delta import gates, record_linear
 from ..models.hooks import Record
 from ..models.layers import ColumnShard
-from ..models.routing import recorded_choice, route
+from ..models.routing import recorded_choice, route, shared_takes_part
 from ..models.run import token_mixer
 from ..models.sharding import attention_note, block_note
 from ..models.switch import ExpertShard, weighted_sum
@@ -201,6 +201,7 @@ class MoeKernel:
         self.block, self.weights, self.backend, self.rows = block, weights, backend, rows
         self.intervention = intervention
         spec, parts = block.spec, block.parts()
+        self.shared_on = shared_takes_part(spec, intervention)
         self.shard = parts.experts if isinstance(parts.experts, ExpertShard) else None
         self.split_shared = spec.shared is not None and isinstance(parts.shared.down_proj, ColumnShard)
         self.clamp = parts.experts.clamp if spec.activation == CLAMPED_SWIGLU else None
@@ -213,7 +214,7 @@ class MoeKernel:
             xn, residual = xn.reshape(1, -1), residual.reshape(1, -1)
         spec, parts = b.spec, b.parts()
         w = self.weights.fused(parts)
-        shared_on, intervention = b.shared_on, self.intervention
+        shared_on, intervention = self.shared_on, self.intervention
         gate = None
         if intervention is None:
             stacked = self.weights.router.get() if self.weights.router is not None else None

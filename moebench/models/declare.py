@@ -191,16 +191,14 @@ class LinearAttentionParts:
 
 
 class MoeBlock(Protocol):
-    """What the execution layer asks of a MoE block beyond its parts: its declaration, the intervention set on it,
-    whether the shared expert takes part and by what factor it joins the routed sum."""
+    """What the execution layer asks of a MoE block beyond its parts: its declaration, the intervention set on it
+    (whether the shared expert takes part follows from both: moebench.models.routing.shared_takes_part) and by what
+    factor the shared expert joins the routed sum."""
 
     spec: MoeSpec
     intervention: object
 
     def parts(self) -> MoeParts: ...
-
-    @property
-    def shared_on(self) -> bool: ...
 
     def shared_scale(self, x: mx.array) -> mx.array:
         """[.., 1]: sigmoid(x W_sg) for a SIGMOID_GATED shared expert, 1 for an ADDED one, times an intervention's

@@ -26,7 +26,7 @@ from .declare import SIGMOID_GATED, AttentionParts, AttentionSpec, MoeParts, Moe
 from .family import Family, Preset
 from .hooks import Record
 from .layers import Embedding, Linear, RMSNorm
-from .routing import Intervention, InterventionError, recorded_choice, route
+from .routing import Intervention, InterventionError, recorded_choice, route, shared_takes_part
 from .run import MODULES, LayerRun
 from .switch import SwitchGLU, swiglu, weighted_sum
 
@@ -165,7 +165,7 @@ class SparseMoeBlock(nn.Module):
     @property
     def shared_on(self) -> bool:
         """Whether the shared expert takes part (the family has one and no intervention switched it off)."""
-        return self.spec.shared is not None and (self._intervention is None or self._intervention.shared_expert)
+        return shared_takes_part(self.spec, self._intervention)
 
     def shared_scale(self, x: mx.array) -> mx.array:
         """The factor the shared expert joins the routed sum by: sigmoid(x W_sg^T) (1 for a shared expert added as

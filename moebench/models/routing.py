@@ -90,6 +90,12 @@ class Intervention:
                                     f"fewer than the layer's top-{top_k}")
 
 
+def shared_takes_part(spec: MoeSpec, intervention: Intervention | None) -> bool:
+    """Whether a block declaring `spec` adds its shared expert under `intervention`: it has one, and no intervention
+    switched it off."""
+    return spec.shared is not None and (intervention is None or intervention.shared_expert)
+
+
 def _expert_ids(name: str, value: object) -> tuple[int, ...]:
     """Expert ids as a tuple of ints: a list, tuple or array of integers (one id alone is not a list)."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):

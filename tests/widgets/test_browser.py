@@ -32,7 +32,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,28 +129,27 @@ def lab(tmp_path_factory, families):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
     port, token = free_port(), secrets.token_hex(16)
-    log = (work / "lab.log").open("w")
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}", "--LabApp.expose_app_in_browser=True",
          f"--LabApp.user_settings_dir={work / '.settings'}", f"--LabApp.workspaces_dir={work / '.workspaces'}",
          "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
          "--LabApp.extension_manager=readonly", *(["--allow-root"] if os.geteuid() == 0 else [])],
-        stdout=log, stderr=subprocess.STDOUT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "JUPYTER_CONFIG_DIR": str(work / ".jupyter"),
              "MOEBENCH_MODEL": os.pathsep.join([str(SHIPPED_MODEL), *map(str, families.values())])},
     )
     base = f"http://127.0.0.1:{port}"
+    serving = threading.Event()  # set when the server says where it serves, or when its output ends
+    output = threading.Thread(target=tee_server_log, args=(server, work / "lab.log", f"{base}/", serving))
+    output.start()
     try:
+        serving.wait(timeout=300)  # a guard only: the server's own line (or its exit) ends the wait
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"JupyterLab did not start; log:\n{(work / 'lab.log').read_text()[-3000:]}")
-                time.sleep(0.3)
+        while not answers(f"{base}/api/status?token={token}"):  # it binds the port in its loop's first turn
+            if server.poll() is not None or not serving.is_set() or time.monotonic() > deadline:
+                pytest.fail(f"JupyterLab did not start; log:\n{(work / 'lab.log').read_text()[-3000:]}")
+            os.sched_yield()
         missing = set(LAB_EXTENSIONS) - lab_extensions(base, token)
         if missing:
             pytest.fail(f"JupyterLab ({sys.executable}) found no {', '.join(sorted(missing))} extension: no widget or "
@@ -160,9 +161,34 @@ def lab(tmp_path_factory, families):
             server.wait(timeout=15)
         except subprocess.TimeoutExpired:
             server.kill()
-        log.close()
+        output.join()  # the server's output is closed: the log is whole
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         shutil.copy(work / "lab.log", ARTIFACTS / "lab.log")  # the server's and the kernels' output, for a failure
+
+
+def answers(url: str) -> bool:
+    """Whether a server answers `url` now (False: nothing listens there yet)."""
+    try:
+        urllib.request.urlopen(url, timeout=30)
+        return True
+    except ConnectionRefusedError:
+        return False
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, ConnectionRefusedError):
+            return False
+        raise
+
+
+def tee_server_log(server: subprocess.Popen, log: Path, address: str, serving: threading.Event) -> None:
+    """Copy the server's output (its kernels' too) into `log` as it comes; set `serving` at the first line naming
+    `address` (Jupyter Server logs it once it listens) and when the output ends (the server exited)."""
+    with log.open("w") as out:
+        for line in server.stdout:
+            out.write(line)
+            out.flush()
+            if address in line:
+                serving.set()
+    serving.set()
 
 
 @pytest.fixture(scope="module")
@@ -656,9 +682,9 @@ def test_notebook_runs_renders_its_controls_act_and_it_follows_the_model_picker(
 
 
 def test_scrubbing_the_stepper_moves_it_while_the_kernel_is_busy(lab, browser):
-    """With the kernel's shell stuck in a sleep, clicking a token still moves the slider and the highlight (the
-    stepper's play widget, slider and strip are linked in the browser); once the kernel is free, the Python views
-    (the router) show the step chosen in the browser."""
+    """With the kernel's shell busy (waiting for a signal, until the test interrupts it), clicking a token still moves
+    the slider and the highlight (the stepper's play widget, slider and strip are linked in the browser); once the
+    kernel is free, the Python views (the router) show the step chosen in the browser."""
     errors: list[str] = []
     page = open_notebook(browser, lab, fresh_copy(lab, "01_decode_step_by_step.ipynb", "scrub-01.ipynb"), errors)
     try:
@@ -671,14 +697,14 @@ def test_scrubbing_the_stepper_moves_it_while_the_kernel_is_busy(lab, browser):
         spans = stepper.locator(".moebench-token-strip span[title^='step ']")
         target = spans.count() - 1
         assert target > 0, "the token strip shows fewer than two steps"
-        execute(page, "import time; time.sleep(30)", "sleep", wait=False)
+        execute(page, "import signal; signal.pause()", "sleep", wait=False)  # busy until the interrupt below
         spans.nth(target).click()
         readout = stepper.locator(".widget-readout").first
         page.wait_for_function("([el, want]) => el.innerText.trim() === want",
-                               arg=[readout.element_handle(), str(target)], timeout=5_000)
+                               arg=[readout.element_handle(), str(target)], timeout=30_000)
         assert "outline" in (spans.nth(target).get_attribute("style") or "")
         sleeping = page.evaluate("() => !window.moebenchRuns.sleep.done")
-        assert sleeping, "the kernel finished its sleep before the scrub was checked: the check proves nothing"
+        assert sleeping, "the kernel finished its wait before the scrub was checked: the check proves nothing"
         shot(page, "01-scrubbed-while-busy")
         page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.interrupt()")
         page.wait_for_function("([el, text]) => el.textContent !== text",
