@@ -37,7 +37,8 @@
 # attnbench  decode attention alone (scripts/attention_bench.py): this revision's kernel, .snap/before's when carried,
 #            and MLX's scaled_dot_product_attention at Qwen3-30B-A3B's and A2.7B's shapes, $ATTN_CONTEXTS positions
 #            (default 2048 4096 16384 32768); needs no checkpoint
-# GLM-4.5-Air at 4-bit is ~60 GB, more than the device disk may hold: LAYERS=36 writes its first 36 layers (~47 GB).
+# GLM-4.5-Air at 4-bit is ~60 GB and bench holds two copies (moebench's, mlx-lm's): LAYERS=36 writes its first 36
+# layers (~47 GB), two of which fit an H200 (docs/benchmarks/issue55-glm-deepseek-h200-2026-12-07.md).
 # MOEBENCH_DEVICE_CKPT defaults to /root/moebench-$PRESET-4bit-g64-$DTYPE (4bit-g64 is $MODE when MODE is not
 # affine; -$LAYOUT, -${LAYERS}l when given); outputs are named
 # by $PRESET.

@@ -58,17 +58,17 @@ def byte_level_tokenizer(vocab_size: int, eos_ids: Iterable[int] = ()) -> Tokeni
     eos_ids = list(eos_ids)
     check_vocabulary(vocab_size, eos_ids)
     control = eos_names(eos_ids)
-    alphabet = iter(sorted(pre_tokenizers.ByteLevel.alphabet()))
-    vocab, merges, pairs = {}, [], None
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    bytes_left, pairs = iter(alphabet), _merged(alphabet)
+    vocab, merges = {}, []
     for token_id in range(vocab_size):
         if token_id in control:
             vocab[control[token_id]] = token_id
             continue
-        byte = next(alphabet, None)
+        byte = next(bytes_left, None)
         if byte is not None:
             vocab[byte] = token_id
             continue
-        pairs = pairs or _merged(sorted(pre_tokenizers.ByteLevel.alphabet()))
         left, right = next(pairs)
         vocab[left + right] = token_id
         merges.append((left, right))
