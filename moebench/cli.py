@@ -68,6 +68,7 @@ def _run_generate(a: argparse.Namespace) -> int:
     from .decode.sampling import Sampling
     from .execution.executor import dispatch as dispatch_counts
     from .execution.executor import set_fused_moe
+    from .execution.plan import launches_line
 
     check_json_target(a.json)
     if a.fused is not None:
@@ -98,6 +99,7 @@ def _run_generate(a: argparse.Namespace) -> int:
     counts = dispatch_counts(model)
     dispatch = {str(i): d for i, d in counts["moe"].items()}
     attention = {str(i): d for i, d in counts["attention"].items()}
+    launches = counts["launches"]  # what the last decode step's plan launches a layer on the GPU path
     shard = report(model, group) if group is not None else None
     if quiet:
         return 0
@@ -110,7 +112,7 @@ def _run_generate(a: argparse.Namespace) -> int:
             "timings": {"prompt_seconds": result.prompt_seconds, "decode_seconds": result.decode_seconds,
                         "prompt_tps": result.prompt_tps, "decode_tps": result.decode_tps},
             "decode_loop": "compiled" if compiled else "eager", "dispatch": dispatch, "attention_dispatch": attention,
-            "shard": shard,
+            "launches": launches, "shard": shard,
         })
     if text_report:
         if template is not None:
@@ -123,6 +125,8 @@ def _run_generate(a: argparse.Namespace) -> int:
             fallback = sum(d["fallback"] for d in counts.values())
             reasons = sorted({r for d in counts.values() for r in d["reasons"]})
             print(f"[{what} dispatch: {fused} fused, {fallback} fallback; reasons: {reasons}]", file=sys.stderr)
+        if launches is not None:
+            print(f"[{launches_line(launches)}]", file=sys.stderr)
         if shard is not None:
             mb = ", ".join(f"{b / 1e6:.2f}" for b in shard["expert_bytes_per_rank"])
             print(f"[sharded over {shard['ranks']} processes; {shard['experts']}; {shard['attention']}; "

@@ -48,9 +48,13 @@ def test_generate_json_reports_tokens_text_timings_and_dispatch(quantized_checkp
         assert list(layer["reasons"]) == ["13 tokens (the kernel runs single-token decode)"]
     assert {layer["fused"].get("reference") for layer in out["attention_dispatch"].values()} == {5}
     assert out["decode_loop"] == "compiled"  # the default on CUDA and the CPU (decode.loop.COMPILED_BY_DEFAULT)
+    # the decode plan's launches a layer on the GPU path: the compiled step's cache is written by the kernel in place
+    assert out["launches"]["per_layer"] == 11 and out["launches"]["not_declared"] == {}
+    assert [layer["count"] for layer in out["launches"]["layers"].values()] == [11, 11]
     eager = run_json(capsys, str(quantized_checkpoint), "--prompt", "Hello experts", "--max-tokens", "6",
                      "--compiled", "off")
     assert eager["decode_loop"] == "eager" and eager["token_ids"] == out["token_ids"]
+    assert eager["launches"]["per_layer"] == 13  # and the eager step's KVCache by two slice updates a layer
 
 
 def test_fused_off_falls_back_and_says_why(quantized_checkpoint, capsys):
@@ -77,6 +81,7 @@ def test_text_mode(float_checkpoint, capsys):
     captured = capsys.readouterr()
     assert "Once" in captured.out and "float float32" in captured.out
     assert "decode 3 tokens" in captured.err and "MoE dispatch" in captured.err
+    assert "[launches/layer (plan, GPU path) not declared; 2 layers not declared: " in captured.err  # float experts
 
 
 def test_bad_sampling_option_is_a_clean_error(float_checkpoint, capsys):

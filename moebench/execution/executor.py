@@ -29,7 +29,7 @@ from ..models.run import token_mixer
 from ..models.sharding import attention_note, block_note
 from . import support
 from .kernel import GPU_BACKENDS, available_backend
-from .plan import SWITCHED_OFF, Counts, Decision, LayerPlan, Plan, Shape, tokens_decision
+from .plan import SWITCHED_OFF, Counts, Decision, Launches, LayerPlan, Plan, Shape, tokens_decision
 from .settings import KernelSettings, parse_switch
 from .steps import (
     AttentionKernel,
@@ -38,6 +38,7 @@ from .steps import (
     MoeKernel,
     attention_step_note,
     attention_step_reason,
+    layer_launches,
     moe_note,
 )
 
@@ -65,6 +66,7 @@ class Executor:
         self.blocks, self.moe_layers = list(blocks.values()), list(blocks)
         self.taken: Counter[Plan] = Counter()  # steps taken, by the plan they ran
         self.last: Plan | None = None  # the plan of the step taken last
+        self.last_decode: Plan | None = None  # the plan of the decode step (one token) taken last
         self._plans: dict[tuple, Plan] = {}
         self.compiled: dict[tuple, object] = {}  # traced steps per plan (moebench.decode.compiled)
         self._fingerprint = self._weights_fingerprint()
@@ -105,7 +107,7 @@ class Executor:
                 self._plans = {k: p for k, p in self._plans.items() if k[2] == 1}
             shape, set_on = Shape(tokens, static), dict(zip(self.moe_layers, interventions, strict=True))
             plan = self._plans[key] = Plan(key, tuple(self._layer_plan(i, shape, settings, key[1], set_on.get(i))
-                                                      for i in range(len(self.model.layers))))
+                                                      for i in range(len(self.model.layers))), shape)
         return plan
 
     def interventions(self) -> tuple:
@@ -126,16 +128,22 @@ class Executor:
         note = None if linear else attention_note(mixer) if reason else attention_step_note(mixer)
         attn = Decision("fallback", reason, note) if reason else Decision(backend, note=note)
         attention_step = self._attention_step(mixer, weights, backend, shape) if attn.fused else None
+        dtype = self.model.dtype
+        attn_launches = attention_step.launches(shape.static, dtype) if attn.fused else \
+            Launches(None, f"attention by MLX ops: {attn.reason}")
         block = weights.block
         if block is None:
-            return LayerPlan(attn, None, attention_step)
+            launches = layer_launches(attn_launches, Launches(None, "a dense MLP by its module's MLX ops"))
+            return LayerPlan(attn, None, launches, attention_step)
         experts = block.parts().experts.quantized_parts()
         reason = base.reason if base else support.moe_reason(block.spec, experts, backend, settings.max_dff)
         if reason:
-            return LayerPlan(attn, Decision("fallback", reason, block_note(block)), attention_step)
+            launches = layer_launches(attn_launches, Launches(None, f"MoE block by MLX ops: {reason}"))
+            return LayerPlan(attn, Decision("fallback", reason, block_note(block)), launches, attention_step)
         note = moe_note(block, weights, intervention is not None)
-        return LayerPlan(attn, Decision(backend, note=note), attention_step,
-                         MoeKernel(block, weights, backend, settings.rows, intervention))
+        moe_step = MoeKernel(block, weights, backend, settings.rows, intervention)
+        return LayerPlan(attn, Decision(backend, note=note), layer_launches(attn_launches, moe_step.launches(dtype)),
+                         attention_step, moe_step)
 
     @staticmethod
     def _attention_step(mixer, weights: LayerWeights, backend: str,
@@ -169,10 +177,12 @@ class Executor:
         step, spread over the layers' decisions only when the counts are read."""
         self.taken[plan] += 1
         self.last = plan
+        if plan.shape.tokens == 1:
+            self.last_decode = plan
 
     def reset_counts(self) -> None:
         self.taken.clear()
-        self.last = None
+        self.last = self.last_decode = None
 
     def counts(self) -> tuple[dict[int, Counts], dict[int, Counts]]:
         """({layer: its attention's Counts}, {MoE layer: its block's Counts}) of the steps taken."""
@@ -185,18 +195,26 @@ class Executor:
                     moe_layers[i].add(layer_plan.moe, n)
         return attention, moe_layers
 
+    def launches(self) -> dict | None:
+        """What the last decode step taken launches a layer on the GPU path (Plan.launches), or None before one."""
+        return self.last_decode.launches() if self.last_decode is not None else None
+
     def dispatch(self) -> dict:
-        """Per layer, what ran: {'moe': {layer: counts}, 'attention': {layer: counts}} (Counts.as_dict)."""
+        """Per layer, what ran: {'moe': {layer: counts}, 'attention': {layer: counts}} (Counts.as_dict), and
+        'launches': what the last decode step launches a layer on the GPU path (Executor.launches)."""
         attention, moe_layers = self.counts()
         return {"moe": {i: c.as_dict() for i, c in moe_layers.items()},
-                "attention": {i: c.as_dict() for i, c in attention.items()}}
+                "attention": {i: c.as_dict() for i, c in attention.items()}, "launches": self.launches()}
 
     def summary(self) -> dict:
-        """The counts summed over layers: MoE fused runs per backend, fallbacks, decline reasons and notes, and
-        the same of the attention layers under 'attention'."""
+        """The counts summed over layers: MoE fused runs per backend, fallbacks, decline reasons and notes, the
+        same of the attention layers under 'attention', and under 'launches' the last decode step's launches a
+        layer on the GPU path (Plan.launches without the per-layer names)."""
         attention, moe_layers = self.counts()
+        launches = self.launches()
         return {"moe_layers": len(self.blocks), **_summed(moe_layers.values()),
-                "attention": {"layers": len(attention), **_summed(attention.values())}}
+                "attention": {"layers": len(attention), **_summed(attention.values())},
+                "launches": None if launches is None else {k: v for k, v in launches.items() if k != "layers"}}
 
 
 def _summed(counts) -> dict:

@@ -3,8 +3,9 @@
 A Plan is decided once per model, settings and shape class (decode or prefill, which cache, where
 interventions are set) by moebench.execution.executor,
 and rebuilt when any of them changes. For each layer it holds the Decision for its attention and for
-its MoE block (a backend, or 'fallback' with the reason; what runs beside the kernels in `note`) and
-the step that carries it out.
+its MoE block (a backend, or 'fallback' with the reason; what runs beside the kernels in `note`), the
+step that carries it out, and the graph nodes the layer builds for one decode token on the GPU path
+(Launches): at decode each node costs host time, so launches a layer are the currency of decode speed.
 """
 
 from __future__ import annotations
@@ -52,6 +53,32 @@ class Shape:
     static: bool
 
 
+@dataclass(frozen=True)
+class Launches:
+    """The graph nodes a decoder layer (or one of its parts) builds for one decode token on the GPU path, in order,
+    each named '<what> (<op>)': a kernel launch, an mx.fast op (one node on a GPU) or another MLX primitive (a
+    quantized matmul, an add, a cache write, a cast), each a node the host builds and the device runs. `names`
+    None: not declared, and `reason` says why (a part that runs as MLX ops whose nodes the execution layer does not
+    build itself: a fallback, a dense MLP, a family's own projections), rather than a guessed number."""
+
+    names: tuple[str, ...] | None
+    reason: str | None = None
+
+    @property
+    def count(self) -> int | None:
+        return None if self.names is None else len(self.names)
+
+    def __add__(self, other: Launches) -> Launches:
+        """Both parts' launches in order; not declared when either is (with every reason)."""
+        if self.names is not None and other.names is not None:
+            return Launches(self.names + other.names)
+        return Launches(None, "; ".join(r for r in (self.reason, other.reason) if r))
+
+    def as_dict(self) -> dict:
+        return {"count": self.count, "names": None if self.names is None else list(self.names),
+                "reason": self.reason}
+
+
 # step(normed input, cache) -> attention output; step(normed input, residual, record) -> residual + block
 AttentionStep = Callable[[mx.array, object], mx.array]
 MoeStep = Callable[[mx.array, mx.array, Record | None], mx.array]
@@ -59,11 +86,13 @@ MoeStep = Callable[[mx.array, mx.array, Record | None], mx.array]
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """One decoder layer: its decisions, and the kernel steps that carry out the fused ones (None: the model's
-    own module runs). The model's forward asks it to run each part (moebench.models.run.LayerRun)."""
+    """One decoder layer: its decisions, the kernel steps that carry out the fused ones (None: the model's own
+    module runs) and what the layer launches for one decode token on the GPU path. The model's forward asks it to
+    run each part (moebench.models.run.LayerRun)."""
 
     attention: Decision
     moe: Decision | None  # None: a dense MLP layer
+    launches: Launches
     attention_step: AttentionStep | None = None
     moe_step: MoeStep | None = None
 
@@ -88,6 +117,24 @@ class LayerPlan:
 class Plan:
     key: tuple
     layers: tuple[LayerPlan, ...]
+    shape: Shape
+
+    def launches(self) -> dict:
+        """Each layer's launches for one decode token on the GPU path (Launches.as_dict), their mean a layer (None
+        unless every layer's are declared) and, for the layers whose are not, how many by reason."""
+        counts = [lp.launches.count for lp in self.layers]
+        declared = bool(counts) and None not in counts
+        return {"per_layer": sum(counts) / len(counts) if declared else None,
+                "not_declared": dict(Counter(lp.launches.reason for lp in self.layers if lp.launches.names is None)),
+                "layers": {i: lp.launches.as_dict() for i, lp in enumerate(self.layers)}}
+
+
+def launches_line(report: dict) -> str:
+    """Plan.launches' report (or its summary, without 'layers') in one line: the mean a layer and the layers not
+    declared, by reason."""
+    mean = "not declared" if report["per_layer"] is None else f"{report['per_layer']:g}"
+    return f"launches/layer (plan, GPU path) {mean}" + "".join(
+        f"; {n} layers not declared: {reason}" for reason, n in report["not_declared"].items())
 
 
 @dataclass

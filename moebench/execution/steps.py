@@ -13,6 +13,11 @@ kernel, and the kernel pair with the shared expert and the residual add inside, 
 matmul in float32. With an intervention set, routing runs through moebench.models.routing.route instead
 of the router kernel; a shared expert stored unlike the routed experts runs beside the kernels.
 Recording keeps the same launches and adds the recorded parts beside them.
+
+Each step says what it launches for one unrecorded decode token on the GPU path (`launches`, the graph nodes it
+builds there, moebench.execution.plan.Launches); on the reference backend each kernel runs as compiled MLX ops
+instead, so there the count is what the same decisions launch on a GPU (whose plan may still decide otherwise:
+its cap on the experts' width).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
+from ..decode.cache import GROW_STEP
 from ..decode.state import empty_state
 from ..models import hooks
 from ..models.declare import (
@@ -38,7 +44,7 @@ from ..models.declare import (
 )
 from ..models.gated_delta import gates, record_linear
 from ..models.hooks import Record
-from ..models.layers import ColumnShard
+from ..models.layers import ColumnShard, Linear
 from ..models.routing import recorded_choice, route, shared_takes_part
 from ..models.run import token_mixer
 from ..models.sharding import attention_note, block_note
@@ -46,10 +52,34 @@ from ..models.switch import ExpertShard, weighted_sum
 from . import attention, linear_attention, moe
 from .attention import QKNorm, rope_frequencies
 from .kernel import run_compiled
+from .plan import Launches
 from .support import attention_reason, linear_attention_reason, rotary_dims
 from .weights import Derived, FusedWeights, RowStack
 
 ROUTE_NOTE = "routing by moebench.models.routing.route (an intervention is set), not the router kernel"
+# The cache capacity the launches are declared for: the least a decode cache holds (a KVCache grows by GROW_STEP
+# slots, the compiled step's StaticCache rounds its capacity up to the same 256). The attention's combine launch
+# depends on it: it joins the partials of the threadgroups that split more than SPLIT_POSITIONS (128) attended
+# slots (attention.splits), so every larger capacity launches the same, and a window of at most 128 never does.
+DECLARED_CAPACITY = GROW_STEP
+
+
+def linear_launches(what: str, linear, bias: bool = True) -> Launches:
+    """A Linear's x W^T on one token: one quantized matmul and, with `bias` (the call adds the module's bias), the
+    bias broadcast to the token's shape and the add."""
+    if isinstance(linear, ColumnShard):
+        return Launches(None, f"{what} sharded over ranks (its partial sums joined by all_sum)")
+    if not isinstance(linear, Linear) or linear.mode is None:
+        return Launches(None, f"{what} not a quantized Linear (a float x @ W^T adds MLX's transpose and reshapes)")
+    added = (f"{what} bias (broadcast)", f"{what} bias (add)") if bias and "bias" in linear else ()
+    return Launches((f"{what} (quantized matmul)", *added))
+
+
+def layer_launches(attention: Launches, feed_forward: Launches) -> Launches:
+    """A decoder layer's launches: its parts' and its own (moebench.models.run: h = x + attention(norm(x)); out =
+    h + mlp(norm(h)), the norms RMSNorms, the second residual add inside the feed-forward step)."""
+    return (Launches(("input norm (rms_norm)",)) + attention
+            + Launches(("residual (add)", "post-attention norm (rms_norm)")) + feed_forward)
 
 
 class LayerWeights:
@@ -151,6 +181,29 @@ class AttentionKernel:
             cache.write(k, v)
         return self.o_proj(out)
 
+    def launches(self, static: bool, dtype: mx.Dtype) -> Launches:
+        """What __call__ builds on a GPU backend for activations in `dtype`, over DECLARED_CAPACITY cache slots of a
+        compiled step's static cache (`static`: the kernel writes it in place) or a KVCache (two slice updates)."""
+        stacked = self.qkv.get()
+        bias = ("q/k/v bias (broadcast)", "q/k/v bias (add)") if "bias" in stacked else ()  # else inside the kernel
+        names = []
+        if self.heads.qk_norm == WHOLE_PROJECTION:
+            names += [*bias, "q/k/v (split)", "q norm over the projection (rms_norm)",
+                      "k norm over the projection (rms_norm)", "q/k/v (concatenate)"]
+            bias = ()
+        if self.clip is not None:
+            names += [*bias, "q/k/v clamp bound (broadcast)", "q/k/v clamp (maximum)", "q/k/v clamp bound (broadcast)",
+                      "q/k/v clamp (minimum)"]
+        if self.sinks is not None and self.sinks.dtype != dtype:
+            names.append("sinks (astype)")
+        names.append("decode attention (kernel)")
+        if attention.splits(attention.attended(self.heads, DECLARED_CAPACITY), self.heads.n_kv_heads) > 1:
+            names.append("attention combine (kernel)")
+        if not static:
+            names += ["key cache write (slice_update)", "value cache write (slice_update)"]
+        return (linear_launches("q/k/v projection", stacked, bias=False) + Launches(tuple(names))
+                + linear_launches("o_proj", self.o_proj))
+
     def _record_gate(self, projected: mx.array, record: Record) -> None:
         """sigmoid of each head's gate rows of the projection (bias added), float32 [1, H, hd], as the module
         records it (hooks.OUTPUT_GATE)."""
@@ -188,6 +241,12 @@ class LinearAttentionKernel:
             record_linear(record, *gates(a, b, weights.a_log, weights.dt_bias), delta, z)
         cache.write(conv, delta, 1)
         return parts.out_proj(out)
+
+    def launches(self, static: bool, dtype: mx.Dtype) -> Launches:
+        """Not declared: the in-projections are the layer's own MLX ops, their reshapes and splits as its stored
+        layout has them."""
+        return Launches(None, "linear attention: its in-projections are the layer's own MLX ops "
+                              "(LinearAttentionParts.project)")
 
 
 class MoeKernel:
@@ -259,6 +318,29 @@ class MoeKernel:
                              recorded_choice(probs, spec, parts.selection_bias))
             out = out.reshape(shape)
         return out
+
+    def launches(self, dtype: mx.Dtype) -> Launches:
+        """What __call__ builds unrecorded on a GPU backend for activations in `dtype`: the router's matmul, the
+        router kernel and the kernel pair (with the casts gpu_routed makes of stored dtypes unlike the kernels'), or
+        not declared where a part runs as MLX ops the block or moebench.models builds."""
+        if self.intervention is not None:
+            return Launches(None, ROUTE_NOTE)
+        if self.shard is not None:
+            return Launches(None, "experts sharded over ranks (this rank's slots picked by MLX ops, joined by all_sum)")
+        parts = self.block.parts()
+        w = self.weights.fused(parts)
+        stacked = self.weights.router.get() if self.weights.router is not None else None
+        if self.shared_on and w.shared is None:
+            return Launches(None, f"the shared expert beside the kernels (its own MLP): {w.shared_note}")
+        if self.shared_on and stacked is None:
+            return Launches(None, "the shared expert's factor from the block's shared_scale (its own MLX ops)")
+        router = linear_launches("router", parts.router) if stacked is None else \
+            linear_launches("router + shared gate rows", stacked)
+        scale = w.experts[0].scales.dtype  # gpu_routed casts every projection's scales and biases to it
+        stored = [a for p in (*w.experts, *(w.shared or w.experts)) for a in (p.scales, p.biases) if a is not None]
+        casts = (("quantization scales or biases (astype)",) * sum(a.dtype != scale for a in stored)
+                 + ("expert bias (astype)",) * sum(b.dtype != dtype for b in w.biases or ()))
+        return router + Launches(("router (kernel)", *casts, "gate/up (kernel)", "down + residual (kernel)"))
 
     def _summed_with_records(self, out: mx.array, expert_out: mx.array, shared: mx.array | None, held: mx.array,
                              folded, mine: bool, xn: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint.loader import quantization_details, quantization_text
+from ..execution.plan import launches_line
 from ..units import byte_size
 from .text_table import markdown_table, wrapped
 
@@ -51,6 +52,8 @@ def _dispatch(d: dict | None) -> str:
     if attention:
         notes += "; attention " + (", ".join(f"{n} {b}" for b, n in sorted(attention["fused"].items())) or "0 fused")
         notes += f", {attention['fallback']} fallback"
+    if d.get("launches"):
+        notes += f"; {launches_line(d['launches'])}"
     return f"MoE {fused}; {d['fallback']} fallback{notes}"
 
 

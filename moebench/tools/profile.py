@@ -11,12 +11,18 @@ Decode speed (bench) is one number; this splits it per token, to tell Python-bou
   (moebench.decode.compiled, generate's default on CUDA and the CPU): build ms is then the host's call of the
   traced step, and its graph the few nodes that replay it;
 - graph nodes/token: primitives in the unevaluated graph of one decode step (from mx.export_to_dot, which
-  names each primitive; array nodes are not counted), per decoder layer and by primitive name.
+  names each primitive; array nodes are not counted), per decoder layer (the embedding, final norm, lm_head and
+  argmax spread over the layers with them) and by primitive name;
+- launches/layer (plan, GPU path): the nodes the arm's decode plan declares a layer builds on the GPU path
+  (moebench.execution.plan.Launches; a layer running a part as MLX ops the execution layer does not build declares
+  none, and the record says why), beside the measured nodes/layer.
 
 On CPU the mx.fast ops (rms_norm, rope, scaled_dot_product_attention) decompose into several primitives at
-graph build, whereas on a GPU each is one node, so node counts compare arms on the same device only.
-A GPU custom kernel (mx.fast.metal_kernel / cuda_kernel) is one 'CustomKernel' node; should MLX's dot export
-refuse some primitive, the arm records MLX's error text instead of its counts.
+graph build, whereas on a GPU each is one node, so node counts compare arms on the same device only; and the
+plan's count is the GPU path's: on a CPU the measured nodes differ from it (the mx.fast ops decompose, and the
+reference backend runs each kernel as MLX ops). A GPU custom kernel (mx.fast.metal_kernel / cuda_kernel) is one
+'CustomKernel' node; should MLX's dot export refuse some primitive, the arm records MLX's error text instead of
+its counts.
 
 moebench's eager arms decode over the caches the decode loop makes (decode.cache.layer_caches: a hybrid's
 linear-attention layers get their recurrent state), so every family profiles as it decodes.
@@ -131,10 +137,19 @@ def moe_path(model) -> dict | None:
             "attention": _paths([lp.attention for lp in layers])}
 
 
+def plan_launches(model) -> dict | None:
+    """What the plan of the last decode step declares a layer launches on the GPU path (the per-layer mean and the
+    layers not declared, by reason; moebench.execution.plan.Plan.launches); None for mlx-lm."""
+    if not hasattr(model, "moe_blocks"):
+        return None
+    launches = executor(model).launches()
+    return None if launches is None else {k: v for k, v in launches.items() if k != "layers"}
+
+
 def profile_steps(model, prompt_ids: list[int], steps: int, warmup: int = 3, compiled: bool = False) -> dict:
     """Prefill, then `warmup` + `steps` synchronous one-token steps (through the compiled step with `compiled`):
-    build and eval time of each timed step, and the graph of the first decode step (exported between its build
-    and its eval, outside both timers)."""
+    build and eval time of each timed step, the graph of the first decode step (exported between its build
+    and its eval, outside both timers), and the launches its plan declares."""
     step = compiled_greedy_step(model, len(prompt_ids) + warmup + steps) if compiled else greedy_step(model)
     token = step(mx.array(prompt_ids, dtype=mx.uint32))
     mx.eval(token)
@@ -157,7 +172,7 @@ def profile_steps(model, prompt_ids: list[int], steps: int, warmup: int = 3, com
     graph["per_layer"] = graph["total"] / layers if graph["total"] is not None else None
     return {"build_ms": summary(build), "eval_ms": summary(evals),
             "sync_ms": summary([b + e for b, e in zip(build, evals, strict=True)]), "graph": graph,
-            "dispatch": moe_path(model)}
+            "dispatch": moe_path(model), "launches": plan_launches(model)}
 
 
 def pipelined_ms(model, prompt_ids: list[int], gen_tokens: int, compiled: bool = False) -> dict:
@@ -248,7 +263,9 @@ def format_table(record: dict) -> str:
             ["sync ms/token (build+eval)", *(ms(a["sync_ms"]) for a in arms)],
             ["pipelined ms/token", *(num(a["pipelined_ms_per_token"], ".3f") for a in arms)],
             ["graph nodes/token", *(num(a["graph"]["total"], "d") for a in arms)],
-            ["nodes/layer", *(num(a["graph"]["per_layer"], ".1f") for a in arms)]]
+            ["nodes/layer", *(num(a["graph"]["per_layer"], ".1f") for a in arms)],
+            ["launches/layer (plan, GPU path)", *(num(a["launches"] and a["launches"]["per_layer"], ".1f")
+                                                  for a in arms)]]
     totals = Counter()
     for a in arms:
         totals.update(a["graph"]["by_primitive"])
@@ -261,11 +278,14 @@ def format_table(record: dict) -> str:
             f"warm-up, pipelined over {record['gen_tokens']} tokens; MLX {p['mlx']} on {p['device']} "
             f"(backend {p['backend']}), mlx-lm {p['mlx_lm'] or '-'}")
     tail = [f"graph export failed for {a['name']}: {a['graph']['error']}" for a in arms if a["graph"]["error"]]
+    tail += [f"launches not declared for {a['name']}: " + "; ".join(f"{n} layers: {reason}" for reason, n in
+                                                                     a["launches"]["not_declared"].items())
+             for a in arms if a["launches"] and a["launches"]["not_declared"]]
     if len(names) > TOP_PRIMITIVES:
         tail.append(f"({len(names) - TOP_PRIMITIVES} more primitives in --json)")
     if "cpu" in p["device"]:
         tail.append("note: on CPU mx.fast ops (rms_norm, rope, sdpa) decompose into several primitives; "
-                    "compare node counts between arms on one device only")
+                    "compare node counts between arms on one device only (launches/layer is the GPU path's)")
     tail += [f"skipped {s['arm']}: {s['reason']}" for s in record["skipped"]]
     return "\n".join([*wrapped(head), "", *markdown_table(rows), "", *markdown_table(prim),
                       *(line for text in tail for line in wrapped(text))])

@@ -16,8 +16,10 @@ from moebench.tools import profile
 from moebench.tools.profile import ProfileArm, count_primitives, graph_nodes, moebench_profile_arms, run_profile
 
 FAST = ["--prompt-tokens", "8", "--steps", "2", "--gen-tokens", "4", "--warmup", "1"]
-ARM_KEYS = {"name", "engine", "fused", "build_ms", "eval_ms", "sync_ms", "graph", "dispatch",
+ARM_KEYS = {"name", "engine", "fused", "build_ms", "eval_ms", "sync_ms", "graph", "dispatch", "launches",
             "pipelined_ms_per_token", "pipelined_decode_tps"}
+SWITCHED_OFF = ("attention by MLX ops: switched off (MOEBENCH_FUSED_MOE / set_fused_moe); MoE block by MLX ops: "
+                "switched off (MOEBENCH_FUSED_MOE / set_fused_moe)")
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,9 @@ def test_profile_of_the_shipped_model_times_both_paths_and_counts_nodes(shipped)
     assert fallback["dispatch"]["path"] == "fallback" and fallback["dispatch"]["layers"] == 4
     assert fused["dispatch"]["attention"] == {"path": available_backend(), "reasons": [], "layers": 4}
     assert fallback["dispatch"]["attention"]["path"] == "fallback"
+    # the plan's GPU path: a Qwen2-MoE layer's 13 launches over the eager step's KVCache; the fallback declares none
+    assert fused["launches"] == {"per_layer": 13, "not_declared": {}}
+    assert fallback["launches"] == {"per_layer": None, "not_declared": {SWITCHED_OFF: 4}}
     for r in records:
         assert set(r) == ARM_KEYS
         assert r["build_ms"]["median"] > 0 and r["eval_ms"]["median"] > 0 and len(r["eval_ms"]["values"]) == 2
@@ -81,6 +86,7 @@ def test_profile_through_the_compiled_step_times_the_step_the_plan_fuses(shipped
     assert record["name"] == f"moebench fused ({available_backend()}) compiled"
     assert record["dispatch"]["path"] == available_backend() and record["dispatch"]["reasons"] == []
     assert record["pipelined_ms_per_token"] > 0 and record["build_ms"]["median"] > 0
+    assert record["launches"] == {"per_layer": 11, "not_declared": {}}  # its static cache written by the kernel
 
 
 @pytest.mark.parametrize("compiled", ["off", "on"])
@@ -129,7 +135,8 @@ def test_cli_prints_the_table_and_writes_the_record(tmp_path, capsys):
     assert main(["profile", *FAST, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     for row in ("build ms", "eval ms", "sync ms/token", "pipelined ms/token", "graph nodes/token", "nodes/layer",
-                "primitive", "moebench fallback"):
+                "| launches/layer (plan, GPU path) | 13.0", "primitive", "moebench fallback",
+                "launches not declared for moebench fallback: 4 layers: attention by MLX ops: switched off"):
         assert row in text
     record = json.loads(out.read_text())
     assert set(record) == {"schema", "date", "arguments", "platform", "model", "prompt_tokens", "steps", "warmup",
@@ -150,5 +157,6 @@ def test_cli_compare_mlx_lm_adds_its_model(tmp_path, capsys):
     arms = {a["name"]: a for a in json.loads(out.read_text())["arms"]}
     assert list(arms)[-1] == "mlx-lm model" and len(arms) == 5
     other = arms["mlx-lm model"]
-    assert other["engine"] == "mlx-lm" and other["dispatch"] is None and other["fused"] is None
+    assert other["engine"] == "mlx-lm" and other["dispatch"] is None and other["launches"] is None
+    assert other["fused"] is None
     assert other["graph"]["per_layer"] > 0 and other["build_ms"]["median"] > 0 and other["pipelined_ms_per_token"] > 0
