@@ -22,6 +22,7 @@ device image, not a moebench dependency).
 timeline: generate itself (compiled fused, 96 tokens) under torch.profiler with its host work marked
 (building a step, async_eval, the rest: reading the token and queueing): the GPU's idle time per token
 and what the host was doing during it; TRACE.json, when given, gets the Chrome trace.
+DIAG_PROMPT_TOKENS=N sets the prompt of decode, kernels and timeline (default 64).
 trace: reads such a trace (anywhere, no GPU needed): GPU time per token by kernel and launch shape (grid,
 block), and the host's time per token in each CUDA runtime call, over TOKENS (96, timeline's count; the
 prompt's kernels are counted in too).
@@ -92,10 +93,16 @@ def ahead(arm: str) -> int:
     return int(found.group(1)) if found else STEPS_AHEAD
 
 
+def diag_prompt() -> list[int]:
+    """The prompt decode, kernels and timeline start from: DIAG_PROMPT_TOKENS ids (default 64), so a kernel's time
+    can be read at a long context too."""
+    return [100 + i % 1000 for i in range(int(os.environ.get("DIAG_PROMPT_TOKENS", "64")))]
+
+
 def decode(ckpt: str, arms: list[str]) -> None:
     model, _ = load(ckpt)
     other = mlx_lm_model(ckpt)[0] if any(a.startswith("mlxlm") for a in arms) else None
-    prompt = list(range(100, 164))
+    prompt = diag_prompt()
 
     ex = executor(model)
 
@@ -122,7 +129,7 @@ def kernels(ckpt: str, steps: int = 64) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     model, _ = load(ckpt)
-    prompt = list(range(100, 164))
+    prompt = diag_prompt()
     with fused_moe(True):
         generate(model, prompt, 16, compiled=True)  # traces the step
         dispatch(model, prompt, steps)
@@ -191,7 +198,7 @@ def timeline(ckpt: str, trace: str | None, tokens: int = 96) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     model, _ = load(ckpt)
-    prompt = list(range(100, 164))
+    prompt = diag_prompt()
     real_call, real_async = CompiledForward.__call__, mx.async_eval
 
     def traced_call(self: CompiledForward, tokens: mx.array, settings: KernelSettings):
