@@ -3,7 +3,8 @@
 # scripts/install-on-device.sh has installed MLX with CUDA (and mlx-lm, when its wheel was carried:
 # `../shared/device/prepare-mlx-cuda.sh mlx-lm==0.32.2` here first). See docs/benchmarks/README.md.
 #
-#   bash scripts/device_bench.sh [gputests] [make] [profile] [kernels] [timeline] [bench] [selfcheck]   (no argument: make bench selfcheck)
+#   bash scripts/device_bench.sh [gputests] [make] [profile] [kernels] [timeline] [llamabuild] [llamacpp] [bench] [selfcheck]
+#   (no argument: make bench selfcheck)
 #
 # In the same call as the install: bash scripts/install-on-device.sh && DEADLINE=$((580 - SECONDS)) bash scripts/device_bench.sh
 # The device tool brings back at most 8 files from its $OUT: write to another folder and pack it, e.g.
@@ -37,6 +38,13 @@
 # attnbench  decode attention alone (scripts/attention_bench.py): this revision's kernel, .snap/before's when carried,
 #            and MLX's scaled_dot_product_attention at Qwen3-30B-A3B's and A2.7B's shapes, $ATTN_CONTEXTS positions
 #            (default 2048 4096 16384 32768); needs no checkpoint
+# llamabuild llama.cpp's llama-bench with CUDA (sm_90), built once a machine (about 5 minutes: a call of its own) from
+#            .anchors/llama.cpp-src.tgz (copy ../shared/anchors to the git-ignored .anchors/ and carry it, 8 MB, in a
+#            call after the install: beside a wheel part it passes the 64 MiB a call carries)
+# llamacpp   llama.cpp's tg128 (llama-bench -p 0 -n $GEN -fa 1 -ngl 99, $REPEATS repetitions, Q4_0) at the depths
+#            $LLAMA_DEPTHS (default $PROMPTS) on a random GGUF of $PRESET's shapes (.anchors/gguf_random.py: Qwen3-30B-A3B
+#            or Qwen1.5-MoE-A2.7B); with bench in the same call it runs before and after moebench's arms
+#            (llamacpp-$PRESET-1.txt, -2.txt), so the engines alternate
 # GLM-4.5-Air at 4-bit is ~60 GB and bench holds two copies (moebench's, mlx-lm's): LAYERS=36 writes its first 36
 # layers (~47 GB), two of which fit an H200 (docs/benchmarks/issue55-glm-deepseek-h200-2026-12-07.md).
 # MOEBENCH_DEVICE_CKPT defaults to /root/moebench-$PRESET-4bit-g64-$DTYPE (4bit-g64 is $MODE when MODE is not
@@ -126,9 +134,9 @@ if [[ " $stages " == *" attnbench "* ]]; then
   run_stage attnbench "${ATTN_LIMIT:-240}" attnbench.txt python3 scripts/attention_bench.py \
     $([ -d .snap/before/moebench ] && echo --snapshot .snap/before) --contexts ${ATTN_CONTEXTS:-2048 4096 16384 32768}
 fi
-needs_checkpoint=$(for s in $stages; do case $s in gputests|attnbench) ;; *) echo yes ;; esac; done)
+needs_checkpoint=$(for s in $stages; do case $s in gputests|attnbench|llamabuild|llamacpp) ;; *) echo yes ;; esac; done)
 if [ -z "$needs_checkpoint" ]; then
-  stages=""  # only gputests / attnbench were asked for: nothing below needs a checkpoint
+  log "no moebench checkpoint needed (stages: $stages)"
 elif [ -f "$CKPT.done" ]; then
   log "reusing $CKPT (written by an earlier call on this machine)"
 else  # every later stage needs the checkpoint: make it whether or not 'make' was asked for
@@ -163,11 +171,50 @@ if [[ " $stages " == *" timeline "* ]]; then
     && python3 scripts/device_diag.py "$OUT/timeline-$PRESET-trace.json.gz" trace > "$OUT/timeline-$PRESET-per-token.txt"
 fi
 
+LLAMA=/root/lcp/llama.cpp
+if [[ " $stages " == *" llamabuild "* ]]; then
+  if [ -x "$LLAMA/build/bin/llama-bench" ]; then
+    log "llama-bench already built"
+  else
+    mkdir -p /root/lcp && tar xzf .anchors/llama.cpp-src.tgz -C /root/lcp
+    run_stage llamabuild 540 llamabuild.txt bash -c "cmake -S $LLAMA -B $LLAMA/build -DGGML_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DCMAKE_BUILD_TYPE=Release \
+      && cmake --build $LLAMA/build --target llama-bench -j 16"
+  fi
+fi
+
+llamacpp() {  # llamacpp N: llama-bench tg$GEN at $LLAMA_DEPTHS on the GGUF of $PRESET's shapes, into llamacpp-$PRESET-N.txt
+  local arch
+  case $PRESET in
+    qwen3-30b-a3b) arch=qwen3moe ;;
+    qwen1.5-moe-a2.7b) arch=qwen2moe ;;
+    *) log "skip llamacpp: no GGUF writer for $PRESET (.anchors/gguf_random.py writes qwen3-30b-a3b and qwen1.5-moe-a2.7b)"
+       failed+=("llamacpp (no GGUF for $PRESET)"); return ;;
+  esac
+  if [ ! -f "/root/$arch-q4_0.gguf" ]; then
+    run_stage "gguf-$arch" 240 "gguf-$arch.txt" env PYTHONPATH="$LLAMA/gguf-py" \
+      python3 .anchors/gguf_random.py "/root/$arch-q4_0.gguf" Q4_0 "$arch"
+  fi
+  local depths
+  depths=$(echo ${LLAMA_DEPTHS:-$PROMPTS} | tr ' ' ',')
+  run_stage "llamacpp-$1" 300 "llamacpp-$PRESET-$1.txt" "$LLAMA/build/bin/llama-bench" -m "/root/$arch-q4_0.gguf" \
+    -ngl 99 -fa 1 -p 0 -n "$GEN" -r "$REPEATS" -d "$depths"
+}
+
+if [[ " $stages " == *" llamacpp "* ]]; then
+  llamacpp 1
+fi
+
 if [[ " $stages " == *" bench "* ]]; then
   # $PROMPTS unquoted: one --prompt-tokens argument per length
   run_stage bench "$BENCH_LIMIT" "bench-$PRESET.txt" \
     python3 -m moebench.cli bench "$CKPT" --prompt-tokens $PROMPTS --gen-tokens "$GEN" --repeats "$REPEATS" --fused "${FUSED:-both}" \
     --compiled "${COMPILED:-both}" --compare mlx-lm ${SNAPSHOT:+--snapshot "$SNAPSHOT"} --json "$OUT/bench-$PRESET.json"
+fi
+
+if [[ " $stages " == *" llamacpp "* && " $stages " == *" bench "* ]]; then
+  llamacpp 2
 fi
 
 if [[ " $stages " == *" selfcheck "* ]]; then
@@ -183,6 +230,7 @@ tar czf "$OUT/ptx-cache.tgz" -C "$MLX_PTX_CACHE_DIR" . 2>/dev/null && log "ptx c
 
 echo; echo "== results (full logs, tables and JSON in $OUT) =="
 [ -f "$OUT/bench-$PRESET.txt" ] && grep -E "^(model |prompt |\||skipped|moebench .* / snapshot)" "$OUT/bench-$PRESET.txt"
+for f in "$OUT"/llamacpp-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^\| (model|qwen|---)" "$f"; }; done
 for f in "$OUT"/kernels-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^kernels:|us/token" "$f" | head -14; }; done
 for f in "$OUT"/timeline-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^timeline:|us/token" "$f" | head -12; }; done
 for f in "$OUT"/profile-*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^\| (per token|MoE|attention|build|eval|sync|pipelined|graph|nodes)" "$f"; }; done
