@@ -6,6 +6,9 @@
 #define MB_THREAD
 // Memory one block shares (declared in the kernel body).
 #define MB_SHARED __shared__
+// Unroll the next loop whole (its trip count a constant): a lane's loads of every step are then in flight together,
+// not one memory round trip a step.
+#define MB_UNROLL _Pragma("unroll")
 
 // Butterflies over the 32 lanes of a full warp: every lane ends with the same, fixed-order result.
 MB_FN float mb_lane_sum(float v) {

@@ -14,6 +14,8 @@
 
 using mb_std_thread = std::thread;  // named before `thread` becomes an (erased) address-space qualifier
 
+#define MB_UNROLL _Pragma("GCC unroll 16")  // metal_header.h's, in g++'s words
+
 #define device
 #define constant
 #define thread

@@ -7,6 +7,11 @@
 #define MB_THREAD thread
 // Memory one threadgroup shares (declared in the kernel body).
 #define MB_SHARED threadgroup
+// Unroll the next loop whole (its trip count a constant): a lane's loads of every step are then in flight together,
+// not one memory round trip a step. The CPU shim names its own compiler's.
+#ifndef MB_UNROLL
+#define MB_UNROLL _Pragma("clang loop unroll(full)")
+#endif
 
 MB_FN float mb_lane_sum(float v) { return metal::simd_sum(v); }
 MB_FN float mb_lane_max(float v) { return metal::simd_max(v); }

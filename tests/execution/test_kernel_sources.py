@@ -856,14 +856,19 @@ def _cuda_constant(kind: str, name: str, value) -> str:
 
 def _cuda_unit() -> str:
     """The CUDA prelude and bodies wrapped the way MLX's cuda_kernel does (constexpr template constants)."""
+    qwen = {"E": 60, "K": 4, "DIN": 2048, "DFF": 1408}
+    # Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B, partner lane ^ 16, Qwen3-235B-A22B (4 keys a block)
+    attention = ((16, 16, 128), (32, 4, 128), (12, 4, 96), (64, 4, 128))
+    return _cuda_kernels(_compile_instances(("bf16",), qwen, 5632, ((60, 4),), attention))
+
+
+def _cuda_kernels(instances) -> str:
+    """(stage, instance) pairs as one CUDA unit, each a __global__ function named custom_kernel_<stage>_<n>."""
     header, _ = kernel_source("cuda", GATE_UP)
     parts = ["#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cooperative_groups.h>\n"
              "#include <cuda/std/limits>\n#define inf cuda::std::numeric_limits<float>::infinity()", header,
              "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;"]
-    qwen = {"E": 60, "K": 4, "DIN": 2048, "DFF": 1408}
-    # Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B, partner lane ^ 16, Qwen3-235B-A22B (4 keys a block)
-    attention = ((16, 16, 128), (32, 4, 128), (12, 4, 96), (64, 4, 128))
-    for n, (stage, inst) in enumerate(_compile_instances(("bf16",), qwen, 5632, ((60, 4),), attention)):
+    for n, (stage, inst) in enumerate(instances):
         _, source = kernel_source("cuda", stage)
         params = [f"const {CUDA_TYPES[_param_type(stage, i, inst)]}* {i}" for i in stage.inputs]
         params += [f"{CUDA_TYPES[_param_type(stage, o, inst)]}* {o}" for o in stage.outputs]
@@ -882,3 +887,22 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
     done = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-c", str(src), "-o", str(tmp_path / "fused_moe.o"),
                            "-Werror", "all-warnings"], capture_output=True, text=True)
     assert done.returncode == 0, f"CUDA source does not compile:\n{done.stderr[-6000:]}"
+
+
+def test_kernel_a_has_every_steps_loads_in_flight_before_its_lane_sums(tmp_path):
+    """A lane's steps along the row are unrolled with no branch between them, so the loads of all of them issue
+    before the first lane sum (a loop of steps waited a memory round trip each: 8 at Qwen3-30B-A3B's shape)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    experts = {"E": 128, "K": 8, "DIN": 2048, "DFF": 768}  # Qwen3-30B-A3B: 256 words a row, 8 a lane
+    src = tmp_path / "gate_up.cu"
+    src.write_text(_cuda_kernels([(GATE_UP, _instance(GATE_UP, "bf16", **experts, DFFS=0, GS=64, GATE_BITS=4,
+                                                      UP_BITS=4, MODE=0))]))
+    done = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-ptx", str(src), "-o", str(tmp_path / "gate_up.ptx")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (tmp_path / "gate_up.ptx").read_text().splitlines()
+    first_sum = next(i for i, line in enumerate(lines) if "shfl.sync" in line)
+    words = [line for line in lines[:first_sum] if "ld.global.u32" in line or "ld.global.nc.u32" in line]
+    assert len(words) >= 2 * 8, f"{len(words)} packed words loaded before the first lane sum, not gate's and up's 8"
