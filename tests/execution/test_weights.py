@@ -65,6 +65,21 @@ def test_row_stack_follows_replaced_weights_and_shares_storage():
     assert rebuilt is not first and not np.array_equal(np.array(rebuilt(x))[:, :32], before)
 
 
+def test_row_stack_follows_a_quantized_weight_replaced_by_a_float_one_and_back():
+    """A Linear whose scales and biases leave with a float weight (a dequantized router, say): the stack declines
+    it rather than failing on the arrays it held before, and stacks again once both are quantized."""
+    a, b = _quantized_linear(32, 128, seed=1), _quantized_linear(16, 128, seed=2)
+    stack = RowStack(a, b)
+    assert stack.get() is not None
+    a.set_weight(mx.zeros((32, 128)))
+    assert "scales" not in a and stack.get() is None
+    q = _quantized_linear(32, 128, seed=3)
+    a.set_weight(q.weight, q.quantized_parts())
+    again = stack.get()
+    x = mx.random.normal((1, 128), key=KEY)
+    assert np.array_equal(np.array(again(x))[:, :32], np.array(q(x)))
+
+
 def test_sharing_storage_frees_the_separate_copies():
     a, b = _quantized_linear(1024, 1024, seed=4), _quantized_linear(1024, 1024, seed=5)
     stack = RowStack(a, b)
