@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 
 from ..models.declare import LinearAttentionSpec
 from ..models.hooks import Record, layer_scope
-from ..models.run import token_mixer
+from ..models.run import feed_forward_norm, token_mixer
 from ..models.sharding import attention_note, block_note
 from . import support
 from .kernel import GPU_BACKENDS, available_backend
@@ -140,8 +140,9 @@ class Executor:
         if reason:
             launches = layer_launches(attn_launches, Launches(None, f"MoE block by MLX ops: {reason}"))
             return LayerPlan(attn, Decision("fallback", reason, block_note(block)), launches, attention_step)
-        note = moe_note(block, weights, intervention is not None)
-        moe_step = MoeKernel(block, weights, backend, settings.rows, intervention)
+        moe_step = MoeKernel(block, weights, backend, settings.rows, intervention,
+                             feed_forward_norm(self.model.layers[i]), dtype)
+        note = moe_note(block, weights, moe_step.router_note)
         return LayerPlan(attn, Decision(backend, note=note), layer_launches(attn_launches, moe_step.launches(dtype)),
                          attention_step, moe_step)
 

@@ -79,9 +79,9 @@ class Launches:
                 "reason": self.reason}
 
 
-# step(normed input, cache) -> attention output; step(normed input, residual, record) -> residual + block
+# step(normed input, cache) -> attention output; step(norm, residual, record) -> residual + block(norm(residual))
 AttentionStep = Callable[[mx.array, object], mx.array]
-MoeStep = Callable[[mx.array, mx.array, Record | None], mx.array]
+MoeStep = Callable[[object, mx.array, Record | None], mx.array]
 
 
 @dataclass(frozen=True)
@@ -101,10 +101,10 @@ class LayerPlan:
             return self.attention_step(xn, cache, record)
         return MODULES.attend(attn, xn, cache, record)
 
-    def feed_forward(self, mlp, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
+    def feed_forward(self, mlp, norm, residual: mx.array, record: Record | None) -> mx.array:
         if self.moe_step is not None:
-            return self.moe_step(xn, residual, record)
-        return MODULES.feed_forward(mlp, xn, residual, record)
+            return self.moe_step(norm, residual, record)
+        return MODULES.feed_forward(mlp, norm, residual, record)
 
     def record(self, record: Record) -> None:
         """Hand a layer's record the decisions it ran under."""

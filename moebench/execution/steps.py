@@ -8,10 +8,11 @@ family has one, RoPE, attention over the cache and the new token); the new key a
 cache, stored by the kernel itself in place where the plan says the cache allows it (a compiled step's
 static cache on a GPU).
 
-MoeKernel: the router's and the shared gate's logits from one matmul over their stacked rows, the router
-kernel, and the kernel pair with the shared expert and the residual add inside, everything after the
-matmul in float32. With an intervention set, routing runs through moebench.models.routing.route instead
-of the router kernel; a shared expert stored unlike the routed experts runs beside the kernels.
+MoeKernel: one kernel normalising the block's input and computing the router's and the shared gate's logits over
+their stacked rows where it can read them (else the norm and one matmul), the router kernel, and the kernel pair
+with the shared expert and the residual add inside, everything after the logits in float32. With an intervention
+set, routing runs through moebench.models.routing.route instead of the router kernel; a shared expert stored
+unlike the routed experts runs beside the kernels.
 Recording keeps the same launches and adds the recorded parts beside them.
 
 Each step says what it launches for one unrecorded decode token on the GPU path (`launches`, the graph nodes it
@@ -53,7 +54,7 @@ from . import attention, linear_attention, moe
 from .attention import QKNorm, rope_frequencies
 from .kernel import run_compiled
 from .plan import Launches
-from .support import attention_reason, linear_attention_reason, rotary_dims
+from .support import attention_reason, linear_attention_reason, normed_router_reason, rotary_dims
 from .weights import Derived, FusedWeights, RowStack
 
 ROUTE_NOTE = "routing by moebench.models.routing.route (an intervention is set), not the router kernel"
@@ -77,9 +78,8 @@ def linear_launches(what: str, linear, bias: bool = True) -> Launches:
 
 def layer_launches(attention: Launches, feed_forward: Launches) -> Launches:
     """A decoder layer's launches: its parts' and its own (moebench.models.run: h = x + attention(norm(x)); out =
-    h + mlp(norm(h)), the norms RMSNorms, the second residual add inside the feed-forward step)."""
-    return (Launches(("input norm (rms_norm)",)) + attention
-            + Launches(("residual (add)", "post-attention norm (rms_norm)")) + feed_forward)
+    h + mlp(norm(h)), the input norm an RMSNorm; the second norm and residual add inside the feed-forward step's)."""
+    return Launches(("input norm (rms_norm)",)) + attention + Launches(("residual (add)",)) + feed_forward
 
 
 class LayerWeights:
@@ -251,41 +251,59 @@ class LinearAttentionKernel:
 
 class MoeKernel:
     """One MoE block for one token through the router kernel and the kernel pair on `backend`:
-    residual + block(xn). The block's declared variants ride along: its scoring (the router kernel's), its
-    experts' biases and clamped SwiGLU (the pair's); a router bias is in the logits the router kernel reads.
-    `intervention`: the one set on the block when the plan was made (a plan's key holds it, so it is the one in
-    force whenever the plan runs), or None."""
+    residual + block(norm(residual)). One kernel normalises the residual stream and computes the router's logits
+    where it can read the norm and the router (support.normed_router_reason; `router_note` says why not, and then
+    the norm and the router's matmul run as their own launches). The block's declared variants ride along: its
+    scoring (the router kernel's), its experts' biases and clamped SwiGLU (the pair's); a router bias is added to
+    the logits. `intervention`: the one set on the block when the plan was made (a plan's key holds it, so it is
+    the one in force whenever the plan runs), or None."""
 
-    def __init__(self, block: MoeBlock, weights: LayerWeights, backend: str, rows: int, intervention: object):
+    def __init__(self, block: MoeBlock, weights: LayerWeights, backend: str, rows: int, intervention: object,
+                 norm, dtype: mx.Dtype):
         self.block, self.weights, self.backend, self.rows = block, weights, backend, rows
         self.intervention = intervention
         spec, parts = block.spec, block.parts()
+        self.router_note = ROUTE_NOTE if intervention is not None else \
+            normed_router_reason(norm, self._router(parts), dtype, moe.NORM_LOGITS_ROWS)
         self.shared_on = shared_takes_part(spec, intervention)
         self.shard = parts.experts if isinstance(parts.experts, ExpertShard) else None
         self.split_shared = spec.shared is not None and isinstance(parts.shared.down_proj, ColumnShard)
         self.clamp = parts.experts.clamp if spec.activation == CLAMPED_SWIGLU else None
         self.grouped = spec.scoring == SIGMOID_GROUPED  # the router kernel's selection-biased variant
 
-    def __call__(self, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
+    def _router(self, parts: MoeParts) -> Linear:
+        """The router's rows as one Linear: stacked with the shared expert gate's where the block has one and both
+        are stored alike (LayerWeights.router), else the router's own."""
+        stacked = self.weights.router.get() if self.weights.router is not None else None
+        return stacked or parts.router
+
+    def __call__(self, norm, residual: mx.array, record: Record | None) -> mx.array:
         b, recording = self.block, record is not None
-        shape = xn.shape
+        shape = residual.shape
         if recording:  # one token as [1, D]: the same launches, the recorded parts [1, ...] like the fallback's
-            xn, residual = xn.reshape(1, -1), residual.reshape(1, -1)
+            residual = residual.reshape(1, -1)
         spec, parts = b.spec, b.parts()
         w = self.weights.fused(parts)
         shared_on, intervention = self.shared_on, self.intervention
         gate = None
         if intervention is None:
-            stacked = self.weights.router.get() if self.weights.router is not None else None
-            logits = (stacked or parts.router)(xn)
+            router = self._router(parts)
+            stacked = router is not parts.router
             grouped = moe.GroupedChoice.of(spec, parts.selection_bias) if self.grouped else None
-            probs, inds, scores, gate = moe.select(self.backend, logits, spec.num_experts, spec.top_k,
-                                                   spec.renormalize, stacked is not None, spec.scoring, grouped)
-            if stacked is not None:
+            choice = (spec.num_experts, spec.top_k, spec.renormalize, stacked, spec.scoring, grouped)
+            if self.router_note is None:
+                probs, inds, scores, gate, xn, logits = moe.normed_select(
+                    self.backend, residual, moe.NormedRouter.of(norm, router), *choice)
+            else:
+                xn = norm(residual)
+                logits = router(xn)
+                probs, inds, scores, gate = moe.select(self.backend, logits, *choice)
+            if stacked:
                 logits = logits[..., : spec.num_experts] if recording else None
             else:
                 gate = None
         else:
+            xn = norm(residual)
             logits = parts.router(xn)
             probs, inds, scores = route(logits, spec, intervention, selection_bias=parts.selection_bias)
         if not shared_on:
@@ -320,27 +338,33 @@ class MoeKernel:
         return out
 
     def launches(self, dtype: mx.Dtype) -> Launches:
-        """What __call__ builds unrecorded on a GPU backend for activations in `dtype`: the router's matmul, the
-        router kernel and the kernel pair (with the casts gpu_routed makes of stored dtypes unlike the kernels'), or
-        not declared where a part runs as MLX ops the block or moebench.models builds."""
+        """What __call__ builds unrecorded on a GPU backend for activations in `dtype`: the norm + logits kernel (or
+        the norm and the router's matmul), the router kernel and the kernel pair (with the casts
+        gpu_routed makes of stored dtypes unlike the kernels'), or not declared where a part runs as MLX ops the
+        block or moebench.models builds."""
         if self.intervention is not None:
             return Launches(None, ROUTE_NOTE)
         if self.shard is not None:
             return Launches(None, "experts sharded over ranks (this rank's slots picked by MLX ops, joined by all_sum)")
         parts = self.block.parts()
         w = self.weights.fused(parts)
-        stacked = self.weights.router.get() if self.weights.router is not None else None
+        router = self._router(parts)
+        stacked = router is not parts.router
         if self.shared_on and w.shared is None:
             return Launches(None, f"the shared expert beside the kernels (its own MLP): {w.shared_note}")
-        if self.shared_on and stacked is None:
+        if self.shared_on and not stacked:
             return Launches(None, "the shared expert's factor from the block's shared_scale (its own MLX ops)")
-        router = linear_launches("router", parts.router) if stacked is None else \
-            linear_launches("router + shared gate rows", stacked)
+        if self.router_note is None:
+            router_launches = Launches(("post-attention norm + router logits (kernel)", "router (kernel)"))
+        else:
+            router_launches = (Launches(("post-attention norm (rms_norm)",))
+                               + linear_launches("router + shared gate rows" if stacked else "router", router)
+                               + Launches(("router (kernel)",)))
         scale = w.experts[0].scales.dtype  # gpu_routed casts every projection's scales and biases to it
         stored = [a for p in (*w.experts, *(w.shared or w.experts)) for a in (p.scales, p.biases) if a is not None]
         casts = (("quantization scales or biases (astype)",) * sum(a.dtype != scale for a in stored)
                  + ("expert bias (astype)",) * sum(b.dtype != dtype for b in w.biases or ()))
-        return router + Launches(("router (kernel)", *casts, "gate/up (kernel)", "down + residual (kernel)"))
+        return router_launches + Launches((*casts, "gate/up (kernel)", "down + residual (kernel)"))
 
     def _summed_with_records(self, out: mx.array, expert_out: mx.array, shared: mx.array | None, held: mx.array,
                              folded, mine: bool, xn: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
@@ -368,15 +392,17 @@ def recorded_mix(expert_out: mx.array, scores: mx.array, shared: mx.array | None
     return weighted.astype(dtype), mixed.astype(dtype)
 
 
-def moe_note(block, weights: LayerWeights, intervened: bool) -> str | None:
-    """What a fused MoE block runs beside the kernels, and why (None: nothing); `intervened`: an intervention is set
-    on it (the plan's key holds them)."""
+def moe_note(block, weights: LayerWeights, router_note: str | None) -> str | None:
+    """What a fused MoE block runs beside the kernels, and why (None: nothing); `router_note`: why the norm + logits
+    kernel does not run (MoeKernel.router_note: ROUTE_NOTE when an intervention is set on the block), or None."""
     notes = []
     shared_note = weights.fused(block.parts()).shared_note
     if shared_note:
         notes.append(f"shared expert beside the kernels: {shared_note}")
     if (sharded := block_note(block)) is not None:
         notes.append(sharded)
-    if intervened:
+    if router_note == ROUTE_NOTE:
         notes.append(ROUTE_NOTE)
+    elif router_note is not None:
+        notes.append(f"the norm and the router's matmul as their own launches: {router_note}")
     return "; ".join(notes) or None

@@ -30,6 +30,7 @@ from ..models.declare import (
     LinearAttentionSpec,
     MoeSpec,
 )
+from ..models.layers import RMSNorm
 from .kernel import LANES
 
 # The scorings the router kernel computes (its SCORING template constant numbers them in this order).
@@ -57,6 +58,36 @@ def router_reason(spec: MoeSpec) -> str | None:
     return None
 
 
+# Threadgroup memory the norm + logits kernel may hold (Metal's limit per threadgroup; CUDA's static one is larger):
+# the normed input in float32, and a float a warp.
+NORM_MEMORY = 32768
+
+
+def norm_memory_reason(d: int, warps: int) -> str | None:
+    """Why a threadgroup of `warps` cannot hold a normed input of `d` values, or None."""
+    if (d + warps) * 4 > NORM_MEMORY:
+        return f"{d} inputs take {(d + warps) * 4} bytes of threadgroup memory (a threadgroup holds {NORM_MEMORY})"
+    return None
+
+
+def normed_router_reason(norm, router, dtype: mx.Dtype, warps: int) -> str | None:
+    """Why the norm + logits kernel cannot normalise a block's input with `norm` and compute its logits with
+    `router` (a Linear, its rows stacked with the shared gate's where the block has one) for activations in
+    `dtype` in threadgroups of `warps`, or None. The norm and the router's matmul then run as their own launches."""
+    if type(norm) is not RMSNorm:
+        return f"the block's input norm is a {type(norm).__name__}, not an RMSNorm"
+    if norm["weight"].dtype != dtype:
+        return f"the norm's weight is {norm['weight'].dtype}, the activations {dtype}"
+    parts = router.quantized_parts()
+    if parts is None:
+        return "a float router (the kernel reads quantized rows)"
+    if (reason := matrix_reason("the router", parts)) is not None:
+        return reason
+    if "bias" in router and router["bias"].dtype != dtype:
+        return f"the router's bias is {router['bias'].dtype}, the activations {dtype}"
+    return norm_memory_reason(parts.in_features, warps)
+
+
 def moe_declaration_reason(spec: MoeSpec) -> str | None:
     """Why the router kernel and the kernel pair cannot compute what this block declares, or None. The scorings
     are router-kernel variants (router_reason); a router bias is inside the logits the router kernel reads; expert
@@ -81,35 +112,38 @@ def parts_reason(gate: QuantizedParts | None, up: QuantizedParts | None, down: Q
     modes = {p.mode for p in parts}
     if len(modes) != 1:
         return f"quantization modes differ {sorted(modes)}"
-    if gate.mode in MICROSCALED:
-        return _microscaled_reason(gate.mode, parts)
-    if gate.mode != "affine":
-        return f"quantization mode {gate.mode} (the kernels read affine, {', '.join(MICROSCALED)})"
-    if any(p.biases is None for p in parts):
-        return "affine without biases"
     for name, p in zip(("gate", "up", "down"), parts, strict=True):
-        if p.bits not in AFFINE_BITS:
-            return f"{name} bits {p.bits} not in {AFFINE_BITS}"
+        if (reason := matrix_reason(name, p)) is not None:
+            return reason
     sizes = {p.group_size for p in parts}
     if len(sizes) != 1:
         return f"group sizes differ {sorted(sizes)}"
-    if gate.group_size not in GROUP_SIZES:
-        return f"group size {gate.group_size} not in {GROUP_SIZES}"
     return None
 
 
-def _microscaled_reason(mode: str, parts: tuple[QuantizedParts, ...]) -> str | None:
-    """Why the pair cannot read gate/up/down `parts` stored in microscaled `mode`, or None: MLX fixes each
-    mode's bits and group size, and the kernels decode only its uint8 scales and take no biases."""
-    group_size, bits = FP_MODES[mode]
-    for name, p in zip(("gate", "up", "down"), parts, strict=True):
+def matrix_reason(name: str, p: QuantizedParts) -> str | None:
+    """Why the kernels cannot read the quantized matrix `name` stored as `p`, or None: affine with biases at
+    AFFINE_BITS and GROUP_SIZES, or a microscaled mode at MLX's fixed bits and group size (no biases, uint8
+    scales)."""
+    if p.mode in MICROSCALED:
+        group_size, bits = FP_MODES[p.mode]
         if (p.bits, p.group_size) != (bits, group_size):
-            return (f"{name} is {mode} at {p.bits} bits, group {p.group_size} "
-                    f"({mode} is {bits} bits, group {group_size})")
+            return (f"{name} is {p.mode} at {p.bits} bits, group {p.group_size} ({p.mode} is {bits} bits, "
+                    f"group {group_size})")
         if p.biases is not None:
-            return f"{name} is {mode} with biases ({mode} has none)"
+            return f"{name} is {p.mode} with biases ({p.mode} has none)"
         if p.scales.dtype != mx.uint8:
-            return f"{name} is {mode} with {str(p.scales.dtype).removeprefix('mlx.core.')} scales ({mode} stores uint8)"
+            return (f"{name} is {p.mode} with {str(p.scales.dtype).removeprefix('mlx.core.')} scales ({p.mode} "
+                    f"stores uint8)")
+        return None
+    if p.mode != "affine":
+        return f"{name} in quantization mode {p.mode} (the kernels read affine, {', '.join(MICROSCALED)})"
+    if p.biases is None:
+        return f"{name} is affine without biases"
+    if p.bits not in AFFINE_BITS:
+        return f"{name} bits {p.bits} not in {AFFINE_BITS}"
+    if p.group_size not in GROUP_SIZES:
+        return f"{name} group size {p.group_size} not in {GROUP_SIZES}"
     return None
 
 

@@ -208,10 +208,15 @@ class DecoderLayer(nn.Module):
         """This layer's token mixing: its attention (a hybrid family's layers name theirs)."""
         return self.self_attn
 
+    @property
+    def ffn_norm(self) -> nn.Module:
+        """The norm before this layer's MLP or MoE block."""
+        return self.post_attention_layernorm
+
     def __call__(self, x: mx.array, cache=None, record: Record | None = None, run: LayerRun = MODULES) -> mx.array:
         h = x + run.attend(self.mixer, self.input_layernorm(x), cache)
         inner = hooks.scope(record, hooks.MOE) if self.is_moe else None
-        out = run.feed_forward(self.mlp, self.post_attention_layernorm(h), h, inner)
+        out = run.feed_forward(self.mlp, self.post_attention_layernorm, h, inner)
         if record is not None:
             hooks.record_residuals(record, x, h, out)
         return out

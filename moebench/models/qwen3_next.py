@@ -211,8 +211,8 @@ class RecordedMixing:
     def attend(self, attn, xn: mx.array, cache) -> mx.array:
         return self.run.attend(attn, xn, cache, self.record)
 
-    def feed_forward(self, mlp, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
-        return self.run.feed_forward(mlp, xn, residual, record)
+    def feed_forward(self, mlp, norm, residual: mx.array, record: Record | None) -> mx.array:
+        return self.run.feed_forward(mlp, norm, residual, record)
 
 
 class HybridModel(qwen2_moe.Qwen2MoeModel):

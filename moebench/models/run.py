@@ -1,7 +1,8 @@
 """How a decoder layer runs its two parts: by its own modules, or by the steps an execution plan chose.
 
 The layer's forward (h = x + attention(norm(x)); out = h + mlp(norm(h))) is written once, in the model
-file; what runs each part is a LayerRun. A call without a plan runs the modules (MODULES); the execution
+file; what runs each part is a LayerRun. The feed-forward part takes its norm with the residual stream, so a
+fused step may normalise inside its first kernel. A call without a plan runs the modules (MODULES); the execution
 layer (moebench.execution.plan.LayerPlan) hands in a fused kernel step where it decided one can run.
 """
 
@@ -19,8 +20,8 @@ class LayerRun(Protocol):
         """The attention output for the normed input `xn`, continuing `cache`; `record`: where the token mixing
         records what it computes (a hybrid layer's `mixer` place), handed to whichever runs it."""
 
-    def feed_forward(self, mlp, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
-        """residual + the MLP (or MoE block) of the normed input `xn`; `record` only for a MoE block."""
+    def feed_forward(self, mlp, norm, residual: mx.array, record: Record | None) -> mx.array:
+        """residual + the MLP (or MoE block) of norm(residual); `record` only for a MoE block."""
 
 
 class Modules:
@@ -29,7 +30,8 @@ class Modules:
     def attend(self, attn, xn: mx.array, cache, record: Record | None = None) -> mx.array:
         return attn(xn, cache, record)
 
-    def feed_forward(self, mlp, xn: mx.array, residual: mx.array, record: Record | None) -> mx.array:
+    def feed_forward(self, mlp, norm, residual: mx.array, record: Record | None) -> mx.array:
+        xn = norm(residual)
         return residual + (mlp(xn) if record is None else mlp(xn, record))
 
 
@@ -40,3 +42,8 @@ def token_mixer(layer):
     """A decoder layer's token-mixing module (its `mixer`: attention, or a hybrid's linear or full attention). Its
     `spec` says what it computes (moebench.models.declare)."""
     return layer.mixer
+
+
+def feed_forward_norm(layer):
+    """A decoder layer's norm before its MLP or MoE block (its `ffn_norm`)."""
+    return layer.ffn_norm

@@ -70,7 +70,7 @@ def test_microscaled_experts_run_fused(mode, group, bits):
 def test_affine_without_biases_declines():
     experts = _experts()
     del experts.down_proj.biases
-    assert support.experts_reason(experts.quantized_parts(), "reference") == "affine without biases"
+    assert support.experts_reason(experts.quantized_parts(), "reference") == "down is affine without biases"
 
 
 @pytest.mark.parametrize("gate,up,down", [(3, 3, 6), (2, 2, 5), (5, 5, 3), (6, 6, 6), (4, 8, 6), (3, 4, 2)])
@@ -184,20 +184,20 @@ def test_the_attention_kernel_can_be_kept_off_alone(model):
     assert "attention kernel switched off" in " ".join(counts["attention"][0]["reasons"])
 
 
-def _block_step(model, layer: int, x: mx.array, residual: mx.array, fused: bool) -> np.ndarray:
-    """residual + the MoE block of `layer` on x, through the plan's fused step or the block itself."""
+def _block_step(model, layer: int, residual: mx.array, fused: bool) -> np.ndarray:
+    """residual + the MoE block of `layer` on its normed input, through the plan's fused step or the modules."""
     plan = executor(model).plan(1, make_cache(len(model.layers)), KernelSettings(fused=fused))
-    step = plan.layers[layer].moe_step
+    step, norm = plan.layers[layer].moe_step, model.layers[layer].post_attention_layernorm
     block = model.layers[layer].mlp
-    return np.array(step(x, residual, None) if fused else residual + block(x)), plan.layers[layer].moe
+    return np.array(step(norm, residual, None) if fused else residual + block(norm(residual))), \
+        plan.layers[layer].moe
 
 
 def test_fused_block_with_the_shared_expert_and_residual_inside_matches_the_fallback(model):
     rng = np.random.default_rng(12)
-    x = mx.array(rng.standard_normal((1, 1, 128)).astype(np.float32))
     residual = mx.array(rng.standard_normal((1, 1, 128)).astype(np.float32))
-    fused, decision = _block_step(model, 0, x, residual, True)
-    fallback, _ = _block_step(model, 0, x, residual, False)
+    fused, decision = _block_step(model, 0, residual, True)
+    fallback, _ = _block_step(model, 0, residual, False)
     assert decision.path == "reference" and decision.note is None and fused.shape == (1, 1, 128)
     assert np.allclose(fused, fallback, rtol=1e-4, atol=1e-4)
 
@@ -209,8 +209,8 @@ def test_a_shared_expert_stored_unlike_the_routed_ones_runs_beside_the_kernels_a
     down.set_weight(q, QuantizedParts(q, s, b, 64, 8, "affine"))
     executor(model).refresh()  # weights replaced: the plans are decided again
     x = mx.array(np.random.default_rng(13).standard_normal((1, 1, 128)).astype(np.float32))
-    fused, decision = _block_step(model, 2, x, mx.zeros_like(x), True)
-    fallback, _ = _block_step(model, 2, x, mx.zeros_like(x), False)
+    fused, decision = _block_step(model, 2, x, True)
+    fallback, _ = _block_step(model, 2, x, False)
     assert np.allclose(fused, fallback, rtol=1e-4, atol=1e-4)
     assert decision.path == "reference" and decision.note == (
         "shared expert beside the kernels: its down_proj is 8-bit g64 affine (float32 scales), the routed experts' "
@@ -219,6 +219,40 @@ def test_a_shared_expert_stored_unlike_the_routed_ones_runs_beside_the_kernels_a
     executor(model).forward(mx.array([[5]]), make_cache(len(model.layers)),
                             executor(model).plan(1, make_cache(len(model.layers))), recorder)
     assert recorder.values["layers.2.moe.path"] == decision and recorder.values["layers.0.moe.path"].note is None
+
+
+def test_one_kernel_normalises_and_computes_the_router_logits_unless_it_cannot_read_the_router(model):
+    """Quantized rows: the norm and the router's logits run in one kernel before the router kernel (one launch where
+    there were two), the block's output the fallback's. A float router: the norm and its matmul run as their own
+    launches, the layer's note says why, the output is unchanged."""
+    plan = executor(model).plan(1, make_cache(len(model.layers)))
+    assert plan.layers[0].moe_step.router_note is None and plan.layers[0].moe.note is None
+    names = plan.layers[0].launches.names
+    assert names[names.index("post-attention norm + router logits (kernel)") + 1] == "router (kernel)"
+    assert "post-attention norm (rms_norm)" not in names
+    residual = mx.array(np.random.default_rng(14).standard_normal((1, 1, 128)).astype(np.float32))
+    quantized, _ = _block_step(model, 0, residual, True)
+    gate = model.layers[0].mlp.gate
+    gate.set_weight(mx.dequantize(gate["weight"], gate["scales"], gate["biases"], group_size=gate.group_size,
+                                  bits=gate.bits))
+    executor(model).refresh()  # weights replaced: the plans are decided again
+    fused, decision = _block_step(model, 0, residual, True)
+    fallback, _ = _block_step(model, 0, residual, False)
+    assert decision.fused and decision.note == ("the norm and the router's matmul as their own launches: a float "
+                                                "router (the kernel reads quantized rows)")
+    assert np.allclose(fused, fallback, rtol=1e-4, atol=1e-4) and np.allclose(quantized, fused, rtol=1e-2, atol=1e-2)
+
+
+def test_the_norm_logits_kernel_declines_a_norm_or_dtypes_it_does_not_read(model):
+    block_norm, router = model.layers[0].post_attention_layernorm, model.layers[0].mlp.gate
+    assert support.normed_router_reason(block_norm, router, mx.float32, 8) is None
+    assert support.normed_router_reason(router, router, mx.float32, 8) == \
+        "the block's input norm is a Linear, not an RMSNorm"
+    assert support.normed_router_reason(block_norm, router, mx.bfloat16, 8) == \
+        "the norm's weight is mlx.core.float32, the activations mlx.core.bfloat16"
+    assert support.norm_memory_reason(8184, 8) is None
+    assert support.norm_memory_reason(8192, 8) == \
+        "8192 inputs take 32800 bytes of threadgroup memory (a threadgroup holds 32768)"
 
 
 def test_an_intervention_keeps_the_kernels_and_notes_that_routing_left_the_router_kernel(model):

@@ -30,7 +30,7 @@ from moebench.execution.executor import executor, fused_moe
 from moebench.execution.kernel import available_backend
 from moebench.execution.moe import gpu_routed
 from moebench.execution.support import MICROSCALED
-from moebench.inspect.truth import attention_f64, expert_outputs, f64, nrms
+from moebench.inspect.truth import attention_f64, dequantize_f64, expert_outputs, f64, nrms
 from moebench.models.args import FP_MODES, QuantizedParts, YarnScaling
 from moebench.models.declare import SIGMOID_GROUPED, SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, AttentionSpec
 from moebench.models.rotary import yarn
@@ -239,6 +239,43 @@ def test_cuda_grouped_router_kernel_matches_the_reference(n_exp, k, n_group, kee
     assert np.abs(probs - r_probs).max() < 1e-6
     assert list(inds[0]) == list(r_inds[0]), f"top-{k} {inds} vs reference {r_inds}"
     assert np.abs(scores - r_scores).max() < 1e-6 * scaling and np.abs(sgate - r_sgate).max() < 1e-6
+
+
+# (router rows, bits or mode, router bias, hidden size): Qwen3-30B-A3B's router at 8 bits (mlx-lm's) and 4;
+# Qwen1.5-MoE-A2.7B's with the shared gate's row; gpt-oss-20b's (mxfp4, biased); DeepSeek-V3's at its hidden size
+NORM_LOGITS = [(128, 8, False, 2048), (128, 4, False, 2048), (61, 4, False, 2048), (32, "mxfp4", True, 2880),
+               (256, 4, False, 7168)]
+
+
+@pytest.mark.parametrize("rows,fmt,biased,d", NORM_LOGITS)
+def test_cuda_norm_logits_kernel_matches_the_unfused_ops_on_the_gpu(rows, fmt, biased, d):
+    """The norm + logits kernel against what it replaces, run on the same GPU in bfloat16: mx.fast.rms_norm (xn
+    within a unit of the last place) and the router's quantized matmul and bias (each logit within a unit of the
+    last place, and as close to the float64 truth of the kernel's xn as MLX's matvec is)."""
+    rng = np.random.default_rng(rows + d)
+    h = mx.array(3 * rng.standard_normal((1, 1, d)).astype(np.float32)).astype(mx.bfloat16)
+    weight = mx.array(rng.uniform(0.5, 1.5, d).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.array(rng.standard_normal((rows, d)).astype(np.float32) / np.sqrt(d)).astype(mx.bfloat16)
+    if fmt == "mxfp4":
+        parts = QuantizedParts(*mx.quantize(w, mode=fmt), None, *FP_MODES[fmt], fmt)
+    else:
+        parts = QuantizedParts(*mx.quantize(w, group_size=64, bits=fmt), 64, fmt, "affine")
+    bias = mx.array(rng.standard_normal(rows).astype(np.float32)).astype(mx.bfloat16) if biased else None
+    router = moe.NormedRouter(weight, 1e-6, mx.array([1e-6], mx.float32), parts, bias)
+    choice = (rows, 4, True, False, SOFTMAX_THEN_TOPK, None)
+    got = moe.normed_select("cuda", h, router, *choice)
+    want = moe.reference_normed_select(h, router, *choice)  # the same ops, on the GPU
+    for name, a, b in (("xn", got[4], want[4]), ("logits", got[5], want[5])):
+        ulps = np.abs(np.array(a.view(mx.uint16)).astype(np.int32) - np.array(b.view(mx.uint16)).astype(np.int32))
+        print(f"\nnorm + logits {rows} rows {fmt} D{d} {name}: {np.count_nonzero(ulps)} of {ulps.size} a unit off")
+        assert ulps.max() <= 1, name
+    truth = dequantize_f64(parts) @ f64(got[4].reshape(-1)) + (0.0 if bias is None else f64(bias))
+    error, mlx_error = nrms(f64(got[5].reshape(-1)), truth), nrms(f64(want[5].reshape(-1)), truth)
+    print(f"logits vs the float64 truth: kernel nRMS {error:.2e}, MLX's matvec {mlx_error:.2e}")
+    assert error <= 1.2 * mlx_error
+    for name, a, b in zip(("probs", "ids", "scores", "shared gate"), got, moe.select("cuda", got[5], *choice),
+                          strict=True):
+        assert np.array_equal(np.array(a), np.array(b)), name
 
 
 @pytest.mark.parametrize("mode", ("affine", *MICROSCALED))
