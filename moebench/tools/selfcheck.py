@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from itertools import chain, groupby, product
 from pathlib import Path
@@ -385,6 +385,48 @@ def router_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
     return rows
 
 
+# The norm + logits kernel at Qwen1.5-MoE-A2.7B's router (the shared gate's row stacked, 4-bit), Qwen3-30B-A3B's
+# (8-bit, as mlx-lm quantizes routers), gpt-oss-20b's (mxfp4, a bias) and DeepSeek-V3's (a hidden size of 7168):
+# (router rows, hidden size, bits or mode, bias)
+NORM_LOGITS_CASES = ((61, 2048, 4, False), (128, 2048, 8, False), (32, 2880, "mxfp4", True), (256, 7168, 4, False))
+# xn and the logits, the norm + logits kernel vs the unfused ops on the same GPU: a unit of the last place of the
+# activations' dtype (the order of float32 sums), relative to the value
+NORM_LOGITS_ULP = {mx.bfloat16: 2.0**-7, mx.float16: 2.0**-10, mx.float32: 2.0**-22}
+
+
+def norm_logits_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
+    """The norm + logits kernel (the block's RMSNorm and the router's logits over its quantized rows, in one launch)
+    on `backend` against what it replaces, on the same device: mx.fast.rms_norm and the quantized matmul."""
+    rows = []
+    for r, d, fmt, biased in NORM_LOGITS_CASES:
+        row = {"case": f"norm + logits, D {d}, {r} router rows, {fmt if isinstance(fmt, str) else f'{fmt}-bit'}"
+                       + (" + bias" if biased else ""), "backend": backend}
+        if backend == "reference":
+            rows.append({**row, "status": "not applicable", "passed": True,
+                         "reason": "on a CPU the reference is the unfused ops: nothing separate to compare"})
+            continue
+        keys = mx.random.split(mx.random.key(seed + r + d), 4)
+        w = (mx.random.normal((r, d), key=keys[0]) / d**0.5).astype(dtype)
+        parts = QuantizedParts(*mx.quantize(w, mode=fmt), None, *FP_MODES[fmt], fmt) if isinstance(fmt, str) else \
+            QuantizedParts(*mx.quantize(w, group_size=64, bits=fmt), 64, fmt, "affine")
+        weight = mx.random.uniform(0.5, 1.5, (d,), key=keys[1]).astype(dtype)
+        router = moe.NormedRouter(weight, 1e-6, mx.array([1e-6], mx.float32), parts,
+                                  mx.random.normal((r,), key=keys[2]).astype(dtype) if biased else None)
+        h = (3 * mx.random.normal((1, 1, d), key=keys[3])).astype(dtype)
+        choice = (r, min(4, r), True, False, SOFTMAX_THEN_TOPK, None)
+        try:
+            got = moe.normed_select(backend, h, router, *choice)[4:]
+            want = moe.reference_normed_select(h, router, *choice)[4:]  # the unfused ops, on the same device
+            ulps = max(float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))
+                                    / mx.maximum(mx.abs(b.astype(mx.float32)), 1e-30)).item())
+                       for a, b in zip(got, want, strict=True)) / NORM_LOGITS_ULP[dtype]
+        except Exception as e:  # noqa: BLE001 -- reported as a failed row
+            rows.append({**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False})
+            continue
+        rows.append({**row, "status": "ran", "max_ulps": ulps, "passed": ulps <= 1.0})
+    return rows
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionGeometry:
     """An attention the kernel is checked at: its declaration (variants included), the rotation frequencies and
@@ -662,13 +704,13 @@ def report_text(record: dict) -> str:
                  f"vs truth < {FALLBACK_NRMS:g}). {PARITY_COLUMNS}")
     for case, rows in groupby(record["parity"], key=lambda r: r["case"]):
         lines += ["", *parity_table(case, list(rows))]
-    lines.append(f"\nrouter kernel vs the CPU reference (bound: max |difference| < {ROUTER_TOLERANCE:g}, same experts)")
-    for r in record["router"]:
-        if r["status"] != "ran":
-            lines.append(f"- {r['case']}: {r['status']}: {r['reason']}")
-            continue
-        lines.append(f"- {r['case']}: max |difference| {_fmt(r['max_abs_diff'])}, same experts "
-                     f"{'yes' if r['same_experts'] else 'NO'}: {'pass' if r['passed'] else 'FAIL'}")
+    lines += check_lines(f"router kernel vs the CPU reference (bound: max |difference| < {ROUTER_TOLERANCE:g}, same "
+                         "experts)", record["router"],
+                         lambda r: f"max |difference| {_fmt(r['max_abs_diff'])}, same experts "
+                                   f"{'yes' if r['same_experts'] else 'NO'}")
+    lines += check_lines("norm + logits kernel vs the unfused norm and matmul on the same device (bound: xn and the "
+                         "logits within a unit of the last place)", record["norm_logits"],
+                         lambda r: f"at most {r['max_ulps']:.2f} units of the last place")
     lines.append(f"\ndecode-attention kernel vs the float64 truth and the reference (bounds: float32 nRMS < "
                  f"{FUSED_NRMS:g} from both; rounded dtypes: vs reference < {FUSED_NRMS:g}, output vs truth < 1.5 x "
                  "the reference's + 1e-3)")
@@ -773,6 +815,7 @@ def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen
         parity += counted(bar, model_weights_parity(backend, model) + [shared_expert_parity(backend, dtype)])
         bar.set_postfix_str("router kernel")
         router = counted(bar, router_parity(backend, dtype))
+        normed = counted(bar, norm_logits_parity(backend, dtype))
         bar.set_postfix_str("decode-attention kernel")
         attention_rows = counted(bar, attention_parity(backend, model))
         bar.set_postfix_str("gated delta kernel")
@@ -780,15 +823,22 @@ def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen
     decode = decode_checks(model, prompt_tokens, gen_tokens, repeats, progress)
     failures = [f"parity {r['case']} bits {_format(r) if 'bits' in r else None} g{r.get('group_size')}"
                 for r in parity if not r["passed"]]
-    failures += [f"parity {r['case']}" for r in router + attention_rows if not r["passed"]]
+    failures += [f"parity {r['case']}" for r in router + normed + attention_rows if not r["passed"]]
     failures += [f"parity {r['case']} {r['dtype']}" for r in linear_rows if not r["passed"]]
     failures += decode_failures(decode)
     failures += [f"weights: NaN or Inf in {name}" for name in nonfinite]
     bits = model.load_info.bits.get("mlp.switch_mlp.gate_proj", "?")
     return {"schema": SCHEMA, "platform": platform_info(), "model": {"path": str(path), "name": path.name,
-            "bits": bits}, "weights": weights, "parity": parity, "router": router, "attention": attention_rows,
+            "bits": bits}, "weights": weights, "parity": parity, "router": router, "norm_logits": normed,
+            "attention": attention_rows,
             "gated_delta": linear_rows, "decode": decode, "failures": failures, "passed": not failures,
             "seconds": time.perf_counter() - start}
+
+
+def check_lines(title: str, rows: list[dict], ran: Callable[[dict], str]) -> list[str]:
+    """A blank line, `title`, and a line a row: its case and `ran(row)` with its verdict, or why it did not run."""
+    return [f"\n{title}", *(f"- {r['case']}: {ran(r)}: {'pass' if r['passed'] else 'FAIL'}" if r["status"] == "ran"
+                            else f"- {r['case']}: {r['status']}: {r['reason']}" for r in rows)]
 
 
 def counted(bar: Progress, rows: Iterable[dict]) -> list[dict]:
