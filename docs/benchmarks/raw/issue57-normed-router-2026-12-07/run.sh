@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 57's device runs of 2026-12-07, round 3 (stages as arguments; each fits one device call after the wheel parts;
+# .snap/385b789 is main before this round: git archive 385b789 moebench kernels, carried):
+#   gpu:    install, the CUDA tests of the norm + logits kernel and of decoding through the kernels (carry .whl3)
+#   llama:  llama.cpp's build and the two random Q4_0 GGUFs (carry .anchors: beside .whl3 a call passes 64 MiB)
+#   qwen3:  Qwen3-30B-A3B random 4-bit g64: llama.cpp tg128, then moebench (the working tree and .snap/385b789, fused
+#           and compiled) against mlx-lm at 64, 2048 and 4096, then llama.cpp again; the GPU time by kernel
+#   a27b:   the same for Qwen1.5-MoE-A2.7B
+#   retime: this revision (norm + logits kernel, unrolled expert kernels) against .snap/385b789 at 64 and 2048
+#   kernels: the GPU time by kernel of this revision and of main before, Qwen3-30B-A3B, 64 compiled steps
+#   long:   Qwen3-30B-A3B at 16384 and 32768 (llama.cpp, moebench, mlx-lm; no snapshot arm)
+set -uo pipefail
+R=$OUT; export OUT=/root/r; mkdir -p $OUT
+bash scripts/install-on-device.sh 2>&1 | tail -2
+common="GEN=128 REPEATS=5 FUSED=on COMPILED=on DEADLINE=575"
+for stage in "$@"; do
+  case $stage in
+    gpu)
+      t=tests/gpu/test_cuda_kernel.py
+      # (12:52 UTC ran the first design's test_cuda_normed_router_matches_the_unfused_ops_on_the_gpu in its place)
+      env DEADLINE=575 GPUTESTS_LIMIT=200 GPUTESTS="$t::test_cuda_norm_logits_kernel_matches_the_unfused_ops_on_the_gpu \
+        $t::test_cuda_router_kernel_matches_the_reference $t::test_decode_on_cuda_runs_the_kernels_every_step \
+        $t::test_gpt_oss_decode_on_cuda_runs_the_moe_kernels_every_step \
+        $t::test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step" \
+        bash scripts/device_bench.sh gputests 2>&1 | tail -25 ;;
+    llama)
+      env DEADLINE=575 bash scripts/device_bench.sh llamabuild 2>&1 | tail -5
+      for arch in qwen3moe qwen2moe; do
+        PYTHONPATH=/root/lcp/llama.cpp/gguf-py timeout 120 python3 .anchors/gguf_random.py /root/$arch-q4_0.gguf Q4_0 $arch \
+          2>&1 | tail -2
+      done ;;
+    qwen3)
+      env $common PRESET=qwen3-30b-a3b PROMPTS="64 2048 4096" LLAMA_DEPTHS="0 2048 4096" SNAPSHOT=.snap/385b789 BENCH_LIMIT=330 \
+        bash scripts/device_bench.sh llamacpp make bench kernels 2>&1 | tail -40 ;;
+    a27b)
+      env $common PRESET=qwen1.5-moe-a2.7b PROMPTS="64 2048 4096" LLAMA_DEPTHS="0 2048 4096" SNAPSHOT=.snap/385b789 BENCH_LIMIT=300 \
+        bash scripts/device_bench.sh llamacpp make bench 2>&1 | tail -40 ;;
+    retime)  # this revision (the norm + logits kernel, the unrolled expert kernels) against .snap/385b789
+      env $common PRESET=qwen3-30b-a3b PROMPTS="64 2048" SNAPSHOT=.snap/385b789 BENCH_LIMIT=230 \
+        bash scripts/device_bench.sh make kernels bench 2>&1 | tail -40 ;;
+    kernels)  # the GPU time by kernel of this revision and of .snap/385b789 (main before), Qwen3-30B-A3B
+      env $common PRESET=qwen3-30b-a3b bash scripts/device_bench.sh make kernels 2>&1 | tail -20
+      ckpt=/root/moebench-qwen3-30b-a3b-4bit-g64-bfloat16 root=$PWD
+      (cd .snap/385b789 && PYTHONPATH=$PWD MLX_PTX_CACHE_DIR=$root/.ptx-cache timeout 150 python3 \
+        ../../scripts/device_diag.py $ckpt kernels 2>&1 | tee $OUT/kernels-qwen3-30b-a3b-385b789.txt | grep -E "us/token" | head -16) ;;
+    long)
+      env $common PRESET=qwen3-30b-a3b PROMPTS="16384 32768" BENCH_LIMIT=420 \
+        bash scripts/device_bench.sh llamacpp make bench 2>&1 | tail -40 ;;
+  esac
+done
+cp $OUT/ptx-cache.tgz $R/ 2>/dev/null
+tar czf $R/r.tgz -C /root r
