@@ -499,7 +499,7 @@ def _traced_normed_select(h: mx.array, norm_weight: mx.array, arrays: tuple, bia
                           norm_topk_prob: bool, gate_row: bool, scoring: str, numbers: tuple | None
                           ) -> tuple[mx.array, ...]:
     """reference_normed_select with the NormedRouter and the GroupedChoice given as arrays and constants
-    (run_compiled takes arrays)."""
+    (run_compiled takes arrays; the reference reads eps as the float, so the weight stands in for its array)."""
     router = NormedRouter(norm_weight, eps, norm_weight, QuantizedParts(*arrays, *fmt), bias)
     grouped = GroupedChoice(selection_bias, *numbers) if numbers is not None else None
     return reference_normed_select(h, router, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
