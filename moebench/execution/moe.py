@@ -428,10 +428,10 @@ class NormedRouter:
     bias: mx.array | None
 
     @classmethod
-    def of(cls, norm, router) -> NormedRouter:
-        """From the block's RMSNorm module and its router Linear (support.normed_router_reason accepted them)."""
-        return cls(norm["weight"], norm.eps, mx.array([norm.eps], mx.float32), router.quantized_parts(),
-                   router.get("bias"))
+    def of(cls, norm, router, eps_array: mx.array) -> NormedRouter:
+        """From the block's RMSNorm module and its router Linear (support.normed_router_reason accepted them), with
+        the norm's eps as float32 [1] (made once by the caller: an array a step costs host time at decode)."""
+        return cls(norm["weight"], norm.eps, eps_array, router.quantized_parts(), router.get("bias"))
 
 
 def _check_normed(h: mx.array, router: NormedRouter, num_experts: int, top_k: int, norm_topk_prob: bool,

@@ -265,6 +265,7 @@ class MoeKernel:
         spec, parts = block.spec, block.parts()
         self.router_note = ROUTE_NOTE if intervention is not None else \
             normed_router_reason(norm, self._router(parts), dtype, moe.NORM_LOGITS_ROWS)
+        self.eps = mx.array([norm.eps], mx.float32) if self.router_note is None else None  # the kernel's input
         self.shared_on = shared_takes_part(spec, intervention)
         self.shard = parts.experts if isinstance(parts.experts, ExpertShard) else None
         self.split_shared = spec.shared is not None and isinstance(parts.shared.down_proj, ColumnShard)
@@ -293,7 +294,7 @@ class MoeKernel:
             choice = (spec.num_experts, spec.top_k, spec.renormalize, stacked, spec.scoring, grouped)
             if self.router_note is None:
                 probs, inds, scores, gate, xn, logits = moe.normed_select(
-                    self.backend, residual, moe.NormedRouter.of(norm, router), *choice)
+                    self.backend, residual, moe.NormedRouter.of(norm, router, self.eps), *choice)
             else:
                 xn = norm(residual)
                 logits = router(xn)
