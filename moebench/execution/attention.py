@@ -36,7 +36,17 @@ import mlx.core as mx
 
 from ..errors import UnsupportedKernelConfig
 from ..models.declare import AttentionSpec
-from .kernel import GPU_BACKENDS, LANES, CheckedOnce, Stage, built_kernel, check_backend, float_bits, run_compiled
+from .kernel import (
+    GPU_BACKENDS,
+    LANES,
+    CheckedOnce,
+    Stage,
+    built_kernel,
+    check_backend,
+    float_bits,
+    run_compiled,
+    signature,
+)
 from .support import attention_reason, rotary_dims
 
 ATTENTION = Stage("moebench_attn_decode", "attn_decode.body",
@@ -144,16 +154,12 @@ def _check_variants(heads: AttentionSpec, dtype: mx.Dtype, sinks: mx.array | Non
 _check = CheckedOnce(_check_inputs)
 
 
-def _signature(a: mx.array | None) -> tuple | None:
-    return None if a is None else (a.shape, a.dtype)
-
-
 def check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
                  values: mx.array, heads: AttentionSpec, block: int, qk_norm: QKNorm | None = None,
                  sinks: mx.array | None = None, rope_scale: float = 1.0) -> None:
     """_check_inputs, once per combination of shapes and dtypes (decode repeats one)."""
-    key = (*map(_signature, (qkv, bias, inv_freq, slots, keys, values, sinks)), heads, block,
-           qk_norm is not None and (_signature(qk_norm.q), _signature(qk_norm.k), qk_norm.eps),
+    key = (*map(signature, (qkv, bias, inv_freq, slots, keys, values, sinks)), heads, block,
+           qk_norm is not None and (signature(qk_norm.q), signature(qk_norm.k), qk_norm.eps),
            type(rope_scale), rope_scale)
     _check(key, qkv, bias, inv_freq, slots, keys, values, heads, block, qk_norm, sinks, rope_scale)
 

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 
 from ..models.declare import LinearAttentionSpec
 from ..models.hooks import Record, layer_scope
-from ..models.run import feed_forward_norm, token_mixer
+from ..models.run import feed_forward_norm, mixer_norm, token_mixer
 from ..models.sharding import attention_note, block_note
 from . import support
 from .kernel import GPU_BACKENDS, available_backend
@@ -38,7 +38,6 @@ from .steps import (
     MoeKernel,
     attention_step_note,
     attention_step_reason,
-    layer_launches,
     moe_note,
 )
 
@@ -124,36 +123,39 @@ class Executor:
         if reason is None and not settings.attention_kernel:
             kernel = "gated delta" if linear else "attention"
             reason = f"the {kernel} kernel switched off (KernelSettings.attention_kernel)"
-        # a linear layer's notes: none either way (the shard report names the linear heads a rank holds)
-        note = None if linear else attention_note(mixer) if reason else attention_step_note(mixer)
-        attn = Decision("fallback", reason, note) if reason else Decision(backend, note=note)
-        attention_step = self._attention_step(mixer, weights, backend, shape) if attn.fused else None
         dtype = self.model.dtype
+        attention_step = None if reason else self._attention_step(i, weights, backend, shape, dtype)
+        # a linear layer's notes: none either way (the shard report names the linear heads a rank holds)
+        note = None if linear else attention_note(mixer) if reason else attention_step_note(mixer, attention_step)
+        attn = Decision("fallback", reason, note) if reason else Decision(backend, note=note)
         attn_launches = attention_step.launches(shape.static, dtype) if attn.fused else \
             Launches(None, f"attention by MLX ops: {attn.reason}")
         block = weights.block
         if block is None:
-            launches = layer_launches(attn_launches, Launches(None, "a dense MLP by its module's MLX ops"))
+            launches = attn_launches + Launches(None, "a dense MLP by its module's MLX ops")
             return LayerPlan(attn, None, launches, attention_step)
         experts = block.parts().experts.quantized_parts()
         reason = base.reason if base else support.moe_reason(block.spec, experts, backend, settings.max_dff)
         if reason:
-            launches = layer_launches(attn_launches, Launches(None, f"MoE block by MLX ops: {reason}"))
+            launches = attn_launches + Launches(None, f"MoE block by MLX ops: {reason}")
             return LayerPlan(attn, Decision("fallback", reason, block_note(block)), launches, attention_step)
         moe_step = MoeKernel(block, weights, backend, settings.rows, intervention,
                              feed_forward_norm(self.model.layers[i]), dtype)
         note = moe_note(block, weights, moe_step.router_note)
-        return LayerPlan(attn, Decision(backend, note=note), layer_launches(attn_launches, moe_step.launches(dtype)),
+        return LayerPlan(attn, Decision(backend, note=note), attn_launches + moe_step.launches(dtype),
                          attention_step, moe_step)
 
-    @staticmethod
-    def _attention_step(mixer, weights: LayerWeights, backend: str,
-                        shape: Shape) -> AttentionKernel | LinearAttentionKernel:
-        """The kernel step of a token mixing the plan fused: the gated delta step for a linear-attention layer,
-        the decode-attention kernel (writing a static cache in place on a GPU) for an attention layer."""
+    def _attention_step(self, i: int, weights: LayerWeights, backend: str, shape: Shape,
+                        dtype: mx.Dtype) -> AttentionKernel | LinearAttentionKernel:
+        """The kernel step of layer `i`'s token mixing, which the plan fuses: the gated delta step for a
+        linear-attention layer, the decode-attention kernel (writing a static cache in place on a GPU) for an
+        attention layer."""
+        layer = self.model.layers[i]
+        mixer = token_mixer(layer)
         if isinstance(mixer.spec, LinearAttentionSpec):
             return LinearAttentionKernel(mixer, backend)
-        return AttentionKernel(mixer, weights, backend, shape.static and backend in GPU_BACKENDS)
+        return AttentionKernel(mixer, weights, backend, shape.static and backend in GPU_BACKENDS, mixer_norm(layer),
+                               dtype)
 
     # -- running and counting ----------------------------------------------------------------------
     def forward(self, tokens: mx.array, cache: list, plan: Plan, record: Record | None = None,

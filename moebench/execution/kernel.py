@@ -18,6 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import UnsupportedKernelConfig
+from ..models.args import QuantizedParts
 from ..models.switch import on_main_thread
 
 # The sources of the package this module belongs to: an earlier revision imported under another name (moebench
@@ -29,6 +30,8 @@ BACKENDS = (*GPU_BACKENDS, "reference")
 # Per backend: the header part of the prelude (helpers) and the source part (thread indices).
 PRELUDES = {"metal": ("metal_header.h", "metal_indices.inc"), "cuda": ("cuda_header.cuh", "cuda_indices.inc")}
 COMMON = "moe_common.inc"  # helpers every body uses, after the backend's header part
+# The quantization modes the kernels read, by the MODE template constant they take (moe_common.inc).
+KERNEL_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 
 
 def available_backend() -> str:
@@ -125,3 +128,14 @@ def round_up(n: int, multiple: int) -> int:
 def float_bits(v: float) -> int:
     """v's float32 bits as a signed int: how a float reaches a kernel (MLX's kernel templates take no floats)."""
     return struct.unpack("<i", struct.pack("<f", v))[0]
+
+
+def signature(a: mx.array | None) -> tuple | None:
+    """An input's (shape, dtype), or None: what a kernel's checks are keyed by."""
+    return None if a is None else (tuple(a.shape), a.dtype)
+
+
+def parts_signature(p: QuantizedParts) -> tuple:
+    """A quantized matrix's shapes, dtypes and format, as a kernel's checks are keyed by."""
+    return (p.weight.shape, p.scales.shape, p.scales.dtype, p.biases is not None and p.biases.dtype, p.bits,
+            p.group_size, p.mode)

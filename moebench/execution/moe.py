@@ -39,22 +39,24 @@ from ..models.declare import (
 )
 from ..models.routing import route
 from ..models.switch import SwitchGLU, weighted_sum
+from . import rows
 from .kernel import (
     GPU_BACKENDS,
+    KERNEL_MODES,
     LANES,
     CheckedOnce,
     Stage,
     built_kernel,
     check_backend,
     float_bits,
+    parts_signature,
     round_up,
     run_compiled,
+    signature,
 )
 from .support import (
     ACTIVATIONS,
     ROUTER_SCORINGS,
-    matrix_reason,
-    norm_memory_reason,
     parts_reason,
     router_reason,
     shared_fold_reason,
@@ -65,14 +67,9 @@ ROUTER = Stage("moebench_moe_router", "moe_router.body", ("logits", "bias"), ("p
 GATE_UP = Stage("moebench_moe_gate_up", "moe_gate_up.body",
                 ("x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
                  "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b", "gate_eb", "up_eb"), ("act",))
-NORM_LOGITS = Stage("moebench_moe_norm_logits", "moe_norm_logits.body",
-                    ("h", "norm_w", "eps", "router_w", "router_s", "router_b", "rbias"), ("xn", "logits"))
-NORM_LOGITS_ROWS = 8  # router rows (simdgroups) a threadgroup of the norm + logits kernel; each normalises h itself
 DOWN = Stage("moebench_moe_down", "moe_down.body",
              ("indices", "scores", "down_w", "down_s", "down_b", "act", "sdown_w", "sdown_s", "sdown_b", "sgate",
               "resid", "down_eb"), ("y", "ys", "out"))
-# The quantization modes the pair reads, by the MODE template constant the kernels take (moe_common.inc).
-KERNEL_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 DEFAULT_ROWS = 8  # simdgroups (output rows) per threadgroup
 MAX_ROWS = 32
 
@@ -101,20 +98,11 @@ class ExpertVariant:
 def _variant_signature(variant: ExpertVariant | None) -> tuple | None:
     if variant is None:
         return None
-    return (variant.biases is not None and tuple(map(_signature, variant.biases)), variant.clamp)
-
-
-def _signature(a: mx.array | None) -> tuple | None:
-    return None if a is None else (tuple(a.shape), a.dtype)
+    return (variant.biases is not None and tuple(map(signature, variant.biases)), variant.clamp)
 
 
 def _shape(a: mx.array | None) -> tuple | None:
     return None if a is None else tuple(a.shape)
-
-
-def _parts_signature(p: QuantizedParts) -> tuple:
-    return (p.weight.shape, p.scales.shape, p.scales.dtype, p.biases is not None and p.biases.dtype, p.bits,
-            p.group_size, p.mode)
 
 
 def _check_variant(variant: ExpertVariant, n_exp: int, d: int, dff: int, shared: SharedExpert | None) -> None:
@@ -197,9 +185,9 @@ def pair_signature(x: mx.array, indices: mx.array, scores: mx.array, gate: Quant
                    variant: ExpertVariant | None = None) -> tuple:
     """Everything the pair's checks and launch geometry depend on (shapes, dtypes, bits, the clamp; no array
     values)."""
-    return (_signature(x), _signature(indices), _signature(scores), *map(_parts_signature, (gate, up, down)),
-            shared is not None and (*map(_parts_signature, (shared.gate, shared.up, shared.down)),
-                                    _signature(shared.sigmoid_gate)), _signature(residual), rows,
+    return (signature(x), signature(indices), signature(scores), *map(parts_signature, (gate, up, down)),
+            shared is not None and (*map(parts_signature, (shared.gate, shared.up, shared.down)),
+                                    signature(shared.sigmoid_gate)), signature(residual), rows,
             _variant_signature(variant))
 
 
@@ -249,8 +237,8 @@ def gpu_routed(
     graph is of the same order as the GPU work. A kernel's inputs are fixed, so without a shared expert the
     routed arrays stand in for its (unread) inputs, without a residual x does, and without expert biases x
     (kernel A) and the residual or x (kernel B)."""
-    signature = pair_signature(x, indices, scores, gate, up, down, shared, residual, rows, variant)
-    check_pair(signature, x, indices, scores, gate, up, down, shared, residual, rows, variant)
+    key = pair_signature(x, indices, scores, gate, up, down, shared, residual, rows, variant)
+    check_pair(key, x, indices, scores, gate, up, down, shared, residual, rows, variant)
     biases = variant.biases if variant is not None else None
     launch = _pair_launch(tuple(x.shape[:-1]), x.dtype, gate.scales.dtype, scores.dtype,
                           gate.weight.shape[0], indices.shape[-1], gate.in_features, gate.out_features,
@@ -405,9 +393,9 @@ def select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_to
     sum to one); SIGMOID_GROUPED takes `grouped` (GroupedChoice.of(spec, selection_bias)), the ids ordered by
     score + selection bias, `norm_topk_prob` the block's `renormalize`."""
     check_backend(backend)
-    signature = (tuple(logits.shape), num_experts, top_k, norm_topk_prob, gate_row, scoring,
-                 grouped is not None and (_signature(grouped.selection_bias), grouped.numbers))
-    check_select(signature, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
+    key = (tuple(logits.shape), num_experts, top_k, norm_topk_prob, gate_row, scoring,
+           grouped is not None and (signature(grouped.selection_bias), grouped.numbers))
+    check_select(key, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
     if backend in GPU_BACKENDS:
         return gpu_select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
     return run_compiled(_traced_select, (num_experts, top_k, norm_topk_prob, gate_row, scoring,
@@ -417,113 +405,28 @@ def select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_to
 
 @dataclass(frozen=True)
 class NormedRouter:
-    """A MoE block's input norm and router as the norm + logits kernel takes them: the RMSNorm's weight [D] and
-    eps (a float, and float32 [1] for the kernel), the router's quantized rows [E (+1), D] (the shared expert
-    gate's row last where it is stacked with them) and its bias [E (+1)] (None: none)."""
+    """A MoE block's input norm and router as the rows kernel takes them (moebench.execution.rows): the RMSNorm,
+    and the router's rows [E (+1), D] (the shared expert gate's row last where it is stacked with them) with its
+    bias."""
 
-    norm_weight: mx.array
-    eps: float
-    eps_array: mx.array
-    rows: QuantizedParts
-    bias: mx.array | None
+    norm: rows.Norm
+    router: rows.Rows
 
     @classmethod
     def of(cls, norm, router, eps_array: mx.array) -> NormedRouter:
-        """From the block's RMSNorm module and its router Linear (support.normed_router_reason accepted them), with
-        the norm's eps as float32 [1] (made once by the caller: an array a step costs host time at decode)."""
-        return cls(norm["weight"], norm.eps, eps_array, router.quantized_parts(), router.get("bias"))
-
-
-def _check_normed(h: mx.array, router: NormedRouter, num_experts: int, top_k: int, norm_topk_prob: bool,
-                  gate_row: bool, scoring: str, grouped: GroupedChoice | None) -> None:
-    """Shapes and dtypes the norm + logits kernel and the router kernel assume (a bad launch would abort the
-    process)."""
-    d, p = h.shape[-1], router.rows
-    if any(n != 1 for n in h.shape[:-1]) or not mx.issubdtype(h.dtype, mx.floating):
-        raise UnsupportedKernelConfig(f"h {tuple(h.shape)} {h.dtype}: expected one token's floating point [D]")
-    if (reason := matrix_reason("the router", p)) is not None:
-        raise UnsupportedKernelConfig(f"the norm + logits kernel cannot read the router's rows: {reason}")
-    rows = num_experts + gate_row
-    if p.weight.ndim != 2 or (p.out_features, p.in_features) != (rows, d) or p.in_features % p.group_size \
-            or p.weight.shape[-1] * 32 != d * p.bits or p.scales.shape != (rows, d // p.group_size) \
-            or (p.biases is not None and p.biases.shape != p.scales.shape):
-        raise UnsupportedKernelConfig(f"router rows {tuple(p.weight.shape)} packed with scales {tuple(p.scales.shape)}"
-                                      f" at {p.bits} bits, group {p.group_size}: expected {rows} rows of {d} values")
-    for name, a, shape in (("norm weight", router.norm_weight, (d,)), ("router bias", router.bias, (rows,))):
-        if a is not None and (a.shape != shape or a.dtype != h.dtype):
-            raise UnsupportedKernelConfig(f"{name} {tuple(a.shape)} {a.dtype}: expected {shape} {h.dtype}")
-    if (reason := norm_memory_reason(d, NORM_LOGITS_ROWS)) is not None:
-        raise UnsupportedKernelConfig(f"the norm + logits kernel: {reason}")
-    if not 1 <= top_k <= num_experts:
-        raise UnsupportedKernelConfig(f"top-{top_k} of {num_experts} experts: expected 1 <= top_k <= {num_experts}")
-    _check_choice(num_experts, top_k, norm_topk_prob, scoring, grouped)
-
-
-check_normed = CheckedOnce(_check_normed)
-
-
-def gpu_normed_select(backend: str, h: mx.array, router: NormedRouter, num_experts: int, top_k: int,
-                      norm_topk_prob: bool, gate_row: bool, scoring: str = SOFTMAX_THEN_TOPK,
-                      grouped: GroupedChoice | None = None) -> tuple[mx.array, ...]:
-    """The norm + logits kernel, then the router kernel, on `backend` (see normed_select). Without a router bias h
-    stands in for it (unread)."""
-    lead, p, rows = tuple(h.shape[:-1]), router.rows, num_experts + gate_row
-    xn, logits = built_kernel(backend, NORM_LOGITS)(
-        inputs=[h, router.norm_weight, router.eps_array, p.weight, p.scales,
-                p.scales if p.biases is None else p.biases, h if router.bias is None else router.bias],
-        template=[("T", h.dtype), ("ST", p.scales.dtype), ("D", h.shape[-1]), ("R", rows), ("BITS", p.bits),
-                  ("GS", p.group_size), ("MODE", KERNEL_MODES.index(p.mode)), ("RBIAS", router.bias is not None),
-                  ("W", NORM_LOGITS_ROWS)],
-        grid=(LANES, round_up(rows, NORM_LOGITS_ROWS), 1), threadgroup=(LANES, NORM_LOGITS_ROWS, 1),
-        output_shapes=[h.shape, (*lead, rows)], output_dtypes=[h.dtype, h.dtype],
-    )
-    return (*gpu_select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped), xn, logits)
-
-
-def reference_normed_select(h: mx.array, router: NormedRouter, num_experts: int, top_k: int, norm_topk_prob: bool,
-                            gate_row: bool, scoring: str = SOFTMAX_THEN_TOPK, grouped: GroupedChoice | None = None
-                            ) -> tuple[mx.array, ...]:
-    """normed_select's arithmetic by the ops the unfused path runs: the RMSNorm, the router's quantized matmul (and
-    bias), then reference_select."""
-    p = router.rows
-    xn = mx.fast.rms_norm(h, router.norm_weight, router.eps)
-    logits = mx.quantized_matmul(xn, p.weight, p.scales, p.biases, transpose=True, group_size=p.group_size,
-                                 bits=p.bits, mode=p.mode)
-    if router.bias is not None:
-        logits = logits + router.bias
-    return (*reference_select(logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped), xn, logits)
-
-
-def _traced_normed_select(h: mx.array, norm_weight: mx.array, arrays: tuple, bias: mx.array | None,
-                          selection_bias: mx.array | None, eps: float, fmt: tuple, num_experts: int, top_k: int,
-                          norm_topk_prob: bool, gate_row: bool, scoring: str, numbers: tuple | None
-                          ) -> tuple[mx.array, ...]:
-    """reference_normed_select with the NormedRouter and the GroupedChoice given as arrays and constants
-    (run_compiled takes arrays; the reference reads eps as the float, so the weight stands in for its array)."""
-    router = NormedRouter(norm_weight, eps, norm_weight, QuantizedParts(*arrays, *fmt), bias)
-    grouped = GroupedChoice(selection_bias, *numbers) if numbers is not None else None
-    return reference_normed_select(h, router, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
+        """From the block's RMSNorm module and its router Linear (support.rows_reason accepted both), with the
+        norm's eps as float32 [1] (made once by the caller)."""
+        return cls(rows.Norm.of(norm, eps_array), rows.Rows.of(router))
 
 
 def normed_select(backend: str, h: mx.array, router: NormedRouter, num_experts: int, top_k: int,
                   norm_topk_prob: bool, gate_row: bool, scoring: str = SOFTMAX_THEN_TOPK,
                   grouped: GroupedChoice | None = None) -> tuple[mx.array, ...]:
-    """select after the block's input norm and the router's matmul, both in one launch on a GPU: one token's
-    residual stream h [..., D] -> (probs, ids, scores, shared gate as select returns them, the normed input xn
-    [..., D] and the router's logits [..., E (+1)], both in h's dtype), the leading axes all 1 and kept."""
-    check_backend(backend)
-    signature = (_signature(h), _parts_signature(router.rows), _signature(router.norm_weight),
-                 _signature(router.bias), num_experts, top_k, norm_topk_prob, gate_row, scoring,
-                 grouped is not None and (_signature(grouped.selection_bias), grouped.numbers))
-    check_normed(signature, h, router, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
-    if backend in GPU_BACKENDS:
-        return gpu_normed_select(backend, h, router, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
-    p = router.rows
-    return run_compiled(_traced_normed_select,
-                        (router.eps, (p.group_size, p.bits, p.mode), num_experts, top_k, norm_topk_prob, gate_row,
-                         scoring, grouped.numbers if grouped is not None else None),
-                        h, router.norm_weight, (p.weight, p.scales, p.biases), router.bias,
-                        grouped.selection_bias if grouped is not None else None)
+    """select after the block's input norm and the router's matmul, both in one launch on a GPU (the rows kernel):
+    one token's residual stream h [..., D] -> (probs, ids, scores, shared gate as select returns them, the normed
+    input xn [..., D] and the router's logits [..., E (+1)], both in h's dtype), the leading axes all 1 and kept."""
+    xn, logits = rows.linear(backend, h, router.router, router.norm)
+    return (*select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped), xn, logits)
 
 
 def matmul_f32(p: QuantizedParts, v: mx.array, indices: mx.array | None = None) -> mx.array:
@@ -593,8 +496,8 @@ def routed(
     check_backend(backend)
     if backend in GPU_BACKENDS:
         return gpu_routed(backend, x, indices, scores, gate, up, down, shared, residual, rows, variant)
-    signature = pair_signature(x, indices, scores, gate, up, down, shared, residual, rows, variant)
-    check_pair(signature, x, indices, scores, gate, up, down, shared, residual, rows, variant)
+    key = pair_signature(x, indices, scores, gate, up, down, shared, residual, rows, variant)
+    check_pair(key, x, indices, scores, gate, up, down, shared, residual, rows, variant)
     parts = (gate, up, down, *((shared.gate, shared.up, shared.down) if shared is not None else ()))
     arrays = tuple((p.weight, p.scales, p.biases) for p in parts)
     formats = tuple((p.group_size, p.bits, p.mode) for p in parts)

@@ -79,8 +79,9 @@ class Launches:
                 "reason": self.reason}
 
 
-# step(normed input, cache) -> attention output; step(norm, residual, record) -> residual + block(norm(residual))
-AttentionStep = Callable[[mx.array, object], mx.array]
+# step(norm, residual, cache, record) -> residual + attention(norm(residual));
+# step(norm, residual, record) -> residual + block(norm(residual))
+AttentionStep = Callable[[object, mx.array, object, Record | None], mx.array]
 MoeStep = Callable[[object, mx.array, Record | None], mx.array]
 
 
@@ -96,10 +97,10 @@ class LayerPlan:
     attention_step: AttentionStep | None = None
     moe_step: MoeStep | None = None
 
-    def attend(self, attn, xn: mx.array, cache, record: Record | None = None) -> mx.array:
+    def attend(self, attn, norm, residual: mx.array, cache, record: Record | None = None) -> mx.array:
         if self.attention_step is not None:
-            return self.attention_step(xn, cache, record)
-        return MODULES.attend(attn, xn, cache, record)
+            return self.attention_step(norm, residual, cache, record)
+        return MODULES.attend(attn, norm, residual, cache, record)
 
     def feed_forward(self, mlp, norm, residual: mx.array, record: Record | None) -> mx.array:
         if self.moe_step is not None:

@@ -3,10 +3,11 @@
 LinearAttentionKernel: a Gated DeltaNet layer's in-projections, then the gated delta step kernel (convolution, q/k
 norm, gates, the state's update, the gated norm), then its out-projection; the new states go into its cache.
 
-AttentionKernel: the stacked q/k/v matmul, then the decode-attention kernel (bias, the q/k norm where the
-family has one, RoPE, attention over the cache and the new token); the new key and value go into the
-cache, stored by the kernel itself in place where the plan says the cache allows it (a compiled step's
-static cache on a GPU).
+AttentionKernel: the layer's input norm and the stacked q/k/v matmul in one kernel where it can read them (else
+the norm and one matmul), then the decode-attention kernel (bias, the q/k norm where the family has one, RoPE,
+attention over the cache and the new token), then o_proj with the residual add in one kernel where it can read
+o_proj (else the matmul and the add); the new key and value go into the cache, stored by the kernel itself in
+place where the plan says the cache allows it (a compiled step's static cache on a GPU).
 
 MoeKernel: one kernel normalising the block's input and computing the router's and the shared gate's logits over
 their stacked rows where it can read them (else the norm and one matmul), the router kernel, and the kernel pair
@@ -54,7 +55,9 @@ from . import attention, linear_attention, moe
 from .attention import QKNorm, rope_frequencies
 from .kernel import run_compiled
 from .plan import Launches
-from .support import attention_reason, linear_attention_reason, normed_router_reason, rotary_dims
+from .rows import ROWS_WARPS, Norm, Rows
+from .rows import linear as rows_linear
+from .support import attention_reason, linear_attention_reason, rotary_dims, rows_reason
 from .weights import Derived, FusedWeights, RowStack
 
 ROUTE_NOTE = "routing by moebench.models.routing.route (an intervention is set), not the router kernel"
@@ -74,12 +77,6 @@ def linear_launches(what: str, linear, bias: bool = True) -> Launches:
         return Launches(None, f"{what} not a quantized Linear (a float x @ W^T adds MLX's transpose and reshapes)")
     added = (f"{what} bias (broadcast)", f"{what} bias (add)") if bias and "bias" in linear else ()
     return Launches((f"{what} (quantized matmul)", *added))
-
-
-def layer_launches(attention: Launches, feed_forward: Launches) -> Launches:
-    """A decoder layer's launches: its parts' and its own (moebench.models.run: h = x + attention(norm(x)); out =
-    h + mlp(norm(h)), the input norm an RMSNorm; the second norm and residual add inside the feed-forward step's)."""
-    return Launches(("input norm (rms_norm)",)) + attention + Launches(("residual (add)",)) + feed_forward
 
 
 class LayerWeights:
@@ -126,9 +123,16 @@ LATENT_REASON = ("multi-head latent attention (the decode-attention kernel reads
 PROJECTION_NORM_NOTE = "q and k normed over the whole projection by MLX ops before the kernel (it sees one head)"
 
 
-def attention_step_note(attn) -> str | None:
-    """What a fused attention layer runs beside the kernel, and on a sharded model which heads it holds."""
+def attention_step_note(attn, step: AttentionKernel | LinearAttentionKernel) -> str | None:
+    """What a fused attention layer runs beside the kernels, and why, and on a sharded model which heads it holds
+    (a linear-attention layer: none)."""
+    if isinstance(step, LinearAttentionKernel):
+        return None
     notes = [PROJECTION_NORM_NOTE if attn.spec.qk_norm == WHOLE_PROJECTION else None, attention_note(attn)]
+    if step.norm_note is not None:
+        notes.append(f"the input norm and the q/k/v matmul as their own launches: {step.norm_note}")
+    if step.o_note is not None:
+        notes.append(f"o_proj and the residual add as their own launches: {step.o_note}")
     return "; ".join(n for n in notes if n) or None
 
 
@@ -144,26 +148,38 @@ def rotary(spec: AttentionSpec, parts: AttentionParts) -> tuple[mx.array, float]
 
 
 class AttentionKernel:
-    """One layer's attention for one token through the decode-attention kernel on `backend`; with `write`
-    the kernel stores the token's key and value in the cache buffers in place. The layer's declared variants
+    """One layer's attention for one token through the decode-attention kernel on `backend`:
+    residual + attention(norm(residual)). With `write` the kernel stores the token's key and value in the cache
+    buffers in place. The rows kernel normalises the residual stream and computes q/k/v where it can read the norm
+    and the stacked rows (support.rows_reason; `norm_note` says why not), and computes o_proj with the residual add
+    where it can read o_proj (`o_note`); else each runs as its own launches. The layer's declared variants
     ride along: partial or scaled rotary (its frequencies and attention factor), the sinks (the heads this
     process holds), the window and the output gate (inside the kernel; a recorded step records sigmoid(gate) as
     the module does), and q, k and v clamped before the kernel, after the whole-projection norm where the
     family has one (the kernel is handed the declaration without the clamp, as it sees them clamped)."""
 
-    def __init__(self, attn, weights: LayerWeights, backend: str, write: bool):
+    def __init__(self, attn, weights: LayerWeights, backend: str, write: bool, norm, dtype: mx.Dtype):
+        """`norm`: the layer's norm before its token mixing; `dtype`: the activations'."""
         spec, parts = attn.spec, attn.parts()
         self.o_proj, self.qkv, self.backend, self.write = parts.o_proj, weights.qkv, backend, write
         self.heads, self.clip = replace(spec, clip_qkv=None), spec.clip_qkv
         self.inv_freq, self.rope_scale = rotary(spec, parts)
         self.sinks = parts.sinks if spec.sinks else None
         self.norms = (parts.q_norm, parts.k_norm) if self.heads.qk_norm is not None else None
+        self.norm_note = rows_reason("the q/k/v projection", self.qkv.get(), dtype, ROWS_WARPS, norm)
+        self.o_note = rows_reason("o_proj", self.o_proj, dtype, ROWS_WARPS)
+        self.eps = mx.array([norm.eps], mx.float32) if self.norm_note is None else None  # the kernel's input
 
-    def __call__(self, xn: mx.array, cache, record: Record | None = None) -> mx.array:
+    def __call__(self, norm, residual: mx.array, cache, record: Record | None = None) -> mx.array:
         """`record`: the layer's `mixer` record (a recorded step), where the output gate is recorded."""
         stacked = self.qkv.get()
-        keys, values, slots, block = cache.decode_buffers(self.heads.n_kv_heads, self.heads.head_dim, xn.dtype)
-        qkv, bias, qk_norm = stacked.matmul(xn), stacked.get("bias"), None
+        keys, values, slots, block = cache.decode_buffers(self.heads.n_kv_heads, self.heads.head_dim, residual.dtype)
+        if self.norm_note is None:  # the bias, where it has one, inside the attention kernel
+            qkv = rows_linear(self.backend, residual, Rows(stacked.quantized_parts(), None),
+                              Norm.of(norm, self.eps))[1]
+        else:
+            qkv = stacked.matmul(norm(residual))
+        bias, qk_norm = stacked.get("bias"), None
         if self.heads.qk_norm == PER_HEAD:  # inside the kernel
             qk_norm = QKNorm(self.norms[0]["weight"], self.norms[1]["weight"], self.norms[0].eps)
         elif self.heads.qk_norm == WHOLE_PROJECTION:  # across every head: before the kernel, which sees one head
@@ -172,20 +188,26 @@ class AttentionKernel:
             qkv, bias = mx.clip(qkv if bias is None else qkv + bias, -self.clip, self.clip), None
         if record is not None and self.heads.output_gate:
             self._record_gate(qkv if bias is None else qkv + bias, record)
-        sinks = None if self.sinks is None else self.sinks.astype(xn.dtype)  # in the activation dtype, as attended
+        sinks = None if self.sinks is None else self.sinks.astype(residual.dtype)  # the activation dtype, as attended
         out, k, v = attention.decode_attention(self.backend, qkv, bias, self.inv_freq, slots, keys, values, self.heads,
                                                block, self.write, qk_norm, sinks, self.rope_scale)
         if self.write:
             cache.written_in_place(k, v)
         else:
             cache.write(k, v)
-        return self.o_proj(out)
+        if self.o_note is None:
+            return rows_linear(self.backend, out, Rows.of(self.o_proj), residual=residual)[1]
+        return residual + self.o_proj(out)
 
     def launches(self, static: bool, dtype: mx.Dtype) -> Launches:
         """What __call__ builds on a GPU backend for activations in `dtype`, over DECLARED_CAPACITY cache slots of a
         compiled step's static cache (`static`: the kernel writes it in place) or a KVCache (two slice updates)."""
         stacked = self.qkv.get()
         bias = ("q/k/v bias (broadcast)", "q/k/v bias (add)") if "bias" in stacked else ()  # else inside the kernel
+        if self.norm_note is None:
+            projection = Launches(("input norm + q/k/v projection (kernel)",))
+        else:
+            projection = Launches(("input norm (rms_norm)",)) + linear_launches("q/k/v projection", stacked, False)
         names = []
         if self.heads.qk_norm == WHOLE_PROJECTION:
             names += [*bias, "q/k/v (split)", "q norm over the projection (rms_norm)",
@@ -201,8 +223,10 @@ class AttentionKernel:
             names.append("attention combine (kernel)")
         if not static:
             names += ["key cache write (slice_update)", "value cache write (slice_update)"]
-        return (linear_launches("q/k/v projection", stacked, bias=False) + Launches(tuple(names))
-                + linear_launches("o_proj", self.o_proj))
+        if self.o_note is None:
+            return projection + Launches((*names, "o_proj + residual (kernel)"))
+        return (projection + Launches(tuple(names)) + linear_launches("o_proj", self.o_proj)
+                + Launches(("residual (add)",)))
 
     def _record_gate(self, projected: mx.array, record: Record) -> None:
         """sigmoid of each head's gate rows of the projection (bias added), float32 [1, H, hd], as the module
@@ -228,9 +252,9 @@ class LinearAttentionKernel:
     def __init__(self, net, backend: str):
         self.net, self.backend, self.spec = net, backend, net.spec
 
-    def __call__(self, xn: mx.array, cache, record: Record | None = None) -> mx.array:
+    def __call__(self, norm, residual: mx.array, cache, record: Record | None = None) -> mx.array:
         parts = self.net.parts()
-        qkv, z, b, a = parts.project(xn)
+        qkv, z, b, a = parts.project(norm(residual))
         conv, delta = cache.conv, cache.delta
         if conv is None:  # before the first position
             conv, delta = empty_state(self.spec, qkv.dtype)
@@ -240,7 +264,7 @@ class LinearAttentionKernel:
         if record is not None:
             record_linear(record, *gates(a, b, weights.a_log, weights.dt_bias), delta, z)
         cache.write(conv, delta, 1)
-        return parts.out_proj(out)
+        return residual + parts.out_proj(out)
 
     def launches(self, static: bool, dtype: mx.Dtype) -> Launches:
         """Not declared: the in-projections are the layer's own MLX ops, their reshapes and splits as its stored
@@ -252,7 +276,7 @@ class LinearAttentionKernel:
 class MoeKernel:
     """One MoE block for one token through the router kernel and the kernel pair on `backend`:
     residual + block(norm(residual)). One kernel normalises the residual stream and computes the router's logits
-    where it can read the norm and the router (support.normed_router_reason; `router_note` says why not, and then
+    where it can read the norm and the router (support.rows_reason; `router_note` says why not, and then
     the norm and the router's matmul run as their own launches). The block's declared variants ride along: its
     scoring (the router kernel's), its experts' biases and clamped SwiGLU (the pair's); a router bias is added to
     the logits. `intervention`: the one set on the block when the plan was made (a plan's key holds it, so it is
@@ -264,7 +288,7 @@ class MoeKernel:
         self.intervention = intervention
         spec, parts = block.spec, block.parts()
         self.router_note = ROUTE_NOTE if intervention is not None else \
-            normed_router_reason(norm, self._router(parts), dtype, moe.NORM_LOGITS_ROWS)
+            rows_reason("the router", self._router(parts), dtype, ROWS_WARPS, norm)
         self.eps = mx.array([norm.eps], mx.float32) if self.router_note is None else None  # the kernel's input
         self.shared_on = shared_takes_part(spec, intervention)
         self.shard = parts.experts if isinstance(parts.experts, ExpertShard) else None
@@ -339,8 +363,8 @@ class MoeKernel:
         return out
 
     def launches(self, dtype: mx.Dtype) -> Launches:
-        """What __call__ builds unrecorded on a GPU backend for activations in `dtype`: the norm + logits kernel (or
-        the norm and the router's matmul), the router kernel and the kernel pair (with the casts
+        """What __call__ builds unrecorded on a GPU backend for activations in `dtype`: the rows kernel's norm and
+        logits (or the norm and the router's matmul), the router kernel and the kernel pair (with the casts
         gpu_routed makes of stored dtypes unlike the kernels'), or not declared where a part runs as MLX ops the
         block or moebench.models builds."""
         if self.intervention is not None:
@@ -394,8 +418,9 @@ def recorded_mix(expert_out: mx.array, scores: mx.array, shared: mx.array | None
 
 
 def moe_note(block, weights: LayerWeights, router_note: str | None) -> str | None:
-    """What a fused MoE block runs beside the kernels, and why (None: nothing); `router_note`: why the norm + logits
-    kernel does not run (MoeKernel.router_note: ROUTE_NOTE when an intervention is set on the block), or None."""
+    """What a fused MoE block runs beside the kernels, and why (None: nothing); `router_note`: why the rows kernel
+    does not normalise the block's input and compute its logits (MoeKernel.router_note: ROUTE_NOTE when an
+    intervention is set on the block), or None."""
     notes = []
     shared_note = weights.fused(block.parts()).shared_note
     if shared_note:

@@ -30,7 +30,7 @@ from ..models.declare import (
     LinearAttentionSpec,
     MoeSpec,
 )
-from ..models.layers import RMSNorm
+from ..models.layers import ColumnShard, Linear, RMSNorm
 from .kernel import LANES
 
 # The scorings the router kernel computes (its SCORING template constant numbers them in this order).
@@ -58,33 +58,39 @@ def router_reason(spec: MoeSpec) -> str | None:
     return None
 
 
-# Threadgroup memory the norm + logits kernel may hold (Metal's limit per threadgroup; CUDA's static one is larger):
-# the normed input in float32, and a float a warp.
+# Threadgroup memory the rows kernel may hold (Metal's limit per threadgroup; CUDA's static one is larger): its input
+# in float32, and a float a warp.
 NORM_MEMORY = 32768
 
 
 def norm_memory_reason(d: int, warps: int) -> str | None:
-    """Why a threadgroup of `warps` cannot hold a normed input of `d` values, or None."""
+    """Why a threadgroup of `warps` cannot hold an input of `d` values, or None."""
     if (d + warps) * 4 > NORM_MEMORY:
         return f"{d} inputs take {(d + warps) * 4} bytes of threadgroup memory (a threadgroup holds {NORM_MEMORY})"
     return None
 
 
-def normed_router_reason(norm, router, dtype: mx.Dtype, warps: int) -> str | None:
-    """Why the norm + logits kernel cannot normalise a block's input with `norm` and compute its logits with
-    `router` (a Linear, its rows stacked with the shared gate's where the block has one) for activations in
-    `dtype` in threadgroups of `warps`, or None. The norm and the router's matmul then run as their own launches."""
-    if type(norm) is not RMSNorm:
-        return f"the block's input norm is a {type(norm).__name__}, not an RMSNorm"
-    if norm["weight"].dtype != dtype:
-        return f"the norm's weight is {norm['weight'].dtype}, the activations {dtype}"
-    parts = router.quantized_parts()
+def rows_reason(what: str, linear, dtype: mx.Dtype, warps: int, norm=None) -> str | None:
+    """Why the rows kernel (moebench.execution.rows) cannot compute the Linear `linear` (named `what`) for
+    activations in `dtype` in threadgroups of `warps`, with `norm` (a module, or None) normalising its input, or
+    None. The norm, the matmul and what follows it then run as their own launches."""
+    if norm is not None and type(norm) is not RMSNorm:
+        return f"the norm before {what} is a {type(norm).__name__}, not an RMSNorm"
+    if norm is not None and norm["weight"].dtype != dtype:
+        return f"the norm before {what} has a {norm['weight'].dtype} weight, the activations are {dtype}"
+    if isinstance(linear, ColumnShard):
+        return f"{what} sharded over ranks (its partial sums joined by all_sum)"
+    if not isinstance(linear, Linear):
+        return f"{what} is a {type(linear).__name__}, not a Linear"
+    parts = linear.quantized_parts()
     if parts is None:
-        return "a float router (the kernel reads quantized rows)"
-    if (reason := matrix_reason("the router", parts)) is not None:
+        return f"{what} is float (the kernel reads quantized rows)"
+    if (reason := matrix_reason(what, parts)) is not None:
         return reason
-    if "bias" in router and router["bias"].dtype != dtype:
-        return f"the router's bias is {router['bias'].dtype}, the activations {dtype}"
+    if "bias" in linear and linear["bias"].dtype != dtype:
+        return f"{what}'s bias is {linear['bias'].dtype}, the activations {dtype}"
+    if parts.in_features % 4:
+        return f"{what} takes {parts.in_features} inputs (the kernel reads them four at a time)"
     return norm_memory_reason(parts.in_features, warps)
 
 

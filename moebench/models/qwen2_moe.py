@@ -209,12 +209,17 @@ class DecoderLayer(nn.Module):
         return self.self_attn
 
     @property
+    def mixer_norm(self) -> nn.Module:
+        """The norm before this layer's token mixing."""
+        return self.input_layernorm
+
+    @property
     def ffn_norm(self) -> nn.Module:
         """The norm before this layer's MLP or MoE block."""
         return self.post_attention_layernorm
 
     def __call__(self, x: mx.array, cache=None, record: Record | None = None, run: LayerRun = MODULES) -> mx.array:
-        h = x + run.attend(self.mixer, self.input_layernorm(x), cache)
+        h = run.attend(self.mixer, self.input_layernorm, x, cache)
         inner = hooks.scope(record, hooks.MOE) if self.is_moe else None
         out = run.feed_forward(self.mlp, self.post_attention_layernorm, h, inner)
         if record is not None:

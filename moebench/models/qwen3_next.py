@@ -208,8 +208,8 @@ class RecordedMixing:
     run: LayerRun
     record: Record
 
-    def attend(self, attn, xn: mx.array, cache) -> mx.array:
-        return self.run.attend(attn, xn, cache, self.record)
+    def attend(self, attn, norm, residual: mx.array, cache) -> mx.array:
+        return self.run.attend(attn, norm, residual, cache, self.record)
 
     def feed_forward(self, mlp, norm, residual: mx.array, record: Record | None) -> mx.array:
         return self.run.feed_forward(mlp, norm, residual, record)

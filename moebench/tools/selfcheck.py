@@ -28,6 +28,7 @@ import numpy as np
 from ..checkpoint.loader import default_model_path, load
 from ..checkpoint.weights import nonfinite_weights
 from ..execution import attention, linear_attention, moe, support
+from ..execution import rows as rows_kernel
 from ..execution.attention import rope_frequencies
 from ..execution.kernel import available_backend
 from ..execution.linear_attention import GatedDeltaWeights
@@ -385,46 +386,54 @@ def router_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
     return rows
 
 
-# The norm + logits kernel at Qwen1.5-MoE-A2.7B's router (the shared gate's row stacked, 4-bit), Qwen3-30B-A3B's
-# (8-bit, as mlx-lm quantizes routers), gpt-oss-20b's (mxfp4, a bias) and DeepSeek-V3's (a hidden size of 7168):
-# (router rows, hidden size, bits or mode, bias)
-NORM_LOGITS_CASES = ((61, 2048, 4, False), (128, 2048, 8, False), (32, 2880, "mxfp4", True), (256, 7168, 4, False))
-# xn and the logits, the norm + logits kernel vs the unfused ops on the same GPU: a unit of the last place of the
-# activations' dtype (the order of float32 sums), relative to the value
-NORM_LOGITS_ULP = {mx.bfloat16: 2.0**-7, mx.float16: 2.0**-10, mx.float32: 2.0**-22}
+# The rows kernel as the steps launch it: the norm and the router's logits at Qwen1.5-MoE-A2.7B's router (the shared
+# gate's row stacked, 4-bit), Qwen3-30B-A3B's (8-bit, as mlx-lm quantizes routers), gpt-oss-20b's (mxfp4, a bias)
+# and DeepSeek-V3's (a hidden size of 7168); the input norm and Qwen3-30B-A3B's q/k/v; o_proj with the residual
+# add at Qwen3-30B-A3B's and gpt-oss-20b's (mxfp4, a bias): (what, rows, inputs, bits or mode, bias, norm, residual)
+ROWS_CASES = (("norm + router logits", 61, 2048, 4, False, True, False),
+              ("norm + router logits", 128, 2048, 8, False, True, False),
+              ("norm + router logits", 32, 2880, "mxfp4", True, True, False),
+              ("norm + router logits", 256, 7168, 4, False, True, False),
+              ("input norm + q/k/v", 5120, 2048, 4, False, True, False),
+              ("o_proj + residual", 2048, 4096, 4, False, False, True),
+              ("o_proj + residual", 2880, 4096, "mxfp4", True, False, True))
+# xn and y, the rows kernel vs the unfused ops on the same GPU: a unit of the last place of the activations' dtype
+# (the order of float32 sums), relative to the value
+ROWS_ULP = {mx.bfloat16: 2.0**-7, mx.float16: 2.0**-10, mx.float32: 2.0**-22}
 
 
-def norm_logits_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
-    """The norm + logits kernel (the block's RMSNorm and the router's logits over its quantized rows, in one launch)
-    on `backend` against what it replaces, on the same device: mx.fast.rms_norm and the quantized matmul."""
-    rows = []
-    for r, d, fmt, biased in NORM_LOGITS_CASES:
-        row = {"case": f"norm + logits, D {d}, {r} router rows, {fmt if isinstance(fmt, str) else f'{fmt}-bit'}"
+def rows_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
+    """The rows kernel (a quantized Linear on one token with the RMSNorm before it or the residual add after it, in
+    one launch) on `backend` against what it replaces, on the same device: mx.fast.rms_norm, the quantized matmul,
+    the bias and residual adds."""
+    checks = []
+    for what, r, d, fmt, biased, normed, resid in ROWS_CASES:
+        row = {"case": f"{what}, D {d}, {r} rows, {fmt if isinstance(fmt, str) else f'{fmt}-bit'}"
                        + (" + bias" if biased else ""), "backend": backend}
         if backend == "reference":
-            rows.append({**row, "status": "not applicable", "passed": True,
-                         "reason": "on a CPU the reference is the unfused ops: nothing separate to compare"})
+            checks.append({**row, "status": "not applicable", "passed": True,
+                           "reason": "on a CPU the reference is the unfused ops: nothing separate to compare"})
             continue
-        keys = mx.random.split(mx.random.key(seed + r + d), 4)
+        keys = mx.random.split(mx.random.key(seed + r + d), 5)
         w = (mx.random.normal((r, d), key=keys[0]) / d**0.5).astype(dtype)
         parts = QuantizedParts(*mx.quantize(w, mode=fmt), None, *FP_MODES[fmt], fmt) if isinstance(fmt, str) else \
             QuantizedParts(*mx.quantize(w, group_size=64, bits=fmt), 64, fmt, "affine")
+        linear = rows_kernel.Rows(parts, mx.random.normal((r,), key=keys[2]).astype(dtype) if biased else None)
         weight = mx.random.uniform(0.5, 1.5, (d,), key=keys[1]).astype(dtype)
-        router = moe.NormedRouter(weight, 1e-6, mx.array([1e-6], mx.float32), parts,
-                                  mx.random.normal((r,), key=keys[2]).astype(dtype) if biased else None)
-        h = (3 * mx.random.normal((1, 1, d), key=keys[3])).astype(dtype)
-        choice = (r, min(4, r), True, False, SOFTMAX_THEN_TOPK, None)
+        norm = rows_kernel.Norm(weight, 1e-6, mx.array([1e-6], mx.float32)) if normed else None
+        residual = (4 * mx.random.normal((1, 1, r), key=keys[4])).astype(dtype) if resid else None
+        x = (3 * mx.random.normal((1, 1, d), key=keys[3])).astype(dtype)
         try:
-            got = moe.normed_select(backend, h, router, *choice)[4:]
-            want = moe.reference_normed_select(h, router, *choice)[4:]  # the unfused ops, on the same device
+            got = [a for a in rows_kernel.linear(backend, x, linear, norm, residual) if a is not None]
+            want = [a for a in rows_kernel.reference_linear(x, linear, norm, residual) if a is not None]  # same device
             ulps = max(float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))
                                     / mx.maximum(mx.abs(b.astype(mx.float32)), 1e-30)).item())
-                       for a, b in zip(got, want, strict=True)) / NORM_LOGITS_ULP[dtype]
+                       for a, b in zip(got, want, strict=True)) / ROWS_ULP[dtype]
         except Exception as e:  # noqa: BLE001 -- reported as a failed row
-            rows.append({**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False})
+            checks.append({**row, "status": "error", "reason": f"{type(e).__name__}: {e}", "passed": False})
             continue
-        rows.append({**row, "status": "ran", "max_ulps": ulps, "passed": ulps <= 1.0})
-    return rows
+        checks.append({**row, "status": "ran", "max_ulps": ulps, "passed": ulps <= 1.0})
+    return checks
 
 
 @dataclass(frozen=True, eq=False)
@@ -702,14 +711,14 @@ def report_text(record: dict) -> str:
                  f"weights: NaN or Inf in {', '.join(w['nonfinite'][:5])}{more}")
     lines.append(f"\nkernel parity (bounds: fused vs truth nRMS < {FUSED_NRMS:g}, nMax < {FUSED_NMAX:g}; gather_qmm "
                  f"vs truth < {FALLBACK_NRMS:g}). {PARITY_COLUMNS}")
-    for case, rows in groupby(record["parity"], key=lambda r: r["case"]):
-        lines += ["", *parity_table(case, list(rows))]
+    for case, group in groupby(record["parity"], key=lambda r: r["case"]):
+        lines += ["", *parity_table(case, list(group))]
     lines += check_lines(f"router kernel vs the CPU reference (bound: max |difference| < {ROUTER_TOLERANCE:g}, same "
                          "experts)", record["router"],
                          lambda r: f"max |difference| {_fmt(r['max_abs_diff'])}, same experts "
                                    f"{'yes' if r['same_experts'] else 'NO'}")
-    lines += check_lines("norm + logits kernel vs the unfused norm and matmul on the same device (bound: xn and the "
-                         "logits within a unit of the last place)", record["norm_logits"],
+    lines += check_lines("rows kernel vs the unfused norm, matmul and adds on the same device (bound: xn and the "
+                         "outputs within a unit of the last place)", record["rows"],
                          lambda r: f"at most {r['max_ulps']:.2f} units of the last place")
     lines.append(f"\ndecode-attention kernel vs the float64 truth and the reference (bounds: float32 nRMS < "
                  f"{FUSED_NRMS:g} from both; rounded dtypes: vs reference < {FUSED_NRMS:g}, output vs truth < 1.5 x "
@@ -815,7 +824,8 @@ def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen
         parity += counted(bar, model_weights_parity(backend, model) + [shared_expert_parity(backend, dtype)])
         bar.set_postfix_str("router kernel")
         router = counted(bar, router_parity(backend, dtype))
-        normed = counted(bar, norm_logits_parity(backend, dtype))
+        bar.set_postfix_str("rows kernel")
+        rows_checks = counted(bar, rows_parity(backend, dtype))
         bar.set_postfix_str("decode-attention kernel")
         attention_rows = counted(bar, attention_parity(backend, model))
         bar.set_postfix_str("gated delta kernel")
@@ -823,13 +833,13 @@ def selfcheck(model_path: str | Path | None = None, prompt_tokens: int = 16, gen
     decode = decode_checks(model, prompt_tokens, gen_tokens, repeats, progress)
     failures = [f"parity {r['case']} bits {_format(r) if 'bits' in r else None} g{r.get('group_size')}"
                 for r in parity if not r["passed"]]
-    failures += [f"parity {r['case']}" for r in router + normed + attention_rows if not r["passed"]]
+    failures += [f"parity {r['case']}" for r in router + rows_checks + attention_rows if not r["passed"]]
     failures += [f"parity {r['case']} {r['dtype']}" for r in linear_rows if not r["passed"]]
     failures += decode_failures(decode)
     failures += [f"weights: NaN or Inf in {name}" for name in nonfinite]
     bits = model.load_info.bits.get("mlp.switch_mlp.gate_proj", "?")
     return {"schema": SCHEMA, "platform": platform_info(), "model": {"path": str(path), "name": path.name,
-            "bits": bits}, "weights": weights, "parity": parity, "router": router, "norm_logits": normed,
+            "bits": bits}, "weights": weights, "parity": parity, "router": router, "rows": rows_checks,
             "attention": attention_rows,
             "gated_delta": linear_rows, "decode": decode, "failures": failures, "passed": not failures,
             "seconds": time.perf_counter() - start}

@@ -23,7 +23,7 @@ from moebench.inspect.record import Recorder, Stepper
 from moebench.inspect.truth import f64, nrms
 from moebench.models import hooks
 from moebench.models.declare import PER_HEAD, WHOLE_PROJECTION, AttentionSpec
-from moebench.models.run import token_mixer
+from moebench.models.run import mixer_norm, token_mixer
 from moebench.tools.presets import get_preset, write_random
 from moebench.tools.writer import write_random_checkpoint
 
@@ -214,19 +214,20 @@ def family(tmp_path_factory):
 
 
 def _layer_steps(model, layer: int, steps: int, seed: int = 0):
-    """The layer's attention module (the fallback) and its fused step on the reference backend, each fed the same
-    normed inputs one token at a time over its own KV cache after the same 3-token prefill: yields (position,
-    fallback output, fused output, fallback's recorded output gate, fused step's)."""
-    attn = token_mixer(model.layers[layer])
-    step = AttentionKernel(attn, LayerWeights(model.layers[layer]), "reference", False)
+    """The layer's attention module (the fallback) and its fused step on the reference backend (the input norm and
+    o_proj's residual add inside it), each fed the same residual stream one token at a time over its own KV cache
+    after the same 3-token prefill: yields (position, fallback output, fused output, fallback's recorded output
+    gate, fused step's), the outputs with the stream taken away again."""
+    attn, norm = token_mixer(model.layers[layer]), mixer_norm(model.layers[layer])
+    step = AttentionKernel(attn, LayerWeights(model.layers[layer]), "reference", False, norm, model.dtype)
     d = model.args.hidden_size
     xs = mx.random.normal((3 + steps, 1, 1, d), key=mx.random.key(seed))
     fallback, fused = KVCache(), KVCache()
-    prompt = xs[:3].reshape(1, 3, d)
+    prompt = norm(xs[:3].reshape(1, 3, d))
     mx.eval(attn(prompt, fallback), attn(prompt, fused))
     for i in range(steps):
         x, records = xs[3 + i], (Recorder(), Recorder())
-        want, got = attn(x, fallback, records[0]), step(x, fused, records[1])
+        want, got = attn(norm(x), fallback, records[0]), step(norm, x, fused, records[1]) - x
         mx.eval(want, got)
         gates = [r.values.get(hooks.OUTPUT_GATE) for r in records]
         yield 3 + i, want, got, *gates

@@ -18,6 +18,7 @@ from moebench.execution.settings import KernelSettings
 from moebench.inspect.record import Recorder
 from moebench.models.args import QuantizedParts
 from moebench.models.declare import PER_HEAD, AttentionSpec
+from moebench.models.layers import ColumnShard
 from moebench.models.routing import Intervention
 from moebench.models.switch import SwitchGLU
 from moebench.tools.writer import qwen2_moe_config, write_random_checkpoint
@@ -238,21 +239,60 @@ def test_one_kernel_normalises_and_computes_the_router_logits_unless_it_cannot_r
     executor(model).refresh()  # weights replaced: the plans are decided again
     fused, decision = _block_step(model, 0, residual, True)
     fallback, _ = _block_step(model, 0, residual, False)
-    assert decision.fused and decision.note == ("the norm and the router's matmul as their own launches: a float "
-                                                "router (the kernel reads quantized rows)")
+    assert decision.fused and decision.note == ("the norm and the router's matmul as their own launches: the router "
+                                                "is float (the kernel reads quantized rows)")
     assert np.allclose(fused, fallback, rtol=1e-4, atol=1e-4) and np.allclose(quantized, fused, rtol=1e-2, atol=1e-2)
 
 
-def test_the_norm_logits_kernel_declines_a_norm_or_dtypes_it_does_not_read(model):
+def test_the_rows_kernel_declines_a_norm_a_linear_or_dtypes_it_does_not_read(model):
     block_norm, router = model.layers[0].post_attention_layernorm, model.layers[0].mlp.gate
-    assert support.normed_router_reason(block_norm, router, mx.float32, 8) is None
-    assert support.normed_router_reason(router, router, mx.float32, 8) == \
-        "the block's input norm is a Linear, not an RMSNorm"
-    assert support.normed_router_reason(block_norm, router, mx.bfloat16, 8) == \
-        "the norm's weight is mlx.core.float32, the activations mlx.core.bfloat16"
+    assert support.rows_reason("the router", router, mx.float32, 8, block_norm) is None
+    assert support.rows_reason("the router", router, mx.float32, 8, router) == \
+        "the norm before the router is a Linear, not an RMSNorm"
+    assert support.rows_reason("the router", router, mx.bfloat16, 8, block_norm) == \
+        "the norm before the router has a mlx.core.float32 weight, the activations are mlx.core.bfloat16"
+    o_proj = model.layers[0].self_attn.o_proj
+    assert support.rows_reason("o_proj", o_proj, mx.float32, 8) is None
+    assert support.rows_reason("o_proj", model.layers[0].mlp.switch_mlp.gate_proj, mx.float32, 8) == \
+        "o_proj is a SwitchLinear, not a Linear"
+    shard = ColumnShard(64, 0, 64, 128, group=None)
+    assert support.rows_reason("o_proj", shard, mx.float32, 8) == \
+        "o_proj sharded over ranks (its partial sums joined by all_sum)"
     assert support.norm_memory_reason(8184, 8) is None
     assert support.norm_memory_reason(8192, 8) == \
         "8192 inputs take 32800 bytes of threadgroup memory (a threadgroup holds 32768)"
+
+
+def test_one_kernel_normalises_and_projects_q_k_v_and_one_adds_o_proj_to_the_residual_unless_it_cannot_read_them(
+        model):
+    """Quantized q/k/v and o_proj: the input norm and the q/k/v matmul run in one kernel, o_proj and the residual add
+    in another, and the layer's attention output is the fallback's. A float o_proj: it and the add run as their own
+    launches, the layer's note says why, the output is unchanged."""
+    residual = mx.array(np.random.default_rng(15).standard_normal((1, 1, 128)).astype(np.float32))
+    norm, attn = model.layers[0].input_layernorm, model.layers[0].self_attn
+
+    def layer_attention(fused: bool):
+        plan = executor(model).plan(1, make_cache(len(model.layers)), KernelSettings(fused=fused))
+        return plan, np.array(plan.layers[0].attend(attn, norm, residual, make_cache(len(model.layers))[0]))
+
+    plan, fused = layer_attention(True)
+    step = plan.layers[0].attention_step
+    assert step.norm_note is None and step.o_note is None and plan.layers[0].attention.note is None
+    names = plan.layers[0].launches.names
+    assert names[0] == "input norm + q/k/v projection (kernel)" and "o_proj + residual (kernel)" in names
+    assert "input norm (rms_norm)" not in names and "residual (add)" not in names
+    _, fallback = layer_attention(False)
+    assert np.allclose(fused, fallback, rtol=1e-4, atol=1e-4)
+    o_proj = attn.o_proj
+    o_proj.set_weight(mx.dequantize(o_proj["weight"], o_proj["scales"], o_proj["biases"], group_size=o_proj.group_size,
+                                    bits=o_proj.bits))
+    executor(model).refresh()
+    plan, float_o = layer_attention(True)
+    assert plan.layers[0].attention.note == ("o_proj and the residual add as their own launches: o_proj is float (the "
+                                             "kernel reads quantized rows)")
+    launches = plan.layers[0].launches  # a float x @ W^T: not declared
+    assert launches.names is None and "o_proj not a quantized Linear" in launches.reason
+    assert np.allclose(float_o, layer_attention(False)[1], rtol=1e-4, atol=1e-4)
 
 
 def test_an_intervention_keeps_the_kernels_and_notes_that_routing_left_the_router_kernel(model):

@@ -396,7 +396,7 @@ def test_a_linear_layer_the_kernel_cannot_take_falls_back_and_says_why(tmp_path)
 @pytest.mark.parametrize("preset", HYBRID_PRESETS)
 def test_the_fused_step_keeps_the_module_s_states_step_by_step(tiny_hybrids, preset):
     """Layer 0's GatedDeltaNet and the fused step, each on its own cache, fed the same inputs for 64 steps after
-    a prompt: outputs within 1e-5 and states that do not drift apart."""
+    a prompt (the step normalises its input itself): outputs within 1e-5 and states that do not drift apart."""
     model, _ = moebench.load(tiny_hybrids[preset])
     net = model.layers[0].linear_attn
     step = LinearAttentionKernel(net, "reference")
@@ -404,8 +404,10 @@ def test_the_fused_step_keeps_the_module_s_states_step_by_step(tiny_hybrids, pre
     x = mx.random.normal((1, 5 + STEPS, model.args.hidden_size), key=mx.random.key(1))
     for cache in (module_cache, fused_cache):
         net(x[:, :5], cache)
-    for t in range(5, 5 + STEPS):
-        want, got = net(x[:, t : t + 1], module_cache), step(x[:, t : t + 1], fused_cache)
+    norm = model.layers[0].mixer_norm
+    for t in range(5, 5 + STEPS):  # the step takes the residual stream and the norm, and adds its output to it
+        token = x[:, t : t + 1]
+        want, got = net(norm(token), module_cache), step(norm, token, fused_cache) - token
         assert mx.abs(got - want).max().item() <= 1e-5
     assert module_cache.offset == fused_cache.offset == 5 + STEPS
     assert mx.abs(fused_cache.delta - module_cache.delta).max().item() <= 1e-5

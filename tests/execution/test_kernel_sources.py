@@ -28,6 +28,7 @@ from execution.gpu_rounding import gpu_rounded_attention
 
 from moebench.errors import UnsupportedKernelConfig
 from moebench.execution import attention, moe
+from moebench.execution import rows as rows_module
 from moebench.execution.attention import (
     ATTENTION,
     COMBINE,
@@ -42,15 +43,12 @@ from moebench.execution.moe import (
     DOWN,
     GATE_UP,
     KERNEL_MODES,
-    NORM_LOGITS,
-    NORM_LOGITS_ROWS,
     ROUTER,
-    NormedRouter,
     SharedExpert,
-    reference_normed_select,
     reference_select,
     routed,
 )
+from moebench.execution.rows import ROWS, ROWS_WARPS, Norm, Rows, reference_linear
 from moebench.execution.support import AFFINE_BITS, GROUP_SIZES, MICROSCALED, ROUTER_SCORINGS
 from moebench.inspect.truth import dequantize_f64, expert_outputs, nrms
 from moebench.models.args import FP_MODES, QuantizedParts
@@ -77,8 +75,8 @@ _SHAPE = [("int", n) for n in ("E", "K", "DIN", "DFF", "DFFS", "GS")]
 TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
     ROUTER: [("typename", "LT"), ("typename", "BT"), ("int", "E"), ("int", "K"), ("bool", "NORM"), ("bool", "SHARED"),
              ("int", "SCORING"), ("int", "GROUPS"), ("int", "KEEP"), ("int", "SCALE"), ("bool", "BIAS")],
-    NORM_LOGITS: [("typename", "T"), ("typename", "ST"), ("int", "D"), ("int", "R"), ("int", "BITS"), ("int", "GS"),
-                  ("int", "MODE"), ("bool", "RBIAS"), ("int", "W")],
+    ROWS: [("typename", "T"), ("typename", "ST"), ("int", "D"), ("int", "R"), ("int", "BITS"), ("int", "GS"),
+           ("int", "MODE"), ("bool", "NORM"), ("bool", "BIAS"), ("bool", "RESID"), ("int", "W")],
     GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "GATE_BITS"), ("int", "UP_BITS"), ("int", "MODE"),
               ("int", "ACT"), ("int", "LIMIT"), ("int", "ALPHA"), ("bool", "EBIAS")],
     DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID"),
@@ -91,8 +89,8 @@ TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
 # Element type of each kernel parameter: a C type or a template type name; uint32_t when not listed.
 PARAM_TYPES: dict[Stage, dict[str, str]] = {
     ROUTER: {"logits": "LT", "bias": "BT", "probs": "float", "scores": "float", "sgate": "float"},
-    NORM_LOGITS: {"h": "T", "norm_w": "T", "eps": "float", "router_s": "ST", "router_b": "ST", "rbias": "T",
-                  "xn": "T", "logits": "T"},
+    ROWS: {"x": "T", "norm_w": "T", "eps": "float", "s": "ST", "b": "ST", "bias": "T", "resid": "T", "xn": "T",
+           "y": "T"},
     GATE_UP: {"x": "T", "act": "float", "gate_eb": "T", "up_eb": "T",
               **{f"{p}_{q}": "ST" for p in ("gate", "up", "sgate", "sup") for q in "sb"}},
     DOWN: {"scores": "S", "act": "float", "sgate": "float", "y": "float", "ys": "float", "out": "T", "resid": "T",
@@ -151,8 +149,10 @@ def _constant_inputs(stage: Stage, inst: Instance) -> tuple[str, ...]:
     """The inputs MLX's metal_kernel puts in `constant` (under 8 elements) at this instance's shapes."""
     if stage is ROUTER:  # without a selection bias the logits stand in for it
         sizes = {"logits": inst["E"] + inst["SHARED"], "bias": inst["E"] + (not inst["BIAS"] and inst["SHARED"])}
-    elif stage is NORM_LOGITS:  # without a router bias h [D] stands in for it
-        sizes = {"eps": 1, "rbias": inst["R"] if inst["RBIAS"] else inst["D"]}
+    elif stage is ROWS:  # x [D] stands in for the inputs a call does not read (a float32 [1] for eps)
+        d = inst["D"]
+        sizes = {"eps": 1, "bias": inst["R"] if inst["BIAS"] else d,
+                 "resid": inst["R"] if inst["RESID"] else d}
     elif stage is ATTENTION:  # [P, CAP], [block], eps [1] (inv_freq stands in without the q/k norm), inv_freq
         half = inst["ROPE_DIMS"] // 2  # [ROPE_DIMS / 2], sinks [H] (qkv stands in without them); the others hold
         sizes = {"pos": 2, "block": 1, "eps": 1 if inst["QKNORM"] else half, "inv_freq": half,  # >= HD >= 32
@@ -192,7 +192,7 @@ def _launcher(stage: Stage, inst: Instance) -> str:
     """extern "C" entry for ctypes: the stage's buffers in input-then-output order, over `rows` simdgroups."""
     buffers = [f"static_cast<{'const ' * (n in stage.inputs)}{_param_type(stage, n, inst)}*>(buf[{i}])"
                for i, n in enumerate(stage.inputs + stage.outputs)]
-    if stage in (ATTENTION, NORM_LOGITS):  # threadgroups of W simdgroups (attention: a key/value head and split)
+    if stage in (ATTENTION, ROWS):  # threadgroups of W simdgroups (attention: a key/value head and split)
         launch = f"mb_shim_launch_threadgroups(rows / {inst['W']}, {inst['W']}, "
     else:
         launch = "mb_shim_launch(rows, 1, "
@@ -276,9 +276,9 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
             yield ROUTER, _router_instance(n_exp, top_k, norm, shared, scoring, flavor=flavor)
         for router, norm, shared, bias in product(GROUPED_ROUTERS, (True, False), (True, False), (True, False)):
             yield ROUTER, _router_instance(*router[:2], norm, shared, SIGMOID_GROUPED, router[2:], bias, flavor)
-        for mode, bits, group in formats:  # the real launch's rows a threadgroup, the last router shape's rows
-            case = NormedCase(flavor, mode, bits, group, router_shapes[-1][0] + 1, warps=NORM_LOGITS_ROWS)
-            yield NORM_LOGITS, _normed_instance(case, experts["DIN"])
+        for (mode, bits, group), (norm, bias, resid) in product(formats, ROWS_VARIANTS):  # the real launch's rows a
+            case = RowsCase(flavor, mode, bits, group, router_shapes[-1][0] + 1, bias, ROWS_WARPS, norm, resid)
+            yield ROWS, _rows_instance(case, experts["DIN"])  # threadgroup, the last router shape's rows
         for shape, (bias, write, qknorm, splits) in product(attention_shapes, ATTENTION_VARIANTS):
             yield ATTENTION, _attention_instance(shape, bias, write, flavor, qknorm, splits)
         for shape in attention_shapes:
@@ -298,34 +298,43 @@ def _router_instance(n_exp: int, top_k: int, norm: bool, shared: bool, scoring: 
 
 
 @dataclass(frozen=True)
-class NormedCase:
-    """One run of the norm + logits kernel: the dtype flavor, the router's format and rows, its bias, the rows (warps)
-    a threadgroup."""
+class RowsCase:
+    """One run of the rows kernel: the dtype flavor, the Linear's format and rows, its bias, the rows (warps) a
+    threadgroup, and what it folds in: the norm before it, the residual add after it."""
 
     flavor: str
     mode: str
     bits: int
     group: int
     rows: int
-    router_bias: bool = False
+    bias: bool = False
     warps: int = 4
+    norm: bool = True
+    resid: bool = False
 
 
-def _normed_instance(case: NormedCase, d: int = DIN) -> Instance:
-    return _instance(NORM_LOGITS, case.flavor, **_format(case.mode), D=d, R=case.rows, BITS=case.bits, GS=case.group,
-                     RBIAS=case.router_bias, W=case.warps)
+def _rows_instance(case: RowsCase, d: int = DIN) -> Instance:
+    return _instance(ROWS, case.flavor, **_format(case.mode), D=d, R=case.rows, BITS=case.bits, GS=case.group,
+                     NORM=case.norm, BIAS=case.bias, RESID=case.resid, W=case.warps)
 
 
+# (NORM, BIAS, RESID) as the steps launch the kernel: a router's logits (with its bias), q/k/v, o_proj with the
+# residual add (with its bias)
+ROWS_VARIANTS = ((True, False, False), (True, True, False), (False, False, True), (False, True, True))
 # Qwen3-MoE's router as mlx-lm quantizes it (8 bits) in the real launch's threadgroups; Qwen2-MoE's with the shared
 # gate's row stacked, at 4 and 3 bits (codes straddling words); gpt-oss's (mxfp4, its bias); 6 bits; nvfp4 and
-# mxfp8; rows fewer than a threadgroup's
-NORMED_CASES = [NormedCase("bf16", "affine", 8, 64, 128, warps=NORM_LOGITS_ROWS),
-                NormedCase("f32", "affine", 4, 64, 61),
-                NormedCase("bf16", "affine", 3, 128, 61),
-                NormedCase("bf16", "mxfp4", 4, 32, 32, router_bias=True),
-                NormedCase("f32", "affine", 6, 32, 64, warps=8),
-                NormedCase("f32", "nvfp4", 4, 16, 16, router_bias=True),
-                NormedCase("bf16", "mxfp8", 8, 32, 3)]
+# mxfp8; rows fewer than a threadgroup's; then o_proj's (no norm, the residual added), with and without its bias
+ROWS_CASES = [RowsCase("bf16", "affine", 8, 64, 128, warps=ROWS_WARPS),
+              RowsCase("f32", "affine", 4, 64, 61),
+              RowsCase("bf16", "affine", 3, 128, 61),
+              RowsCase("bf16", "mxfp4", 4, 32, 32, bias=True),
+              RowsCase("f32", "affine", 6, 32, 64, warps=8),
+              RowsCase("f32", "nvfp4", 4, 16, 16, bias=True),
+              RowsCase("bf16", "mxfp8", 8, 32, 3),
+              RowsCase("bf16", "affine", 4, 64, 96, warps=ROWS_WARPS, norm=False, resid=True),
+              RowsCase("f32", "affine", 5, 32, 40, norm=False, resid=True),
+              RowsCase("bf16", "mxfp4", 4, 32, 64, bias=True, warps=ROWS_WARPS, norm=False, resid=True),
+              RowsCase("bf16", "affine", 6, 128, 21, bias=True, norm=False)]
 
 
 # (mode, gate bits, up bits, down bits, group): every affine width at gate/up and at down (group 64), run as the
@@ -377,8 +386,8 @@ def _run_instances():
         yield ROUTER, _router_instance(n_exp, top_k, norm, shared, scoring)
     for router, norm, shared, mean in _GROUPED_RUN_CASES:
         yield ROUTER, _router_instance(*router[:2], norm, shared, SIGMOID_GROUPED, router[2:], mean is not None)
-    for case in NORMED_CASES:
-        yield NORM_LOGITS, _normed_instance(case)
+    for case in ROWS_CASES:
+        yield ROWS, _rows_instance(case)
     for shape, (bias, write, qknorm, splits) in product(ATTENTION_SHAPES, ATTENTION_VARIANTS):
         yield ATTENTION, _attention_instance(shape, bias, write, qknorm=qknorm, splits=splits)
     for shape in ATTENTION_SHAPES:
@@ -419,7 +428,7 @@ def shim_library(tmp_path_factory) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-@pytest.mark.parametrize("stage", [ROUTER, NORM_LOGITS, GATE_UP, DOWN, ATTENTION, COMBINE], ids=lambda s: s.name)
+@pytest.mark.parametrize("stage", [ROUTER, ROWS, GATE_UP, DOWN, ATTENTION, COMBINE], ids=lambda s: s.name)
 def test_each_backend_wraps_its_prelude_around_the_same_body(stage):
     """One body per kernel for both GPUs: what differs between Metal and CUDA is only the prelude before it."""
     body = (KERNEL_DIR / stage.body).read_text()
@@ -497,6 +506,7 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
         return launch
 
     monkeypatch.setattr(moe, "built_kernel", built)
+    monkeypatch.setattr(rows_module, "built_kernel", built)
     monkeypatch.setattr(attention, "built_kernel", built)
     rng = np.random.default_rng(dffs)
     bits, group = ((3, 5, 6), 64) if mode == "affine" else ((FP_MODES[mode][1],) * 3, FP_MODES[mode][0])
@@ -513,11 +523,14 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
     # the grouped router, with a float32 selection bias (without dffs) or none
     grouped = moe.GroupedChoice(None if dffs else mx.zeros((4,), mx.float32), 2, 1, 2.5)
     moe.gpu_select("metal", logits, 4, 2, True, bool(dffs), SIGMOID_GROUPED, grouped)
-    # the norm + logits kernel before the router kernel, with the router's bias without dffs
+    # the rows kernel's norm and logits before the router kernel, with the router's bias without dffs; o_proj's rows
+    # with the residual added (and its bias without dffs)
     router_rows = _quantized(rng, (4 + bool(dffs), DIN), bits[0], group, mx.bfloat16, mode)
-    router = NormedRouter(x, 1e-6, mx.array([1e-6], mx.float32), router_rows,
-                          None if dffs else mx.zeros((4,), mx.bfloat16))
+    bias = None if dffs else mx.zeros((4,), mx.bfloat16)
+    router = moe.NormedRouter(Norm(x, 1e-6, mx.array([1e-6], mx.float32)), Rows(router_rows, bias))
     moe.normed_select("metal", x[None], router, 4, 2, True, bool(dffs))
+    o_rows = _quantized(rng, (DIN, 2 * DIN), bits[2], group, mx.bfloat16, mode)
+    rows_module.linear("metal", mx.concatenate([x, x])[None], Rows(o_rows, None if dffs else x), residual=x[None])
     # with dffs every option and declared variant (a quarter of each head rotated, the output gate, a window wider
     # than the cache, sinks, the rotary factor)
     declared = Declared(rope_dims=16, factor=1.5, gate=True, window=600, sinks=True) if dffs else PLAIN
@@ -531,7 +544,7 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
                                    cache, cache, heads, write=bool(dffs),
                                    qk_norm=QKNorm(norm, norm, 1e-6) if dffs else None,
                                    sinks=mx.zeros((8,), mx.bfloat16) if dffs else None, rope_scale=declared.factor)
-    assert set(launches) == {ROUTER, NORM_LOGITS, GATE_UP, DOWN, ATTENTION} | ({COMBINE} if dffs else set())
+    assert set(launches) == {ROUTER, ROWS, GATE_UP, DOWN, ATTENTION} | ({COMBINE} if dffs else set())
     gate_up, down_t = (dict(launches[stage][0][1]) for stage in (GATE_UP, DOWN))
     assert gate_up["MODE"] == down_t["MODE"] == KERNEL_MODES.index(mode)
     assert (gate_up["GATE_BITS"], gate_up["UP_BITS"], down_t["BITS"]) == bits
@@ -556,14 +569,16 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
         (16, float_bits(1.5), True, 600, True) if dffs else (64, 0, False, 0, False))
     if dffs:
         assert dict(launches[COMBINE][0][1])["GATE"] is True
-    output_rows = {GATE_UP: K * DFF + dffs, DOWN: DIN, ROUTER: 1, NORM_LOGITS: 4 + bool(dffs),
+    output_rows = {GATE_UP: K * DFF + dffs, DOWN: DIN, ROUTER: 1, ROWS: 4 + bool(dffs),
                    ATTENTION: heads.n_kv_heads * template["S"] * WARPS_PER_HEAD, COMBINE: heads.n_heads}
-    group_rows = {GATE_UP: rows, DOWN: rows, ROUTER: 1, NORM_LOGITS: NORM_LOGITS_ROWS, ATTENTION: WARPS_PER_HEAD,
+    group_rows = {GATE_UP: rows, DOWN: rows, ROUTER: 1, ROWS: ROWS_WARPS, ATTENTION: WARPS_PER_HEAD,
                   COMBINE: 1}
-    for stage, (_, _, _, grid, threadgroup) in ((s, run) for s, runs in launches.items() for run in runs):
+    assert [dict(run[1])["R"] for run in launches[ROWS]] == [output_rows[ROWS], DIN]  # the router's, o_proj's
+    for stage, (_, template, _, grid, threadgroup) in ((s, run) for s, runs in launches.items() for run in runs):
         assert tuple(threadgroup) == (LANES, group_rows[stage], 1), stage.name
         assert grid[0] == LANES and grid[2] == 1 and grid[1] % threadgroup[1] == 0, stage.name
-        assert 0 <= grid[1] - output_rows[stage] < threadgroup[1], f"{stage.name}: grid {grid}"
+        out_rows = dict(template)["R"] if stage is ROWS else output_rows[stage]
+        assert 0 <= grid[1] - out_rows < threadgroup[1], f"{stage.name}: grid {grid}"
 
 
 _SENTINEL = 0xA5A5A5A5  # the bit pattern of every output element before the kernel runs (a bfloat16's: its half)
@@ -786,35 +801,43 @@ def test_shimmed_router_breaks_ties_towards_the_lower_expert_id(shim_library):
     assert scores[0] == scores[1] and scores[2] == scores[3]
 
 
-@pytest.mark.parametrize("case", NORMED_CASES, ids=str)
-def test_shimmed_norm_logits_kernel_matches_the_reference_on_cpu(shim_library, case):
-    """Threadgroups of rows each normalise h and compute their rows' logits. xn against reference_normed_select's
-    (the unfused path's RMSNorm); the logits against the quantized matmul of the kernel's xn as it rounds on Metal
-    and CUDA (MLX's GPU matvecs accumulate in float32; its CPU one in bfloat16 accumulates in bfloat16, tens of
-    units of the last place from both): within float32 rounding, in bfloat16 a unit of the last place where the
-    order of the float32 sums flips a rounding; the logits against the float64 truth of the dequantized rows and
-    the kernel's xn. The padding rows of the last threadgroup write nothing."""
+@pytest.mark.parametrize("case", ROWS_CASES, ids=str)
+def test_shimmed_rows_kernel_matches_the_reference_on_cpu(shim_library, case):
+    """Threadgroups of rows each read (and with the norm normalise) x and compute their rows. xn against
+    reference_linear's (the unfused path's RMSNorm); y against the quantized matmul of the input the kernel read
+    (its xn, or x) as it rounds on Metal and CUDA (MLX's GPU matvecs accumulate in float32; its CPU one in bfloat16
+    accumulates in bfloat16, tens of units of the last place from both), with the bias and the residual added as
+    the unfused ops add them: within float32 rounding, in bfloat16 a unit of the last place where the order of the
+    float32 sums flips a rounding; the matmul against the float64 truth of the dequantized rows. The padding rows of
+    the last threadgroup write nothing, and without the norm xn is not written."""
     dtype = mx.bfloat16 if case.flavor == "bf16" else mx.float32
     rng = np.random.default_rng(case.rows * 10 + case.bits)
-    h = mx.array(3 * rng.standard_normal(DIN), dtype)
+    x = mx.array(3 * rng.standard_normal(DIN), dtype)
     weight = mx.array(rng.uniform(0.5, 1.5, DIN), dtype)
     parts = _quantized(rng, (case.rows, DIN), case.bits, case.group, dtype, case.mode)
-    router_bias = mx.array(rng.standard_normal(case.rows), dtype) if case.router_bias else None
-    router = NormedRouter(weight, 1e-6, mx.array([1e-6], mx.float32), parts, router_bias)
-    want_xn = reference_normed_select(h, router, case.rows, 1, True, False)[4]
-    inst = _normed_instance(case)
-    t = _param_type(NORM_LOGITS, "xn", inst)
-    outputs = {"xn": _output(DIN, t), "logits": _output(case.rows, t)}
-    inputs = {"h": h, "norm_w": weight, "eps": router.eps_array, "router_w": parts.weight, "router_s": parts.scales,
-              "router_b": parts.scales if parts.biases is None else parts.biases,
-              "rbias": h if router_bias is None else router_bias}
-    _launch(shim_library, NORM_LOGITS, inst, -(-case.rows // case.warps) * case.warps,
+    bias = mx.array(rng.standard_normal(case.rows), dtype) if case.bias else None
+    resid = mx.array(4 * rng.standard_normal(case.rows), dtype) if case.resid else None
+    norm = Norm(weight, 1e-6, mx.array([1e-6], mx.float32)) if case.norm else None
+    want_xn = reference_linear(x, Rows(parts, bias), norm)[0]
+    inst = _rows_instance(case)
+    t = _param_type(ROWS, "xn", inst)
+    outputs = {"xn": _output(DIN, t), "y": _output(case.rows, t)}
+    eps = norm.eps_array if case.norm else mx.zeros((1,), mx.float32)
+    inputs = {"x": x, "norm_w": weight if case.norm else x, "eps": eps, "w": parts.weight, "s": parts.scales,
+              "b": parts.scales if parts.biases is None else parts.biases, "bias": x if bias is None else bias,
+              "resid": x if resid is None else resid}
+    _launch(shim_library, ROWS, inst, -(-case.rows // case.warps) * case.warps,
             {**{n: _kernel_side(a) for n, a in inputs.items()}, **outputs})
-    got = {n: _written(outputs[n], n) for n in NORM_LOGITS.outputs}
-    xn = mx.array(_float32(got["xn"])).astype(dtype)
-    gpu_logits = moe.matmul_f32(parts, xn.astype(mx.float32)).astype(dtype)
-    gpu_logits = gpu_logits if router_bias is None else gpu_logits + router_bias
-    for name, ref in (("xn", want_xn), ("logits", gpu_logits)):
+    got = {n: _written(outputs[n], n) for n in ROWS.outputs if n != "xn" or case.norm}
+    if not case.norm:
+        assert _unwritten(outputs["xn"]).all(), "xn written without the norm"
+    read = mx.array(_float32(got["xn"])).astype(dtype) if case.norm else x
+    gpu_y = moe.matmul_f32(parts, read.astype(mx.float32)).astype(dtype)
+    gpu_y = gpu_y if bias is None else gpu_y + bias
+    gpu_y = gpu_y if resid is None else resid + gpu_y
+    for name, ref in (("xn", want_xn), ("y", gpu_y)):
+        if name not in got:
+            continue
         if dtype == mx.float32:
             error = nrms(got[name], np.array(ref))
             assert error < 1e-6, f"{name}: shimmed kernel vs reference nRMS {error:.2e}"
@@ -822,9 +845,13 @@ def test_shimmed_norm_logits_kernel_matches_the_reference_on_cpu(shim_library, c
         ulps = np.abs(got[name].astype(np.int32) - _kernel_side(ref).astype(np.int32))
         assert ulps.max() <= 1 and np.count_nonzero(ulps) <= max(1, ulps.size // 10), \
             f"{name}: {np.count_nonzero(ulps)} of {ulps.size} values off the reference's (by up to {ulps.max()} ulps)"
-    truth = dequantize_f64(parts) @ _float32(got["xn"]).astype(np.float64)
-    truth += 0.0 if router_bias is None else np.array(router_bias.astype(mx.float32), np.float64)
-    assert nrms(_float32(got["logits"]), truth) < (5e-3 if dtype == mx.bfloat16 else 1e-6), "logits vs the truth"
+    truth = dequantize_f64(parts) @ np.array(read.astype(mx.float32), np.float64)
+    matmul = _float32(got["y"]).astype(np.float64)
+    for a in (bias, resid):  # the adds, taken away in float64 (their roundings are checked above)
+        matmul -= 0.0 if a is None else np.array(a.astype(mx.float32), np.float64)
+    scale = 1.0 if resid is None else np.sqrt(np.mean(np.array(resid.astype(mx.float32), np.float64) ** 2))
+    limit = (5e-3 if dtype == mx.bfloat16 else 1e-6) * max(1.0, scale / np.sqrt(np.mean(truth ** 2)))
+    assert nrms(matmul, truth) < limit, "y vs the truth"
 
 
 # around the 8-key block edges, the second round of the warps' blocks (warp 0 again at 64), the last slot; the

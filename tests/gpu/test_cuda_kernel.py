@@ -25,10 +25,12 @@ from moebench.decode.cache import make_cache
 from moebench.decode.compiled import CompiledForward
 from moebench.decode.loop import generate
 from moebench.execution import attention, moe
+from moebench.execution import rows as rows_kernel
 from moebench.execution.attention import rope_frequencies
 from moebench.execution.executor import executor, fused_moe
 from moebench.execution.kernel import available_backend
 from moebench.execution.moe import gpu_routed
+from moebench.execution.rows import Norm, Rows
 from moebench.execution.support import MICROSCALED
 from moebench.inspect.truth import attention_f64, dequantize_f64, expert_outputs, f64, nrms
 from moebench.models.args import FP_MODES, QuantizedParts, YarnScaling
@@ -241,19 +243,24 @@ def test_cuda_grouped_router_kernel_matches_the_reference(n_exp, k, n_group, kee
     assert np.abs(scores - r_scores).max() < 1e-6 * scaling and np.abs(sgate - r_sgate).max() < 1e-6
 
 
-# (router rows, bits or mode, router bias, hidden size): Qwen3-30B-A3B's router at 8 bits (mlx-lm's) and 4;
-# Qwen1.5-MoE-A2.7B's with the shared gate's row; gpt-oss-20b's (mxfp4, biased); DeepSeek-V3's at its hidden size
-NORM_LOGITS = [(128, 8, False, 2048), (128, 4, False, 2048), (61, 4, False, 2048), (32, "mxfp4", True, 2880),
-               (256, 4, False, 7168)]
+# (rows, bits or mode, bias, inputs, norm, residual): the norm and the router's logits at Qwen3-30B-A3B's router at 8
+# bits (mlx-lm's) and 4, Qwen1.5-MoE-A2.7B's with the shared gate's row, gpt-oss-20b's (mxfp4, biased), DeepSeek-V3's
+# at its hidden size; the input norm and Qwen3-30B-A3B's q/k/v; o_proj and the residual add at Qwen3-30B-A3B's and
+# gpt-oss-20b's (mxfp4, biased)
+ROWS_RUNS = [(128, 8, False, 2048, True, False), (128, 4, False, 2048, True, False), (61, 4, False, 2048, True, False),
+             (32, "mxfp4", True, 2880, True, False), (256, 4, False, 7168, True, False),
+             (5120, 4, False, 2048, True, False), (2048, 4, False, 4096, False, True),
+             (2880, "mxfp4", True, 4096, False, True)]
 
 
-@pytest.mark.parametrize("rows,fmt,biased,d", NORM_LOGITS)
-def test_cuda_norm_logits_kernel_matches_the_unfused_ops_on_the_gpu(rows, fmt, biased, d):
-    """The norm + logits kernel against what it replaces, run on the same GPU in bfloat16: mx.fast.rms_norm (xn
-    within a unit of the last place) and the router's quantized matmul and bias (each logit within a unit of the
-    last place, and as close to the float64 truth of the kernel's xn as MLX's matvec is)."""
+@pytest.mark.parametrize("rows,fmt,biased,d,normed,resid", ROWS_RUNS)
+def test_cuda_rows_kernel_matches_the_unfused_ops_on_the_gpu(rows, fmt, biased, d, normed, resid):
+    """The rows kernel against what it replaces, run on the same GPU in bfloat16: mx.fast.rms_norm (xn within a unit
+    of the last place), the quantized matmul and the bias and residual adds (each output within a unit of the last
+    place of the matmul's output and one of the sum's), and the matmul as close to the float64 truth of the input it
+    read as MLX's matvec is."""
     rng = np.random.default_rng(rows + d)
-    h = mx.array(3 * rng.standard_normal((1, 1, d)).astype(np.float32)).astype(mx.bfloat16)
+    x = mx.array(3 * rng.standard_normal((1, 1, d)).astype(np.float32)).astype(mx.bfloat16)
     weight = mx.array(rng.uniform(0.5, 1.5, d).astype(np.float32)).astype(mx.bfloat16)
     w = mx.array(rng.standard_normal((rows, d)).astype(np.float32) / np.sqrt(d)).astype(mx.bfloat16)
     if fmt == "mxfp4":
@@ -261,21 +268,23 @@ def test_cuda_norm_logits_kernel_matches_the_unfused_ops_on_the_gpu(rows, fmt, b
     else:
         parts = QuantizedParts(*mx.quantize(w, group_size=64, bits=fmt), 64, fmt, "affine")
     bias = mx.array(rng.standard_normal(rows).astype(np.float32)).astype(mx.bfloat16) if biased else None
-    router = moe.NormedRouter(weight, 1e-6, mx.array([1e-6], mx.float32), parts, bias)
-    choice = (rows, 4, True, False, SOFTMAX_THEN_TOPK, None)
-    got = moe.normed_select("cuda", h, router, *choice)
-    want = moe.reference_normed_select(h, router, *choice)  # the same ops, on the GPU
-    for name, a, b in (("xn", got[4], want[4]), ("logits", got[5], want[5])):
-        ulps = np.abs(np.array(a.view(mx.uint16)).astype(np.int32) - np.array(b.view(mx.uint16)).astype(np.int32))
-        print(f"\nnorm + logits {rows} rows {fmt} D{d} {name}: {np.count_nonzero(ulps)} of {ulps.size} a unit off")
-        assert ulps.max() <= 1, name
-    truth = dequantize_f64(parts) @ f64(got[4].reshape(-1)) + (0.0 if bias is None else f64(bias))
-    error, mlx_error = nrms(f64(got[5].reshape(-1)), truth), nrms(f64(want[5].reshape(-1)), truth)
-    print(f"logits vs the float64 truth: kernel nRMS {error:.2e}, MLX's matvec {mlx_error:.2e}")
-    assert error <= 1.2 * mlx_error
-    for name, a, b in zip(("probs", "ids", "scores", "shared gate"), got, moe.select("cuda", got[5], *choice),
-                          strict=True):
-        assert np.array_equal(np.array(a), np.array(b)), name
+    residual = mx.array(4 * rng.standard_normal((1, 1, rows)).astype(np.float32)).astype(mx.bfloat16) if resid else None
+    norm = Norm(weight, 1e-6, mx.array([1e-6], mx.float32)) if normed else None
+    xn, y = rows_kernel.linear("cuda", x, Rows(parts, bias), norm, residual)
+    want_xn, want = rows_kernel.reference_linear(x, Rows(parts, bias), norm, residual)  # the same ops, on the GPU
+    matmul = rows_kernel.reference_linear(x, Rows(parts, None), norm)[1]
+    if normed:
+        got_bits, want_bits = (np.array(a.view(mx.uint16)).astype(np.int32) for a in (xn, want_xn))
+        assert np.abs(got_bits - want_bits).max() <= 1, "xn"
+    off = np.abs(f64(y) - f64(want))
+    print(f"\nrows {rows} {fmt} D{d} norm {normed} residual {resid}: {np.count_nonzero(off)} of {off.size} outputs off")
+    assert np.all(off <= 2.0**-7 * (np.abs(f64(matmul)) + np.abs(f64(want)))), "y"
+    read = (xn if normed else x).reshape(-1)
+    truth = dequantize_f64(parts) @ f64(read)
+    adds = sum(f64(a).reshape(-1) for a in (bias, residual) if a is not None)
+    error, mlx_error = nrms(f64(y).reshape(-1) - adds, truth), nrms(f64(want).reshape(-1) - adds, truth)
+    print(f"y less the adds vs the float64 truth: kernel nRMS {error:.2e}, MLX's ops {mlx_error:.2e}")
+    assert error <= 1.2 * mlx_error + 1e-4
 
 
 @pytest.mark.parametrize("mode", ("affine", *MICROSCALED))

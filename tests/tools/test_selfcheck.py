@@ -14,6 +14,7 @@ from moebench.cli import main
 from moebench.execution import attention as attention_kernel
 from moebench.execution import linear_attention
 from moebench.execution import moe as fused_kernel
+from moebench.execution import rows as rows_kernel
 from moebench.execution.linear_attention import GatedDeltaWeights
 from moebench.tools import selfcheck
 from moebench.tools.presets import write_random
@@ -56,7 +57,7 @@ def test_selfcheck_passes_and_reports_the_reference_backend_honestly(quantized_c
     assert "| mxfp4 4/4/4 | 32 |" in text and "| nvfp4 4/4/4 | 16 |" in text and "| mxfp8 8/8/8 | 32 |" in text
     assert "small experts + shared expert Dffs 192" in {r["case"] for r in ran}
     assert [r["status"] for r in record["router"]] == ["not applicable"] * len(selfcheck.ROUTER_CASES)
-    assert [r["status"] for r in record["norm_logits"]] == ["not applicable"] * len(selfcheck.NORM_LOGITS_CASES)
+    assert [r["status"] for r in record["rows"]] == ["not applicable"] * len(selfcheck.ROWS_CASES)
     assert {r["status"] for r in record["attention"]} == {"not applicable"} and record["attention"]
     for r in ran:
         assert r["fused_nrms"] < selfcheck.FUSED_NRMS and r["deterministic"] and r["vs_reference_nrms"] is None
@@ -165,16 +166,18 @@ def test_a_gpu_router_kernel_is_compared_with_the_cpu_reference(monkeypatch, err
 
 
 @pytest.mark.parametrize("error,passes", [(0.0, True), (2.0**-5, False)])
-def test_a_gpu_norm_logits_kernel_is_compared_with_the_unfused_ops(monkeypatch, error, passes):
-    """A kernel whose logits are within a unit of the last place passes; one further off fails."""
-    def as_if_cuda(backend, h, router, *args):
-        *choice, xn, logits = fused_kernel.reference_normed_select(h, router, *args)
-        return (*choice, xn, logits * (1 + error))
+def test_a_gpu_rows_kernel_is_compared_with_the_unfused_ops(monkeypatch, error, passes):
+    """A kernel whose outputs are within a unit of the last place passes; one further off fails."""
+    def as_if_cuda(backend, x, linear, norm=None, residual=None):
+        xn, y = rows_kernel.reference_linear(x, linear, norm, residual)
+        return xn, y * (1 + error)
 
-    monkeypatch.setattr(fused_kernel, "normed_select", as_if_cuda)
-    rows = selfcheck.norm_logits_parity("cuda", mx.bfloat16)
-    assert len(rows) == len(selfcheck.NORM_LOGITS_CASES) and all(r["status"] == "ran" for r in rows)
+    monkeypatch.setattr(rows_kernel, "linear", as_if_cuda)
+    rows = selfcheck.rows_parity("cuda", mx.bfloat16)
+    assert len(rows) == len(selfcheck.ROWS_CASES) and all(r["status"] == "ran" for r in rows)
     assert all(r["passed"] == passes for r in rows)
+    assert {r["case"].split(",")[0] for r in rows} == {"norm + router logits", "input norm + q/k/v",
+                                                       "o_proj + residual"}
 
 
 # (output error, slot the emulated in-place write lands on past the token's, whether the rows pass)
@@ -354,5 +357,5 @@ def test_selfcheck_shows_its_progress_before_the_first_check_and_counts_every_ch
     record = selfcheck.selfcheck(quantized_checkpoint, prompt_tokens=2, gen_tokens=2, repeats=1)
     assert seen[0].strip().startswith("selfcheck: 0")
     counts = re.findall(r"selfcheck: (\d+)", capsys.readouterr().err)
-    checks = 1 + sum(len(record[k]) for k in ("parity", "router", "norm_logits", "attention", "gated_delta"))
+    checks = 1 + sum(len(record[k]) for k in ("parity", "router", "rows", "attention", "gated_delta"))
     assert int(counts[-1]) == checks

@@ -6,8 +6,11 @@
 #   qwen3:  Qwen3-30B-A3B random 4-bit g64: llama.cpp tg128, then moebench (the working tree and .snap/385b789, fused
 #           and compiled) against mlx-lm at 64, 2048 and 4096, then llama.cpp again; the GPU time by kernel
 #   a27b:   the same for Qwen1.5-MoE-A2.7B
-#   retime: this revision (norm + logits kernel, unrolled expert kernels) against .snap/385b789 at 64 and 2048
-#   kernels: the GPU time by kernel of this revision and of main before, Qwen3-30B-A3B, 64 compiled steps
+#   retime: this revision against .snap/385b789 at 64 and 2048 (13:xx UTC: the norm + logits kernel and the unrolled
+#           expert kernels; 15:xx UTC: and the rows kernel's input norm + q/k/v and o_proj + residual)
+#   retime2: this revision against .snap/4a37dd2 (main before the rows kernel took q/k/v and o_proj) at 64 and 2048
+#   kernels: the GPU time by kernel of this revision, of .snap/4a37dd2 and of .snap/385b789, Qwen3-30B-A3B, 64
+#            compiled steps
 #   long:   Qwen3-30B-A3B at 16384 and 32768 (llama.cpp, moebench, mlx-lm; no snapshot arm)
 set -uo pipefail
 R=$OUT; export OUT=/root/r; mkdir -p $OUT
@@ -18,7 +21,11 @@ for stage in "$@"; do
     gpu)
       t=tests/gpu/test_cuda_kernel.py
       # (12:52 UTC ran the first design's test_cuda_normed_router_matches_the_unfused_ops_on_the_gpu in its place)
-      env DEADLINE=575 GPUTESTS_LIMIT=200 GPUTESTS="$t::test_cuda_norm_logits_kernel_matches_the_unfused_ops_on_the_gpu \
+      # (2026-12-07 15:xx UTC added the expert kernels' tests: their loops are unrolled since 36bbb5a)
+      env DEADLINE=575 GPUTESTS_LIMIT=400 GPUTESTS="$t::test_cuda_rows_kernel_matches_the_unfused_ops_on_the_gpu \
+        $t::test_cuda_kernel_matches_reference_and_truth $t::test_cuda_kernel_with_the_shared_expert_matches_reference_and_truth \
+        $t::test_cuda_expert_variants_match_reference_and_truth $t::test_cuda_kernels_at_gpt_oss_20b_expert_shapes_match_reference_and_truth \
+        $t::test_cuda_kernels_are_deterministic_and_independent_of_rows \
         $t::test_cuda_router_kernel_matches_the_reference $t::test_decode_on_cuda_runs_the_kernels_every_step \
         $t::test_gpt_oss_decode_on_cuda_runs_the_moe_kernels_every_step \
         $t::test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step" \
@@ -36,13 +43,19 @@ for stage in "$@"; do
       env $common PRESET=qwen1.5-moe-a2.7b PROMPTS="64 2048 4096" LLAMA_DEPTHS="0 2048 4096" SNAPSHOT=.snap/385b789 BENCH_LIMIT=300 \
         bash scripts/device_bench.sh llamacpp make bench 2>&1 | tail -40 ;;
     retime)  # this revision (the norm + logits kernel, the unrolled expert kernels) against .snap/385b789
-      env $common PRESET=qwen3-30b-a3b PROMPTS="64 2048" SNAPSHOT=.snap/385b789 BENCH_LIMIT=230 \
+      env $common PRESET=qwen3-30b-a3b PROMPTS="64 2048" SNAPSHOT=.snap/385b789 BENCH_LIMIT=200 \
         bash scripts/device_bench.sh make kernels bench 2>&1 | tail -40 ;;
-    kernels)  # the GPU time by kernel of this revision and of .snap/385b789 (main before), Qwen3-30B-A3B
+    retime2)  # this revision against .snap/4a37dd2
+      env $common PRESET=qwen3-30b-a3b PROMPTS="64 2048" SNAPSHOT=.snap/4a37dd2 BENCH_LIMIT=200 \
+        bash scripts/device_bench.sh make bench 2>&1 | tail -40 ;;
+    kernels)  # the GPU time by kernel of this revision and of the snapshots carried, Qwen3-30B-A3B
       env $common PRESET=qwen3-30b-a3b bash scripts/device_bench.sh make kernels 2>&1 | tail -20
       ckpt=/root/moebench-qwen3-30b-a3b-4bit-g64-bfloat16 root=$PWD
-      (cd .snap/385b789 && PYTHONPATH=$PWD MLX_PTX_CACHE_DIR=$root/.ptx-cache timeout 150 python3 \
-        ../../scripts/device_diag.py $ckpt kernels 2>&1 | tee $OUT/kernels-qwen3-30b-a3b-385b789.txt | grep -E "us/token" | head -16) ;;
+      for snap in 4a37dd2 385b789; do
+        [ -d .snap/$snap ] || continue
+        (cd .snap/$snap && PYTHONPATH=$PWD MLX_PTX_CACHE_DIR=$root/.ptx-cache timeout 150 python3 \
+          ../../scripts/device_diag.py $ckpt kernels 2>&1 | tee $OUT/kernels-qwen3-30b-a3b-$snap.txt | grep -E "us/token" | head -16)
+      done ;;
     long)
       env $common PRESET=qwen3-30b-a3b PROMPTS="16384 32768" BENCH_LIMIT=420 \
         bash scripts/device_bench.sh llamacpp make bench 2>&1 | tail -40 ;;
