@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 
 from ..models.declare import LinearAttentionSpec
 from ..models.hooks import Record, layer_scope
-from ..models.run import feed_forward_norm, mixer_norm, token_mixer
+from ..models.run import feed_forward_norm, token_mixer
 from ..models.sharding import attention_note, block_note
 from . import support
 from .kernel import GPU_BACKENDS, available_backend
@@ -105,7 +105,10 @@ class Executor:
             if tokens > 1 and sum(k[2] > 1 for k in self._plans) >= 8:  # prefill plans: a few lengths kept
                 self._plans = {k: p for k, p in self._plans.items() if k[2] == 1}
             shape, set_on = Shape(tokens, static), dict(zip(self.moe_layers, interventions, strict=True))
-            plan = self._plans[key] = Plan(key, tuple(self._layer_plan(i, shape, settings, key[1], set_on.get(i))
+            reasons = [self._attention_reason(i, shape, settings) for i in range(len(self.model.layers))]
+            by_ops = [i for i, r in enumerate(reasons) if r is not None and not self._linear(i)]
+            plan = self._plans[key] = Plan(key, tuple(self._layer_plan(i, shape, settings, key[1], set_on.get(i),
+                                                                       reasons[i], by_ops)
                                                       for i in range(len(self.model.layers))), shape)
         return plan
 
@@ -113,28 +116,42 @@ class Executor:
         """The intervention set on each MoE block (None where none is): the one place they are gathered."""
         return tuple(b.intervention for b in self.blocks)
 
-    def _layer_plan(self, i: int, shape: Shape, settings: KernelSettings, backend: str,
-                    intervention: object) -> LayerPlan:
-        """Layer `i`'s plan; `intervention`: the one set on its MoE block (from the plan's key), or None."""
-        mixer, weights = token_mixer(self.model.layers[i]), self.weights[i]
-        base = tokens_decision(shape.tokens) if shape.tokens != 1 else None if settings.fused else SWITCHED_OFF
-        reason = base.reason if base else attention_step_reason(mixer, weights)
-        linear = isinstance(mixer.spec, LinearAttentionSpec)
+    def _linear(self, i: int) -> bool:
+        return isinstance(token_mixer(self.model.layers[i]).spec, LinearAttentionSpec)
+
+    def _attention_reason(self, i: int, shape: Shape, settings: KernelSettings) -> str | None:
+        """Why layer `i`'s token mixing runs as MLX ops in a call of `shape` under `settings`, or None."""
+        base = _base_decision(shape, settings)
+        reason = base.reason if base else attention_step_reason(token_mixer(self.model.layers[i]), self.weights[i])
         if reason is None and not settings.attention_kernel:
-            kernel = "gated delta" if linear else "attention"
-            reason = f"the {kernel} kernel switched off (KernelSettings.attention_kernel)"
-        dtype = self.model.dtype
-        attention_step = None if reason else self._attention_step(i, weights, backend, shape, dtype)
+            reason = f"the {'gated delta' if self._linear(i) else 'attention'} kernel switched off " \
+                     "(KernelSettings.attention_kernel)"
+        return reason
+
+    def _layer_plan(self, i: int, shape: Shape, settings: KernelSettings, backend: str, intervention: object,
+                    reason: str | None, by_ops: list[int]) -> LayerPlan:
+        """Layer `i`'s plan; `intervention`: the one set on its MoE block (from the plan's key), or None; `reason`:
+        why its token mixing runs as MLX ops (_attention_reason), or None; `by_ops`: the attention layers whose
+        token mixing does. A static cache is written in place by the kernels only when no attention layer's is
+        (the others' whole-buffer update would race the in-place writes)."""
+        mixer, weights = token_mixer(self.model.layers[i]), self.weights[i]
+        linear = isinstance(mixer.spec, LinearAttentionSpec)
+        dtype, in_place = self.model.dtype, shape.static and not by_ops
+        attention_step = None if reason else self._attention_step(mixer, weights, backend, in_place, dtype)
         # a linear layer's notes: none either way (the shard report names the linear heads a rank holds)
         note = None if linear else attention_note(mixer) if reason else attention_step_note(mixer, attention_step)
+        if shape.static and by_ops and attention_step is not None and not linear:
+            note = "; ".join(n for n in (note, f"keys and values written by the cache's update, not in place: "
+                                               f"layers {by_ops} run attention by MLX ops") if n)
         attn = Decision("fallback", reason, note) if reason else Decision(backend, note=note)
-        attn_launches = attention_step.launches(shape.static, dtype) if attn.fused else \
+        attn_launches = attention_step.launches(in_place, dtype) if attn.fused else \
             Launches(None, f"attention by MLX ops: {attn.reason}")
         block = weights.block
         if block is None:
             launches = attn_launches + Launches(None, "a dense MLP by its module's MLX ops")
             return LayerPlan(attn, None, launches, attention_step)
         experts = block.parts().experts.quantized_parts()
+        base = _base_decision(shape, settings)
         reason = base.reason if base else support.moe_reason(block.spec, experts, backend, settings.max_dff)
         if reason:
             launches = attn_launches + Launches(None, f"MoE block by MLX ops: {reason}")
@@ -145,17 +162,15 @@ class Executor:
         return LayerPlan(attn, Decision(backend, note=note), attn_launches + moe_step.launches(dtype),
                          attention_step, moe_step)
 
-    def _attention_step(self, i: int, weights: LayerWeights, backend: str, shape: Shape,
+    @staticmethod
+    def _attention_step(mixer, weights: LayerWeights, backend: str, in_place: bool,
                         dtype: mx.Dtype) -> AttentionKernel | LinearAttentionKernel:
-        """The kernel step of layer `i`'s token mixing, which the plan fuses: the gated delta step for a
-        linear-attention layer, the decode-attention kernel (writing a static cache in place on a GPU) for an
-        attention layer."""
-        layer = self.model.layers[i]
-        mixer = token_mixer(layer)
+        """The kernel step of a token mixing the plan fused: the gated delta step for a linear-attention layer,
+        the decode-attention kernel (writing a static cache in place on a GPU where `in_place`) for an attention
+        layer."""
         if isinstance(mixer.spec, LinearAttentionSpec):
             return LinearAttentionKernel(mixer, backend)
-        return AttentionKernel(mixer, weights, backend, shape.static and backend in GPU_BACKENDS, mixer_norm(layer),
-                               dtype)
+        return AttentionKernel(mixer, weights, backend, in_place and backend in GPU_BACKENDS, dtype)
 
     # -- running and counting ----------------------------------------------------------------------
     def forward(self, tokens: mx.array, cache: list, plan: Plan, record: Record | None = None,
@@ -218,6 +233,12 @@ class Executor:
         return {"moe_layers": len(self.blocks), **_summed(moe_layers.values()),
                 "attention": {"layers": len(attention), **_summed(attention.values())},
                 "launches": None if launches is None else {k: v for k, v in launches.items() if k != "layers"}}
+
+
+def _base_decision(shape: Shape, settings: KernelSettings) -> Decision | None:
+    """The fallback every layer of a call takes whatever it declares (a prompt of several tokens, the switch off),
+    or None."""
+    return tokens_decision(shape.tokens) if shape.tokens != 1 else None if settings.fused else SWITCHED_OFF
 
 
 def _summed(counts) -> dict:

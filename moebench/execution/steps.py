@@ -3,11 +3,11 @@
 LinearAttentionKernel: a Gated DeltaNet layer's in-projections, then the gated delta step kernel (convolution, q/k
 norm, gates, the state's update, the gated norm), then its out-projection; the new states go into its cache.
 
-AttentionKernel: the layer's input norm and the stacked q/k/v matmul in one kernel where it can read them (else
-the norm and one matmul), then the decode-attention kernel (bias, the q/k norm where the family has one, RoPE,
-attention over the cache and the new token), then o_proj with the residual add in one kernel where it can read
-o_proj (else the matmul and the add); the new key and value go into the cache, stored by the kernel itself in
-place where the plan says the cache allows it (a compiled step's static cache on a GPU).
+AttentionKernel: the layer's input norm and the stacked q/k/v matmul, then the decode-attention kernel (bias, the q/k
+norm where the family has one, RoPE, attention over the cache and the new token), then o_proj with the residual add
+in one kernel where it can read o_proj (else the matmul and the add); the new key and value go into the cache,
+stored by the kernel itself in place where the plan says the cache allows it (a compiled step's static cache on a
+GPU).
 
 MoeKernel: one kernel normalising the block's input and computing the router's and the shared gate's logits over
 their stacked rows where it can read them (else the norm and one matmul), the router kernel, and the kernel pair
@@ -55,7 +55,7 @@ from . import attention, linear_attention, moe
 from .attention import QKNorm, rope_frequencies
 from .kernel import run_compiled
 from .plan import Launches
-from .rows import ROWS_WARPS, Norm, Rows
+from .rows import ROWS_WARPS, Rows
 from .rows import linear as rows_linear
 from .support import attention_reason, linear_attention_reason, rotary_dims, rows_reason
 from .weights import Derived, FusedWeights, RowStack
@@ -129,8 +129,6 @@ def attention_step_note(attn, step: AttentionKernel | LinearAttentionKernel) -> 
     if isinstance(step, LinearAttentionKernel):
         return None
     notes = [PROJECTION_NORM_NOTE if attn.spec.qk_norm == WHOLE_PROJECTION else None, attention_note(attn)]
-    if step.norm_note is not None:
-        notes.append(f"the input norm and the q/k/v matmul as their own launches: {step.norm_note}")
     if step.o_note is not None:
         notes.append(f"o_proj and the residual add as their own launches: {step.o_note}")
     return "; ".join(n for n in notes if n) or None
@@ -150,36 +148,29 @@ def rotary(spec: AttentionSpec, parts: AttentionParts) -> tuple[mx.array, float]
 class AttentionKernel:
     """One layer's attention for one token through the decode-attention kernel on `backend`:
     residual + attention(norm(residual)). With `write` the kernel stores the token's key and value in the cache
-    buffers in place. The rows kernel normalises the residual stream and computes q/k/v where it can read the norm
-    and the stacked rows (support.rows_reason; `norm_note` says why not), and computes o_proj with the residual add
-    where it can read o_proj (`o_note`); else each runs as its own launches. The layer's declared variants
+    buffers in place. The rows kernel computes o_proj with the residual add where it can read o_proj
+    (support.rows_reason; `o_note` says why not, and then the matmul and the add run as their own launches). The
+    layer's declared variants
     ride along: partial or scaled rotary (its frequencies and attention factor), the sinks (the heads this
     process holds), the window and the output gate (inside the kernel; a recorded step records sigmoid(gate) as
     the module does), and q, k and v clamped before the kernel, after the whole-projection norm where the
     family has one (the kernel is handed the declaration without the clamp, as it sees them clamped)."""
 
-    def __init__(self, attn, weights: LayerWeights, backend: str, write: bool, norm, dtype: mx.Dtype):
-        """`norm`: the layer's norm before its token mixing; `dtype`: the activations'."""
+    def __init__(self, attn, weights: LayerWeights, backend: str, write: bool, dtype: mx.Dtype):
+        """`dtype`: the activations'."""
         spec, parts = attn.spec, attn.parts()
         self.o_proj, self.qkv, self.backend, self.write = parts.o_proj, weights.qkv, backend, write
         self.heads, self.clip = replace(spec, clip_qkv=None), spec.clip_qkv
         self.inv_freq, self.rope_scale = rotary(spec, parts)
         self.sinks = parts.sinks if spec.sinks else None
         self.norms = (parts.q_norm, parts.k_norm) if self.heads.qk_norm is not None else None
-        self.norm_note = rows_reason("the q/k/v projection", self.qkv.get(), dtype, ROWS_WARPS, norm)
         self.o_note = rows_reason("o_proj", self.o_proj, dtype, ROWS_WARPS)
-        self.eps = mx.array([norm.eps], mx.float32) if self.norm_note is None else None  # the kernel's input
 
     def __call__(self, norm, residual: mx.array, cache, record: Record | None = None) -> mx.array:
         """`record`: the layer's `mixer` record (a recorded step), where the output gate is recorded."""
         stacked = self.qkv.get()
         keys, values, slots, block = cache.decode_buffers(self.heads.n_kv_heads, self.heads.head_dim, residual.dtype)
-        if self.norm_note is None:  # the bias, where it has one, inside the attention kernel
-            qkv = rows_linear(self.backend, residual, Rows(stacked.quantized_parts(), None),
-                              Norm.of(norm, self.eps))[1]
-        else:
-            qkv = stacked.matmul(norm(residual))
-        bias, qk_norm = stacked.get("bias"), None
+        qkv, bias, qk_norm = stacked.matmul(norm(residual)), stacked.get("bias"), None
         if self.heads.qk_norm == PER_HEAD:  # inside the kernel
             qk_norm = QKNorm(self.norms[0]["weight"], self.norms[1]["weight"], self.norms[0].eps)
         elif self.heads.qk_norm == WHOLE_PROJECTION:  # across every head: before the kernel, which sees one head
@@ -204,10 +195,7 @@ class AttentionKernel:
         compiled step's static cache (`static`: the kernel writes it in place) or a KVCache (two slice updates)."""
         stacked = self.qkv.get()
         bias = ("q/k/v bias (broadcast)", "q/k/v bias (add)") if "bias" in stacked else ()  # else inside the kernel
-        if self.norm_note is None:
-            projection = Launches(("input norm + q/k/v projection (kernel)",))
-        else:
-            projection = Launches(("input norm (rms_norm)",)) + linear_launches("q/k/v projection", stacked, False)
+        projection = Launches(("input norm (rms_norm)",)) + linear_launches("q/k/v projection", stacked, False)
         names = []
         if self.heads.qk_norm == WHOLE_PROJECTION:
             names += [*bias, "q/k/v (split)", "q norm over the projection (rms_norm)",

@@ -209,11 +209,6 @@ class DecoderLayer(nn.Module):
         return self.self_attn
 
     @property
-    def mixer_norm(self) -> nn.Module:
-        """The norm before this layer's token mixing."""
-        return self.input_layernorm
-
-    @property
     def ffn_norm(self) -> nn.Module:
         """The norm before this layer's MLP or MoE block."""
         return self.post_attention_layernorm

@@ -45,11 +45,6 @@ def token_mixer(layer):
     return layer.mixer
 
 
-def mixer_norm(layer):
-    """A decoder layer's norm before its token mixing (its `mixer_norm`)."""
-    return layer.mixer_norm
-
-
 def feed_forward_norm(layer):
     """A decoder layer's norm before its MLP or MoE block (its `ffn_norm`)."""
     return layer.ffn_norm

@@ -388,13 +388,12 @@ def router_parity(backend: str, dtype: mx.Dtype, seed: int = 0) -> list[dict]:
 
 # The rows kernel as the steps launch it: the norm and the router's logits at Qwen1.5-MoE-A2.7B's router (the shared
 # gate's row stacked, 4-bit), Qwen3-30B-A3B's (8-bit, as mlx-lm quantizes routers), gpt-oss-20b's (mxfp4, a bias)
-# and DeepSeek-V3's (a hidden size of 7168); the input norm and Qwen3-30B-A3B's q/k/v; o_proj with the residual
-# add at Qwen3-30B-A3B's and gpt-oss-20b's (mxfp4, a bias): (what, rows, inputs, bits or mode, bias, norm, residual)
+# and DeepSeek-V3's (a hidden size of 7168); o_proj with the residual add at Qwen3-30B-A3B's and gpt-oss-20b's
+# (mxfp4, a bias): (what, rows, inputs, bits or mode, bias, norm, residual)
 ROWS_CASES = (("norm + router logits", 61, 2048, 4, False, True, False),
               ("norm + router logits", 128, 2048, 8, False, True, False),
               ("norm + router logits", 32, 2880, "mxfp4", True, True, False),
               ("norm + router logits", 256, 7168, 4, False, True, False),
-              ("input norm + q/k/v", 5120, 2048, 4, False, True, False),
               ("o_proj + residual", 2048, 4096, 4, False, False, True),
               ("o_proj + residual", 2880, 4096, "mxfp4", True, False, True))
 # xn and y, the rows kernel vs the unfused ops on the same GPU: a unit of the last place of the activations' dtype

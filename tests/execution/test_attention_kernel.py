@@ -23,7 +23,7 @@ from moebench.inspect.record import Recorder, Stepper
 from moebench.inspect.truth import f64, nrms
 from moebench.models import hooks
 from moebench.models.declare import PER_HEAD, WHOLE_PROJECTION, AttentionSpec
-from moebench.models.run import mixer_norm, token_mixer
+from moebench.models.run import token_mixer
 from moebench.tools.presets import get_preset, write_random
 from moebench.tools.writer import write_random_checkpoint
 
@@ -214,12 +214,12 @@ def family(tmp_path_factory):
 
 
 def _layer_steps(model, layer: int, steps: int, seed: int = 0):
-    """The layer's attention module (the fallback) and its fused step on the reference backend (the input norm and
-    o_proj's residual add inside it), each fed the same residual stream one token at a time over its own KV cache
+    """The layer's attention module (the fallback) and its fused step on the reference backend (o_proj's residual
+    add inside it), each fed the same residual stream one token at a time over its own KV cache
     after the same 3-token prefill: yields (position, fallback output, fused output, fallback's recorded output
     gate, fused step's), the outputs with the stream taken away again."""
-    attn, norm = token_mixer(model.layers[layer]), mixer_norm(model.layers[layer])
-    step = AttentionKernel(attn, LayerWeights(model.layers[layer]), "reference", False, norm, model.dtype)
+    attn, norm = token_mixer(model.layers[layer]), model.layers[layer].input_layernorm
+    step = AttentionKernel(attn, LayerWeights(model.layers[layer]), "reference", False, model.dtype)
     d = model.args.hidden_size
     xs = mx.random.normal((3 + steps, 1, 1, d), key=mx.random.key(seed))
     fallback, fused = KVCache(), KVCache()

@@ -263,11 +263,10 @@ def test_the_rows_kernel_declines_a_norm_a_linear_or_dtypes_it_does_not_read(mod
         "8192 inputs take 32800 bytes of threadgroup memory (a threadgroup holds 32768)"
 
 
-def test_one_kernel_normalises_and_projects_q_k_v_and_one_adds_o_proj_to_the_residual_unless_it_cannot_read_them(
-        model):
-    """Quantized q/k/v and o_proj: the input norm and the q/k/v matmul run in one kernel, o_proj and the residual add
-    in another, and the layer's attention output is the fallback's. A float o_proj: it and the add run as their own
-    launches, the layer's note says why, the output is unchanged."""
+def test_one_kernel_computes_o_proj_and_adds_the_residual_unless_it_cannot_read_o_proj(model):
+    """A quantized o_proj: it and the residual add run in one kernel after the attention kernel, and the layer's
+    attention output is the fallback's. A float o_proj: it and the add run as their own launches, the layer's note
+    says why, the output is unchanged."""
     residual = mx.array(np.random.default_rng(15).standard_normal((1, 1, 128)).astype(np.float32))
     norm, attn = model.layers[0].input_layernorm, model.layers[0].self_attn
 
@@ -277,10 +276,10 @@ def test_one_kernel_normalises_and_projects_q_k_v_and_one_adds_o_proj_to_the_res
 
     plan, fused = layer_attention(True)
     step = plan.layers[0].attention_step
-    assert step.norm_note is None and step.o_note is None and plan.layers[0].attention.note is None
+    assert step.o_note is None and plan.layers[0].attention.note is None
     names = plan.layers[0].launches.names
-    assert names[0] == "input norm + q/k/v projection (kernel)" and "o_proj + residual (kernel)" in names
-    assert "input norm (rms_norm)" not in names and "residual (add)" not in names
+    assert "o_proj + residual (kernel)" in names
+    assert "o_proj (quantized matmul)" not in names and "residual (add)" not in names
     _, fallback = layer_attention(False)
     assert np.allclose(fused, fallback, rtol=1e-4, atol=1e-4)
     o_proj = attn.o_proj

@@ -404,7 +404,7 @@ def test_the_fused_step_keeps_the_module_s_states_step_by_step(tiny_hybrids, pre
     x = mx.random.normal((1, 5 + STEPS, model.args.hidden_size), key=mx.random.key(1))
     for cache in (module_cache, fused_cache):
         net(x[:, :5], cache)
-    norm = model.layers[0].mixer_norm
+    norm = model.layers[0].input_layernorm
     for t in range(5, 5 + STEPS):  # the step takes the residual stream and the norm, and adds its output to it
         token = x[:, t : t + 1]
         want, got = net(norm(token), module_cache), step(norm, token, fused_cache) - token

@@ -318,8 +318,8 @@ def _rows_instance(case: RowsCase, d: int = DIN) -> Instance:
                      NORM=case.norm, BIAS=case.bias, RESID=case.resid, W=case.warps)
 
 
-# (NORM, BIAS, RESID) as the steps launch the kernel: a router's logits (with its bias), q/k/v, o_proj with the
-# residual add (with its bias)
+# (NORM, BIAS, RESID): a router's logits (without and with its bias), o_proj with the residual add (without and with
+# its bias), as the steps launch the kernel
 ROWS_VARIANTS = ((True, False, False), (True, True, False), (False, False, True), (False, True, True))
 # Qwen3-MoE's router as mlx-lm quantizes it (8 bits) in the real launch's threadgroups; Qwen2-MoE's with the shared
 # gate's row stacked, at 4 and 3 bits (codes straddling words); gpt-oss's (mxfp4, its bias); 6 bits; nvfp4 and

@@ -501,9 +501,11 @@ def test_each_rank_holds_half_the_experts_and_says_which(decodes):
                 f"width {r * width // 2}-{(r + 1) * width // 2 - 1} of {width} on rank {r} of 2 (the other ranks' by "
                 "all_sum)" for r in range(2)], name
             assert rank0["shard"]["mlp_bytes_per_rank"] == [whole_mlps // 2] * 2, name
-        assert attention == [  # every model: 4 query heads, 2 key/value heads
-            ["query heads 0-1 of 4, key/value heads 0 of 2 on rank 0 of 2 (the other ranks' by all_sum)"],
-            ["query heads 2-3 of 4, key/value heads 1 of 2 on rank 1 of 2 (the other ranks' by all_sum)"]], name
+        heads = [f"query heads {2 * r}-{2 * r + 1} of 4, key/value heads {r} of 2 on rank {r} of 2 (the other "
+                 "ranks' by all_sum)" for r in range(2)]  # every model: 4 query heads, 2 key/value heads
+        o_proj = "; o_proj and the residual add as their own launches: o_proj sharded over ranks (its partial sums " \
+                 "joined by all_sum)"  # the fused decode steps'; the prompt's fallback notes the heads alone
+        assert attention == [[h, h + o_proj] for h in heads], name
         assert max(rank0["shard"]["attention_bytes_per_rank"]) < 0.51 * whole_attention, name
 
 
