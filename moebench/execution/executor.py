@@ -139,10 +139,8 @@ class Executor:
         dtype, in_place = self.model.dtype, shape.static and not by_ops
         attention_step = None if reason else self._attention_step(mixer, weights, backend, in_place, dtype)
         # a linear layer's notes: none either way (the shard report names the linear heads a rank holds)
-        note = None if linear else attention_note(mixer) if reason else attention_step_note(mixer, attention_step)
-        if shape.static and by_ops and attention_step is not None and not linear:
-            note = "; ".join(n for n in (note, f"keys and values written by the cache's update, not in place: "
-                                               f"layers {by_ops} run attention by MLX ops") if n)
+        note = None if linear else attention_note(mixer) if reason else \
+            attention_step_note(mixer, attention_step, by_ops if shape.static else [])
         attn = Decision("fallback", reason, note) if reason else Decision(backend, note=note)
         attn_launches = attention_step.launches(in_place, dtype) if attn.fused else \
             Launches(None, f"attention by MLX ops: {attn.reason}")

@@ -310,12 +310,6 @@ def _check_select(logits: mx.array, num_experts: int, top_k: int, norm_topk_prob
     if logits.shape[-1:] != (num_experts + gate_row,) or any(n != 1 for n in lead) or not 1 <= top_k <= num_experts:
         raise UnsupportedKernelConfig(f"router logits {tuple(logits.shape)} with top-{top_k}: expected one token's "
                                       f"{num_experts + gate_row} logits and 1 <= top_k <= {num_experts}")
-    _check_choice(num_experts, top_k, norm_topk_prob, scoring, grouped)
-
-
-def _check_choice(num_experts: int, top_k: int, norm_topk_prob: bool, scoring: str,
-                  grouped: GroupedChoice | None) -> None:
-    """The choice the router kernel is asked to make: a scoring it computes, with its GroupedChoice's inputs."""
     if (scoring == SIGMOID_GROUPED) != (grouped is not None):
         raise UnsupportedKernelConfig(f"routing by {scoring} {'without' if grouped is None else 'with'} a "
                                       f"GroupedChoice: {SIGMOID_GROUPED} takes one, the other scorings none")

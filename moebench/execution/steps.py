@@ -123,14 +123,16 @@ LATENT_REASON = ("multi-head latent attention (the decode-attention kernel reads
 PROJECTION_NORM_NOTE = "q and k normed over the whole projection by MLX ops before the kernel (it sees one head)"
 
 
-def attention_step_note(attn, step: AttentionKernel | LinearAttentionKernel) -> str | None:
-    """What a fused attention layer runs beside the kernels, and why, and on a sharded model which heads it holds
-    (a linear-attention layer: none)."""
-    if isinstance(step, LinearAttentionKernel):
-        return None
+def attention_step_note(attn, step: AttentionKernel, by_ops: list[int]) -> str | None:
+    """What a fused attention layer runs beside the kernels, and why, and on a sharded model which heads it holds;
+    `by_ops`: the attention layers running as MLX ops whose writes keep a static cache from being written in place
+    (none where the cache is not static)."""
     notes = [PROJECTION_NORM_NOTE if attn.spec.qk_norm == WHOLE_PROJECTION else None, attention_note(attn)]
     if step.o_note is not None:
         notes.append(f"o_proj and the residual add as their own launches: {step.o_note}")
+    if by_ops:
+        notes.append(f"keys and values written by the cache's update, not in place: layers {by_ops} run attention "
+                     "by MLX ops")
     return "; ".join(n for n in notes if n) or None
 
 

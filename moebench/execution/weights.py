@@ -59,10 +59,7 @@ class Derived:
         """build(*modules), from the last call's result when nothing was replaced since."""
         if len(modules) != len(self._modules) or not all(map(operator.is_, modules, self._modules)):
             self._modules, self._arrays = modules, None
-        try:
-            arrays = [m[n] for m, n in self._slots]
-        except KeyError:  # an array left its module (a quantized weight replaced by a float one)
-            self._arrays = None
+        arrays = [m.get(n) for m, n in self._slots]  # None where an array left its module (made float, say)
         if self._arrays is None or not all(map(operator.is_, arrays, self._arrays)):
             self._slots = [(m, n) for m in modules for n in PARTS if n in m]  # the names may have changed too
             self._value, self._arrays = self._build(*modules), [m[n] for m, n in self._slots]
