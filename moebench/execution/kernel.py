@@ -9,6 +9,7 @@ on any device: the test oracle and the CPU path.
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -51,22 +52,42 @@ def check_backend(backend: str) -> None:
 
 @dataclass(frozen=True)
 class Stage:
-    """One kernel: its body file and its parameter names (MLX writes the signature)."""
+    """One kernel: its body file and its parameter names (MLX writes the signature); `common`: whether the body
+    calls the MoE helpers of moe_common.inc (the quantized formats, the activation, the router's selection)."""
 
     name: str
     body: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    common: bool = True
+
+
+# A comment, or a string or character literal (kept whole: what looks like a comment inside one is not).
+_COMMENT_OR_LITERAL = re.compile(r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'", re.S)
+
+
+def compact(code: str) -> str:
+    """C++ or Metal source without its comments, indentation and blank lines. MLX hashes a custom kernel's whole
+    source each time it encodes a launch (CustomKernel::eval_gpu, on CUDA and on Metal), so every byte of it is
+    host time at every decode step; the files keep their comments for the people who read them."""
+    code = _COMMENT_OR_LITERAL.sub(lambda m: m.group() if m.group()[0] in "\"'" else "", code)
+    lines, continued = [], False
+    for line in code.splitlines():
+        line = line.strip()
+        if line or continued:  # a line after a backslash belongs to its macro, empty or not
+            lines.append(line)
+        continued = line.endswith("\\")
+    return "\n".join(lines) + "\n"
 
 
 def kernel_source(backend: str, stage: Stage) -> tuple[str, str]:
-    """(header, source) for `stage` on `backend`: the backend's prelude around the shared body."""
+    """(header, source) for `stage` on `backend`: the backend's prelude around the shared body, compacted."""
     if backend not in PRELUDES:
         raise UnsupportedKernelConfig(f"no kernel prelude for backend {backend!r} (have {sorted(PRELUDES)})")
     header_file, indices_file = PRELUDES[backend]
-    header = (KERNEL_DIR / header_file).read_text() + (KERNEL_DIR / COMMON).read_text()
+    header = (KERNEL_DIR / header_file).read_text() + ((KERNEL_DIR / COMMON).read_text() if stage.common else "")
     source = (KERNEL_DIR / indices_file).read_text() + (KERNEL_DIR / stage.body).read_text()
-    return header, source
+    return compact(header), compact(source)
 
 
 _kernels: dict[tuple[str, str], object] = {}

@@ -33,7 +33,7 @@ from moebench.decode.state import LinearAttentionState
 from moebench.errors import UnsupportedKernelConfig
 from moebench.execution import linear_attention
 from moebench.execution.executor import executor
-from moebench.execution.kernel import KERNEL_DIR, LANES, kernel_source
+from moebench.execution.kernel import KERNEL_DIR, LANES, compact, kernel_source
 from moebench.execution.linear_attention import (
     GATED_DELTA,
     WARPS,
@@ -318,7 +318,7 @@ def test_shimmed_kernel_at_full_size_matches_the_float64_truth(shim):
 
 
 def test_each_backend_wraps_its_prelude_around_the_same_body():
-    body = (KERNEL_DIR / GATED_DELTA.body).read_text()
+    body = compact((KERNEL_DIR / GATED_DELTA.body).read_text())
     assert all(kernel_source(backend, GATED_DELTA)[1].endswith(body) for backend in ("metal", "cuda"))
 
 

@@ -38,7 +38,7 @@ from moebench.execution.attention import (
     reference_decode_attention,
     rope_frequencies,
 )
-from moebench.execution.kernel import KERNEL_DIR, LANES, Stage, float_bits, kernel_source
+from moebench.execution.kernel import KERNEL_DIR, LANES, Stage, compact, float_bits, kernel_source
 from moebench.execution.moe import (
     DOWN,
     GATE_UP,
@@ -431,7 +431,7 @@ def shim_library(tmp_path_factory) -> ctypes.CDLL:
 @pytest.mark.parametrize("stage", [ROUTER, ROWS, GATE_UP, DOWN, ATTENTION, COMBINE], ids=lambda s: s.name)
 def test_each_backend_wraps_its_prelude_around_the_same_body(stage):
     """One body per kernel for both GPUs: what differs between Metal and CUDA is only the prelude before it."""
-    body = (KERNEL_DIR / stage.body).read_text()
+    body = compact((KERNEL_DIR / stage.body).read_text())
     metal_header, metal_source = kernel_source("metal", stage)
     cuda_header, cuda_source = kernel_source("cuda", stage)
     assert metal_source.endswith(body) and cuda_source.endswith(body)

@@ -12,6 +12,9 @@
 #   kernels: the GPU time by kernel of this revision, of .snap/4a37dd2 and of .snap/385b789, Qwen3-30B-A3B, 64
 #            compiled steps
 #   long:   Qwen3-30B-A3B at 16384 and 32768 (llama.cpp, moebench, mlx-lm; no snapshot arm)
+#   retime3: (round 5) this revision (kernel sources compacted) against .snap/c4679bb (main before) at 64 and 2048
+#   probe:  (round 5) the decode-attention kernel's GPU time with parts of it cut out or changed
+#           (../issue57-attention-probe-2026-12-07/probe.py), at 100 and 2048 positions; needs no checkpoint
 set -uo pipefail
 R=$OUT; export OUT=/root/r; mkdir -p $OUT
 bash scripts/install-on-device.sh 2>&1 | tail -2
@@ -49,14 +52,20 @@ for stage in "$@"; do
     retime2)  # this revision against .snap/4a37dd2
       env $common PRESET=qwen3-30b-a3b PROMPTS="64 2048" SNAPSHOT=.snap/4a37dd2 BENCH_LIMIT=300 \
         bash scripts/device_bench.sh make bench 2>&1 | tail -40 ;;
+    retime3)  # this revision against .snap/c4679bb
+      env $common PRESET=qwen3-30b-a3b PROMPTS="64 2048" SNAPSHOT=.snap/c4679bb BENCH_LIMIT=420 \
+        bash scripts/device_bench.sh make bench 2>&1 | tail -40 ;;
     kernels)  # the GPU time by kernel of this revision and of the snapshots carried, Qwen3-30B-A3B
       env $common PRESET=qwen3-30b-a3b bash scripts/device_bench.sh make kernels 2>&1 | tail -20
       ckpt=/root/moebench-qwen3-30b-a3b-4bit-g64-bfloat16 root=$PWD
-      for snap in 4a37dd2 385b789; do
+      for snap in c4679bb 4a37dd2 385b789; do
         [ -d .snap/$snap ] || continue
         (cd .snap/$snap && PYTHONPATH=$PWD MLX_PTX_CACHE_DIR=$root/.ptx-cache timeout 150 python3 \
           ../../scripts/device_diag.py $ckpt kernels 2>&1 | tee $OUT/kernels-qwen3-30b-a3b-$snap.txt | grep -E "us/token" | head -16)
       done ;;
+    probe)
+      timeout 200 python3 docs/benchmarks/raw/issue57-attention-probe-2026-12-07/probe.py --positions 100 2048 \
+        2>&1 | grep -v Warning | tee $OUT/probe.txt | tail -40 ;;
     long)
       env $common PRESET=qwen3-30b-a3b PROMPTS="16384 32768" BENCH_LIMIT=420 \
         bash scripts/device_bench.sh llamacpp make bench 2>&1 | tail -40 ;;
