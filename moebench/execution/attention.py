@@ -51,8 +51,8 @@ from .support import attention_reason, rotary_dims
 
 ATTENTION = Stage("moebench_attn_decode", "attn_decode.body",
                   ("qkv", "bias", "inv_freq", "pos", "keys", "values", "block", "q_norm", "k_norm", "eps", "sinks"),
-                  ("out", "k_new", "v_new"), common=False)
-COMBINE = Stage("moebench_attn_combine", "attn_combine.body", ("parts",), ("out",), common=False)
+                  ("out", "k_new", "v_new"))
+COMBINE = Stage("moebench_attn_combine", "attn_combine.body", ("parts",), ("out",))
 
 
 @dataclass(frozen=True)

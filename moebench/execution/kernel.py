@@ -30,8 +30,11 @@ GPU_BACKENDS = ("metal", "cuda")
 BACKENDS = (*GPU_BACKENDS, "reference")
 # Per backend: the header part of the prelude (helpers) and the source part (thread indices).
 PRELUDES = {"metal": ("metal_header.h", "metal_indices.inc"), "cuda": ("cuda_header.cuh", "cuda_indices.inc")}
-COMMON = "moe_common.inc"  # helpers every body uses, after the backend's header part
-# The quantization modes the kernels read, by the MODE template constant they take (moe_common.inc).
+# Helpers some bodies call, after the backend's header part: the quantized formats, row loads and the experts'
+# activation; the router's selection.
+QUANT = "moe_quant.inc"
+SELECT = "moe_select.inc"
+# The quantization modes the kernels read, by the MODE template constant they take (moe_quant.inc).
 KERNEL_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 
 
@@ -52,14 +55,14 @@ def check_backend(backend: str) -> None:
 
 @dataclass(frozen=True)
 class Stage:
-    """One kernel: its body file and its parameter names (MLX writes the signature); `common`: whether the body
-    calls the MoE helpers of moe_common.inc (the quantized formats, the activation, the router's selection)."""
+    """One kernel: its body file, its parameter names (MLX writes the signature) and the helper files it calls
+    (QUANT, SELECT)."""
 
     name: str
     body: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    common: bool = True
+    helpers: tuple[str, ...] = ()
 
 
 # A comment, or a string or character literal (kept whole: what looks like a comment inside one is not).
@@ -80,14 +83,18 @@ def compact(code: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def kernel_source(backend: str, stage: Stage) -> tuple[str, str]:
-    """(header, source) for `stage` on `backend`: the backend's prelude around the shared body, compacted."""
+def kernel_header(backend: str, helpers: tuple[str, ...] = (QUANT, SELECT)) -> str:
+    """The header part of `backend`'s prelude and the `helpers` files after it, compacted."""
     if backend not in PRELUDES:
         raise UnsupportedKernelConfig(f"no kernel prelude for backend {backend!r} (have {sorted(PRELUDES)})")
-    header_file, indices_file = PRELUDES[backend]
-    header = (KERNEL_DIR / header_file).read_text() + ((KERNEL_DIR / COMMON).read_text() if stage.common else "")
-    source = (KERNEL_DIR / indices_file).read_text() + (KERNEL_DIR / stage.body).read_text()
-    return compact(header), compact(source)
+    return compact("".join((KERNEL_DIR / f).read_text() for f in (PRELUDES[backend][0], *helpers)))
+
+
+def kernel_source(backend: str, stage: Stage) -> tuple[str, str]:
+    """(header, source) for `stage` on `backend`: the backend's prelude and the stage's helpers around the shared
+    body, compacted."""
+    header = kernel_header(backend, stage.helpers)
+    return header, compact((KERNEL_DIR / PRELUDES[backend][1]).read_text() + (KERNEL_DIR / stage.body).read_text())
 
 
 _kernels: dict[tuple[str, str], object] = {}

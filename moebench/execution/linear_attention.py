@@ -36,7 +36,7 @@ from .support import linear_attention_reason
 
 GATED_DELTA = Stage("moebench_gated_delta", "gated_delta.body",
                     ("qkv", "z", "b", "a", "conv_state", "conv_w", "a_log", "dt_bias", "norm_w", "consts", "state"),
-                    ("out", "conv_new", "state_new"), common=False)
+                    ("out", "conv_new", "state_new"))
 WARPS = 8  # simdgroups/warps a value head's threadgroup splits the state's rows over
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 

@@ -44,6 +44,8 @@ from .kernel import (
     GPU_BACKENDS,
     KERNEL_MODES,
     LANES,
+    QUANT,
+    SELECT,
     CheckedOnce,
     Stage,
     built_kernel,
@@ -63,13 +65,14 @@ from .support import (
 )
 from .weights import expert_biases
 
-ROUTER = Stage("moebench_moe_router", "moe_router.body", ("logits", "bias"), ("probs", "inds", "scores", "sgate"))
+ROUTER = Stage("moebench_moe_router", "moe_router.body", ("logits", "bias"), ("probs", "inds", "scores", "sgate"),
+               (SELECT,))
 GATE_UP = Stage("moebench_moe_gate_up", "moe_gate_up.body",
                 ("x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
-                 "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b", "gate_eb", "up_eb"), ("act",))
+                 "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b", "gate_eb", "up_eb"), ("act",), (QUANT,))
 DOWN = Stage("moebench_moe_down", "moe_down.body",
              ("indices", "scores", "down_w", "down_s", "down_b", "act", "sdown_w", "sdown_s", "sdown_b", "sgate",
-              "resid", "down_eb"), ("y", "ys", "out"))
+              "resid", "down_eb"), ("y", "ys", "out"), (QUANT,))
 DEFAULT_ROWS = 8  # simdgroups (output rows) per threadgroup
 MAX_ROWS = 32
 

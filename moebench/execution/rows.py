@@ -23,6 +23,7 @@ from .kernel import (
     GPU_BACKENDS,
     KERNEL_MODES,
     LANES,
+    QUANT,
     CheckedOnce,
     Stage,
     built_kernel,
@@ -34,7 +35,8 @@ from .kernel import (
 )
 from .support import matrix_reason, norm_memory_reason
 
-ROWS = Stage("moebench_rows", "rows.body", ("x", "norm_w", "eps", "w", "s", "b", "bias", "resid"), ("xn", "y"))
+ROWS = Stage("moebench_rows", "rows.body", ("x", "norm_w", "eps", "w", "s", "b", "bias", "resid"), ("xn", "y"),
+             (QUANT,))
 ROWS_WARPS = 8  # rows (simdgroups) a threadgroup; each threadgroup reads (and normalises) x itself
 _NO_EPS = mx.zeros((1,), mx.float32)  # eps's stand-in without a norm (unread; the kernel's eps is float32),
 mx.eval(_NO_EPS)  # evaluated once here, not a node in every decode step's graph

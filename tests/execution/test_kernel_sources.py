@@ -38,7 +38,7 @@ from moebench.execution.attention import (
     reference_decode_attention,
     rope_frequencies,
 )
-from moebench.execution.kernel import KERNEL_DIR, LANES, Stage, compact, float_bits, kernel_source
+from moebench.execution.kernel import KERNEL_DIR, LANES, Stage, compact, float_bits, kernel_header, kernel_source
 from moebench.execution.moe import (
     DOWN,
     GATE_UP,
@@ -402,7 +402,7 @@ def _run_instances():
 
 def _metal_unit() -> str:
     """Shim, Metal prelude, one template per signature, an explicit instance per combination, launchers."""
-    header, _ = kernel_source("metal", GATE_UP)
+    header = kernel_header("metal")
     instances = {(_metal_name(s, i), _args(i)): (s, i) for s, i in [
         *_compile_instances(FLAVORS, EXPERTS, DFFS, ROUTER_SHAPES, ATTENTION_SHAPES), *_run_instances()]}
     templates = {name: _metal_template(s, i) for (name, _), (s, i) in instances.items()}
@@ -446,7 +446,7 @@ def test_a_backend_without_a_prelude_is_named():
 
 def test_the_kernels_number_the_quantization_modes_as_the_wrappers_do():
     """The MODE a launch passes names the same format in the kernels' helpers."""
-    common = (KERNEL_DIR / "moe_common.inc").read_text()
+    common = (KERNEL_DIR / "moe_quant.inc").read_text()
     names = {"affine": "MB_AFFINE", "mxfp4": "MB_MXFP4", "nvfp4": "MB_NVFP4", "mxfp8": "MB_MXFP8"}
     assert set(KERNEL_MODES) == set(names) and set(MICROSCALED) == set(FP_MODES)
     for mode, name in names.items():
@@ -984,7 +984,7 @@ def _cuda_unit() -> str:
 
 def _cuda_kernels(instances) -> str:
     """(stage, instance) pairs as one CUDA unit, each a __global__ function named custom_kernel_<stage>_<n>."""
-    header, _ = kernel_source("cuda", GATE_UP)
+    header = kernel_header("cuda")
     parts = ["#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cooperative_groups.h>\n"
              "#include <cuda/std/limits>\n#define inf cuda::std::numeric_limits<float>::infinity()", header,
              "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;"]
