@@ -26,7 +26,7 @@ for stage in "$@"; do
       # (12:52 UTC ran the first design's test_cuda_normed_router_matches_the_unfused_ops_on_the_gpu in its place)
       # (15:35 UTC added the expert kernels' tests, as their loops are unrolled since 36bbb5a, and ran the rows test;
       # 300 s cut it in the pair's variants, docs/benchmarks/issue57-rows-h100-2026-12-07.md)
-      env DEADLINE=575 GPUTESTS_LIMIT=540 GPUTESTS="$t::test_cuda_rows_kernel_matches_the_unfused_ops_on_the_gpu \
+      env DEADLINE=575 GPUTESTS_LIMIT=${GPU_LIMIT:-540} GPUTESTS="$t::test_cuda_rows_kernel_matches_the_unfused_ops_on_the_gpu \
         $t::test_cuda_router_kernel_matches_the_reference $t::test_decode_on_cuda_runs_the_kernels_every_step \
         $t::test_gpt_oss_decode_on_cuda_runs_the_moe_kernels_every_step \
         $t::test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step \
