@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from moebench.execution import attention
-from moebench.execution.kernel import kernel_source
+from moebench.execution.kernel import compact, kernel_source
 from moebench.models.declare import AttentionSpec
 
 ROTATE = "for (int i = 0; i <= GROUP; ++i) {\n  float x[PER];"
@@ -37,7 +37,7 @@ ARMS = {
     "nowalk": ((("t0 < stop; t0 += WB)", "t0 < start; t0 += WB)"),), False, {}),
     "combine1": (((COMBINE, COMBINE.replace("i < GROUP", "i < 1")),), False, {}),
     "unroll": (((ROTATE, "MB_UNROLL " + ROTATE), (WALK_HEADS, "  MB_UNROLL\n" + WALK_HEADS),
-                (PARTNER_READ, PARTNER_SELECT)), True, {}),
+                (PARTNER_READ, PARTNER_SELECT), (COMBINE, "MB_UNROLL " + COMBINE)), True, {}),
     "nocombine_nowalk": ((("t0 < stop; t0 += WB)", "t0 < start; t0 += WB)"),
                           (COMBINE, COMBINE.replace("i < GROUP", "i < 0"))), False, {}),
     "S1": ((), True, {"splits": lambda capacity, kv_heads: 1}),
@@ -47,7 +47,8 @@ ARMS = {
 
 def variant_kernel(name: str, edits):
     header, source = kernel_source("cuda", attention.ATTENTION)
-    for old, new in edits:
+    for old, new in edits:  # in the compacted text MLX receives
+        old, new = compact(old).strip(), compact(new).strip()
         assert source.count(old) == 1, f"{name}: edit target not found once: {old[:40]!r}"
         source = source.replace(old, new)
     return mx.fast.cuda_kernel(name=f"probe_{name}", input_names=list(attention.ATTENTION.inputs),
