@@ -53,7 +53,7 @@ for stage in "$@"; do
       env $common PRESET=qwen3-30b-a3b PROMPTS="64 2048" SNAPSHOT=.snap/4a37dd2 BENCH_LIMIT=300 \
         bash scripts/device_bench.sh make bench 2>&1 | tail -40 ;;
     retime3)  # this revision against .snap/c4679bb
-      env $common PRESET=qwen3-30b-a3b PROMPTS="64 2048" SNAPSHOT=.snap/c4679bb BENCH_LIMIT=420 \
+      env $common PRESET=qwen3-30b-a3b PROMPTS="${R3_PROMPTS:-64 2048}" SNAPSHOT=.snap/c4679bb BENCH_LIMIT=${R3_LIMIT:-420} \
         bash scripts/device_bench.sh make bench 2>&1 | tail -40 ;;
     kernels)  # the GPU time by kernel of this revision and of the snapshots carried, Qwen3-30B-A3B
       env $common PRESET=qwen3-30b-a3b bash scripts/device_bench.sh make kernels 2>&1 | tail -20
