@@ -13,6 +13,8 @@
 #            compiled steps
 #   long:   Qwen3-30B-A3B at 16384 and 32768 (llama.cpp, moebench, mlx-lm; no snapshot arm)
 #   retime3: (round 5) this revision (kernel sources compacted) against .snap/c4679bb (main before) at 64 and 2048
+#   unroll: (round 5) ../issue57-compact-2026-12-07/attn-unroll.patch applied, against this revision (.snap/main:
+#           git archive HEAD moebench kernels, carried) at $U_PROMPTS (default 2048 16384), then the patch taken off
 #   probe:  (round 5) the decode-attention kernel's GPU time with parts of it cut out or changed
 #           (../issue57-attention-probe-2026-12-07/probe.py), at 100 and 2048 positions; needs no checkpoint
 set -uo pipefail
@@ -55,6 +57,12 @@ for stage in "$@"; do
     retime3)  # this revision against .snap/c4679bb
       env $common PRESET=qwen3-30b-a3b PROMPTS="${R3_PROMPTS:-64 2048}" SNAPSHOT=.snap/c4679bb BENCH_LIMIT=${R3_LIMIT:-420} \
         bash scripts/device_bench.sh make bench 2>&1 | tail -40 ;;
+    unroll)  # the unrolled attention kernel against this revision, where the GPU's time is the bound
+      u=docs/benchmarks/raw/issue57-compact-2026-12-07/attn-unroll.patch
+      (git apply $u 2>/dev/null || patch -p1 < $u) && \
+        env $common PRESET=qwen3-30b-a3b PROMPTS="${U_PROMPTS:-2048 16384}" SNAPSHOT=.snap/main BENCH_LIMIT=${U_LIMIT:-480} \
+        bash scripts/device_bench.sh make bench 2>&1 | tail -40
+      git apply -R $u 2>/dev/null || patch -R -p1 < $u ;;
     kernels)  # the GPU time by kernel of this revision and of the snapshots carried, Qwen3-30B-A3B
       env $common PRESET=qwen3-30b-a3b bash scripts/device_bench.sh make kernels 2>&1 | tail -20
       ckpt=/root/moebench-qwen3-30b-a3b-4bit-g64-bfloat16 root=$PWD
