@@ -134,8 +134,7 @@ class Executor:
         why its token mixing runs as MLX ops (_attention_reason), or None; `by_ops`: the attention layers whose
         token mixing does. A static cache is written in place by the kernels only when no attention layer's is
         (the others' whole-buffer update would race the in-place writes)."""
-        mixer, weights = token_mixer(self.model.layers[i]), self.weights[i]
-        linear = isinstance(mixer.spec, LinearAttentionSpec)
+        mixer, weights, linear = token_mixer(self.model.layers[i]), self.weights[i], self._linear(i)
         dtype, in_place = self.model.dtype, shape.static and not by_ops
         attention_step = None if reason else self._attention_step(mixer, weights, backend, in_place, dtype)
         # a linear layer's notes: none either way (the shard report names the linear heads a rank holds)

@@ -83,7 +83,7 @@ def compact(code: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def kernel_header(backend: str, helpers: tuple[str, ...] = (QUANT, SELECT)) -> str:
+def kernel_header(backend: str, helpers: tuple[str, ...]) -> str:
     """The header part of `backend`'s prelude and the `helpers` files after it, compacted."""
     if backend not in PRELUDES:
         raise UnsupportedKernelConfig(f"no kernel prelude for backend {backend!r} (have {sorted(PRELUDES)})")

@@ -38,7 +38,17 @@ from moebench.execution.attention import (
     reference_decode_attention,
     rope_frequencies,
 )
-from moebench.execution.kernel import KERNEL_DIR, LANES, Stage, compact, float_bits, kernel_header, kernel_source
+from moebench.execution.kernel import (
+    KERNEL_DIR,
+    LANES,
+    QUANT,
+    SELECT,
+    Stage,
+    compact,
+    float_bits,
+    kernel_header,
+    kernel_source,
+)
 from moebench.execution.moe import (
     DOWN,
     GATE_UP,
@@ -402,7 +412,7 @@ def _run_instances():
 
 def _metal_unit() -> str:
     """Shim, Metal prelude, one template per signature, an explicit instance per combination, launchers."""
-    header = kernel_header("metal")
+    header = kernel_header("metal", (QUANT, SELECT))
     instances = {(_metal_name(s, i), _args(i)): (s, i) for s, i in [
         *_compile_instances(FLAVORS, EXPERTS, DFFS, ROUTER_SHAPES, ATTENTION_SHAPES), *_run_instances()]}
     templates = {name: _metal_template(s, i) for (name, _), (s, i) in instances.items()}
@@ -984,7 +994,7 @@ def _cuda_unit() -> str:
 
 def _cuda_kernels(instances) -> str:
     """(stage, instance) pairs as one CUDA unit, each a __global__ function named custom_kernel_<stage>_<n>."""
-    header = kernel_header("cuda")
+    header = kernel_header("cuda", (QUANT, SELECT))
     parts = ["#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cooperative_groups.h>\n"
              "#include <cuda/std/limits>\n#define inf cuda::std::numeric_limits<float>::infinity()", header,
              "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;"]
