@@ -13,17 +13,19 @@ those k (gpt-oss), or scoring each expert by its sigmoid and choosing the top-k 
 the best groups, weighted by the unbiased scores times a scaling (GLM-4.x MoE, DeepSeek-V3, Kimi-K2). Families
 without them run the kernels' plain instances (template constants off, placeholders unread).
 
-The GPU path of one MoE layer is three launches: the router kernel (softmax or sigmoid scores, top-k and the
-shared expert's sigmoid gate from one row of logits), kernel A (gate and up of every routed slot and of the
-shared expert in one pass over x, the activation) writing act [K * Dff + Dffs] in float32, and kernel B
-(down of every slot and of the shared expert, and the combine) writing y, ys and the output.
+The GPU path of one MoE layer after its router logits is two launches (routed_by_router): kernel A selecting the
+experts itself (softmax or sigmoid scores, top-k and the shared expert's sigmoid gate from one row of logits, by
+warp 0 of each threadgroup), then gate and up of every routed slot and of the shared expert in one pass over x and
+the activation, writing act [K * Dff + Dffs] in float32, and kernel B (down of every slot and of the shared expert,
+and the combine) writing y, ys and the output. Where the ids are needed before the pair (experts sharded over
+ranks), the router kernel selects them (select) and kernel A reads them (routed): three launches.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -39,7 +41,6 @@ from ..models.declare import (
 )
 from ..models.routing import route
 from ..models.switch import SwitchGLU, weighted_sum
-from . import rows
 from .kernel import (
     GPU_BACKENDS,
     KERNEL_MODES,
@@ -69,7 +70,8 @@ ROUTER = Stage("moebench_moe_router", "moe_router.body", ("logits", "bias"), ("p
                (SELECT,))
 GATE_UP = Stage("moebench_moe_gate_up", "moe_gate_up.body",
                 ("x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
-                 "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b", "gate_eb", "up_eb"), ("act",), (QUANT,))
+                 "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b", "gate_eb", "up_eb", "logits", "bias"),
+                ("act", "probs", "inds", "scores", "sgate"), (QUANT, SELECT))
 DOWN = Stage("moebench_moe_down", "moe_down.body",
              ("indices", "scores", "down_w", "down_s", "down_b", "act", "sdown_w", "sdown_s", "sdown_b", "sgate",
               "resid", "down_eb"), ("y", "ys", "out"), (QUANT,))
@@ -80,12 +82,13 @@ MAX_ROWS = 32
 @dataclass(frozen=True)
 class SharedExpert:
     """The shared expert as the kernel pair takes it: quantized gate/up [Dffs, D] and down [D, Dffs], and its
-    sigmoid gate for this token as float32 [1] (or [1, 1] with a [1, D] token)."""
+    sigmoid gate for this token as float32 [1] (or [1, 1] with a [1, D] token); None for routed_by_router where
+    the router's stacked row gives it."""
 
     gate: QuantizedParts
     up: QuantizedParts
     down: QuantizedParts
-    sigmoid_gate: mx.array
+    sigmoid_gate: mx.array | None
 
 
 @dataclass(frozen=True)
@@ -175,8 +178,8 @@ def _check_pair(x: mx.array, indices: mx.array, scores: mx.array, gate: Quantize
     names = {f"{name}_proj": p for name, p in (("gate", shared.gate), ("up", shared.up), ("down", shared.down))}
     if (reason := shared_fold_reason((gate, up, down), names)) is not None:
         raise UnsupportedKernelConfig(f"shared expert: {reason}")
-    if shared.sigmoid_gate.shape != (*x.shape[:-1], 1):
-        raise UnsupportedKernelConfig(f"shared expert gate has shape {tuple(shared.sigmoid_gate.shape)}, "
+    if shared.sigmoid_gate is None or shared.sigmoid_gate.shape != (*x.shape[:-1], 1):
+        raise UnsupportedKernelConfig(f"shared expert gate has shape {_shape(shared.sigmoid_gate)}, "
                                       f"expected {(*x.shape[:-1], 1)}")
 
 
@@ -203,29 +206,48 @@ class PairLaunch:
     down_template: list
     down_grid: tuple[int, int, int]
     threadgroup: tuple[int, int, int]
-    act_shape: list
+    scale_dtype: mx.Dtype  # what every projection's scales and biases are cast to (a no-op in practice)
+    gate_up_shapes: list
     down_shapes: list
     down_dtypes: list
+
+
+GATE_UP_DTYPES = [mx.float32, mx.float32, mx.uint32, mx.float32, mx.float32]  # act and the router's outputs
+
+
+def _choice_template(norm_topk_prob: bool, gate_row: bool, scoring: str, numbers: tuple[int, int, float],
+                     biased: bool) -> list:
+    """The router's template constants after E and K, as the router kernel and kernel A with ROUTE take them."""
+    n_group, topk_group, scaling = numbers
+    return [("NORM", norm_topk_prob), ("SHARED", gate_row), ("SCORING", ROUTER_SCORINGS.index(scoring)),
+            ("GROUPS", n_group), ("KEEP", topk_group), ("SCALE", float_bits(scaling)), ("BIAS", biased)]
 
 
 @functools.lru_cache(maxsize=64)
 def _pair_launch(lead: tuple, x_dtype: mx.Dtype, scale_dtype: mx.Dtype, scores_dtype: mx.Dtype,
                  e: int, k: int, d: int, dff: int, dffs: int, gs: int, bits: tuple[int, int, int], resid: bool,
-                 rows: int, mode: str, biased: bool, clamp: tuple[float, float] | None) -> PairLaunch:
+                 rows: int, mode: str, biased: bool, clamp: tuple[float, float] | None,
+                 route: tuple | None = None) -> PairLaunch:
+    """`route`: kernel A's selection (the logits' and the selection bias's dtypes, then _choice_template's
+    arguments), or None where it reads the ids."""
     shape = [("E", e), ("K", k), ("DIN", d), ("DFF", dff), ("DFFS", dffs), ("GS", gs)]
+    choice = route or (x_dtype, x_dtype, False, False, SOFTMAX_THEN_TOPK, (1, 1, 1.0), False)
     mode_id = ("MODE", KERNEL_MODES.index(mode))
     limit, alpha = map(float_bits, clamp) if clamp is not None else (0, 0)
     activation = [("ACT", ACTIVATIONS.index(SWIGLU if clamp is None else CLAMPED_SWIGLU)), ("LIMIT", limit),
                   ("ALPHA", alpha)]
     return PairLaunch(
         gate_up_template=[("T", x_dtype), ("ST", scale_dtype), *shape, ("GATE_BITS", bits[0]), ("UP_BITS", bits[1]),
-                          mode_id, *activation, ("EBIAS", biased)],
+                          mode_id, *activation, ("EBIAS", biased), ("ROUTE", route is not None), ("W", rows),
+                          ("LT", choice[0]), ("BT", choice[1]), *_choice_template(*choice[2:])],
         gate_up_grid=(LANES, round_up(k * dff + dffs, rows), 1),
         down_template=[("T", x_dtype), ("ST", scale_dtype), ("S", scores_dtype), *shape, ("BITS", bits[2]),
                        ("RESID", resid), mode_id, ("EBIAS", biased)],
         down_grid=(LANES, round_up(d, rows), 1),
         threadgroup=(LANES, rows, 1),
-        act_shape=[(k * dff + dffs,)],
+        scale_dtype=scale_dtype,
+        gate_up_shapes=[(k * dff + dffs,), *([(*lead, e), (*lead, k), (*lead, k), (*lead, 1)] if route else
+                                             [(1,)] * 4)],
         down_shapes=[(*lead, k, d), (*lead, d) if dffs else (1,), (*lead, d)],
         down_dtypes=[mx.float32, mx.float32, x_dtype],
     )
@@ -239,7 +261,7 @@ def gpu_routed(
     """The kernel pair on `backend` (see routed). Kept lean: at decode the Python cost of building a layer's
     graph is of the same order as the GPU work. A kernel's inputs are fixed, so without a shared expert the
     routed arrays stand in for its (unread) inputs, without a residual x does, and without expert biases x
-    (kernel A) and the residual or x (kernel B)."""
+    (kernel A) and the residual or x (kernel B); x stands in for kernel A's logits and selection bias."""
     key = pair_signature(x, indices, scores, gate, up, down, shared, residual, rows, variant)
     check_pair(key, x, indices, scores, gate, up, down, shared, residual, rows, variant)
     biases = variant.biases if variant is not None else None
@@ -249,19 +271,38 @@ def gpu_routed(
                           (gate.bits, up.bits, down.bits), residual is not None, rows, gate.mode, biases is not None,
                           variant.clamp if variant is not None else None)
     indices = indices.astype(mx.uint32)
-    st = gate.scales.dtype  # scales and biases of every projection in one dtype (a no-op cast in practice)
-    s_gate, s_up, s_down = (shared.gate, shared.up, shared.down) if shared is not None else (gate, up, down)
-    resid = residual if residual is not None else x
-    gate_eb, up_eb, down_eb = _expert_biases(biases, x.dtype) if biases is not None else (x, x, resid)
-    act = built_kernel(backend, GATE_UP)(
+    act = _gate_up(backend, launch, x, indices, x, x, gate, up, shared, biases)[0]
+    return _down(backend, launch, x, indices, scores, act, down, shared,
+                 shared.sigmoid_gate if shared is not None else scores, residual, biases)
+
+
+def _gate_up(backend: str, launch: PairLaunch, x: mx.array, indices: mx.array, logits: mx.array, bias: mx.array,
+             gate: QuantizedParts, up: QuantizedParts, shared: SharedExpert | None,
+             biases: tuple[mx.array, ...] | None) -> list[mx.array]:
+    """Kernel A: [act, probs, inds, scores, sgate] (the router's outputs (1,) placeholders without ROUTE)."""
+    st = launch.scale_dtype
+    s_gate, s_up = (shared.gate, shared.up) if shared is not None else (gate, up)
+    gate_eb, up_eb = _expert_biases(biases[:2], x.dtype) if biases is not None else (x, x)
+    return built_kernel(backend, GATE_UP)(
         inputs=[x, indices, gate.weight, *_scales_biases(gate, st), up.weight, *_scales_biases(up, st),
-                s_gate.weight, *_scales_biases(s_gate, st), s_up.weight, *_scales_biases(s_up, st), gate_eb, up_eb],
+                s_gate.weight, *_scales_biases(s_gate, st), s_up.weight, *_scales_biases(s_up, st), gate_eb, up_eb,
+                logits, bias],
         template=launch.gate_up_template, grid=launch.gate_up_grid, threadgroup=launch.threadgroup,
-        output_shapes=launch.act_shape, output_dtypes=[mx.float32],
-    )[0]
+        output_shapes=launch.gate_up_shapes, output_dtypes=GATE_UP_DTYPES,
+    )
+
+
+def _down(backend: str, launch: PairLaunch, x: mx.array, indices: mx.array, scores: mx.array, act: mx.array,
+          down: QuantizedParts, shared: SharedExpert | None, sigmoid_gate: mx.array, residual: mx.array | None,
+          biases: tuple[mx.array, ...] | None) -> tuple[mx.array, mx.array, mx.array | None]:
+    """Kernel B: (out, y, ys or None without a shared expert); `sigmoid_gate` read with the shared expert only."""
+    st = launch.scale_dtype
+    s_down = shared.down if shared is not None else down
+    resid = residual if residual is not None else x
+    down_eb = _expert_biases(biases[2:], x.dtype)[0] if biases is not None else resid
     y, ys, out = built_kernel(backend, DOWN)(
         inputs=[indices, scores, down.weight, *_scales_biases(down, st), act, s_down.weight,
-                *_scales_biases(s_down, st), shared.sigmoid_gate if shared is not None else scores, resid, down_eb],
+                *_scales_biases(s_down, st), sigmoid_gate, resid, down_eb],
         template=launch.down_template, grid=launch.down_grid, threadgroup=launch.threadgroup,
         output_shapes=launch.down_shapes, output_dtypes=launch.down_dtypes,
     )
@@ -332,19 +373,25 @@ def _check_select(logits: mx.array, num_experts: int, top_k: int, norm_topk_prob
 check_select = CheckedOnce(_check_select)
 
 
+def _select_key(logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool, gate_row: bool, scoring: str,
+                grouped: GroupedChoice | None) -> tuple:
+    """Everything the router's checks depend on (no array values)."""
+    return (tuple(logits.shape), num_experts, top_k, norm_topk_prob, gate_row, scoring,
+            grouped is not None and (signature(grouped.selection_bias), grouped.numbers))
+
+
 def gpu_select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
                gate_row: bool, scoring: str = SOFTMAX_THEN_TOPK, grouped: GroupedChoice | None = None
                ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """The router kernel on `backend` (see select). Without a selection bias the logits stand in for it (unread)."""
     lead = tuple(logits.shape[:-1])
     bias = grouped.selection_bias if grouped is not None else None
-    n_group, topk_group, scaling = grouped.numbers if grouped is not None else (1, 1, 1.0)
+    choice = _choice_template(norm_topk_prob, gate_row, scoring, grouped.numbers if grouped is not None else
+                              (1, 1, 1.0), bias is not None)
     return tuple(built_kernel(backend, ROUTER)(
         inputs=[logits, logits if bias is None else bias],
         template=[("LT", logits.dtype), ("BT", logits.dtype if bias is None else bias.dtype), ("E", num_experts),
-                  ("K", top_k), ("NORM", norm_topk_prob), ("SHARED", gate_row),
-                  ("SCORING", ROUTER_SCORINGS.index(scoring)), ("GROUPS", n_group), ("KEEP", topk_group),
-                  ("SCALE", float_bits(scaling)), ("BIAS", bias is not None)],
+                  ("K", top_k), *choice],
         grid=(LANES, 1, 1), threadgroup=(LANES, 1, 1),
         output_shapes=[(*lead, num_experts), (*lead, top_k), (*lead, top_k), (*lead, 1)],
         output_dtypes=[mx.float32, mx.uint32, mx.float32, mx.float32],
@@ -390,40 +437,13 @@ def select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_to
     sum to one); SIGMOID_GROUPED takes `grouped` (GroupedChoice.of(spec, selection_bias)), the ids ordered by
     score + selection bias, `norm_topk_prob` the block's `renormalize`."""
     check_backend(backend)
-    key = (tuple(logits.shape), num_experts, top_k, norm_topk_prob, gate_row, scoring,
-           grouped is not None and (signature(grouped.selection_bias), grouped.numbers))
+    key = _select_key(logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
     check_select(key, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
     if backend in GPU_BACKENDS:
         return gpu_select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
     return run_compiled(_traced_select, (num_experts, top_k, norm_topk_prob, gate_row, scoring,
                                          grouped.numbers if grouped is not None else None),
                         logits, grouped.selection_bias if grouped is not None else None)
-
-
-@dataclass(frozen=True)
-class NormedRouter:
-    """A MoE block's input norm and router as the rows kernel takes them (moebench.execution.rows): the RMSNorm,
-    and the router's rows [E (+1), D] (the shared expert gate's row last where it is stacked with them) with its
-    bias."""
-
-    norm: rows.Norm
-    router: rows.Rows
-
-    @classmethod
-    def of(cls, norm, router, eps_array: mx.array) -> NormedRouter:
-        """From the block's RMSNorm module and its router Linear (support.rows_reason accepted both), with the
-        norm's eps as float32 [1] (made once by the caller)."""
-        return cls(rows.Norm.of(norm, eps_array), rows.Rows.of(router))
-
-
-def normed_select(backend: str, h: mx.array, router: NormedRouter, num_experts: int, top_k: int,
-                  norm_topk_prob: bool, gate_row: bool, scoring: str = SOFTMAX_THEN_TOPK,
-                  grouped: GroupedChoice | None = None) -> tuple[mx.array, ...]:
-    """select after the block's input norm and the router's matmul, both in one launch on a GPU (the rows kernel):
-    one token's residual stream h [..., D] -> (probs, ids, scores, shared gate as select returns them, the normed
-    input xn [..., D] and the router's logits [..., E (+1)], both in h's dtype), the leading axes all 1 and kept."""
-    xn, logits = rows.linear(backend, h, router.router, router.norm)
-    return (*select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped), xn, logits)
 
 
 def matmul_f32(p: QuantizedParts, v: mx.array, indices: mx.array | None = None) -> mx.array:
@@ -530,6 +550,82 @@ def reference_routed(x: mx.array, indices: mx.array, scores: mx.array, gate: Qua
     if residual is not None:
         out = residual.reshape(-1).astype(mx.float32) + out
     return out.astype(x.dtype).reshape(x.shape), y.reshape(*lead, *y.shape), ys
+
+
+def _check_routed_by_router(x: mx.array, logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool,
+                            gate_row: bool, scoring: str, grouped: GroupedChoice | None, gate: QuantizedParts,
+                            up: QuantizedParts, down: QuantizedParts, shared: SharedExpert | None,
+                            residual: mx.array | None, rows: int, variant: ExpertVariant | None) -> None:
+    """select's and routed's checks, with the ids, scores (and the stacked row's shared gate) the selection will
+    give; the router's experts the pair's."""
+    _check_select(logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
+    if logits.shape[:-1] != x.shape[:-1]:
+        raise UnsupportedKernelConfig(f"router logits {tuple(logits.shape)} and x {tuple(x.shape)}: expected the "
+                                      f"same leading axes")
+    if shared is not None and (shared.sigmoid_gate is None) != gate_row:
+        raise UnsupportedKernelConfig("the shared expert's gate: with gate_row the router's stacked row gives it "
+                                      "(sigmoid_gate None), else the caller does")
+    lead = tuple(x.shape[:-1])
+    slots = mx.zeros((*lead, top_k), mx.uint32)
+    if shared is not None and gate_row:
+        shared = replace(shared, sigmoid_gate=mx.zeros((*lead, 1), mx.float32))
+    _check_pair(x, slots, slots.astype(mx.float32), gate, up, down, shared, residual, rows, variant)
+    if gate.weight.shape[0] != num_experts:
+        raise UnsupportedKernelConfig(f"the router chooses among {num_experts} experts, the experts are "
+                                      f"{gate.weight.shape[0]}")
+
+
+check_routed_by_router = CheckedOnce(_check_routed_by_router)
+
+
+def routed_by_router(
+    backend: str, x: mx.array, logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool, gate_row: bool,
+    scoring: str, grouped: GroupedChoice | None, gate: QuantizedParts, up: QuantizedParts, down: QuantizedParts,
+    shared: SharedExpert | None = None, residual: mx.array | None = None, rows: int = DEFAULT_ROWS,
+    variant: ExpertVariant | None = None,
+) -> tuple[mx.array, ...]:
+    """select then routed for one token's input x [..., D] (the normed input) and its router logits [..., E (+1)]:
+    (out, y, ys as routed returns them, probs, ids, scores, shared gate as select returns them). The arguments
+    are select's choice and routed's experts; with `gate_row` the shared expert's gate is the stacked row's
+    sigmoid (its sigmoid_gate None), else the shared expert's own. On a GPU two launches, not three: kernel A
+    selects the experts itself (no router kernel)."""
+    check_backend(backend)
+    key = (pair_signature(x, None, None, gate, up, down, shared, residual, rows, variant),
+           _select_key(logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped))
+    check_routed_by_router(key, x, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped, gate, up,
+                           down, shared, residual, rows, variant)
+    if backend in GPU_BACKENDS:
+        return gpu_routed_by_router(backend, x, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring,
+                                    grouped, gate, up, down, shared, residual, rows, variant)
+    probs, inds, scores, sgate = select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring,
+                                        grouped)
+    if shared is not None and gate_row:
+        shared = replace(shared, sigmoid_gate=sgate)
+    return (*routed(backend, x, inds, scores, gate, up, down, shared, residual, rows, variant), probs, inds, scores,
+            sgate)
+
+
+def gpu_routed_by_router(
+    backend: str, x: mx.array, logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool, gate_row: bool,
+    scoring: str, grouped: GroupedChoice | None, gate: QuantizedParts, up: QuantizedParts, down: QuantizedParts,
+    shared: SharedExpert | None, residual: mx.array | None, rows: int, variant: ExpertVariant | None,
+) -> tuple[mx.array, ...]:
+    """Kernel A with ROUTE, then kernel B on its ids, scores (and shared gate) (see routed_by_router; checked
+    there). The packed gate weights (uint32) stand in for kernel A's unread indices, the logits for an absent
+    selection bias."""
+    biases = variant.biases if variant is not None else None
+    bias = grouped.selection_bias if grouped is not None else None
+    route = (logits.dtype, logits.dtype if bias is None else bias.dtype, norm_topk_prob, gate_row, scoring,
+             grouped.numbers if grouped is not None else (1, 1, 1.0), bias is not None)
+    launch = _pair_launch(tuple(x.shape[:-1]), x.dtype, gate.scales.dtype, mx.float32, num_experts, top_k,
+                          gate.in_features, gate.out_features, shared.gate.out_features if shared is not None else 0,
+                          gate.group_size, (gate.bits, up.bits, down.bits), residual is not None, rows, gate.mode,
+                          biases is not None, variant.clamp if variant is not None else None, route)
+    act, probs, inds, scores, sgate = _gate_up(backend, launch, x, gate.weight, logits,
+                                               logits if bias is None else bias, gate, up, shared, biases)
+    sigmoid_gate = scores if shared is None else sgate if gate_row else shared.sigmoid_gate
+    return (*_down(backend, launch, x, inds, scores, act, down, shared, sigmoid_gate, residual, biases), probs, inds,
+            scores, sgate)
 
 
 def routed_experts(path: str, experts: SwitchGLU, x: mx.array, indices: mx.array, scores: mx.array,

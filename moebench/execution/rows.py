@@ -3,7 +3,7 @@
 The unfused path spends a launch on a norm before a Linear and another on the residual add after one. The rows
 kernel (kernels/rows.body) computes y = Linear(x) a warp per row and, where the caller hands them, normalises x by
 an RMSNorm in its prologue (every threadgroup normalises x itself, so no launch waits for another) and adds the
-residual stream in its epilogue. The MoE block's norm before its router (moebench.execution.moe.normed_select) and
+residual stream in its epilogue. The MoE block's norm before its router (moebench.execution.steps.MoeKernel) and
 o_proj with the residual add after it (moebench.execution.steps.AttentionKernel) run through it; a layer's input
 norm and its q/k/v rows do not (every threadgroup of those many rows normalising the input lost to MLX's two
 launches: docs/benchmarks). Each step rounds where the unfused ops round (the norm's

@@ -10,10 +10,11 @@ stored by the kernel itself in place where the plan says the cache allows it (a 
 GPU).
 
 MoeKernel: one kernel normalising the block's input and computing the router's and the shared gate's logits over
-their stacked rows where it can read them (else the norm and one matmul), the router kernel, and the kernel pair
-with the shared expert and the residual add inside, everything after the logits in float32. With an intervention
-set, routing runs through moebench.models.routing.route instead of the router kernel; a shared expert stored
-unlike the routed experts runs beside the kernels.
+their stacked rows where it can read them (else the norm and one matmul), and the kernel pair, whose first kernel
+selects the experts from the logits itself, with the shared expert and the residual add inside, everything after the
+logits in float32. Where the experts are sharded over ranks the router kernel selects them before the pair (each
+rank picks its slots from the ids); with an intervention set, routing runs through moebench.models.routing.route
+instead; a shared expert stored unlike the routed experts runs beside the kernels.
 Recording keeps the same launches and adds the recorded parts beside them.
 
 Each step says what it launches for one unrecorded decode token on the GPU path (`launches`, the graph nodes it
@@ -55,12 +56,12 @@ from . import attention, linear_attention, moe
 from .attention import QKNorm, rope_frequencies
 from .kernel import run_compiled
 from .plan import Launches
-from .rows import ROWS_WARPS, Rows
+from .rows import ROWS_WARPS, Norm, Rows
 from .rows import linear as rows_linear
 from .support import attention_reason, linear_attention_reason, rotary_dims, rows_reason
 from .weights import Derived, FusedWeights, RowStack
 
-ROUTE_NOTE = "routing by moebench.models.routing.route (an intervention is set), not the router kernel"
+ROUTE_NOTE = "routing by moebench.models.routing.route (an intervention is set), not the kernels' selection"
 # The cache capacity the launches are declared for: the least a decode cache holds (a KVCache grows by GROW_STEP
 # slots, the compiled step's StaticCache rounds its capacity up to the same 256). The attention's combine launch
 # depends on it: it joins the partials of the threadgroups that split more than SPLIT_POSITIONS (128) attended
@@ -264,11 +265,12 @@ class LinearAttentionKernel:
 
 
 class MoeKernel:
-    """One MoE block for one token through the router kernel and the kernel pair on `backend`:
+    """One MoE block for one token through the kernel pair on `backend`, its first kernel selecting the experts
+    (moe.routed_by_router; the router kernel before the pair where the experts are sharded):
     residual + block(norm(residual)). One kernel normalises the residual stream and computes the router's logits
     where it can read the norm and the router (support.rows_reason; `router_note` says why not, and then
     the norm and the router's matmul run as their own launches). The block's declared variants ride along: its
-    scoring (the router kernel's), its experts' biases and clamped SwiGLU (the pair's); a router bias is added to
+    scoring (the selection's), its experts' biases and clamped SwiGLU (the pair's); a router bias is added to
     the logits. `intervention`: the one set on the block when the plan was made (a plan's key holds it, so it is
     the one in force whenever the plan runs), or None."""
 
@@ -300,41 +302,47 @@ class MoeKernel:
         spec, parts = b.spec, b.parts()
         w = self.weights.fused(parts)
         shared_on, intervention = self.shared_on, self.intervention
-        gate = None
+        stacked, by_router = False, intervention is None and self.shard is None
         if intervention is None:
             router = self._router(parts)
             stacked = router is not parts.router
             grouped = moe.GroupedChoice.of(spec, parts.selection_bias) if self.grouped else None
             choice = (spec.num_experts, spec.top_k, spec.renormalize, stacked, spec.scoring, grouped)
             if self.router_note is None:
-                probs, inds, scores, gate, xn, logits = moe.normed_select(
-                    self.backend, residual, moe.NormedRouter.of(norm, router, self.eps), *choice)
+                xn, logits = rows_linear(self.backend, residual, Rows.of(router), Norm.of(norm, self.eps))
             else:
                 xn = norm(residual)
                 logits = router(xn)
+            if not by_router:  # the ids before the pair: each rank picks its slots
                 probs, inds, scores, gate = moe.select(self.backend, logits, *choice)
-            if stacked:
-                logits = logits[..., : spec.num_experts] if recording else None
-            else:
-                gate = None
         else:
             xn = norm(residual)
             logits = parts.router(xn)
             probs, inds, scores = route(logits, spec, intervention, selection_bias=parts.selection_bias)
-        if not shared_on:
-            gate = None
-        elif gate is None:
-            gate = b.shared_scale(xn).astype(mx.float32)
-        folded = moe.SharedExpert(*w.shared, gate) if shared_on and w.shared is not None else None
+        router_gate = shared_on and stacked  # the shared expert's gate: the stacked row's sigmoid
+        if not router_gate:
+            gate = b.shared_scale(xn).astype(mx.float32) if shared_on else None
+        folded = moe.SharedExpert(*w.shared, None if by_router and router_gate else gate) \
+            if shared_on and w.shared is not None else None
         beside = shared_on and folded is None  # the shared expert beside the kernels (the plan's note says why)
-        slots, weights, once = inds, scores, True
-        if self.shard is not None:  # this rank's experts; the residual (and a whole shared expert) on rank 0 alone
-            held, slots = self.shard.owned(inds)
-            weights, once = mx.where(held, scores, 0), self.shard.group.rank() == 0
-        mine = once or self.split_shared  # a split shared expert: every rank adds its share of the width
         variant = None if w.biases is None and self.clamp is None else moe.ExpertVariant(w.biases, self.clamp)
-        out, expert_out, shared = moe.routed(self.backend, xn, slots, weights, *w.experts, folded if mine else None,
-                                             residual if once and not beside else None, self.rows, variant)
+        if by_router:
+            out, expert_out, shared, probs, inds, scores, sgate = moe.routed_by_router(
+                self.backend, xn, logits, *choice, *w.experts, folded, None if beside else residual, self.rows,
+                variant)
+            if router_gate:
+                gate = sgate
+        else:
+            slots, weights, once = inds, scores, True
+            if self.shard is not None:  # this rank's experts; the residual (and a whole shared expert) on rank 0
+                held, slots = self.shard.owned(inds)
+                weights, once = mx.where(held, scores, 0), self.shard.group.rank() == 0
+            mine = once or self.split_shared  # a split shared expert: every rank adds its share of the width
+            out, expert_out, shared = moe.routed(self.backend, xn, slots, weights, *w.experts,
+                                                 folded if mine else None,
+                                                 residual if once and not beside else None, self.rows, variant)
+        if stacked:
+            logits = logits[..., : spec.num_experts] if recording else None
         if self.shard is not None and recording:  # every rank records every slot: the others' by the same all_sum
             out, expert_out, shared = self._summed_with_records(out, expert_out, shared, held, folded, mine, xn)
         elif self.shard is not None:
@@ -354,9 +362,9 @@ class MoeKernel:
 
     def launches(self, dtype: mx.Dtype) -> Launches:
         """What __call__ builds unrecorded on a GPU backend for activations in `dtype`: the rows kernel's norm and
-        logits (or the norm and the router's matmul), the router kernel and the kernel pair (with the casts
-        gpu_routed makes of stored dtypes unlike the kernels'), or not declared where a part runs as MLX ops the
-        block or moebench.models builds."""
+        logits (or the norm and the router's matmul) and the kernel pair, its first kernel selecting the experts
+        (with the casts the pair makes of stored dtypes unlike the kernels'), or not declared where a part runs as
+        MLX ops the block or moebench.models builds."""
         if self.intervention is not None:
             return Launches(None, ROUTE_NOTE)
         if self.shard is not None:
@@ -370,16 +378,15 @@ class MoeKernel:
         if self.shared_on and not stacked:
             return Launches(None, "the shared expert's factor from the block's shared_scale (its own MLX ops)")
         if self.router_note is None:
-            router_launches = Launches(("post-attention norm + router logits (kernel)", "router (kernel)"))
+            router_launches = Launches(("post-attention norm + router logits (kernel)",))
         else:
             router_launches = (Launches(("post-attention norm (rms_norm)",))
-                               + linear_launches("router + shared gate rows" if stacked else "router", router)
-                               + Launches(("router (kernel)",)))
-        scale = w.experts[0].scales.dtype  # gpu_routed casts every projection's scales and biases to it
+                               + linear_launches("router + shared gate rows" if stacked else "router", router))
+        scale = w.experts[0].scales.dtype  # the pair casts every projection's scales and biases to it
         stored = [a for p in (*w.experts, *(w.shared or w.experts)) for a in (p.scales, p.biases) if a is not None]
         casts = (("quantization scales or biases (astype)",) * sum(a.dtype != scale for a in stored)
                  + ("expert bias (astype)",) * sum(b.dtype != dtype for b in w.biases or ()))
-        return router_launches + Launches((*casts, "gate/up (kernel)", "down + residual (kernel)"))
+        return router_launches + Launches((*casts, "router + gate/up (kernel)", "down + residual (kernel)"))
 
     def _summed_with_records(self, out: mx.array, expert_out: mx.array, shared: mx.array | None, held: mx.array,
                              folded, mine: bool, xn: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:

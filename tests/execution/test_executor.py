@@ -223,13 +223,13 @@ def test_a_shared_expert_stored_unlike_the_routed_ones_runs_beside_the_kernels_a
 
 
 def test_one_kernel_normalises_and_computes_the_router_logits_unless_it_cannot_read_the_router(model):
-    """Quantized rows: the norm and the router's logits run in one kernel before the router kernel (one launch where
+    """Quantized rows: the norm and the router's logits run in one kernel before the kernel pair (one launch where
     there were two), the block's output the fallback's. A float router: the norm and its matmul run as their own
     launches, the layer's note says why, the output is unchanged."""
     plan = executor(model).plan(1, make_cache(len(model.layers)))
     assert plan.layers[0].moe_step.router_note is None and plan.layers[0].moe.note is None
     names = plan.layers[0].launches.names
-    assert names[names.index("post-attention norm + router logits (kernel)") + 1] == "router (kernel)"
+    assert names[names.index("post-attention norm + router logits (kernel)") + 1] == "router + gate/up (kernel)"
     assert "post-attention norm (rms_norm)" not in names
     residual = mx.array(np.random.default_rng(14).standard_normal((1, 1, 128)).astype(np.float32))
     quantized, _ = _block_step(model, 0, residual, True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 
 import mlx.core as mx
@@ -50,6 +50,7 @@ from moebench.execution.kernel import (
     kernel_source,
 )
 from moebench.execution.moe import (
+    DEFAULT_ROWS,
     DOWN,
     GATE_UP,
     KERNEL_MODES,
@@ -81,14 +82,17 @@ ATTENTION_SHAPES = ((16, 16, 128), (8, 2, 64), (4, 1, 256), (6, 2, 96), (2, 1, 3
 CAP = 80  # cache slots of the attention runs: past one round of the warps' blocks (8 warps x 8 keys)
 
 _SHAPE = [("int", n) for n in ("E", "K", "DIN", "DFF", "DFFS", "GS")]
+# The router's choice after E and K, as the router kernel and kernel A take it.
+_CHOICE = [("bool", "NORM"), ("bool", "SHARED"), ("int", "SCORING"), ("int", "GROUPS"), ("int", "KEEP"),
+           ("int", "SCALE"), ("bool", "BIAS")]
 # Template parameters in the order the wrappers pass them (MLX emits `template <...>` in that order).
 TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
-    ROUTER: [("typename", "LT"), ("typename", "BT"), ("int", "E"), ("int", "K"), ("bool", "NORM"), ("bool", "SHARED"),
-             ("int", "SCORING"), ("int", "GROUPS"), ("int", "KEEP"), ("int", "SCALE"), ("bool", "BIAS")],
+    ROUTER: [("typename", "LT"), ("typename", "BT"), ("int", "E"), ("int", "K"), *_CHOICE],
     ROWS: [("typename", "T"), ("typename", "ST"), ("int", "D"), ("int", "R"), ("int", "BITS"), ("int", "GS"),
            ("int", "MODE"), ("bool", "NORM"), ("bool", "BIAS"), ("bool", "RESID"), ("int", "W")],
     GATE_UP: [("typename", "T"), ("typename", "ST"), *_SHAPE, ("int", "GATE_BITS"), ("int", "UP_BITS"), ("int", "MODE"),
-              ("int", "ACT"), ("int", "LIMIT"), ("int", "ALPHA"), ("bool", "EBIAS")],
+              ("int", "ACT"), ("int", "LIMIT"), ("int", "ALPHA"), ("bool", "EBIAS"), ("bool", "ROUTE"), ("int", "W"),
+              ("typename", "LT"), ("typename", "BT"), *_CHOICE],
     DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID"),
            ("int", "MODE"), ("bool", "EBIAS")],
     ATTENTION: [("typename", "T"), ("typename", "OT"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS"),
@@ -101,7 +105,8 @@ PARAM_TYPES: dict[Stage, dict[str, str]] = {
     ROUTER: {"logits": "LT", "bias": "BT", "probs": "float", "scores": "float", "sgate": "float"},
     ROWS: {"x": "T", "norm_w": "T", "eps": "float", "s": "ST", "b": "ST", "bias": "T", "resid": "T", "xn": "T",
            "y": "T"},
-    GATE_UP: {"x": "T", "act": "float", "gate_eb": "T", "up_eb": "T",
+    GATE_UP: {"x": "T", "act": "float", "gate_eb": "T", "up_eb": "T", "logits": "LT", "bias": "BT", "probs": "float",
+              "scores": "float", "sgate": "float",
               **{f"{p}_{q}": "ST" for p in ("gate", "up", "sgate", "sup") for q in "sb"}},
     DOWN: {"scores": "S", "act": "float", "sgate": "float", "y": "float", "ys": "float", "out": "T", "resid": "T",
            "down_eb": "T", **{f"{p}_{q}": "ST" for p in ("down", "sdown") for q in "sb"}},
@@ -128,7 +133,9 @@ def _format(mode: str) -> dict[str, object]:
 
 # The declared variants off (SwiGLU without biases, softmax then top-k): what an instance takes unless told.
 VARIANTS_OFF = {"ACT": 0, "LIMIT": 0, "ALPHA": 0, "EBIAS": False, "SCORING": 0, "GROUPS": 1, "KEEP": 1,
-                "SCALE": float_bits(1.0), "BIAS": False}
+                "SCALE": float_bits(1.0), "BIAS": False, "ROUTE": False}
+# Kernel A reading the ids: the router's flags off, W the wrappers' rows a threadgroup (unread without ROUTE).
+CHOICE_OFF = {"NORM": False, "SHARED": False, "W": DEFAULT_ROWS}
 CLAMP = (1.0, 1.702)  # a limit that bites on the test activations; gpt-oss's alpha
 _CLAMPED = {"ACT": moe.ACTIVATIONS.index(CLAMPED_SWIGLU), "LIMIT": float_bits(CLAMP[0]),
             "ALPHA": float_bits(CLAMP[1])}
@@ -137,7 +144,7 @@ _CLAMPED = {"ACT": moe.ACTIVATIONS.index(CLAMPED_SWIGLU), "LIMIT": float_bits(CL
 def _instance(stage: Stage, flavor: str = "f32", **values) -> Instance:
     """One template instance of `stage`: type parameters from the dtype flavor unless `values` names them, the
     variants off unless `values` sets them, the rest from `values`."""
-    defaults = {**FLAVORS[flavor], **VARIANTS_OFF}
+    defaults = {**FLAVORS[flavor], **VARIANTS_OFF, **CHOICE_OFF}
     return {n: values[n] if n in values else defaults[n] for _, n in TEMPLATE_PARAMS[stage]}
 
 
@@ -169,7 +176,10 @@ def _constant_inputs(stage: Stage, inst: Instance) -> tuple[str, ...]:
                  "sinks": inst["H"] if inst["SINKS"] else 8}
     elif stage is COMBINE:
         sizes = {}
-    else:  # without a shared expert the caller passes scores in place of B's sgate [1]
+    elif stage is GATE_UP and inst["ROUTE"]:  # the packed gate rows stand in for the ids, the logits for a bias
+        logits = inst["E"] + inst["SHARED"]
+        sizes = {"logits": logits, "bias": inst["E"] if inst["BIAS"] else logits}
+    else:  # without a shared expert the caller passes scores in place of B's sgate [1]; x stands in for A's logits
         sizes = {"indices": inst["K"], "scores": inst["K"], "sgate": 1 if inst["DFFS"] else inst["K"]}
     return tuple(n for n in stage.inputs if sizes.get(n, 8) < 8)
 
@@ -202,7 +212,8 @@ def _launcher(stage: Stage, inst: Instance) -> str:
     """extern "C" entry for ctypes: the stage's buffers in input-then-output order, over `rows` simdgroups."""
     buffers = [f"static_cast<{'const ' * (n in stage.inputs)}{_param_type(stage, n, inst)}*>(buf[{i}])"
                for i, n in enumerate(stage.inputs + stage.outputs)]
-    if stage in (ATTENTION, ROWS):  # threadgroups of W simdgroups (attention: a key/value head and split)
+    if stage in (ATTENTION, ROWS) or stage is GATE_UP and inst["ROUTE"]:  # threadgroups of W simdgroups
+        # (attention: a key/value head and split; kernel A: its warp 0 selects for them)
         launch = f"mb_shim_launch_threadgroups(rows / {inst['W']}, {inst['W']}, "
     else:
         launch = "mb_shim_launch(rows, 1, "
@@ -286,6 +297,9 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
             yield ROUTER, _router_instance(n_exp, top_k, norm, shared, scoring, flavor=flavor)
         for router, norm, shared, bias in product(GROUPED_ROUTERS, (True, False), (True, False), (True, False)):
             yield ROUTER, _router_instance(*router[:2], norm, shared, SIGMOID_GROUPED, router[2:], bias, flavor)
+        for (scoring, groups, bias, norm), width in product(ROUTE_CHOICES, (0, dffs)):  # kernel A selecting
+            yield GATE_UP, _instance(GATE_UP, flavor, **experts, DFFS=width, GS=64, GATE_BITS=4, UP_BITS=4, MODE=0,
+                                     ROUTE=True, **_choice(norm, width > 0, scoring, groups, bias))
         for (mode, bits, group), (norm, bias, resid) in product(formats, ROWS_VARIANTS):  # the real launch's rows a
             case = RowsCase(flavor, mode, bits, group, router_shapes[-1][0] + 1, bias, ROWS_WARPS, norm, resid)
             yield ROWS, _rows_instance(case, experts["DIN"])  # threadgroup, the last router shape's rows
@@ -301,10 +315,34 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
 def _router_instance(n_exp: int, top_k: int, norm: bool, shared: bool, scoring: str = SOFTMAX_THEN_TOPK,
                      groups: tuple[int, int, float] = (1, 1, 1.0), bias: bool = False, flavor: str = "f32") -> Instance:
     """The router kernel by `scoring`; with SIGMOID_GROUPED its (groups, kept groups, scaling) and selection bias."""
+    return _instance(ROUTER, flavor, E=n_exp, K=top_k, **_choice(norm, shared, scoring, groups, bias))
+
+
+def _choice(norm: bool, shared: bool, scoring: str, groups: tuple[int, int, float], bias: bool) -> Instance:
+    """The router's template values after E and K (the router kernel's, kernel A's with ROUTE)."""
     n_group, keep, scale = groups
-    return _instance(ROUTER, flavor, E=n_exp, K=top_k, NORM=norm, SHARED=shared,
-                     SCORING=ROUTER_SCORINGS.index(scoring), GROUPS=n_group, KEEP=keep, SCALE=float_bits(scale),
-                     BIAS=bias)
+    return {"NORM": norm, "SHARED": shared, "SCORING": ROUTER_SCORINGS.index(scoring), "GROUPS": n_group,
+            "KEEP": keep, "SCALE": float_bits(scale), "BIAS": bias}
+
+
+# Kernel A selecting the experts itself (ROUTE), by each scoring: (scoring, (groups, kept groups, scaling), selection
+# bias, NORM): softmax then top-k, top-k then softmax, sigmoid within the best groups with and without a bias.
+ROUTE_CHOICES = [(SOFTMAX_THEN_TOPK, (1, 1, 1.0), False, True), (TOPK_THEN_SOFTMAX, (1, 1, 1.0), False, False),
+                 (SIGMOID_GROUPED, (4, 2, 2.5), True, True), (SIGMOID_GROUPED, (4, 2, 2.5), False, False)]
+ROUTE_EXPERTS = {**EXPERTS, "E": 40}  # two experts a lane for some lanes, groups of 10
+# (choice, the shared gate's row stacked (with the shared expert folded in), warps a threadgroup): 5 leaves padding
+# warps in the last threadgroup (K * DFF and DFFS are multiples of every group size, so of 8 too), 1 none
+ROUTE_RUNS = list(product(ROUTE_CHOICES, (False, True), (1, 5)))
+
+
+def _route_instances(choice: tuple, gate_row: bool, warps: int) -> tuple[Instance, Instance, Instance]:
+    """The router kernel, kernel A reading its ids (as gpu_routed launches it) and kernel A selecting them."""
+    scoring, groups, bias, norm = choice
+    experts = {**ROUTE_EXPERTS, "DFFS": DFFS if gate_row else 0, "GS": 64, "GATE_BITS": 4, "UP_BITS": 4, "MODE": 0,
+               "W": warps}
+    return (_router_instance(ROUTE_EXPERTS["E"], K, norm, gate_row, scoring, groups, bias),
+            _instance(GATE_UP, **experts),
+            _instance(GATE_UP, **experts, ROUTE=True, **_choice(norm, gate_row, scoring, groups, bias)))
 
 
 @dataclass(frozen=True)
@@ -384,7 +422,7 @@ def _routed_instances(mode: str, gate_bits: int, up_bits: int, down_bits: int, g
     """Kernels A and B; B adds the residual stream in the shared-expert cases (both flags run on the CPU)."""
     variant = {**(_CLAMPED if clamped else {}), "EBIAS": biases}
     return (_instance(GATE_UP, **EXPERTS, DFFS=dffs, GS=group, GATE_BITS=gate_bits, UP_BITS=up_bits, **_format(mode),
-                      **variant),
+                      W=5, **variant),
             _instance(DOWN, **EXPERTS, DFFS=dffs, GS=group, BITS=down_bits, RESID=dffs > 0, EBIAS=biases,
                       **_format(mode)))
 
@@ -396,6 +434,8 @@ def _run_instances():
         yield ROUTER, _router_instance(n_exp, top_k, norm, shared, scoring)
     for router, norm, shared, mean in _GROUPED_RUN_CASES:
         yield ROUTER, _router_instance(*router[:2], norm, shared, SIGMOID_GROUPED, router[2:], mean is not None)
+    for run in ROUTE_RUNS:
+        yield from zip((ROUTER, GATE_UP, GATE_UP), _route_instances(*run), strict=True)
     for case in ROWS_CASES:
         yield ROWS, _rows_instance(case)
     for shape, (bias, write, qknorm, splits) in product(ATTENTION_SHAPES, ATTENTION_VARIANTS):
@@ -485,12 +525,12 @@ def _quantized(rng: np.random.Generator, shape: tuple[int, ...], bits: int, grou
 
 def _experts(
     rng: np.random.Generator, bits: tuple[int, int, int], group: int, dffs: int, dtype: mx.Dtype = mx.float32,
-    mode: str = "affine",
+    mode: str = "affine", n_exp: int = E,
 ) -> tuple[QuantizedParts, QuantizedParts, QuantizedParts, SharedExpert | None]:
-    """Routed gate, up, down [E, out, in] at `bits` (gate, up, down) and, with `dffs`, a shared expert [dffs, DIN] /
-    [DIN, dffs] stored as they are."""
+    """Routed gate, up, down [n_exp, out, in] at `bits` (gate, up, down) and, with `dffs`, a shared expert
+    [dffs, DIN] / [DIN, dffs] stored as they are."""
     shapes = ((DFF, DIN), (DFF, DIN), (DIN, DFF))
-    gate, up, down = (_quantized(rng, (E, *shape), b, group, dtype, mode)
+    gate, up, down = (_quantized(rng, (n_exp, *shape), b, group, dtype, mode)
                       for shape, b in zip(shapes, bits, strict=True))
     shared = None
     if dffs:
@@ -529,6 +569,12 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
     moe.gpu_routed("metal", x, mx.array([2, 0, 3]), mx.array([0.5, 0.3, 0.2]), gate, up, down, shared,
                    x if dffs else None, rows=rows, variant=variant)
     logits = mx.zeros((1, 4 + bool(dffs)), mx.bfloat16)
+    # kernel A selecting (the stacked gate row giving the shared gate with dffs; the grouped choice with a float32
+    # selection bias without)
+    grouped = None if dffs else moe.GroupedChoice(mx.zeros((4,), mx.float32), 2, 2, 2.5)
+    moe.routed_by_router("metal", x, logits[0], 4, K, True, bool(dffs), SIGMOID_GROUPED if grouped else
+                         SOFTMAX_THEN_TOPK, grouped, gate, up, down, shared and replace(shared, sigmoid_gate=None),
+                         x if dffs else None, rows=rows, variant=variant)
     moe.gpu_select("metal", logits, 4, 2, True, bool(dffs), SOFTMAX_THEN_TOPK if dffs else TOPK_THEN_SOFTMAX)
     # the grouped router, with a float32 selection bias (without dffs) or none
     grouped = moe.GroupedChoice(None if dffs else mx.zeros((4,), mx.float32), 2, 1, 2.5)
@@ -537,8 +583,9 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
     # with the residual added (and its bias without dffs)
     router_rows = _quantized(rng, (4 + bool(dffs), DIN), bits[0], group, mx.bfloat16, mode)
     bias = None if dffs else mx.zeros((4,), mx.bfloat16)
-    router = moe.NormedRouter(Norm(x, 1e-6, mx.array([1e-6], mx.float32)), Rows(router_rows, bias))
-    moe.normed_select("metal", x[None], router, 4, 2, True, bool(dffs))
+    norm = Norm(x, 1e-6, mx.array([1e-6], mx.float32))
+    logits = rows_module.linear("metal", x[None], Rows(router_rows, bias), norm)[1]
+    moe.gpu_select("metal", logits, 4, 2, True, bool(dffs))
     o_rows = _quantized(rng, (DIN, 2 * DIN), bits[2], group, mx.bfloat16, mode)
     rows_module.linear("metal", mx.concatenate([x, x])[None], Rows(o_rows, None if dffs else x), residual=x[None])
     # with dffs every option and declared variant (a quarter of each head rotated, the output gate, a window wider
@@ -561,8 +608,13 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
     expected = VARIANTS_OFF if dffs else {**VARIANTS_OFF, **_CLAMPED, "EBIAS": True, "SCORING": 1}
     for stage in (ROUTER, GATE_UP, DOWN):
         template = dict(launches[stage][0][1])
+        want = {**expected, "SCORING": 0} if stage is GATE_UP else expected  # A reading ids: the router's off
         assert {n: template[n] for n in VARIANTS_OFF if n in template} == \
-            {n: v for n, v in expected.items() if n in template}, stage.name
+            {n: v for n, v in want.items() if n in template}, stage.name
+    template = dict(launches[GATE_UP][1][1])
+    assert (template["ROUTE"], template["W"], template["SHARED"], template["SCORING"], template["BIAS"]) == \
+        (True, rows, bool(dffs), ROUTER_SCORINGS.index(SOFTMAX_THEN_TOPK if dffs else SIGMOID_GROUPED), not dffs)
+    assert dict(launches[GATE_UP][0][1])["W"] == rows and len(launches[GATE_UP]) == len(launches[DOWN]) == 2
     template = dict(launches[ROUTER][1][1])
     assert (template["SCORING"], template["GROUPS"], template["KEEP"], template["SCALE"], template["BIAS"]) == \
         (ROUTER_SCORINGS.index(SIGMOID_GROUPED), 2, 1, float_bits(2.5), not dffs)
@@ -629,6 +681,11 @@ def _host(prefix: str, p: QuantizedParts) -> dict[str, np.ndarray]:
                                                                            ("b", biases))}
 
 
+def _unread_choice(inst: Instance) -> dict[str, np.ndarray]:
+    """Kernel A's router outputs without ROUTE, as gpu_routed passes them: (1,) placeholders."""
+    return {n: _output(1, _param_type(GATE_UP, n, inst)) for n in ("probs", "inds", "scores", "sgate")}
+
+
 def _padded(rows: int) -> int:
     return -(-rows // 5) * 5  # a threadgroup of 5 rows: the padding rows past the end must write nothing
 
@@ -659,7 +716,8 @@ def test_shimmed_expert_kernels_match_the_reference_on_cpu(shim_library, mode, g
     act = _output(K * DFF + dffs)
     _launch(shim_library, GATE_UP, a_inst, _padded(K * DFF + dffs), {
         "x": x, "indices": idx, **_host("gate", gate), **_host("up", up), **_host("sgate", s_gate),
-        **_host("sup", s_up), "gate_eb": gate_eb, "up_eb": up_eb, "act": act})
+        **_host("sup", s_up), "gate_eb": gate_eb, "up_eb": up_eb, "logits": x, "bias": x, "act": act,
+        **_unread_choice(a_inst)})
     outputs = {"y": _output(K * DIN), "ys": _output(DIN), "out": _output(DIN)}
     _launch(shim_library, DOWN, b_inst, _padded(DIN), {
         "indices": idx, "scores": scores, **_host("down", down), "act": _written(act, "act"),
@@ -800,6 +858,41 @@ def test_shimmed_kernels_unpack_every_affine_width_as_mlx_packs_it(shim_library,
         spelled = (got[k][:, None] >> (bits * np.arange(per))) & (2**bits - 1)
         want = codes[idx[k], :, start:start + per]
         assert np.array_equal(spelled, want), f"slot {k}: values {start}..{start + per - 1} unpacked wrong"
+
+
+@pytest.mark.parametrize("choice,gate_row,warps", ROUTE_RUNS, ids=str)
+def test_shimmed_kernel_a_selecting_matches_the_router_kernel_then_kernel_a(shim_library, choice, gate_row, warps):
+    """Kernel A with ROUTE gives bit for bit what the router kernel and then kernel A on its ids give (one selection
+    code path): the ids, scores, probs and shared gate the router kernel writes, each written, and the same
+    activation, over threadgroups whose last has padding warps or none. Without ROUTE it writes none of the
+    router's outputs."""
+    router_inst, plain, routing = _route_instances(choice, gate_row, warps)
+    n_exp = ROUTE_EXPERTS["E"]
+    rng = np.random.default_rng(ROUTE_RUNS.index((choice, gate_row, warps)))
+    logits = 2 * rng.standard_normal(n_exp + gate_row).astype(np.float32)
+    bias = (0.3 * rng.standard_normal(n_exp)).astype(np.float32) if choice[2] else None
+    probs, inds, scores, sgate = _run_router(shim_library, router_inst, logits, bias)
+    dffs = DFFS if gate_row else 0
+    gate, up, _, shared = _experts(rng, (4, 4, 4), 64, dffs, n_exp=n_exp)
+    s_gate, s_up = (shared.gate, shared.up) if shared else (gate, up)
+    x = rng.standard_normal(DIN).astype(np.float32)
+    common = {"x": x, **_host("gate", gate), **_host("up", up), **_host("sgate", s_gate), **_host("sup", s_up),
+              "gate_eb": x, "up_eb": x}
+    rows = -(-(K * DFF + dffs) // warps) * warps
+    unread = _unread_choice(plain)
+    act = _output(K * DFF + dffs)
+    _launch(shim_library, GATE_UP, plain, rows, {**common, "indices": inds, "logits": x, "bias": x, "act": act,
+                                                 **unread})
+    assert all(_unwritten(buf).all() for buf in unread.values()), "kernel A wrote the router's outputs without ROUTE"
+    outputs = {"act": _output(K * DFF + dffs), "probs": _output(n_exp), "inds": _output(K, "uint32_t"),
+               "scores": _output(K), "sgate": _output(1)}
+    _launch(shim_library, GATE_UP, routing, rows, {**common, "indices": common["gate_w"], "logits": logits,
+                                                   "bias": logits if bias is None else bias, **outputs})
+    want = {"act": _written(act, "act"), "probs": probs, "inds": inds, "scores": scores, "sgate": sgate}
+    for name, expected in want.items():
+        got = _written(outputs[name], name)
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), f"{name}: {got} vs {expected}"
+    assert (sgate[0] != 0) == gate_row
 
 
 def test_shimmed_router_breaks_ties_towards_the_lower_expert_id(shim_library):

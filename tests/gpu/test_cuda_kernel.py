@@ -1,5 +1,6 @@
-"""The CUDA kernels (router, with the sigmoid-scored, selection-biased, grouped variant; the pair with and without
-the shared expert in affine at 2, 3, 4, 5, 6 and 8 bits, gate, up and down each at its own, in mxfp4, nvfp4 and mxfp8,
+"""The CUDA kernels (router, with the sigmoid-scored, selection-biased, grouped variant; kernel A selecting the
+experts itself against the router kernel then the pair; the pair with and without the shared expert in affine at 2,
+3, 4, 5, 6 and 8 bits, gate, up and down each at its own, in mxfp4, nvfp4 and mxfp8,
 gpt-oss's declared variants: expert biases, the clamped SwiGLU, top-k logits then softmax; decode attention with
 and without its in-place cache write, and its declared variants: the hybrids' partial rotary and output gate,
 gpt-oss's window, sinks and YaRN) against the CPU reference and the float64 truth (moebench.inspect.truth), at
@@ -241,6 +242,45 @@ def test_cuda_grouped_router_kernel_matches_the_reference(n_exp, k, n_group, kee
     assert np.abs(probs - r_probs).max() < 1e-6
     assert list(inds[0]) == list(r_inds[0]), f"top-{k} {inds} vs reference {r_inds}"
     assert np.abs(scores - r_scores).max() < 1e-6 * scaling and np.abs(sgate - r_sgate).max() < 1e-6
+
+
+# (E, K, scoring, (groups, kept groups, scaling), selection bias, renormalise, shared expert with its gate's row
+# stacked): Qwen1.5-MoE-A2.7B's, gpt-oss's top-k then softmax, GLM-4.5-Air's sigmoid with its bias, groups without one
+FOLDED_ROUTERS = [(E, K, SOFTMAX_THEN_TOPK, None, False, False, True),
+                  (32, 4, TOPK_THEN_SOFTMAX, None, False, True, False),
+                  (128, 8, SIGMOID_GROUPED, (1, 1, 1.0), True, True, False),
+                  (E, K, SIGMOID_GROUPED, (4, 2, 1.5), False, False, True)]
+
+
+@pytest.mark.parametrize("rows", (8, 5))  # 5: the last threadgroup has padding warps
+@pytest.mark.parametrize("n_exp,k,scoring,groups,biased,norm,gate_row", FOLDED_ROUTERS)
+def test_cuda_kernel_a_selecting_matches_the_router_kernel_then_the_pair(n_exp, k, scoring, groups, biased, norm,
+                                                                         gate_row, rows):
+    """routed_by_router (kernel A selecting the experts, then kernel B) against the router kernel then the pair on
+    its ids: the same ids, scores, probs and shared gate (one selection code path), the same expert outputs."""
+    rng = np.random.default_rng(n_exp + k + rows)
+    parts = _experts((4, 4), 64, seed=n_exp, n_exp=n_exp)
+    shared = moe.SharedExpert(*_experts((4, 4), 64, seed=n_exp + 1, n_exp=None, dff=DFFS), None) if gate_row else None
+    x = mx.array(rng.standard_normal(D).astype(np.float32)).astype(mx.bfloat16)
+    logits = mx.array(rng.standard_normal(n_exp + gate_row).astype(np.float32)).astype(mx.bfloat16)
+    bias = mx.array((0.3 * rng.standard_normal(n_exp)).astype(np.float32)) if biased else None
+    grouped = moe.GroupedChoice(bias, *groups) if groups is not None else None
+    choice = (n_exp, k, norm, gate_row, scoring, grouped)
+    got = moe.routed_by_router("cuda", x, logits, *choice, *parts, shared, x, rows, None)
+    probs, inds, scores, sgate = moe.select("cuda", logits, *choice)
+    pair = gpu_routed("cuda", x, inds, scores, *parts, shared and replace(shared, sigmoid_gate=sgate), x, rows)
+    want = (*pair, probs, inds, scores, sgate)
+    mx.eval(got, [a for a in want if a is not None])
+    names = ("out", "y", "ys", "probs", "inds", "scores", "sgate")
+    g, w = ({n: np.array(a.astype(mx.float32)) for n, a in zip(names, arrays, strict=True) if a is not None}
+            for arrays in (got, want))
+    assert g.keys() == w.keys() and np.array_equal(np.array(got[4]), np.array(inds)), f"{got[4]} vs {inds}"
+    for name in ("probs", "scores", "sgate", "y", "ys"):
+        if name in g:
+            assert np.abs(g[name] - w[name]).max() <= 1e-6 * max(1.0, np.abs(w[name]).max()), name
+    assert nrms(g["out"], w["out"]) < 1e-2 and (sgate.item() != 0) == gate_row
+    print(f"\nkernel A selecting, {scoring} E{n_exp} top-{k}, rows {rows}: ids {np.array(inds).tolist()}, "
+          f"out bitwise {np.array_equal(g['out'], w['out'])}")
 
 
 # (rows, bits or mode, bias, inputs, norm, residual): the norm and the router's logits at Qwen3-30B-A3B's router at 8
