@@ -33,6 +33,10 @@ MB_FN uint32_t mb_lane_min(uint32_t v) {
 MB_FN void mb_barrier() { __syncthreads(); }
 // The same, for writes to MB_SHARED memory.
 MB_FN void mb_barrier_shared() { __syncthreads(); }
+// Orders this thread's memory accesses before the fence against those after it, for every thread of the GPU.
+MB_FN void mb_fence_device() { __threadfence(); }
+// counter's value before this thread adds 1 to it, atomically at device scope.
+MB_FN uint32_t mb_ticket(MB_DEV uint32_t* counter) { return atomicAdd(counter, 1u); }
 // The value of lane (this lane ^ mask).
 MB_FN float mb_lane_xor(float v, uint32_t mask) { return __shfl_xor_sync(0xffffffffu, v, int(mask)); }
 // Precise expf and logf, not __expf / __logf: the fused path must stay within the reference's rounding class.

@@ -5,6 +5,7 @@
 // a simdgroup is 32 std::threads meeting at a barrier in simd_sum/max/min.
 #pragma once
 
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -76,6 +77,15 @@ V mb_shim_reduce(V v, Op op) {
 
 namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+// Metal's atomic_uint over a uint32_t buffer: threadgroups run one after another here, so a plain atomic add of
+// the lanes' threads is all the ordering there is to emulate.
+struct atomic_uint {
+  uint32_t value;
+};
+enum memory_order { memory_order_relaxed };
+inline uint32_t atomic_fetch_add_explicit(atomic_uint* object, uint32_t operand, memory_order) {
+  return std::atomic_ref<uint32_t>(object->value).fetch_add(operand);
+}
 inline void threadgroup_barrier(mem_flags) { mb_shim_threadgroup->arrive_and_wait(); }
 inline float exp(float v) { return std::exp(v); }
 namespace precise {

@@ -22,6 +22,14 @@ MB_FN float mb_lane_xor(float v, uint32_t mask) { return metal::simd_shuffle_xor
 MB_FN void mb_barrier() { metal::threadgroup_barrier(metal::mem_flags::mem_device); }
 // The same, for writes to MB_SHARED memory.
 MB_FN void mb_barrier_shared() { metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup); }
+// Metal before MSL 3.2 has no device-scope fence: the strongest is this barrier, which orders device memory for
+// the threadgroup only (and every thread of it must call it). So the Metal plan never sets FOLD (attn_decode.body,
+// whose threadgroups would then read other threadgroups' partials unordered); these let the shared body compile.
+MB_FN void mb_fence_device() { metal::threadgroup_barrier(metal::mem_flags::mem_device); }
+// counter's value before this thread adds 1 to it, atomically.
+MB_FN uint32_t mb_ticket(MB_DEV uint32_t* counter) {
+  return metal::atomic_fetch_add_explicit((MB_DEV metal::atomic_uint*)counter, 1u, metal::memory_order_relaxed);
+}
 MB_FN float mb_exp(float v) { return metal::exp(v); }
 MB_FN float mb_log(float v) { return metal::precise::log(v); }
 MB_FN float mb_cos(float v) { return metal::precise::cos(v); }

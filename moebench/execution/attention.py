@@ -1,7 +1,8 @@
 """The fused decode-attention step of one layer: q/k/v bias, the per-head q/k RMSNorm (declared PER_HEAD), RoPE and
 attention over the KV cache for one new token in one launch (two past SPLIT_POSITIONS slots, where several
 threadgroups share a head's positions and a second launch joins them), instead of the five to eight graph
-nodes the unfused path builds for it.
+nodes the unfused path builds for it. On CUDA, given a counter (a compiled step's, which writes the cache in place),
+the kernel joins the split threadgroups' partials itself: the last of a head's threadgroups to finish does it.
 
 The declared variants (moebench.models.declare.AttentionSpec) are template constants of the same kernel: rotary
 on the first rope_fraction of each head (partial rotary, the rest passed through), an output gate (q_proj's rows
@@ -38,6 +39,7 @@ from ..errors import UnsupportedKernelConfig
 from ..models.declare import AttentionSpec
 from .kernel import (
     GPU_BACKENDS,
+    JOIN,
     LANES,
     CheckedOnce,
     Stage,
@@ -50,9 +52,10 @@ from .kernel import (
 from .support import attention_reason, rotary_dims
 
 ATTENTION = Stage("moebench_attn_decode", "attn_decode.body",
-                  ("qkv", "bias", "inv_freq", "pos", "keys", "values", "block", "q_norm", "k_norm", "eps", "sinks"),
-                  ("out", "k_new", "v_new"))
-COMBINE = Stage("moebench_attn_combine", "attn_combine.body", ("parts",), ("out",))
+                  ("qkv", "bias", "inv_freq", "pos", "keys", "values", "block", "q_norm", "k_norm", "eps", "sinks",
+                   "counter"),
+                  ("out", "k_new", "v_new", "parts"), (JOIN,))
+COMBINE = Stage("moebench_attn_combine", "attn_combine.body", ("parts",), ("out",), (JOIN,))
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ def rope_frequencies(head_dim: int, base: float) -> mx.array:
 
 def _check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
                   values: mx.array, heads: AttentionSpec, block: int, qk_norm: QKNorm | None, sinks: mx.array | None,
-                  rope_scale: float) -> None:
+                  rope_scale: float, counter: mx.array | None) -> None:
     """Shapes and dtypes the kernel assumes (a bad launch would abort the process)."""
     reason = attention_reason(heads)
     if reason:
@@ -134,6 +137,9 @@ def _check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slot
                 raise UnsupportedKernelConfig(f"{name} weight {tuple(w.shape)} {w.dtype}: expected ({hd},) {qkv.dtype}")
         if not math.isfinite(qk_norm.eps) or qk_norm.eps < 0:
             raise UnsupportedKernelConfig(f"q/k norm eps {qk_norm.eps}: expected a finite number >= 0")
+    if counter is not None and (counter.shape != (kv,) or counter.dtype != mx.uint32):
+        raise UnsupportedKernelConfig(f"counter {tuple(counter.shape)} {counter.dtype}: expected ({kv},) uint32 (one "
+                                      "per key/value head, zeros)")
 
 
 def _check_variants(heads: AttentionSpec, dtype: mx.Dtype, sinks: mx.array | None, rope_scale: float) -> None:
@@ -156,12 +162,12 @@ _check = CheckedOnce(_check_inputs)
 
 def check_inputs(qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array, keys: mx.array,
                  values: mx.array, heads: AttentionSpec, block: int, qk_norm: QKNorm | None = None,
-                 sinks: mx.array | None = None, rope_scale: float = 1.0) -> None:
+                 sinks: mx.array | None = None, rope_scale: float = 1.0, counter: mx.array | None = None) -> None:
     """_check_inputs, once per combination of shapes and dtypes (decode repeats one)."""
-    key = (*map(signature, (qkv, bias, inv_freq, slots, keys, values, sinks)), heads, block,
+    key = (*map(signature, (qkv, bias, inv_freq, slots, keys, values, sinks, counter)), heads, block,
            qk_norm is not None and (signature(qk_norm.q), signature(qk_norm.k), qk_norm.eps),
            type(rope_scale), rope_scale)
-    _check(key, qkv, bias, inv_freq, slots, keys, values, heads, block, qk_norm, sinks, rope_scale)
+    _check(key, qkv, bias, inv_freq, slots, keys, values, heads, block, qk_norm, sinks, rope_scale, counter)
 
 
 _blocks: dict[int, mx.array] = {}
@@ -174,6 +180,24 @@ def block_array(block: int) -> mx.array:
     return _blocks[block]
 
 
+@functools.cache
+def no_counter() -> mx.array:
+    """uint32 [8] zeros, the counter input of a launch that does not fold (never written): 8 elements, so Metal
+    keeps it in `device` memory, where the kernel's unused cast to a writable pointer compiles."""
+    a = mx.zeros((8,), mx.uint32)
+    mx.eval(a)
+    return a
+
+
+def new_counter(kv_heads: int) -> mx.array:
+    """A counter for the folded join, uint32 [kv_heads] zeros, evaluated: the kernel writes it in place, so it must
+    be a whole row-contiguous array of its own (as a StaticCache's buffers), used by one launch at a time, each
+    ordered after the one before (moebench.decode.cache.StaticCache says how a compiled step's are)."""
+    a = mx.zeros((kv_heads,), mx.uint32)
+    mx.eval(a)
+    return a
+
+
 @functools.lru_cache(maxsize=8)
 def eps_array(eps: float) -> mx.array:
     """float32 [1] holding a norm's epsilon: the kernel takes it as an input (templates take no floats)."""
@@ -184,32 +208,33 @@ def eps_array(eps: float) -> mx.array:
 
 def gpu_decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
                          keys: mx.array, values: mx.array, heads: AttentionSpec, block: int = 0, write: bool = False,
-                         qk_norm: QKNorm | None = None, sinks: mx.array | None = None,
-                         rope_scale: float = 1.0) -> tuple[mx.array, mx.array, mx.array]:
+                         qk_norm: QKNorm | None = None, sinks: mx.array | None = None, rope_scale: float = 1.0,
+                         counter: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """The kernel on `backend` (see decode_attention), with `splits` threadgroups a key/value head for the
-    positions it attends to and, past one, the launch that joins their partials (with an output gate, each
-    head's sigmoid(gate) follows the partials)."""
+    positions it attends to and, past one, their partials (with an output gate, each head's sigmoid(gate) follows
+    them) joined by a second launch, or on CUDA with `counter` by the kernel itself (FOLD)."""
     h, kv, hd = heads.n_heads, heads.n_kv_heads, heads.head_dim
     lead = tuple(qkv.shape[:-1])
     s = splits(attended(heads, keys.shape[2]), kv)
+    fold = backend == "cuda" and s > 1 and counter is not None
     norms = (qk_norm.q, qk_norm.k, eps_array(qk_norm.eps)) if qk_norm is not None else (qkv, qkv, inv_freq)
-    out_dtype = qkv.dtype if s == 1 else mx.float32
     parts = h * s * (hd + 2) + (h * hd if heads.output_gate else 0)
-    out, k_new, v_new = built_kernel(backend, ATTENTION)(
+    out, k_new, v_new, partials = built_kernel(backend, ATTENTION)(
         inputs=[qkv, bias if bias is not None else qkv, inv_freq, slots, keys, values, block_array(block), *norms,
-                sinks if sinks is not None else qkv],
-        template=[("T", qkv.dtype), ("OT", out_dtype), ("H", h), ("KV", kv), ("HD", hd), ("BIAS", bias is not None),
+                sinks if sinks is not None else qkv, counter if fold else no_counter()],
+        template=[("T", qkv.dtype), ("H", h), ("KV", kv), ("HD", hd), ("BIAS", bias is not None),
                   ("QKNORM", qk_norm is not None), ("ROPE_DIMS", rotary_dims(heads)),
                   ("FACTOR", float_bits(rope_scale) if rope_scale != 1.0 else 0), ("GATE", heads.output_gate),
                   ("WINDOW", heads.window or 0), ("SINKS", sinks is not None), ("W", WARPS_PER_HEAD), ("S", s),
-                  ("WRITE", write)],
+                  ("WRITE", write), ("FOLD", fold)],
         grid=(LANES, kv * s * WARPS_PER_HEAD, 1), threadgroup=(LANES, WARPS_PER_HEAD, 1),
-        output_shapes=[(*lead, h * hd) if s == 1 else (parts,), (1, kv, 1, hd), (1, kv, 1, hd)],
-        output_dtypes=[out_dtype, qkv.dtype, qkv.dtype],
+        output_shapes=[(*lead, h * hd) if s == 1 or fold else (1,), (1, kv, 1, hd), (1, kv, 1, hd),
+                       (parts,) if s > 1 else (1,)],
+        output_dtypes=[qkv.dtype, qkv.dtype, qkv.dtype, mx.float32],
     )
-    if s > 1:
+    if s > 1 and not fold:
         out = built_kernel(backend, COMBINE)(
-            inputs=[out], template=[("T", qkv.dtype), ("H", h), ("HD", hd), ("S", s), ("GATE", heads.output_gate)],
+            inputs=[partials], template=[("T", qkv.dtype), ("H", h), ("HD", hd), ("S", s), ("GATE", heads.output_gate)],
             grid=(LANES, h, 1), threadgroup=(LANES, 1, 1), output_shapes=[(*lead, h * hd)],
             output_dtypes=[qkv.dtype])[0]
     return out, k_new, v_new
@@ -279,8 +304,8 @@ def reference_decode_attention(qkv: mx.array, bias: mx.array | None, inv_freq: m
 
 def decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_freq: mx.array, slots: mx.array,
                      keys: mx.array, values: mx.array, heads: AttentionSpec, block: int = 0, write: bool = False,
-                     qk_norm: QKNorm | None = None, sinks: mx.array | None = None,
-                     rope_scale: float = 1.0) -> tuple[mx.array, mx.array, mx.array]:
+                     qk_norm: QKNorm | None = None, sinks: mx.array | None = None, rope_scale: float = 1.0,
+                     counter: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """One new token's attention on `backend`: (output [..., H * HD] in qkv's dtype, its rotated key and its
     value [1, KV, 1, HD] for the cache).
 
@@ -297,13 +322,16 @@ def decode_attention(backend: str, qkv: mx.array, bias: mx.array | None, inv_fre
     kernel a copy of any other input, and the write would land in the copy): a StaticCache's are (zeros,
     then its updates' outputs). `qk_norm`: normalise each head of q and k first. `sinks` [H] in qkv's dtype:
     the heads' sink logits, where `heads` declares sinks; `rope_scale`: the attention factor multiplying q and k
-    before the rotation, where `heads` declares scaled rotary.
+    before the rotation, where `heads` declares scaled rotary. `counter` (new_counter, uint32 [KV] zeros): on CUDA
+    the kernel joins its split threadgroups' partials itself, with no second launch, and leaves the counter zeros
+    again. The kernel writes it in place, so only a caller that orders its launches as `write` asks (a compiled
+    step's) may pass it; the other backends ignore it (their arithmetic is the same).
     """
     check_backend(backend)
-    check_inputs(qkv, bias, inv_freq, slots, keys, values, heads, block, qk_norm, sinks, rope_scale)
+    check_inputs(qkv, bias, inv_freq, slots, keys, values, heads, block, qk_norm, sinks, rope_scale, counter)
     if backend in GPU_BACKENDS:
         return gpu_decode_attention(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write, qk_norm,
-                                    sinks, rope_scale)
+                                    sinks, rope_scale, counter)
     if write:
         raise UnsupportedKernelConfig("the reference attention returns new arrays: it cannot write the cache in place")
     norm = None if qk_norm is None else (qk_norm.q, qk_norm.k)

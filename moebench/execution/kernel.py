@@ -31,9 +31,10 @@ BACKENDS = (*GPU_BACKENDS, "reference")
 # Per backend: the header part of the prelude (helpers) and the source part (thread indices).
 PRELUDES = {"metal": ("metal_header.h", "metal_indices.inc"), "cuda": ("cuda_header.cuh", "cuda_indices.inc")}
 # Helpers some bodies call, after the backend's header part: the quantized formats, row loads and the experts'
-# activation; the router's selection.
+# activation; the router's selection; the join of the decode attention's partials.
 QUANT = "moe_quant.inc"
 SELECT = "moe_select.inc"
+JOIN = "attn_join.inc"
 # The quantization modes the kernels read, by the MODE template constant they take (moe_quant.inc).
 KERNEL_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 
@@ -56,7 +57,7 @@ def check_backend(backend: str) -> None:
 @dataclass(frozen=True)
 class Stage:
     """One kernel: its body file, its parameter names (MLX writes the signature) and the helper files it calls
-    (QUANT, SELECT)."""
+    (QUANT, SELECT, JOIN)."""
 
     name: str
     body: str

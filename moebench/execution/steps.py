@@ -65,7 +65,8 @@ ROUTE_NOTE = "routing by moebench.models.routing.route (an intervention is set),
 # The cache capacity the launches are declared for: the least a decode cache holds (a KVCache grows by GROW_STEP
 # slots, the compiled step's StaticCache rounds its capacity up to the same 256). The attention's combine launch
 # depends on it: it joins the partials of the threadgroups that split more than SPLIT_POSITIONS (128) attended
-# slots (attention.splits), so every larger capacity launches the same, and a window of at most 128 never does.
+# slots (attention.splits), so every larger capacity launches the same, and a window of at most 128 never does (nor
+# a kernel that joins them itself: AttentionKernel.counter).
 DECLARED_CAPACITY = GROW_STEP
 
 
@@ -151,13 +152,14 @@ def rotary(spec: AttentionSpec, parts: AttentionParts) -> tuple[mx.array, float]
 class AttentionKernel:
     """One layer's attention for one token through the decode-attention kernel on `backend`:
     residual + attention(norm(residual)). With `write` the kernel stores the token's key and value in the cache
-    buffers in place. The rows kernel computes o_proj with the residual add where it can read o_proj
-    (support.rows_reason; `o_note` says why not, and then the matmul and the add run as their own launches). The
-    layer's declared variants
-    ride along: partial or scaled rotary (its frequencies and attention factor), the sinks (the heads this
-    process holds), the window and the output gate (inside the kernel; a recorded step records sigmoid(gate) as
-    the module does), and q, k and v clamped before the kernel, after the whole-projection norm where the
-    family has one (the kernel is handed the declaration without the clamp, as it sees them clamped)."""
+    buffers in place, and on CUDA the kernel joins its split threadgroups' partials itself (its counter made
+    here, written in place as the cache is), so no combine launch follows. The rows kernel computes o_proj with
+    the residual add where it can read o_proj (support.rows_reason; `o_note` says why not, and then the matmul and
+    the add run as their own launches). The layer's declared variants ride along: partial or scaled rotary (its
+    frequencies and attention factor), the sinks (the heads this process holds), the window and the output gate
+    (inside the kernel; a recorded step records sigmoid(gate) as the module does), and q, k and v clamped before
+    the kernel, after the whole-projection norm where the family has one (the kernel is handed the declaration
+    without the clamp, as it sees them clamped)."""
 
     def __init__(self, attn, weights: LayerWeights, backend: str, write: bool, dtype: mx.Dtype):
         """`dtype`: the activations'."""
@@ -168,6 +170,7 @@ class AttentionKernel:
         self.sinks = parts.sinks if spec.sinks else None
         self.norms = (parts.q_norm, parts.k_norm) if self.heads.qk_norm is not None else None
         self.o_note = rows_reason("o_proj", self.o_proj, dtype, ROWS_WARPS)
+        self.counter = attention.new_counter(spec.n_kv_heads) if write and backend == "cuda" else None
 
     def __call__(self, norm, residual: mx.array, cache, record: Record | None = None) -> mx.array:
         """`record`: the layer's `mixer` record (a recorded step), where the output gate is recorded."""
@@ -184,7 +187,7 @@ class AttentionKernel:
             self._record_gate(qkv if bias is None else qkv + bias, record)
         sinks = None if self.sinks is None else self.sinks.astype(residual.dtype)  # the activation dtype, as attended
         out, k, v = attention.decode_attention(self.backend, qkv, bias, self.inv_freq, slots, keys, values, self.heads,
-                                               block, self.write, qk_norm, sinks, self.rope_scale)
+                                               block, self.write, qk_norm, sinks, self.rope_scale, self.counter)
         if self.write:
             cache.written_in_place(k, v)
         else:
@@ -195,7 +198,8 @@ class AttentionKernel:
 
     def launches(self, static: bool, dtype: mx.Dtype) -> Launches:
         """What __call__ builds on a GPU backend for activations in `dtype`, over DECLARED_CAPACITY cache slots of a
-        compiled step's static cache (`static`: the kernel writes it in place) or a KVCache (two slice updates)."""
+        compiled step's static cache (`static`: the kernel writes it in place) or a KVCache (two slice updates); the
+        partials of split threadgroups joined by a second launch unless the kernel joins them (self.counter)."""
         stacked = self.qkv.get()
         bias = ("q/k/v bias (broadcast)", "q/k/v bias (add)") if "bias" in stacked else ()  # else inside the kernel
         projection = Launches(("input norm (rms_norm)",)) + linear_launches("q/k/v projection", stacked, False)
@@ -210,7 +214,8 @@ class AttentionKernel:
         if self.sinks is not None and self.sinks.dtype != dtype:
             names.append("sinks (astype)")
         names.append("decode attention (kernel)")
-        if attention.splits(attention.attended(self.heads, DECLARED_CAPACITY), self.heads.n_kv_heads) > 1:
+        if self.counter is None and \
+                attention.splits(attention.attended(self.heads, DECLARED_CAPACITY), self.heads.n_kv_heads) > 1:
             names.append("attention combine (kernel)")
         if not static:
             names += ["key cache write (slice_update)", "value cache write (slice_update)"]

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from moebench.execution import attention, linear_attention, moe, rows
-from moebench.execution.kernel import KERNEL_DIR, PRELUDES, QUANT, SELECT, compact, kernel_source
+from moebench.execution.kernel import JOIN, KERNEL_DIR, PRELUDES, QUANT, SELECT, compact, kernel_source
 
 STAGES = [moe.ROUTER, moe.GATE_UP, moe.DOWN, rows.ROWS, attention.ATTENTION, attention.COMBINE,
           linear_attention.GATED_DELTA]
@@ -46,7 +46,7 @@ def test_mlx_receives_each_kernel_without_comments_or_indentation(backend, stage
 def test_each_kernel_carries_exactly_the_helper_files_its_body_calls(stage):
     """A helper file rides with a kernel only when its body names something the file defines."""
     body = (KERNEL_DIR / stage.body).read_text()
-    for helper in (QUANT, SELECT):
+    for helper in (QUANT, SELECT, JOIN):
         text = compact((KERNEL_DIR / helper).read_text())
         defined = set(re.findall(r"(?:MB_FN \w+|#define|struct) (\w+)", text))
         defined |= set(re.findall(r"MB_FN [\w<>, ]+? (mb_\w+)\(", text))

@@ -5,7 +5,8 @@ kernel A and kernel B, and decode attention) are wrapped in the signature MLX's 
 and compiled as C++ against kernels/metal_cpu_shim.h (every supported quantization mode / bits / group size /
 shared-expert / router-flag combination, attention with and without bias and with and without the in-place cache write
 at MHA, GQA and MQA head shapes, and its declared variants: partial rotary, the output gate, a sliding window, sinks
-and the rotary attention factor; float32 and bfloat16), then run on the CPU against the references (the
+and the rotary attention factor; float32 and bfloat16; split threadgroups' partials joined by a second launch or by the
+kernel itself), then run on the CPU against the references (the
 attention kernel as threadgroups of simdgroups meeting at barriers; the hybrids' gated attention in bfloat16 too,
 against the reference as it rounds on Metal and CUDA). The emulated signatures and launch
 geometry are checked against what moebench.execution.moe and moebench.execution.attention actually
@@ -39,6 +40,7 @@ from moebench.execution.attention import (
     rope_frequencies,
 )
 from moebench.execution.kernel import (
+    JOIN,
     KERNEL_DIR,
     LANES,
     QUANT,
@@ -95,9 +97,9 @@ TEMPLATE_PARAMS: dict[Stage, list[tuple[str, str]]] = {
               ("typename", "LT"), ("typename", "BT"), *_CHOICE],
     DOWN: [("typename", "T"), ("typename", "ST"), ("typename", "S"), *_SHAPE, ("int", "BITS"), ("bool", "RESID"),
            ("int", "MODE"), ("bool", "EBIAS")],
-    ATTENTION: [("typename", "T"), ("typename", "OT"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS"),
+    ATTENTION: [("typename", "T"), ("int", "H"), ("int", "KV"), ("int", "HD"), ("bool", "BIAS"),
                 ("bool", "QKNORM"), ("int", "ROPE_DIMS"), ("int", "FACTOR"), ("bool", "GATE"), ("int", "WINDOW"),
-                ("bool", "SINKS"), ("int", "W"), ("int", "S"), ("bool", "WRITE")],
+                ("bool", "SINKS"), ("int", "W"), ("int", "S"), ("bool", "WRITE"), ("bool", "FOLD")],
     COMBINE: [("typename", "T"), ("int", "H"), ("int", "HD"), ("int", "S"), ("bool", "GATE")],
 }
 # Element type of each kernel parameter: a C type or a template type name; uint32_t when not listed.
@@ -111,7 +113,7 @@ PARAM_TYPES: dict[Stage, dict[str, str]] = {
     DOWN: {"scores": "S", "act": "float", "sgate": "float", "y": "float", "ys": "float", "out": "T", "resid": "T",
            "down_eb": "T", **{f"{p}_{q}": "ST" for p in ("down", "sdown") for q in "sb"}},
     ATTENTION: {**dict.fromkeys(ATTENTION.inputs + ATTENTION.outputs, "T"), "inv_freq": "float", "pos": "int",
-                "block": "int", "eps": "float", "out": "OT"},
+                "block": "int", "eps": "float", "parts": "float", "counter": "uint32_t"},
     COMBINE: {"parts": "float", "out": "T"},
 }
 FLAVORS = {"f32": {"T": "float", "ST": "float", "S": "float", "LT": "float", "BT": "float"},
@@ -171,9 +173,9 @@ def _constant_inputs(stage: Stage, inst: Instance) -> tuple[str, ...]:
         sizes = {"eps": 1, "bias": inst["R"] if inst["BIAS"] else d,
                  "resid": inst["R"] if inst["RESID"] else d}
     elif stage is ATTENTION:  # [P, CAP], [block], eps [1] (inv_freq stands in without the q/k norm), inv_freq
-        half = inst["ROPE_DIMS"] // 2  # [ROPE_DIMS / 2], sinks [H] (qkv stands in without them); the others hold
-        sizes = {"pos": 2, "block": 1, "eps": 1 if inst["QKNORM"] else half, "inv_freq": half,  # >= HD >= 32
-                 "sinks": inst["H"] if inst["SINKS"] else 8}
+        half = inst["ROPE_DIMS"] // 2  # [ROPE_DIMS / 2], sinks [H] (qkv stands in without them), the counter [KV]
+        sizes = {"pos": 2, "block": 1, "eps": 1 if inst["QKNORM"] else half, "inv_freq": half,  # (folding; else
+                 "sinks": inst["H"] if inst["SINKS"] else 8, "counter": inst["KV"] if inst["FOLD"] else 8}  # [8])
     elif stage is COMBINE:
         sizes = {}
     elif stage is GATE_UP and inst["ROUTE"]:  # the packed gate rows stand in for the ids, the logits for a bias
@@ -243,23 +245,23 @@ PLAIN = Declared()
 
 
 def _attention_instance(shape: tuple[int, int, int], bias: bool, write: bool, flavor: str = "f32", qknorm: bool = False,
-                        splits: int = 1, declared: Declared = PLAIN) -> Instance:
-    out = FLAVORS[flavor]["T"] if splits == 1 else "float"  # the output, or the partials a second launch joins
+                        splits: int = 1, declared: Declared = PLAIN, fold: bool = False) -> Instance:
     return _instance(ATTENTION, flavor, **dict(zip(("H", "KV", "HD"), shape, strict=True)), BIAS=bias, QKNORM=qknorm,
                      ROPE_DIMS=declared.rope_dims or shape[2],
                      FACTOR=float_bits(declared.factor) if declared.factor != 1.0 else 0, GATE=declared.gate,
                      WINDOW=declared.window or 0, SINKS=declared.sinks, W=WARPS_PER_HEAD, S=splits, WRITE=write,
-                     OT=out)
+                     FOLD=fold)
 
 
 def _combine_instance(shape: tuple[int, int, int], splits: int, flavor: str = "f32", gate: bool = False) -> Instance:
     return _instance(COMBINE, flavor, H=shape[0], HD=shape[2], S=splits, GATE=gate)
 
 
-# Beside every bias x write case with one threadgroup a head: the q/k norm, and three threadgroups a head
-# (the positions' chunks of 64, so with CAP 80 one split holds 0..63, one 64..79, one none).
+# Beside every bias x write case with one threadgroup a head: the q/k norm, and two, three and five threadgroups a
+# head (the positions' chunks of 64, so with CAP 80 one split holds 0..63, one 64..79, the others none).
 ATTENTION_VARIANTS = [(bias, write, False, 1) for bias, write in product((False, True), (False, True))] + [
-    (False, False, True, 1), (True, False, False, 3), (False, True, False, 3), (False, True, True, 3)]
+    (False, False, True, 1), (True, False, False, 3), (False, True, False, 3), (False, True, True, 3),
+    (False, True, False, 2), (True, True, True, 5)]
 # The declared variants, each at shapes that exercise it, one threadgroup a head and three:
 # (shape, bias, q/k norm, Declared). The hybrids' full attention (the q/k norm, the output gate, a quarter of each
 # head rotated: 8 of 32 dims in lanes < 8, 16 of 64, 64 of 256 in the lane itself) and 96 of 128 (the partner in
@@ -304,11 +306,14 @@ def _compile_instances(flavors, experts: dict[str, int], dffs: int, router_shape
             case = RowsCase(flavor, mode, bits, group, router_shapes[-1][0] + 1, bias, ROWS_WARPS, norm, resid)
             yield ROWS, _rows_instance(case, experts["DIN"])  # threadgroup, the last router shape's rows
         for shape, (bias, write, qknorm, splits) in product(attention_shapes, ATTENTION_VARIANTS):
-            yield ATTENTION, _attention_instance(shape, bias, write, flavor, qknorm, splits)
+            for fold in (False, True) if splits > 1 else (False,):
+                yield ATTENTION, _attention_instance(shape, bias, write, flavor, qknorm, splits, fold=fold)
         for shape in attention_shapes:
             yield COMBINE, _combine_instance(shape, 3, flavor)
         for (shape, bias, qknorm, declared), splits in product(DECLARED_RUNS, (1, 3)):
             yield ATTENTION, _attention_instance(shape, bias, splits == 3, flavor, qknorm, splits, declared)
+            if splits == 3:
+                yield ATTENTION, _attention_instance(shape, bias, True, flavor, qknorm, splits, declared, True)
             yield COMBINE, _combine_instance(shape, 3, flavor, declared.gate)
 
 
@@ -439,20 +444,24 @@ def _run_instances():
     for case in ROWS_CASES:
         yield ROWS, _rows_instance(case)
     for shape, (bias, write, qknorm, splits) in product(ATTENTION_SHAPES, ATTENTION_VARIANTS):
-        yield ATTENTION, _attention_instance(shape, bias, write, qknorm=qknorm, splits=splits)
-    for shape in ATTENTION_SHAPES:
-        yield COMBINE, _combine_instance(shape, 3)
+        for fold in (False, True) if splits > 1 else (False,):  # the kernel joining its partials itself (FOLD)
+            yield ATTENTION, _attention_instance(shape, bias, write, qknorm=qknorm, splits=splits, fold=fold)
+        if splits > 1:
+            yield COMBINE, _combine_instance(shape, splits)
     for (shape, bias, qknorm, declared), splits in product(DECLARED_RUNS, (1, 3)):
-        yield ATTENTION, _attention_instance(shape, bias, splits == 3, qknorm=qknorm, splits=splits, declared=declared)
+        for fold in (False, True) if splits > 1 else (False,):
+            yield ATTENTION, _attention_instance(shape, bias, splits == 3, qknorm=qknorm, splits=splits,
+                                                 declared=declared, fold=fold)
         yield COMBINE, _combine_instance(shape, 3, gate=declared.gate)
     for (shape, bias, qknorm, declared), splits in product(GATED_RUNS, (1, 3)):
-        yield ATTENTION, _attention_instance(shape, bias, splits == 3, "bf16", qknorm, splits, declared)
+        for fold in (False, True) if splits > 1 else (False,):
+            yield ATTENTION, _attention_instance(shape, bias, splits == 3, "bf16", qknorm, splits, declared, fold)
         yield COMBINE, _combine_instance(shape, 3, "bf16", gate=True)
 
 
 def _metal_unit() -> str:
     """Shim, Metal prelude, one template per signature, an explicit instance per combination, launchers."""
-    header = kernel_header("metal", (QUANT, SELECT))
+    header = kernel_header("metal", (QUANT, SELECT, JOIN))
     instances = {(_metal_name(s, i), _args(i)): (s, i) for s, i in [
         *_compile_instances(FLAVORS, EXPERTS, DFFS, ROUTER_SHAPES, ATTENTION_SHAPES), *_run_instances()]}
     templates = {name: _metal_template(s, i) for (name, _), (s, i) in instances.items()}
@@ -601,6 +610,13 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
                                    cache, cache, heads, write=bool(dffs),
                                    qk_norm=QKNorm(norm, norm, 1e-6) if dffs else None,
                                    sinks=mx.zeros((8,), mx.bfloat16) if dffs else None, rope_scale=declared.factor)
+    if dffs:  # on CUDA with a counter the kernel joins the partials itself: no second launch
+        attention.gpu_decode_attention("cuda", qkv, qkv[0], rope_frequencies(16, 1e6),
+                                       mx.array([5, capacity], mx.int32), cache, cache, heads, write=True,
+                                       qk_norm=QKNorm(norm, norm, 1e-6),
+                                       sinks=mx.zeros((8,), mx.bfloat16), rope_scale=declared.factor,
+                                       counter=attention.new_counter(2))
+        assert [dict(run[1])["FOLD"] for run in launches[ATTENTION]] == [False, True] and len(launches[COMBINE]) == 1
     assert set(launches) == {ROUTER, ROWS, GATE_UP, DOWN, ATTENTION} | ({COMBINE} if dffs else set())
     gate_up, down_t = (dict(launches[stage][0][1]) for stage in (GATE_UP, DOWN))
     assert gate_up["MODE"] == down_t["MODE"] == KERNEL_MODES.index(mode)
@@ -970,7 +986,7 @@ def test_shimmed_attention_matches_the_reference_on_cpu(shim_library, shape, bia
     own hold NaN for the kernel: it must read only the pos earlier tokens of its block plus the new one.
     With `write` it stores the new key and value at slot pos of its block, and changes nothing else; with
     `qknorm` it normalises each head of q and k first; with `splits` threadgroups a head their partials are
-    joined by the second launch."""
+    joined by the second launch, or by the kernel itself (FOLD), bit for bit the same."""
     _run_attention(shim_library, shape, bias, write, qknorm, splits, pos)
 
 
@@ -1010,7 +1026,8 @@ def test_shimmed_gated_attention_in_bfloat16_rounds_as_on_the_gpus(shim_library,
 
 def _run_attention(lib: ctypes.CDLL, shape: tuple[int, int, int], bias: bool, write: bool, qknorm: bool, splits: int,
                    pos: int, declared: Declared = PLAIN, flavor: str = "f32") -> None:
-    """The shimmed kernel (and, split, the joining launch) at position `pos` against reference_decode_attention:
+    """The shimmed kernel (and, split, the joining launch; and the kernel joining them itself, _check_folded) at
+    position `pos` against reference_decode_attention:
     float32 within float32 rounding; bfloat16 against it as it rounds on Metal and CUDA (gpu_rounded_attention),
     where only the order of float32 sums may flip a last bit, in a value in a hundred at most."""
     heads = declared.heads(shape)
@@ -1033,25 +1050,25 @@ def _run_attention(lib: ctypes.CDLL, shape: tuple[int, int, int], bias: bool, wr
     unread[:, block, :, oldest:pos] = _kernel_side(cache)[:, block, :, oldest:pos]
     before = unread.copy()
     instance = _attention_instance(shape, bias, write, flavor, qknorm, splits, declared)
-    out_size = heads.n_heads * heads.head_dim if splits == 1 else \
-        heads.n_heads * splits * (heads.head_dim + 2) + heads.n_heads * heads.head_dim * declared.gate
-    outputs = {n: _output(out_size if n == "out" else heads.n_kv_heads * heads.head_dim,
-                          _param_type(ATTENTION, n, instance)) for n in ATTENTION.outputs}
+    outputs = {n: _output(size, _param_type(ATTENTION, n, instance))
+               for n, size in _attention_sizes(heads, splits, False).items()}
     rows = (heads.n_kv_heads * splits + 1) * WARPS_PER_HEAD  # a padding threadgroup past the heads writes nothing
     host = {n: _kernel_side(a) for n, a in (("qkv", qkv), ("bias", qkv_bias if bias else qkv),
                                             ("q_norm", norms[0] if qknorm else qkv),
                                             ("k_norm", norms[1] if qknorm else qkv),
                                             ("sinks", sinks if declared.sinks else qkv))}
-    _launch(lib, ATTENTION, instance, rows,
-            {**host, "inv_freq": np.array(inv_freq), "pos": slots, "keys": unread[0], "values": unread[1],
-             "block": np.array([block], np.int32),
-             "eps": np.array([1e-6], np.float32) if qknorm else np.array(inv_freq), **outputs})
+    inputs = {**host, "inv_freq": np.array(inv_freq), "pos": slots, "keys": unread[0], "values": unread[1],
+              "block": np.array([block], np.int32),
+              "eps": np.array([1e-6], np.float32) if qknorm else np.array(inv_freq), "counter": np.zeros(8, np.uint32)}
+    _launch(lib, ATTENTION, instance, rows, {**inputs, **outputs})
+    stand_in = "out" if splits > 1 else "parts"
+    assert _unwritten(outputs[stand_in]).all(), f"{stand_in}: the stand-in output was written"
     if splits > 1:
-        parts = _written(outputs["out"], "out")
         outputs["out"] = _output(heads.n_heads * heads.head_dim, FLAVORS[flavor]["T"])
         _launch(lib, COMBINE, _combine_instance(shape, splits, flavor, declared.gate), _padded(heads.n_heads),
-                {"parts": parts, "out": outputs["out"]})
-    for name, want in zip(ATTENTION.outputs, truth, strict=True):
+                {"parts": _written(outputs["parts"], "parts"), "out": outputs["out"]})
+        _check_folded(lib, heads, {**instance, "FOLD": True}, rows, inputs, outputs)
+    for name, want in zip(("out", "k_new", "v_new"), truth, strict=True):
         got = _written(outputs[name], name)
         values = _float32(got)
         assert np.isfinite(values).all(), f"{name}: not finite (a cache slot outside the positions attended to read?)"
@@ -1068,6 +1085,32 @@ def _run_attention(lib: ctypes.CDLL, shape: tuple[int, int, int], bias: bool, wr
         for part, name in enumerate(("k_new", "v_new")):
             before[part, block, :, pos] = _written(outputs[name], name).reshape(heads.n_kv_heads, heads.head_dim)
     assert np.array_equal(unread, before, equal_nan=True), "the cache changed where it should not"
+
+
+def _attention_sizes(heads: AttentionSpec, splits: int, fold: bool) -> dict[str, int]:
+    """Elements of the attention kernel's outputs: the output (a 1-element stand-in when a second launch joins the
+    partials), the new key and value, the partials (with an output gate, each head's sigmoid(gate) after them; a
+    stand-in with one threadgroup a head)."""
+    final, kv = heads.n_heads * heads.head_dim, heads.n_kv_heads * heads.head_dim
+    parts = heads.n_heads * splits * (heads.head_dim + 2) + final * heads.output_gate
+    return {"out": final if splits == 1 or fold else 1, "k_new": kv, "v_new": kv, "parts": parts if splits > 1 else 1}
+
+
+def _check_folded(lib: ctypes.CDLL, heads: AttentionSpec, instance: Instance, rows: int, inputs: dict[str, np.ndarray],
+                  joined: dict[str, np.ndarray]) -> None:
+    """The kernel joining its partials itself (FOLD: the last threadgroup of a key/value head to draw its ticket)
+    writes every output as the kernel and the joining launch did (`joined`), bit for bit, and leaves its counter
+    zeros, so a second launch does the same."""
+    counter = np.zeros(heads.n_kv_heads, np.uint32)
+    for launch in ("first", "second"):
+        outputs = {n: _output(size, _param_type(ATTENTION, n, instance))
+                   for n, size in _attention_sizes(heads, instance["S"], True).items()}
+        _launch(lib, ATTENTION, instance, rows, {**inputs, "counter": counter, **outputs})
+        for name, got in outputs.items():
+            bits = _BITS[got.itemsize]
+            assert np.array_equal(_written(got, name).view(bits), joined[name][:-1].view(bits)), \
+                f"{name}: the folded kernel's {launch} launch differs from the kernel and the joining launch"
+        assert not counter.any(), f"the counter after the {launch} launch: {counter}"
 
 
 def _cuda_constant(kind: str, name: str, value) -> str:
@@ -1087,7 +1130,7 @@ def _cuda_unit() -> str:
 
 def _cuda_kernels(instances) -> str:
     """(stage, instance) pairs as one CUDA unit, each a __global__ function named custom_kernel_<stage>_<n>."""
-    header = kernel_header("cuda", (QUANT, SELECT))
+    header = kernel_header("cuda", (QUANT, SELECT, JOIN))
     parts = ["#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cooperative_groups.h>\n"
              "#include <cuda/std/limits>\n#define inf cuda::std::numeric_limits<float>::infinity()", header,
              "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;"]

@@ -32,7 +32,7 @@ from moebench.execution.executor import executor, fused_moe
 from moebench.execution.kernel import available_backend
 from moebench.execution.moe import gpu_routed
 from moebench.execution.rows import Norm, Rows
-from moebench.execution.support import MICROSCALED
+from moebench.execution.support import MICROSCALED, rotary_dims
 from moebench.inspect.truth import attention_f64, dequantize_f64, expert_outputs, f64, nrms
 from moebench.models.args import FP_MODES, QuantizedParts, YarnScaling
 from moebench.models.declare import SIGMOID_GROUPED, SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX, AttentionSpec
@@ -585,6 +585,47 @@ def test_cuda_attention_variants_match_reference_and_truth(heads, p, dtype, cap)
         want = f64(before)
         want[block, :, p] = f64(new)[0, :, 0]
         assert np.array_equal(f64(after), want, equal_nan=True), f"{name}: the in-place write is wrong"
+
+
+# (heads, position, cache slots): 2, 3 and 64 threadgroups a key/value head (A2.7B's MHA at 256 and 384 slots,
+# Qwen3-30B-A3B's GQA at 16384), 5 with the output gate (the hybrid's at 640), 32 with sinks (gpt-oss's at 4352)
+@pytest.mark.parametrize("heads,p,cap", [
+    (AttentionSpec(16, 16, 128, qkv_bias=True), 200, 256),
+    (AttentionSpec(16, 16, 128, qkv_bias=True), 300, 384),
+    (AttentionSpec(32, 4, 128), 16000, 16384),
+    (HYBRID_HEADS, 600, 640),
+    (GPT_OSS_HEADS, 4000, 4352)])
+def test_cuda_attention_kernel_joining_its_partials_equals_the_joining_launch(heads, p, cap):
+    """With a counter the CUDA kernel joins its split threadgroups' partials itself (the last of each key/value
+    head's threadgroups to finish): its output, new key and value and in-place cache write equal the kernel and
+    joining launch's bit for bit, and it leaves the counter zeros, so launch after launch does the same."""
+    rng = np.random.default_rng(p)
+    cast = lambda a: mx.array(a.astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
+    width = attention.projection_width(heads)
+    qkv = cast(rng.standard_normal((1, 1, width)))
+    b = cast(0.5 * rng.standard_normal(width)) if heads.qkv_bias else None
+    weights = [cast(rng.uniform(0.5, 1.5, heads.head_dim)) for _ in range(2)]
+    qk_norm = attention.QKNorm(*weights, 1e-6) if heads.output_gate else None
+    sinks = cast(rng.uniform(-1.0, 4.0, heads.n_heads)) if heads.sinks else None
+    block = p % 3
+    keys, values = _layer_caches(rng, heads, cap, block, cast)
+    inv_freq, slots = rope_frequencies(rotary_dims(heads), 1e6), mx.array([p, cap], dtype=mx.int32)
+    assert attention.splits(attention.attended(heads, cap), heads.n_kv_heads) > 1
+
+    def run(counter: mx.array | None) -> list[np.ndarray]:
+        buffers = [keys + 0, values + 0]  # whole arrays of their own for the in-place write
+        mx.eval(buffers)
+        out = attention.decode_attention("cuda", qkv, b, inv_freq, slots, *buffers, heads, block, write=True,
+                                         qk_norm=qk_norm, sinks=sinks, counter=counter)
+        mx.eval(out)
+        return [np.array(a.view(mx.uint16)) for a in (*out, *buffers)]
+
+    joined = run(None)
+    counter = attention.new_counter(heads.n_kv_heads)
+    for launch in range(3):
+        for name, got, want in zip(("out", "k_new", "v_new", "keys", "values"), run(counter), joined, strict=True):
+            assert np.array_equal(got, want), f"{name}: launch {launch} of the folded kernel differs"
+        assert not np.array(counter).any(), f"the counter after launch {launch}: {np.array(counter)}"
 
 
 @pytest.mark.parametrize("preset", ["qwen3.5-moe-tiny", "gpt-oss-tiny"])

@@ -184,7 +184,7 @@ def test_a_gpu_rows_kernel_is_compared_with_the_unfused_ops(monkeypatch, error, 
 def test_a_gpu_attention_kernel_is_compared_with_the_reference_and_the_truth(quantized_checkpoint, monkeypatch, error,
                                                                              shift, passes):
     def as_if_cuda(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=False, qk_norm=None,
-                   sinks=None, rope_scale=1.0):
+                   sinks=None, rope_scale=1.0, counter=None):
         out, k, v = attention_kernel.reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads,
                                                                  block, qk_norm, sinks, rope_scale)
         if write:  # as the kernel stores them, into the caller's arrays
@@ -277,7 +277,7 @@ def test_a_gpu_attention_kernel_with_variants_is_compared_with_the_reference_and
     seen = []
 
     def as_if_cuda(backend, qkv, bias, inv_freq, slots, keys, values, heads, block, write=False, qk_norm=None,
-                   sinks=None, rope_scale=1.0):
+                   sinks=None, rope_scale=1.0, counter=None):
         seen.append((heads, sinks is not None, rope_scale))
         out, k, v = attention_kernel.reference_decode_attention(qkv, bias, inv_freq, slots, keys, values, heads,
                                                                  block, qk_norm, sinks, rope_scale)

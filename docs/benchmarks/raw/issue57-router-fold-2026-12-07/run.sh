@@ -6,7 +6,8 @@
 #            attn-unroll.patch) applied to .snap/main's code and benched against it at $P_PROMPTS (default 64 2048) with
 #            $P_LIMIT seconds (default 270), then taken off; the working tree's moebench and kernels are set to
 #            .snap/main's first, so edits in progress there do not travel into the arms
-#   gpu:     install, the CUDA tests of the router kernel, the kernel pair and decoding through the kernels
+#   gpu:     install, the CUDA tests of the two folds (kernel A selecting, the attention kernel joining its partials)
+#            and of decoding through the kernels
 #   llama:   llama.cpp's build and the random Q4_0 GGUFs (carry .anchors)
 #   qwen3:   Qwen3-30B-A3B random 4-bit g64: llama.cpp tg128, then moebench (this revision and .snap/main, fused and
 #            compiled) against mlx-lm at $Q_PROMPTS (default 64 2048 4096), then llama.cpp again
@@ -29,13 +30,12 @@ for stage in "$@"; do
         n=$(basename $p .patch); for f in $OUT/bench-*; do mv $f ${f%/*}/$n-${f##*/}; done
         git apply -R $p 2>/dev/null || patch -R -p1 < $p
       done ;;
-    gpu)
+    gpu)  # the folds' CUDA tests first (kernel A selecting, the attention kernel joining), then decoding through them
       t=tests/gpu/test_cuda_kernel.py
-      env DEADLINE=575 GPUTESTS_LIMIT=${GPU_LIMIT:-400} GPUTESTS="$t::test_cuda_router_kernel_matches_the_reference \
-        $t::test_decode_on_cuda_runs_the_kernels_every_step $t::test_gpt_oss_decode_on_cuda_runs_the_moe_kernels_every_step \
+      env DEADLINE=575 GPUTESTS_LIMIT=${GPU_LIMIT:-240} GPUTESTS="$t::test_cuda_kernel_a_selecting_matches_the_router_kernel_then_the_pair \
+        $t::test_cuda_attention_kernel_joining_its_partials_equals_the_joining_launch \
         $t::test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step \
-        $t::test_cuda_kernels_are_deterministic_and_independent_of_rows \
-        $t::test_cuda_kernel_with_the_shared_expert_matches_reference_and_truth ${GPU_MORE:-}" \
+        $t::test_decode_on_cuda_runs_the_kernels_every_step ${GPU_MORE:-}" \
         bash scripts/device_bench.sh gputests 2>&1 | tail -25 ;;
     llama)
       env DEADLINE=575 bash scripts/device_bench.sh llamabuild 2>&1 | tail -5
