@@ -11,7 +11,8 @@
 #   llama:   llama.cpp's build and the random Q4_0 GGUFs (carry .anchors)
 #   qwen3:   Qwen3-30B-A3B random 4-bit g64: llama.cpp tg128, then moebench (this revision and .snap/main, fused and
 #            compiled) against mlx-lm at $Q_PROMPTS (default 64 2048 4096), then llama.cpp again
-#   a27b:    the same for Qwen1.5-MoE-A2.7B
+#   retime:  this revision against .snap/main at $R_PROMPTS (default 64 2048), Qwen3-30B-A3B, no llama.cpp
+#   a27b:    the same as qwen3 for Qwen1.5-MoE-A2.7B
 #   kernels: the GPU time by kernel of this revision and of .snap/main, Qwen3-30B-A3B, 64 compiled steps
 set -uo pipefail
 R=$OUT; export OUT=/root/r; mkdir -p $OUT
@@ -46,6 +47,9 @@ for stage in "$@"; do
     qwen3)
       env $common PRESET=qwen3-30b-a3b PROMPTS="${Q_PROMPTS:-64 2048 4096}" LLAMA_DEPTHS="${Q_DEPTHS:-0 2048 4096}" \
         SNAPSHOT=.snap/main BENCH_LIMIT=${Q_LIMIT:-330} bash scripts/device_bench.sh llamacpp make bench 2>&1 | tail -40 ;;
+    retime)  # this revision (both folds) against .snap/main, Qwen3-30B-A3B
+      env $common PRESET=qwen3-30b-a3b PROMPTS="${R_PROMPTS:-64 2048}" SNAPSHOT=.snap/main BENCH_LIMIT=${R_LIMIT:-330} \
+        bash scripts/device_bench.sh make bench 2>&1 | tail -40 ;;
     a27b)
       env $common PRESET=qwen1.5-moe-a2.7b PROMPTS="64 2048 4096" LLAMA_DEPTHS="0 2048 4096" SNAPSHOT=.snap/main \
         BENCH_LIMIT=300 bash scripts/device_bench.sh llamacpp make bench 2>&1 | tail -40 ;;
