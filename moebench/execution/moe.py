@@ -441,6 +441,12 @@ def select(backend: str, logits: mx.array, num_experts: int, top_k: int, norm_to
     check_select(key, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
     if backend in GPU_BACKENDS:
         return gpu_select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
+    return _run_reference_select(logits, num_experts, top_k, norm_topk_prob, gate_row, scoring, grouped)
+
+
+def _run_reference_select(logits: mx.array, num_experts: int, top_k: int, norm_topk_prob: bool, gate_row: bool,
+                          scoring: str, grouped: GroupedChoice | None) -> tuple[mx.array, ...]:
+    """select on the reference backend, its inputs checked: one compiled graph."""
     return run_compiled(_traced_select, (num_experts, top_k, norm_topk_prob, gate_row, scoring,
                                          grouped.numbers if grouped is not None else None),
                         logits, grouped.selection_bias if grouped is not None else None)
@@ -515,6 +521,13 @@ def routed(
         return gpu_routed(backend, x, indices, scores, gate, up, down, shared, residual, rows, variant)
     key = pair_signature(x, indices, scores, gate, up, down, shared, residual, rows, variant)
     check_pair(key, x, indices, scores, gate, up, down, shared, residual, rows, variant)
+    return _run_reference_routed(x, indices, scores, gate, up, down, shared, residual, variant)
+
+
+def _run_reference_routed(x: mx.array, indices: mx.array, scores: mx.array, gate: QuantizedParts, up: QuantizedParts,
+                          down: QuantizedParts, shared: SharedExpert | None, residual: mx.array | None,
+                          variant: ExpertVariant | None) -> tuple[mx.array, mx.array, mx.array | None]:
+    """routed on the reference backend, its inputs checked: one compiled graph."""
     parts = (gate, up, down, *((shared.gate, shared.up, shared.down) if shared is not None else ()))
     arrays = tuple((p.weight, p.scales, p.biases) for p in parts)
     formats = tuple((p.group_size, p.bits, p.mode) for p in parts)
@@ -597,11 +610,12 @@ def routed_by_router(
     if backend in GPU_BACKENDS:
         return gpu_routed_by_router(backend, x, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring,
                                     grouped, gate, up, down, shared, residual, rows, variant)
-    probs, inds, scores, sgate = select(backend, logits, num_experts, top_k, norm_topk_prob, gate_row, scoring,
-                                        grouped)
+    # checked above, with the ids and scores the selection gives: each part runs as its one compiled graph
+    probs, inds, scores, sgate = _run_reference_select(logits, num_experts, top_k, norm_topk_prob, gate_row, scoring,
+                                                       grouped)
     if shared is not None and gate_row:
         shared = replace(shared, sigmoid_gate=sgate)
-    return (*routed(backend, x, inds, scores, gate, up, down, shared, residual, rows, variant), probs, inds, scores,
+    return (*_run_reference_routed(x, inds, scores, gate, up, down, shared, residual, variant), probs, inds, scores,
             sgate)
 
 

@@ -543,13 +543,13 @@ def test_the_rows_variable_reaches_every_fused_moe_launch_of_a_decode(quantized_
     monkeypatch.setenv(ENV_ROWS, "3")
     model, _ = load(quantized_checkpoint)
     asked = []
-    real, signature = moe.routed, inspect.signature(moe.routed)
+    real, signature = moe.routed_by_router, inspect.signature(moe.routed_by_router)
 
-    def routed(*args, **kwargs):
+    def routed_by_router(*args, **kwargs):
         asked.append(signature.bind(*args, **kwargs).arguments.get("rows", "the default"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(moe, "routed", routed)
+    monkeypatch.setattr(moe, "routed_by_router", routed_by_router)
     with fused_moe(True, model):
         generate(model, [3, 1, 4], 3, compiled=False)  # the prefill falls back, two decode steps fused
     assert len(asked) == 2 * len(model.moe_blocks()) and set(asked) == {3}
