@@ -2,13 +2,12 @@
 # Issue 57's device runs of 2026-12-07, round 6 (stages as arguments; each fits one device call after the wheel parts).
 # Snapshots carried (git archive REV moebench kernels | tar x -C .snap/REV): .snap/main (main before the router fold,
 # a6d3c99) and, for the fold's stages, this revision in the working tree.
-#   patches: each of $PATCHES (default: this folder's split-256.patch, then ../issue57-compact-2026-12-07/
-#            attn-unroll.patch) applied to .snap/main's code and benched against it at $P_PROMPTS (default 64 2048) with
+#   patches: each of $PATCHES (default: ../issue57-compact-2026-12-07/attn-unroll.patch) applied to .snap/main's code and benched against it at $P_PROMPTS (default 64 2048) with
 #            $P_LIMIT seconds (default 270), then taken off; the working tree's moebench and kernels are set to
 #            .snap/main's first, so edits in progress there do not travel into the arms
 #   gpu:     install, the CUDA tests of the two folds (kernel A selecting, the attention kernel joining its partials)
 #            and of decoding through the kernels
-#   llama:   llama.cpp's build and the random Q4_0 GGUFs (carry .anchors)
+#   (llama.cpp's build and GGUFs: round 3's `llama` stage, ../issue57-normed-router-2026-12-07/run.sh llama, first)
 #   qwen3:   Qwen3-30B-A3B random 4-bit g64: llama.cpp tg128, then moebench (this revision and .snap/main, fused and
 #            compiled) against mlx-lm at $Q_PROMPTS (default 64 2048 4096), then llama.cpp again
 #   retime:  this revision against .snap/main at $R_PROMPTS (default 64 2048), Qwen3-30B-A3B, no llama.cpp
@@ -17,13 +16,12 @@
 set -uo pipefail
 R=$OUT; export OUT=/root/r; mkdir -p $OUT
 bash scripts/install-on-device.sh 2>&1 | tail -2
-here=docs/benchmarks/raw/issue57-router-fold-2026-12-07
 common="GEN=128 REPEATS=5 FUSED=on COMPILED=on DEADLINE=575"
 for stage in "$@"; do
   case $stage in
     patches)
       rm -rf moebench kernels && cp -r .snap/main/moebench .snap/main/kernels .
-      for p in ${PATCHES:-$here/split-256.patch docs/benchmarks/raw/issue57-compact-2026-12-07/attn-unroll.patch}; do
+      for p in ${PATCHES:-docs/benchmarks/raw/issue57-compact-2026-12-07/attn-unroll.patch}; do
         echo "== $p"
         (git apply $p 2>/dev/null || patch -p1 < $p) && \
           env $common PRESET=qwen3-30b-a3b PROMPTS="${P_PROMPTS:-64 2048}" SNAPSHOT=.snap/main BENCH_LIMIT=${P_LIMIT:-270} \
@@ -38,12 +36,6 @@ for stage in "$@"; do
         $t::test_compiled_step_writes_the_cache_in_place_and_decodes_as_the_eager_step \
         $t::test_decode_on_cuda_runs_the_kernels_every_step ${GPU_MORE:-}" \
         bash scripts/device_bench.sh gputests 2>&1 | tail -25 ;;
-    llama)
-      env DEADLINE=575 bash scripts/device_bench.sh llamabuild 2>&1 | tail -5
-      for arch in qwen3moe qwen2moe; do
-        PYTHONPATH=/root/lcp/llama.cpp/gguf-py timeout 120 python3 .anchors/gguf_random.py /root/$arch-q4_0.gguf Q4_0 $arch \
-          2>&1 | tail -2
-      done ;;
     qwen3)
       env $common PRESET=qwen3-30b-a3b PROMPTS="${Q_PROMPTS:-64 2048 4096}" LLAMA_DEPTHS="${Q_DEPTHS:-0 2048 4096}" \
         SNAPSHOT=.snap/main BENCH_LIMIT=${Q_LIMIT:-330} bash scripts/device_bench.sh llamacpp make bench 2>&1 | tail -40 ;;
