@@ -105,7 +105,8 @@ def test_selfcheck_fails_when_the_fused_decode_cannot_run(quantized_checkpoint, 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel did not build")
 
-    monkeypatch.setattr(fused_kernel, "routed", broken)
+    monkeypatch.setattr(fused_kernel, "routed", broken)  # the parity checks' pair
+    monkeypatch.setattr(fused_kernel, "routed_by_router", broken)  # the decode's selection and pair
     assert main(["selfcheck", str(quantized_checkpoint), *ARGS]) == 1
     text = words(capsys.readouterr().out)
     assert "error: RuntimeError: kernel did not build" in text
