@@ -630,7 +630,7 @@ def test_emulated_signatures_match_what_the_wrappers_launch(monkeypatch, dffs, m
     template = dict(launches[GATE_UP][1][1])
     assert (template["ROUTE"], template["W"], template["SHARED"], template["SCORING"], template["BIAS"]) == \
         (True, rows, bool(dffs), ROUTER_SCORINGS.index(SOFTMAX_THEN_TOPK if dffs else SIGMOID_GROUPED), not dffs)
-    assert dict(launches[GATE_UP][0][1])["W"] == rows and len(launches[GATE_UP]) == len(launches[DOWN]) == 2
+    assert dict(launches[GATE_UP][0][1])["W"] == 1 and len(launches[GATE_UP]) == len(launches[DOWN]) == 2
     template = dict(launches[ROUTER][1][1])
     assert (template["SCORING"], template["GROUPS"], template["KEEP"], template["SCALE"], template["BIAS"]) == \
         (ROUTER_SCORINGS.index(SIGMOID_GROUPED), 2, 1, float_bits(2.5), not dffs)
