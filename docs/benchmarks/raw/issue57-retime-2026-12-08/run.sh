@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 57's device runs of 2026-12-08, round 7 (stages as arguments; each fits one device call after the wheel parts,
+# carrying .ptx-cache.tgz and .snap/main = git archive a6d3c99 moebench kernels, main before round 6's folds).
+#   probe:  probe_mxfp8.py on this revision with CUDA_LAUNCH_BLOCKING=1 ($MODES, default "mxfp8 mxfp4 mxfp8": mxfp8
+#           in a fresh process, then round 6's order); only when that faults, the same on .snap/main
+#   retime: this revision against .snap/main at $R_PROMPTS (default 64 2048), Qwen3-30B-A3B: the folds' speed
+#   qkv:    branch issue57-qkv-norm (carried as .snap/qkv = git archive issue57-qkv-norm moebench kernels: the layer's
+#           input norm + q/k/v through the rows kernel) against this revision (copied to .snap/head first) at
+#           $K_PROMPTS (default 64 2048)
+#   unroll: round 5's unrolled attention kernel (../issue57-compact-2026-12-07/attn-unroll.patch) applied to this
+#           revision, against this revision (copied to .snap/head first) at $U_PROMPTS (default 2048 16384)
+set -uo pipefail
+R=$OUT; export OUT=/root/r; mkdir -p $OUT
+bash scripts/install-on-device.sh 2>&1 | tail -2
+common="GEN=128 REPEATS=5 FUSED=on COMPILED=on DEADLINE=575 PRESET=qwen3-30b-a3b"
+for stage in "$@"; do
+  case $stage in
+    probe)
+      export MLX_PTX_CACHE_DIR=$PWD/.ptx-cache PYTHONUNBUFFERED=1
+      mkdir -p $MLX_PTX_CACHE_DIR && tar xzf .ptx-cache.tgz -C $MLX_PTX_CACHE_DIR
+      p=$PWD/docs/benchmarks/raw/issue57-retime-2026-12-08/probe_mxfp8.py
+      for arm in head main; do
+        dir=$([ $arm = head ] && echo $PWD || echo $PWD/.snap/main)
+        (cd $dir && PYTHONPATH=$dir CUDA_LAUNCH_BLOCKING=1 timeout ${PROBE_LIMIT:-150} python3 $p ${MODES:-mxfp8 mxfp4 mxfp8}) \
+          > $OUT/probe-$arm.txt 2>&1
+        rc=$?; echo "== $arm exit $rc"; tail -12 $OUT/probe-$arm.txt
+        [ $rc -eq 0 ] && break
+      done
+      tar czf $OUT/ptx-cache.tgz -C $MLX_PTX_CACHE_DIR . ;;
+    retime)
+      env $common PROMPTS="${R_PROMPTS:-64 2048}" SNAPSHOT=.snap/main BENCH_LIMIT=${R_LIMIT:-330} \
+        bash scripts/device_bench.sh make bench 2>&1 | tail -40
+      for f in $OUT/bench-*; do mv $f ${f%/*}/retime-${f##*/}; done ;;
+    qkv)
+      rm -rf .snap/head && mkdir -p .snap/head && cp -r moebench kernels .snap/head/
+      rm -rf moebench kernels && cp -r .snap/qkv/moebench .snap/qkv/kernels .
+      env $common PROMPTS="${K_PROMPTS:-64 2048}" SNAPSHOT=.snap/head BENCH_LIMIT=${K_LIMIT:-330} \
+        bash scripts/device_bench.sh make bench 2>&1 | tail -40
+      for f in $OUT/bench-*; do mv $f ${f%/*}/qkv-${f##*/}; done
+      rm -rf moebench kernels && cp -r .snap/head/moebench .snap/head/kernels . ;;
+    unroll)
+      p=docs/benchmarks/raw/issue57-compact-2026-12-07/attn-unroll.patch
+      rm -rf .snap/head && mkdir -p .snap/head && cp -r moebench kernels .snap/head/
+      git apply $p 2>/dev/null || patch -p1 < $p
+      env $common PROMPTS="${U_PROMPTS:-2048 16384}" SNAPSHOT=.snap/head BENCH_LIMIT=${U_LIMIT:-400} \
+        bash scripts/device_bench.sh make bench 2>&1 | tail -40
+      for f in $OUT/bench-*; do mv $f ${f%/*}/unroll-${f##*/}; done
+      git apply -R $p 2>/dev/null || patch -R -p1 < $p ;;
+  esac
+done
+cp $OUT/ptx-cache.tgz $R/ 2>/dev/null
+tar czf $R/r.tgz -C /root r
