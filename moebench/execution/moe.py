@@ -238,8 +238,9 @@ def _pair_launch(lead: tuple, x_dtype: mx.Dtype, scale_dtype: mx.Dtype, scores_d
                   ("ALPHA", alpha)]
     return PairLaunch(
         gate_up_template=[("T", x_dtype), ("ST", scale_dtype), *shape, ("GATE_BITS", bits[0]), ("UP_BITS", bits[1]),
-                          mode_id, *activation, ("EBIAS", biased), ("ROUTE", route is not None), ("W", rows if route else 1),
-                          ("LT", choice[0]), ("BT", choice[1]), *_choice_template(*choice[2:])],
+                          mode_id, *activation, ("EBIAS", biased), ("ROUTE", route is not None),
+                          ("W", rows if route else 1), ("LT", choice[0]), ("BT", choice[1]),
+                          *_choice_template(*choice[2:])],
         gate_up_grid=(LANES, round_up(k * dff + dffs, rows), 1),
         down_template=[("T", x_dtype), ("ST", scale_dtype), ("S", scores_dtype), *shape, ("BITS", bits[2]),
                        ("RESID", resid), mode_id, ("EBIAS", biased)],
