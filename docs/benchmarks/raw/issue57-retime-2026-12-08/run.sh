@@ -4,9 +4,9 @@
 #   probe:  probe_mxfp8.py on this revision with CUDA_LAUNCH_BLOCKING=1 ($MODES, default "mxfp8 mxfp4 mxfp8": mxfp8
 #           in a fresh process, then round 6's order); only when that faults, the same on .snap/main
 #   retime: this revision against .snap/main at $R_PROMPTS (default 64 2048), Qwen3-30B-A3B: the folds' speed
-#   qkv:    branch issue57-qkv-norm (carried as .snap/qkv = git archive issue57-qkv-norm moebench kernels: the layer's
-#           input norm + q/k/v through the rows kernel) against this revision (copied to .snap/head first) at
-#           $K_PROMPTS (default 64 2048)
+#   qkv:    qkv-norm.patch (branch issue57-qkv-norm of 2026-12-08: the layer's input norm + q/k/v through the rows
+#           kernel, a Qwen3-MoE layer 6 launches) applied to this revision, against this revision (copied to
+#           .snap/head first) at $K_PROMPTS (default 64 2048)
 #   unroll: round 5's unrolled attention kernel (../issue57-compact-2026-12-07/attn-unroll.patch) applied to this
 #           revision, against this revision (copied to .snap/head first) at $U_PROMPTS (default 2048 16384)
 set -uo pipefail
@@ -31,20 +31,14 @@ for stage in "$@"; do
       env $common PROMPTS="${R_PROMPTS:-64 2048}" SNAPSHOT=.snap/main BENCH_LIMIT=${R_LIMIT:-330} \
         bash scripts/device_bench.sh make bench 2>&1 | tail -40
       for f in $OUT/bench-*; do mv $f ${f%/*}/retime-${f##*/}; done ;;
-    qkv)
-      rm -rf .snap/head && mkdir -p .snap/head && cp -r moebench kernels .snap/head/
-      rm -rf moebench kernels && cp -r .snap/qkv/moebench .snap/qkv/kernels .
-      env $common PROMPTS="${K_PROMPTS:-64 2048}" SNAPSHOT=.snap/head BENCH_LIMIT=${K_LIMIT:-330} \
-        bash scripts/device_bench.sh make bench 2>&1 | tail -40
-      for f in $OUT/bench-*; do mv $f ${f%/*}/qkv-${f##*/}; done
-      rm -rf moebench kernels && cp -r .snap/head/moebench .snap/head/kernels . ;;
-    unroll)
-      p=docs/benchmarks/raw/issue57-compact-2026-12-07/attn-unroll.patch
+    qkv|unroll)  # a patch applied to this revision, against this revision
+      if [ $stage = qkv ]; then p=docs/benchmarks/raw/issue57-retime-2026-12-08/qkv-norm.patch; prompts=${K_PROMPTS:-64 2048}
+      else p=docs/benchmarks/raw/issue57-compact-2026-12-07/attn-unroll.patch; prompts=${U_PROMPTS:-2048 16384}; fi
       rm -rf .snap/head && mkdir -p .snap/head && cp -r moebench kernels .snap/head/
       git apply $p 2>/dev/null || patch -p1 < $p
-      env $common PROMPTS="${U_PROMPTS:-2048 16384}" SNAPSHOT=.snap/head BENCH_LIMIT=${U_LIMIT:-400} \
+      env $common PROMPTS="$prompts" SNAPSHOT=.snap/head BENCH_LIMIT=${P_LIMIT:-400} \
         bash scripts/device_bench.sh make bench 2>&1 | tail -40
-      for f in $OUT/bench-*; do mv $f ${f%/*}/unroll-${f##*/}; done
+      for f in $OUT/bench-*; do mv $f ${f%/*}/$stage-${f##*/}; done
       git apply -R $p 2>/dev/null || patch -R -p1 < $p ;;
   esac
 done
