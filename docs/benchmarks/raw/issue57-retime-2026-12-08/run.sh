@@ -7,6 +7,8 @@
 #   qkv:    qkv-norm.patch (branch issue57-qkv-norm of 2026-12-08: the layer's input norm + q/k/v through the rows
 #           kernel, a Qwen3-MoE layer 6 launches) applied to this revision, against this revision (copied to
 #           .snap/head first) at $K_PROMPTS (default 64 2048)
+#   kernels: a decode token's GPU time by kernel (device_diag.py kernels, 64 compiled steps), this revision and then
+#           with qkv-norm.patch applied: the fused input norm + q/k/v kernel's time against rms_norm + MLX's matvec
 #   unroll: round 5's unrolled attention kernel (../issue57-compact-2026-12-07/attn-unroll.patch) applied to this
 #           revision, against this revision (copied to .snap/head first) at $U_PROMPTS (default 2048 16384)
 set -uo pipefail
@@ -31,6 +33,14 @@ for stage in "$@"; do
       env $common PROMPTS="${R_PROMPTS:-64 2048}" SNAPSHOT=.snap/main BENCH_LIMIT=${R_LIMIT:-330} \
         bash scripts/device_bench.sh make bench 2>&1 | tail -40
       for f in $OUT/bench-*; do mv $f ${f%/*}/retime-${f##*/}; done ;;
+    kernels)
+      p=docs/benchmarks/raw/issue57-retime-2026-12-08/qkv-norm.patch
+      env $common bash scripts/device_bench.sh make kernels 2>&1 | tail -16
+      mv $OUT/kernels-qwen3-30b-a3b.txt $OUT/kernels-head.txt
+      git apply $p 2>/dev/null || patch -p1 < $p
+      env $common bash scripts/device_bench.sh kernels 2>&1 | tail -16
+      mv $OUT/kernels-qwen3-30b-a3b.txt $OUT/kernels-qkv.txt
+      git apply -R $p 2>/dev/null || patch -R -p1 < $p ;;
     qkv|unroll)  # a patch applied to this revision, against this revision
       if [ $stage = qkv ]; then p=docs/benchmarks/raw/issue57-retime-2026-12-08/qkv-norm.patch; prompts=${K_PROMPTS:-64 2048}
       else p=docs/benchmarks/raw/issue57-compact-2026-12-07/attn-unroll.patch; prompts=${U_PROMPTS:-2048 16384}; fi
